@@ -1,0 +1,73 @@
+"""Build script for tag.
+
+The protobuf modules (cluster topology, strategy) are generated from proto/*.proto at build time
+by grpcio-tools; they are never written by hand or checked in.
+"""
+import os
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def generate_protos(out_dir: str = os.path.join(ROOT, "tag", "_proto")) -> list:
+    """Compile every proto/*.proto into OUT_DIR/*_pb2.py; returns the generated paths."""
+    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
+    import grpc_tools
+
+    proto_dir = os.path.join(ROOT, "proto")
+    os.makedirs(out_dir, exist_ok=True)
+    init = os.path.join(out_dir, "__init__.py")
+    if not os.path.exists(init):
+        with open(init, "w") as f:
+            f.write('"""Generated protobuf modules (built from proto/ by setup.py)."""\n')
+    include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+    outputs = []
+    for name in sorted(os.listdir(proto_dir)):
+        if not name.endswith(".proto"):
+            continue
+        rc = protoc.main(["protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}", name])
+        if rc != 0:
+            raise RuntimeError(f"protoc failed on proto/{name}")
+        outputs.append(os.path.join(out_dir, name[: -len(".proto")] + "_pb2.py"))
+    return outputs
+
+
+class BuildPyWithProtos(build_py):
+    def run(self):
+        generate_protos()
+        super().run()
+
+
+setup(
+    name="tag",
+    version="0.1.0",
+    description="Topology-aware distributed-training compiler for TensorFlow",
+    packages=find_packages(include=["tag", "tag.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        # tf-keras (below) requires the `tensorflow` distribution itself, so we pin that one rather than
+        # tensorflow-cpu: on a Linux host without a GPU it runs on the CPU; GPU hosts add CUDA with
+        # `pip install tensorflow[and-cuda]==2.21.0`. 2.21 is the version FACTS.md verified.
+        "tensorflow==2.21.0",
+        # Keras 2: builds TF1 graph-mode models and ships the real CNN architectures for the zoo.
+        "tf-keras==2.21.0",
+        # 1.1.1 is the last DGL that imports on the TensorFlow backend without PyTorch
+        # (1.1.2+ import torch; 2.x depends on it).
+        "dgl==1.1.1",
+        "numpy>=2.0",
+        "scipy>=1.11",  # scipy.optimize.milp (HiGHS) for the compression selection
+        "protobuf>=7.35",  # must be at least the gencode version of the build-time protoc
+        "networkx>=3.0",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest>=8", "hypothesis", "grpcio-tools==1.85.1"]},
+    entry_points={
+        "console_scripts": [
+            "tag-topo=tag.topo_cli:main",
+        ]
+    },
+    package_data={"tag": ["_proto/*.py"]},
+    cmdclass={"build_py": BuildPyWithProtos},
+)

@@ -1,0 +1,43 @@
+"""tag: a topology-aware distributed-training compiler for TensorFlow.
+
+Example::
+
+    import tag
+    topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
+    tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
+    print(tg.num_parameters, topo.num_devices)
+
+Heavy modules (TensorFlow, DGL) load on first use, so ``import tag`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+
+from tag.errors import GraphError, MemoryBudgetError, RewriteError, StrategyError, TagError, TopologyError
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_topology": ("tag.topology", "load_topology"),
+    "Topology": ("tag.topology", "Topology"),
+    "analyze": ("tag.graph", "analyze"),
+    "TrainingGraph": ("tag.ir", "TrainingGraph"),
+    "zoo": ("tag.zoo", None),
+    "optimize": ("tag.api", "optimize"),
+    "Plan": ("tag.api", "Plan"),
+    "Strategy": ("tag.strategy", "Strategy"),
+    "Action": ("tag.strategy", "Action"),
+}
+
+__all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",
+           *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tag' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,25 @@
+"""Errors that mean "bad input": the CLIs print them as one line and exit with code 2."""
+
+
+class TagError(Exception):
+    """Base of every user-facing input error. str(err) is the one-line message."""
+
+
+class TopologyError(TagError):
+    """A cluster topology file is unreadable or invalid. Message: ``PATH:LINE: what is wrong``."""
+
+
+class GraphError(TagError):
+    """A training GraphDef cannot be analysed (no optimizer, unreadable file, unknown batch size, ...)."""
+
+
+class StrategyError(TagError):
+    """A strategy does not fit the graph or the topology (bad group, empty placement, ...)."""
+
+
+class RewriteError(TagError):
+    """The graph cannot be rewritten for a strategy; the message names the op."""
+
+
+class MemoryBudgetError(TagError):
+    """No strategy fits the devices' memory."""

@@ -1,0 +1,140 @@
+"""Strategy data types: what to do with each op group, as plain data.
+
+A ``Strategy`` = a ``Grouping`` of the IR's ops + one ``Action`` per op group (+ the op -> device
+assignment of partitioned groups). Every stage after search (simulator, compression, rewriter) reads it.
+
+Example::
+
+    s = Strategy(grouping, [Action(placement=(0, 1), mode="allreduce")] * grouping.num_groups)
+    s.replica_devices(0, topo)            # devices holding a replica of group 0
+    s.to_json()
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from tag.errors import StrategyError
+
+Mode = Literal["allreduce", "ps", "partition"]
+MODES: tuple[str, ...] = ("allreduce", "ps", "partition")
+
+
+@dataclass(frozen=True)
+class Action:
+    """Placement (non-empty sorted tuple of device-group indices) and communication mode.
+
+    allreduce: replicate on every device of the placement, gradients summed by all-reduce.
+    ps: replicate likewise; gradients aggregated and applied on ``ps_device`` (a global device index).
+    partition: model-parallel; the group's ops are split over the placement's devices.
+    """
+
+    placement: tuple[int, ...]
+    mode: Mode = "allreduce"
+    ps_device: int | None = None
+
+    def __post_init__(self):
+        if not self.placement:
+            raise StrategyError("an action needs at least one device group")
+        if self.mode not in MODES:
+            raise StrategyError(f"unknown mode {self.mode!r} (expected one of {', '.join(MODES)})")
+        if self.mode == "ps" and self.ps_device is None:
+            raise StrategyError("mode 'ps' needs ps_device")
+        object.__setattr__(self, "placement", tuple(sorted(set(int(g) for g in self.placement))))
+
+    def to_dict(self) -> dict:
+        d = {"placement": list(self.placement), "mode": self.mode}
+        if self.ps_device is not None:
+            d["ps_device"] = int(self.ps_device)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Action":
+        return cls(tuple(d["placement"]), d.get("mode", "allreduce"), d.get("ps_device"))
+
+
+@dataclass
+class Grouping:
+    """Op groups: ``group_of_op[i]`` is the group of IR op i; groups are numbered 0..num_groups-1."""
+
+    group_of_op: np.ndarray
+    names: list[str]                  # a readable name per group (its main layer / scope)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.names)
+
+    def members(self, group: int) -> np.ndarray:
+        return np.flatnonzero(self.group_of_op == group)
+
+    def to_dict(self) -> dict:
+        return {"group_of_op": [int(g) for g in self.group_of_op], "names": list(self.names)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Grouping":
+        return cls(np.asarray(d["group_of_op"], dtype=np.int64), list(d["names"]))
+
+
+@dataclass
+class Strategy:
+    grouping: Grouping
+    actions: list[Action]
+    # partitioned groups: IR op index -> global device index (every op of a partition group is listed)
+    partition: dict[int, int] = field(default_factory=dict)
+    # gradients sent by sufficient-factor broadcasting instead of all-reduce (variable names)
+    sfb: list[str] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self):
+        if len(self.actions) != self.grouping.num_groups:
+            raise StrategyError(f"strategy has {len(self.actions)} actions for {self.grouping.num_groups} op groups")
+
+    def devices_of(self, group: int, topology) -> list[int]:
+        """Global device indices of the device groups in group's placement."""
+        return [d for g in self.actions[group].placement for d in topology.groups[g].devices]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "grouping": self.grouping.to_dict(),
+                "actions": [a.to_dict() for a in self.actions],
+                "partition": {str(k): int(v) for k, v in sorted(self.partition.items())},
+                "sfb": list(self.sfb)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Strategy":
+        return cls(Grouping.from_dict(d["grouping"]), [Action.from_dict(a) for a in d["actions"]],
+                   {int(k): int(v) for k, v in d.get("partition", {}).items()}, list(d.get("sfb", [])),
+                   d.get("name", ""))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Strategy":
+        return cls.from_dict(json.loads(text))
+
+
+def batch_shares(speeds: list[float] | np.ndarray, batch: int) -> list[int]:
+    """Split BATCH into integer shares proportional to SPEEDS (largest remainder), summing to BATCH.
+
+    Every device gets at least one example when batch >= number of devices.
+    """
+    speeds = np.asarray(speeds, dtype=np.float64)
+    n = len(speeds)
+    if n == 0:
+        raise StrategyError("cannot split a batch over zero devices")
+    if batch < n:
+        raise StrategyError(f"global batch {batch} is smaller than the {n} replicas it must be split over")
+    ideal = speeds / speeds.sum() * batch
+    shares = np.maximum(np.floor(ideal).astype(np.int64), 1)
+    while shares.sum() > batch:  # the minimum of one pushed us over: take from the largest
+        over = np.where(shares > 1, shares - ideal, -np.inf)
+        shares[np.argmax(over)] -= 1
+    rest = batch - int(shares.sum())
+    if rest:
+        order = np.argsort(-(ideal - shares), kind="stable")
+        for i in order[:rest]:
+            shares[i] += 1
+    return [int(s) for s in shares]
