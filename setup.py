@@ -66,6 +66,8 @@ setup(
     entry_points={
         "console_scripts": [
             "tag-topo=tag.topo_cli:main",
+            "tag-deploy=tag.deploy_cli:main",
+            "tag-worker=tag.runtime:worker_main",
         ]
     },
     package_data={"tag": ["_proto/*.py"]},
