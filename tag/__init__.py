@@ -23,8 +23,6 @@ _LAZY = {
     "analyze": ("tag.graph", "analyze"),
     "TrainingGraph": ("tag.ir", "TrainingGraph"),
     "zoo": ("tag.zoo", None),
-    "optimize": ("tag.api", "optimize"),
-    "Plan": ("tag.api", "Plan"),
     "Strategy": ("tag.strategy", "Strategy"),
     "Action": ("tag.strategy", "Action"),
 }
