@@ -8,6 +8,7 @@ Example::
     s = Strategy(grouping, [Action(placement=(0, 1), mode="allreduce")] * grouping.num_groups)
     s.replica_devices(0, topo)            # devices holding a replica of group 0
     s.to_json()
+    Strategy.from_proto(s.to_proto().SerializeToString())   # proto/strategy.proto round trip
 """
 from __future__ import annotations
 
@@ -114,6 +115,56 @@ class Strategy:
     @classmethod
     def from_json(cls, text: str) -> "Strategy":
         return cls.from_dict(json.loads(text))
+
+    def to_proto(self):
+        """The strategy as a ``tag.Strategy`` protobuf message (proto/strategy.proto)."""
+        pb = _strategy_pb2()
+        msg = pb.Strategy(name=self.name)
+        msg.grouping.group_of_op.extend(int(g) for g in self.grouping.group_of_op)
+        msg.grouping.names.extend(self.grouping.names)
+        for a in self.actions:
+            act = msg.actions.add(placement=[int(g) for g in a.placement], mode=_MODE_TO_PB[a.mode])
+            if a.ps_device is not None:
+                act.ps_device = int(a.ps_device)
+        for op, dev in self.partition.items():
+            msg.partition[int(op)] = int(dev)
+        msg.sfb.extend(self.sfb)
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg) -> "Strategy":
+        """Build a Strategy from a ``tag.Strategy`` message (or its serialised bytes)."""
+        pb = _strategy_pb2()
+        if isinstance(msg, (bytes, bytearray)):
+            parsed = pb.Strategy()
+            try:
+                parsed.ParseFromString(bytes(msg))
+            except Exception as err:  # protobuf's DecodeError
+                raise StrategyError(f"not a serialised tag.Strategy message: {err}") from None
+            msg = parsed
+        actions = []
+        for i, a in enumerate(msg.actions):
+            if a.mode not in _MODE_FROM_PB:
+                raise StrategyError(f"strategy action {i}: mode is unspecified")
+            actions.append(Action(tuple(a.placement), _MODE_FROM_PB[a.mode],
+                                  int(a.ps_device) if a.HasField("ps_device") else None))
+        grouping = Grouping(np.asarray(list(msg.grouping.group_of_op), dtype=np.int64), list(msg.grouping.names))
+        return cls(grouping, actions, {int(k): int(v) for k, v in sorted(msg.partition.items())},
+                   list(msg.sfb), msg.name)
+
+
+_MODE_TO_PB = {"allreduce": 1, "ps": 2, "partition": 3}   # values of enum tag.Mode in proto/strategy.proto
+_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
+
+
+def _strategy_pb2():
+    """The generated strategy protobuf module (built from proto/strategy.proto at install time)."""
+    try:
+        from tag._proto import strategy_pb2
+    except ImportError as err:  # not generated: the package was not built
+        raise RuntimeError("tag/_proto/strategy_pb2.py is missing; reinstall tag (pip install -e .) to "
+                           f"generate it ({err})") from None
+    return strategy_pb2
 
 
 def batch_shares(speeds: list[float] | np.ndarray, batch: int) -> list[int]:

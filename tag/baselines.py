@@ -1,0 +1,216 @@
+"""Built-in strategies: the plans people run today, as ``Strategy`` objects the simulator can score.
+
+Example::
+
+    from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
+    grouping = tag.grouping.group_ops(tg, target_groups=64)
+    for name in BUILTIN_STRATEGIES:
+        s = builtin_strategy(name, tg, topo, grouping)
+        print(name, Simulator(tg, topo, grouping).evaluate(s).step_time)
+
+The four strategies:
+
+- ``dp_allreduce``: every op group replicated on every device, gradients combined by all-reduce
+  (what Horovod and MirroredStrategy do).
+- ``ps``: every op group replicated on every device, variables and their updates on one parameter
+  server: the best-connected device (largest total bandwidth to the other devices; ties go to the
+  lowest device index).
+- ``single``: the whole step on the fastest device (highest peak FLOP/s; ties to the lowest index).
+  A placement names device *groups*, so one device is written as mode ``partition`` with placement
+  ``(its device group,)`` and every op mapped to that device in ``Strategy.partition``; the
+  simulator and the rewriter therefore see exactly one device, even when its device group has more.
+- ``partition``: model parallelism over all devices. Op groups are put in topological order and cut
+  into contiguous stages, one per device (devices in index order, so neighbouring stages mostly share
+  a host); a linear-partition dynamic programme minimises the slowest stage, where a stage costs its
+  groups' compute time on its device (cost-model op times at the full batch) plus the time to send
+  the tensors crossing its outgoing cut to the next device; ties go to the smaller total, which
+  prefers cuts with few bytes. A device may get an empty stage when that is faster. Colocation sets
+  are never split (a set split by the grouping goes to its first op's device).
+"""
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tag.errors import StrategyError
+from tag.strategy import Action, Grouping, Strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tag.ir import TrainingGraph
+    from tag.topology import Topology
+
+BUILTIN_STRATEGIES: tuple[str, ...] = ("dp_allreduce", "ps", "single", "partition")
+
+
+def builtin_strategy(name: str, graph: "TrainingGraph", topology: "Topology", grouping: Grouping,
+                     cost_model=None) -> Strategy:
+    """The built-in strategy NAME for GRAPH on TOPOLOGY with op groups GROUPING.
+
+    ``cost_model`` (a ``tag.cost.CostModel``) is used by ``partition`` to balance stages; one is
+    built from the graph and topology when it is not given. Unknown names raise StrategyError.
+    """
+    if name not in BUILTIN_STRATEGIES:
+        raise StrategyError(f"unknown strategy {name!r} (known: {', '.join(BUILTIN_STRATEGIES)})")
+    if len(grouping.group_of_op) != len(graph.ops):
+        raise StrategyError(f"grouping covers {len(grouping.group_of_op)} ops but the graph has {len(graph.ops)}")
+    if topology.num_devices == 0:
+        raise StrategyError("the topology has no devices")
+    n_groups = grouping.num_groups
+    all_groups = tuple(g.index for g in topology.groups)
+    if name == "dp_allreduce":
+        return Strategy(grouping, [Action(all_groups, "allreduce")] * n_groups, name=name)
+    if name == "ps":
+        ps = best_connected_device(topology)
+        return Strategy(grouping, [Action(all_groups, "ps", ps_device=ps)] * n_groups, name=name)
+    if name == "single":
+        dev = fastest_device(topology)
+        group = topology.devices[dev].group
+        return Strategy(grouping, [Action((group,), "partition")] * n_groups,
+                        partition={i: dev for i in range(len(graph.ops))}, name=name)
+    if cost_model is None:
+        from tag.cost import CostModel
+        cost_model = CostModel(graph, topology)
+    device_of_op = balanced_partition(graph, topology, grouping, cost_model)
+    return Strategy(grouping, [Action(all_groups, "partition")] * n_groups,
+                    partition={i: int(d) for i, d in enumerate(device_of_op)}, name=name)
+
+
+def best_connected_device(topology: "Topology") -> int:
+    """The device with the largest total bandwidth to all other devices (ties: lowest index)."""
+    bw = np.array(topology.bandwidth, dtype=np.float64, copy=True)
+    if bw.shape[0] <= 1:
+        return 0
+    np.fill_diagonal(bw, 0.0)
+    total = bw.sum(axis=1)
+    return int(np.flatnonzero(total == total.max())[0])
+
+
+def fastest_device(topology: "Topology") -> int:
+    """The device with the highest peak FLOP/s (ties: lowest index)."""
+    speeds = np.array([d.peak_flops for d in topology.devices], dtype=np.float64)
+    return int(np.flatnonzero(speeds == speeds.max())[0])
+
+
+def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
+    """Position of each op in a deterministic topological order (data and control edges).
+
+    Kahn's algorithm, always taking the lowest-index ready op; ops on a cycle (which a training
+    step should not have) go last, in index order.
+    """
+    n = len(graph.ops)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = np.zeros(n, dtype=np.int64)
+    for src, dst in [(e.src, e.dst) for e in graph.edges] + [tuple(c) for c in graph.control_edges]:
+        if src != dst:
+            succ[src].append(dst)
+            indeg[dst] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    pos = np.full(n, -1, dtype=np.int64)
+    k = 0
+    while ready:
+        i = heapq.heappop(ready)
+        pos[i] = k
+        k += 1
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    for i in np.flatnonzero(pos < 0):
+        pos[i] = k
+        k += 1
+    return pos
+
+
+def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
+    """Op groups sorted by the earliest topological position of their ops (ties: group index)."""
+    pos = topological_op_order(graph)
+    first = np.full(grouping.num_groups, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, np.asarray(grouping.group_of_op, dtype=np.int64), pos)
+    return np.lexsort((np.arange(grouping.num_groups), first))
+
+
+def _op_times(cost_model, topology: "Topology", device_group: int, batch: int) -> np.ndarray:
+    return np.asarray(cost_model.op_times(topology.groups[device_group], batch), dtype=np.float64)
+
+
+def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: Grouping,
+                       cost_model) -> np.ndarray:
+    """Device of every op for the ``partition`` strategy (see the module docstring)."""
+    n_ops = len(graph.ops)
+    gof = np.asarray(grouping.group_of_op, dtype=np.int64)
+    order = group_order(graph, grouping)            # order[k] = group at position k
+    k_groups = len(order)
+    pos_of_group = np.empty(k_groups, dtype=np.int64)
+    pos_of_group[order] = np.arange(k_groups)
+    batch = int(graph.batch_size)
+
+    # Compute time of each group (in position order) on each device group, as prefix sums.
+    prefix = {}
+    for dg in {d.group for d in topology.devices}:
+        per_group = np.bincount(gof, weights=_op_times(cost_model, topology, dg, batch), minlength=k_groups)
+        prefix[dg] = np.concatenate([[0.0], np.cumsum(per_group[order])])
+
+    # Bytes crossing the cut after position p (edges in either direction, at the full batch).
+    diff = np.zeros(k_groups + 1)
+    for e in graph.edges:
+        a, b = pos_of_group[gof[e.src]], pos_of_group[gof[e.dst]]
+        if a != b:
+            lo, hi = min(a, b), max(a, b)
+            nbytes = e.nbytes.at(batch)
+            diff[lo] += nbytes
+            diff[hi] -= nbytes
+    cut_bytes = np.cumsum(diff)[:k_groups]           # cut_bytes[p]: between positions p and p+1
+
+    devices = list(range(topology.num_devices))
+    n_dev = len(devices)
+    # best[e]: (max stage cost, total cost) of placing positions [0, e) on the devices so far.
+    best_max = np.full(k_groups + 1, np.inf)
+    best_sum = np.full(k_groups + 1, np.inf)
+    best_max[0] = best_sum[0] = 0.0
+    choice = np.zeros((n_dev, k_groups + 1), dtype=np.int64)   # start position of device j's stage
+    s_idx, e_idx = np.meshgrid(np.arange(k_groups + 1), np.arange(k_groups + 1), indexing="ij")
+    valid = s_idx <= e_idx
+    for j, d in enumerate(devices):
+        p = prefix[topology.devices[d].group]
+        compute = p[e_idx] - p[s_idx]
+        if j + 1 < n_dev:
+            nxt = devices[j + 1]
+            bw, lat = float(topology.bandwidth[d, nxt]), float(topology.latency[d, nxt])
+            # a non-empty stage [s, e) with e < K sends the bytes crossing the cut after position e-1
+            send = np.zeros(k_groups + 1)
+            send[1:k_groups] = cut_bytes[: k_groups - 1] / bw + lat
+            stage = compute + np.where(s_idx < e_idx, send[e_idx], 0.0)
+        else:
+            stage = compute
+        if j + 1 == n_dev:   # the last device must take everything that is left
+            stage = np.where(e_idx == k_groups, stage, np.inf)
+        m = np.where(valid, np.maximum(best_max[s_idx], stage), np.inf)
+        t = np.where(valid, best_sum[s_idx] + stage, np.inf)
+        col_min = m.min(axis=0)
+        tol = np.abs(col_min) * 1e-9 + 1e-15
+        t_masked = np.where(m <= col_min + tol, t, np.inf)
+        start = np.argmin(t_masked, axis=0)
+        choice[j] = start
+        cols = np.arange(k_groups + 1)
+        best_max, best_sum = m[start, cols], t[start, cols]
+
+    # Walk back: device of each position.
+    device_of_pos = np.empty(k_groups, dtype=np.int64)
+    e = k_groups
+    for j in range(n_dev - 1, -1, -1):
+        s = choice[j, e]
+        device_of_pos[s:e] = devices[j]
+        e = s
+    device_of_op = device_of_pos[pos_of_group[gof]]
+
+    # Colocation sets stay together: a set the grouping split goes to its first op's device.
+    index = graph.op_index
+    for names in graph.colocation:
+        members = [index[n] for n in names if n in index]
+        if members:
+            device_of_op[members] = device_of_op[members[0]]
+    assert len(device_of_op) == n_ops
+    return device_of_op
