@@ -7,18 +7,48 @@ Example::
     topo.bandwidth[0, 5]     # bytes/s between device 0 and device 5
     topo.tf_device(5)        # "/job:worker/task:1/device:GPU:1"
 
+    # the same from text (tests, generated clusters):
+    topo = parse_topology('host { name: "a" address: "127.0.0.1" port: 2222 '
+                          'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 '
+                          'memory_bandwidth_gbs: 10 } }')
+
 Units inside tag are SI: bytes, bytes/s, FLOP/s, seconds. The .pbtxt uses the units people read on
 spec sheets (GiB of memory, TFLOP/s, GB/s of memory bandwidth, Gbit/s links, microseconds latency);
-the loader converts.
+the loader converts. proto/topology.proto documents every field.
+
+Ordering (stable, relied on by the rest of tag): hosts in file order (task index = order), device
+groups in file order within a host, devices numbered consecutively group by group;
+``Device.tf_local_index`` counts a host's devices per TF device type ("GPU"/"CPU").
+Device names are "HOST/TYPE:LOCAL" (LOCAL counts within the group), group names "HOST/TYPE".
+A device type may appear once per host (give its count instead of repeating it).
+
+Every problem with the file -- unreadable, not text, not protobuf text format, or a semantic error --
+raises ``TopologyError`` with a one-line message ``PATH:LINE: what is wrong`` (``PATH: ...`` when no
+line applies).
 """
 from __future__ import annotations
 
+import ipaddress
+import math
+import os
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from tag.errors import TopologyError  # noqa: F401  (re-exported for callers)
+from tag.errors import TopologyError
 
+MAX_FILE_BYTES = 32 * 2**20     # larger files are rejected before parsing
+MAX_DEVICES = 4096              # tag keeps dense device x device matrices
+MAX_GROUP_COUNT = 4096
+
+# Unit conversions from the .pbtxt's spec-sheet units to SI.
+GIB = 2**30
+TFLOPS = 1e12
+GBYTES_PER_S = 1e9
+GBITS_PER_S = 1e9 / 8
+MICROSECOND = 1e-6
 
 @dataclass(frozen=True)
 class Host:
@@ -86,3 +116,478 @@ class Topology:
     def cluster_spec(self) -> dict[str, list[str]]:
         """``{"worker": ["addr:port", ...]}`` in task order, for tf.train.ClusterSpec."""
         return {"worker": [f"{h.address}:{h.port}" for h in sorted(self.hosts, key=lambda h: h.task_index)]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_topology(path: str | os.PathLike) -> Topology:
+    """Read, parse and validate a .pbtxt cluster file; raises TopologyError on any problem."""
+    shown = os.fspath(path)
+    if isinstance(shown, bytes):
+        shown = os.fsdecode(shown)
+    return parse_topology(_read_text(shown), path=shown)
+
+
+def parse_topology(text: str, path: str = "<string>") -> Topology:
+    """Parse and validate cluster TEXT (protobuf text format); PATH only names it in messages."""
+    from google.protobuf import text_format
+
+    from tag._proto import topology_pb2
+
+    cluster = topology_pb2.Cluster()
+    try:
+        text_format.Parse(text, cluster)
+    except text_format.ParseError as e:
+        line = e.GetLine() if e.GetLine() and e.GetLine() > 0 else None
+        raise _error(path, line, _parse_error_message(e, text, topology_pb2)) from None
+    except RecursionError:
+        raise _error(path, None, "nesting too deep to be a topology file") from None
+    except Exception as e:  # noqa: BLE001 - the parser's own failures are still bad input
+        raise _error(path, None, f"cannot parse as protobuf text format: {type(e).__name__}: {e}") from None
+    return _build(cluster, text, path, _Lines(text, cluster.DESCRIPTOR))
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise _error(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise _error(path, None, "is a directory, not a topology file") from None
+    except PermissionError:
+        raise _error(path, None, "permission denied") from None
+    except (OSError, ValueError) as e:
+        raise _error(path, None, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB); "
+                                 "a topology file is a few kilobytes")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise _error(path, line, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                                 "is this a binary file?") from None
+    if "\x00" in text:
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise _error(path, line, "contains a NUL character; is this a binary file?")
+    if not text.strip():
+        raise _error(path, None, "empty file: expected a cluster in protobuf text format (host { ... })")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def _error(path: str, line: int | None, message: str) -> TopologyError:
+    message = " ".join(str(message).split())
+    if len(message) > 400:
+        message = message[:397] + "..."
+    return TopologyError(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+
+
+def _q(value: Any) -> str:
+    """A user-written value quoted for a message, shortened."""
+    s = str(value)
+    if len(s) > 60:
+        s = s[:57] + "..."
+    return repr(s)
+
+
+_UNKNOWN_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "([^"]*)"')
+
+
+def _parse_error_message(e: Exception, text: str, pb2: Any) -> str:
+    """The parser's message without its position prefix and echoed source line, plus hints."""
+    msg = str(e)
+    msg = re.sub(r"^\d+:\d+ : ", "", msg)
+    line = e.GetLine() if hasattr(e, "GetLine") else None
+    if line and msg.startswith("'"):
+        lines = text.split("\n")
+        if 0 < line <= len(lines):
+            for candidate in (lines[line - 1], lines[line - 1] + "\n"):
+                if msg.startswith(f"'{candidate}': "):
+                    msg = msg[len(candidate) + 4:]
+                    break
+            else:
+                # The parser echoes the current line; drop it when it is not the one we expected.
+                cut = msg.find("': ")
+                if cut > 0:
+                    msg = msg[cut + 3:]
+    m = _UNKNOWN_FIELD.search(msg)
+    if m:
+        try:
+            desc = pb2.DESCRIPTOR.pool.FindMessageTypeByName(m.group(1))
+            msg += f" (fields of {desc.name}: {', '.join(f.name for f in desc.fields)})"
+        except KeyError:
+            pass
+        if m.group(1) == "tag.Interconnect" and m.group(2) == "bandwidth_gbps":
+            msg += "; inside a host bandwidth is in GB/s: bandwidth_gbs"
+        elif m.group(1) in ("tag.Link", "tag.Fabric") and m.group(2) == "bandwidth_gbs":
+            msg += "; between hosts bandwidth is in Gbit/s: bandwidth_gbps"
+    head = text.lstrip()[:1]
+    if head in ("{", "["):
+        msg += " (this looks like JSON; topology files are protobuf text format: host { name: \"a\" ... })"
+    elif text.lstrip().startswith("---") or re.search(r"^\s*- \w+:", text, re.M):
+        msg += " (this looks like YAML; topology files are protobuf text format: host { name: \"a\" ... })"
+    return msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Source lines of fields (protobuf's Python text parser reports no positions for parsed fields)
+
+_TOKEN = re.compile(r"""
+    (?P<nl>\n) | (?P<ws>[ \t\r\f\v]+) | (?P<comment>\#[^\n]*)
+  | (?P<str>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
+  | (?P<word>[A-Za-z0-9_.+\-]+) | (?P<other>.)
+""", re.X)
+
+
+class _Lines:
+    """Maps field paths such as ("host", 2, "device", 0, "count") to 1-based source lines.
+
+    Built from text that protobuf already parsed, walking it with the message descriptors. A
+    repeated message field gets one entry per element: path + (name, index); a singular message
+    field path + (name, 0); a scalar path + (name,). Lookup falls back to the closest enclosing
+    entry; when the walk fails (it should not) every lookup gives None.
+    """
+
+    def __init__(self, text: str, descriptor: Any):
+        self.lines: dict[tuple, int] = {}
+        tokens: list[tuple[str, int, bool]] = []
+        line = 1
+        for m in _TOKEN.finditer(text):
+            kind = m.lastgroup
+            if kind == "nl":
+                line += 1
+            elif kind in ("str", "word", "other"):
+                tokens.append((m.group(), line, kind == "str"))
+        self._tokens = tokens
+        self._pos = 0
+        try:
+            self._message(descriptor, (), None)
+        except (IndexError, KeyError, ValueError):
+            self.lines = {}
+
+    def __call__(self, *path: Any) -> int | None:
+        for k in range(len(path), 0, -1):
+            line = self.lines.get(tuple(path[:k]))
+            if line is not None:
+                return line
+        return None
+
+    def _next(self) -> str:
+        tok = self._tokens[self._pos][0]
+        self._pos += 1
+        return tok
+
+    def _peek(self) -> str | None:
+        return self._tokens[self._pos][0] if self._pos < len(self._tokens) else None
+
+    def _message(self, desc: Any, path: tuple, closer: str | None) -> None:
+        counts: dict[str, int] = {}
+        while True:
+            tok = self._peek()
+            if tok is None:
+                if closer is not None:
+                    raise ValueError("unbalanced")
+                return
+            if tok == closer:
+                self._pos += 1
+                return
+            if tok in (";", ","):
+                self._pos += 1
+                continue
+            name_line = self._tokens[self._pos][1]
+            name = self._next()
+            fd = desc.fields_by_name[name]
+            if self._peek() == ":":
+                self._pos += 1
+            if fd.message_type is not None:
+                elements = self._peek() == "["
+                if elements:
+                    self._pos += 1
+                while True:
+                    if elements and self._peek() == ",":
+                        self._pos += 1
+                        continue
+                    if elements and self._peek() == "]":
+                        self._pos += 1
+                        break
+                    i = counts.get(name, 0)
+                    counts[name] = i + 1
+                    opener_line = self._tokens[self._pos][1] if elements else name_line
+                    self.lines.setdefault(path + (name,), opener_line)
+                    self.lines[path + (name, i)] = opener_line
+                    opener = self._next()
+                    self._message(fd.message_type, path + (name, i), "}" if opener == "{" else ">")
+                    if not elements:
+                        break
+            else:
+                self.lines[path + (name,)] = name_line
+                if self._peek() == "[":
+                    while self._next() != "]":
+                        pass
+                    continue
+                if self._peek() == "-":
+                    self._pos += 1
+                is_string = self._tokens[self._pos][2]
+                self._pos += 1
+                while is_string and self._pos < len(self._tokens) and self._tokens[self._pos][2]:
+                    self._pos += 1   # adjacent string literals are concatenated
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and construction
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+_TYPE_NAME = re.compile(r"[A-Za-z0-9_.+\-]{1,64}")
+_DNS_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?")
+
+
+def _normalise_address(address: str) -> str | None:
+    """The address as it goes into "address:port" (IPv6 in brackets), or None when unparseable."""
+    bare = address[1:-1] if address.startswith("[") and address.endswith("]") else address
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    else:
+        return f"[{ip}]" if ip.version == 6 else str(ip)
+    if bare is not address or len(address) > 253:
+        return None
+    labels = address.split(".")
+    if not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return None
+    if labels[-1].isdigit():   # all-numeric last label: a mistyped IPv4 address, not a hostname
+        return None
+    return address
+
+
+class _Checker:
+    """Shared helpers for the semantic checks: numbers with units, positions."""
+
+    def __init__(self, path: str, where: _Lines):
+        self.path = path
+        self.where = where
+
+    def fail(self, loc: tuple, message: str) -> TopologyError:
+        return _error(self.path, self.where(*loc), message)
+
+    def positive(self, msg: Any, name: str, loc: tuple, what: str, limit: float) -> float:
+        if not msg.HasField(name):
+            raise self.fail(loc, f"{what}: missing {name}")
+        value = float(getattr(msg, name))
+        loc = loc + (name,)
+        if not math.isfinite(value):
+            raise self.fail(loc, f"{what}: {name} must be a finite number, got {value}")
+        if value <= 0:
+            raise self.fail(loc, f"{what}: {name} must be positive, got {value:g}")
+        if value > limit:
+            raise self.fail(loc, f"{what}: {name} = {value:g} is implausibly large (limit {limit:g})")
+        return value
+
+    def latency(self, msg: Any, loc: tuple, what: str) -> float:
+        if not msg.HasField("latency_us"):
+            return 0.0
+        value = float(msg.latency_us)
+        loc = loc + ("latency_us",)
+        if not math.isfinite(value):
+            raise self.fail(loc, f"{what}: latency_us must be a finite number, got {value}")
+        if value < 0:
+            raise self.fail(loc, f"{what}: latency_us must not be negative, got {value:g}")
+        if value > 1e9:
+            raise self.fail(loc, f"{what}: latency_us = {value:g} is implausibly large (limit 1e+09)")
+        return value * MICROSECOND
+
+
+def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
+    from tag._proto import topology_pb2
+
+    check = _Checker(path, where)
+    if not cluster.host:
+        raise check.fail((), "no hosts: a cluster needs at least one host { ... } with a device")
+    name = cluster.name or os.path.splitext(os.path.basename(path))[0] or "cluster"
+    if len(name) > 200 or not name.isprintable():
+        raise check.fail(("name",), "cluster name must be printable text of at most 200 characters")
+
+    hosts: list[Host] = []
+    groups: list[DeviceGroup] = []
+    devices: list[Device] = []
+    host_line: dict[str, int | None] = {}
+    endpoints: dict[tuple[str, int], str] = {}
+    interconnect_kinds: dict[str, str] = {}
+
+    for hi, h in enumerate(cluster.host):
+        loc = ("host", hi)
+        if not h.name:
+            raise check.fail(loc, f"host #{hi + 1} has no name")
+        if not _HOST_NAME.fullmatch(h.name):
+            raise check.fail(loc + ("name",), f"host name {_q(h.name)} may use only letters, digits, "
+                                              "'_', '.', '-' (at most 128)")
+        what = f"host {_q(h.name)}"
+        if h.name in host_line:
+            first = host_line[h.name]
+            raise check.fail(loc + ("name",), f"duplicate host name {_q(h.name)}"
+                                              + (f" (first on line {first})" if first else ""))
+        host_line[h.name] = where("host", hi)
+        if not h.address:
+            raise check.fail(loc, f"{what}: missing address (hostname or IP address of its TF server)")
+        address = _normalise_address(h.address)
+        if address is None:
+            raise check.fail(loc + ("address",), f"{what}: address {_q(h.address)} is neither an IP "
+                                                 "address nor a valid hostname")
+        if not h.HasField("port"):
+            raise check.fail(loc, f"{what}: missing port")
+        if not 1 <= h.port <= 65535:
+            raise check.fail(loc + ("port",), f"{what}: port must be in 1..65535, got {h.port}")
+        endpoint = (address, int(h.port))
+        if endpoint in endpoints:
+            raise check.fail(loc + ("port",), f"{what}: {address}:{h.port} is already the address of "
+                                              f"host {_q(endpoints[endpoint])}")
+        endpoints[endpoint] = h.name
+        if not h.device:
+            raise check.fail(loc, f"{what} has no devices (add device {{ type: ... kind: GPU ... }})")
+
+        seen_types: dict[str, int] = {}
+        tf_counts: dict[str, int] = {}
+        host_first_device = len(devices)
+        for di, d in enumerate(h.device):
+            dloc = loc + ("device", di)
+            if not d.type:
+                raise check.fail(dloc, f"{what}: device entry #{di + 1} has no type")
+            if not _TYPE_NAME.fullmatch(d.type):
+                raise check.fail(dloc + ("type",), f"{what}: device type {_q(d.type)} may use only letters, "
+                                                   "digits, '_', '.', '+', '-' (at most 64)")
+            dwhat = f"{what} device {_q(d.type)}"
+            if d.type in seen_types:
+                raise check.fail(dloc + ("type",), f"{what} lists device type {_q(d.type)} twice (entries "
+                                                   f"#{seen_types[d.type] + 1} and #{di + 1}); give one entry "
+                                                   "with its count, or name different models differently")
+            seen_types[d.type] = di
+            if d.kind == topology_pb2.DeviceGroup.KIND_UNSPECIFIED:
+                raise check.fail(dloc, f"{dwhat}: missing kind (GPU or CPU)")
+            tf_type = topology_pb2.DeviceGroup.Kind.Name(d.kind)
+            count = int(d.count) if d.HasField("count") else 1
+            if count <= 0:
+                raise check.fail(dloc + ("count",), f"{dwhat}: count must be positive, got {count}")
+            if count > MAX_GROUP_COUNT:
+                raise check.fail(dloc + ("count",), f"{dwhat}: count {count} is over the limit of "
+                                                    f"{MAX_GROUP_COUNT}")
+            memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20)
+            tflops = check.positive(d, "peak_tflops", dloc, dwhat, 1e6)
+            membw = check.positive(d, "memory_bandwidth_gbs", dloc, dwhat, 1e7)
+            if len(devices) + count > MAX_DEVICES:
+                raise check.fail(dloc + ("count",), f"the cluster has more than {MAX_DEVICES} devices, "
+                                                    "tag's limit")
+            group = DeviceGroup(
+                index=len(groups), name=f"{h.name}/{d.type}", host=h.name, device_type=d.type,
+                tf_device_type=tf_type, devices=tuple(range(len(devices), len(devices) + count)),
+                memory_bytes=int(round(memory * GIB)), peak_flops=tflops * TFLOPS,
+                memory_bandwidth=membw * GBYTES_PER_S)
+            groups.append(group)
+            for local in range(count):
+                devices.append(Device(
+                    index=len(devices), name=f"{group.name}:{local}", host=h.name, host_index=hi,
+                    group=group.index, tf_device_type=tf_type, tf_local_index=tf_counts.get(tf_type, 0),
+                    device_type=d.type, memory_bytes=group.memory_bytes, peak_flops=group.peak_flops,
+                    memory_bandwidth=group.memory_bandwidth))
+                tf_counts[tf_type] = tf_counts.get(tf_type, 0) + 1
+
+        n_host_devices = len(devices) - host_first_device
+        if h.HasField("interconnect"):
+            iloc = loc + ("interconnect", 0)
+            iwhat = f"{what} interconnect"
+            intra_bw = check.positive(h.interconnect, "bandwidth_gbs", iloc, iwhat, 1e7) * GBYTES_PER_S
+            intra_lat = check.latency(h.interconnect, iloc, iwhat)
+            interconnect_kinds[h.name] = topology_pb2.Interconnect.Kind.Name(h.interconnect.kind)
+        elif n_host_devices > 1:
+            raise check.fail(loc, f"{what} has {n_host_devices} devices but no interconnect "
+                                  "{ kind: ... bandwidth_gbs: ... }")
+        else:
+            intra_bw, intra_lat = math.inf, 0.0   # a single device: no transfers inside the host
+        hosts.append(Host(name=h.name, address=address, port=int(h.port), task_index=hi,
+                          intra_bandwidth=intra_bw, intra_latency=intra_lat))
+
+    index = {h.name: i for i, h in enumerate(hosts)}
+    n = len(hosts)
+    host_bw = np.full((n, n), np.nan)
+    host_lat = np.full((n, n), np.nan)
+    links = []
+    link_line: dict[tuple[int, int], int | None] = {}
+    for li, link in enumerate(cluster.link):
+        loc = ("link", li)
+        for end in ("a", "b"):
+            value = getattr(link, end)
+            if not value:
+                raise check.fail(loc, f"link #{li + 1}: missing {end} (a host name)")
+            if value not in index:
+                raise check.fail(loc + (end,), f"link #{li + 1}: unknown host {_q(value)}")
+        what = f"link {link.a} - {link.b}"
+        if link.a == link.b:
+            raise check.fail(loc, f"link #{li + 1} connects host {_q(link.a)} to itself")
+        i, j = sorted((index[link.a], index[link.b]))
+        if (i, j) in link_line:
+            first = link_line[(i, j)]
+            raise check.fail(loc, f"duplicate link between {_q(link.a)} and {_q(link.b)}"
+                                  + (f" (first on line {first})" if first else ""))
+        link_line[(i, j)] = where(*loc)
+        bw = check.positive(link, "bandwidth_gbps", loc, what, 1e9) * GBITS_PER_S
+        lat = check.latency(link, loc, what)
+        host_bw[i, j] = host_bw[j, i] = bw
+        host_lat[i, j] = host_lat[j, i] = lat
+        links.append({"a": link.a, "b": link.b, "bandwidth": bw, "latency": lat})
+
+    fabric = None
+    if cluster.HasField("fabric"):
+        loc = ("fabric", 0)
+        fbw = check.positive(cluster.fabric, "bandwidth_gbps", loc, "fabric", 1e9) * GBITS_PER_S
+        flat = check.latency(cluster.fabric, loc, "fabric")
+        fabric = {"bandwidth": fbw, "latency": flat}
+    missing = np.isnan(host_bw)
+    np.fill_diagonal(missing, False)
+    if missing.any():
+        if fabric is None:
+            i, j = (int(x) for x in np.argwhere(missing)[0])
+            raise check.fail(("host", j), f"hosts {_q(hosts[i].name)} and {_q(hosts[j].name)} have no link and "
+                                          "there is no fabric { bandwidth_gbps: ... } to connect them")
+        host_bw[missing] = fabric["bandwidth"]
+        host_lat[missing] = fabric["latency"]
+
+    # Device x device matrices by indexing a host x host table whose diagonal holds each host's
+    # interconnect (no loops over device pairs: a 512-device cluster loads in milliseconds).
+    intra_bw = np.array([h.intra_bandwidth for h in hosts], dtype=float)
+    intra_lat = np.array([h.intra_latency for h in hosts], dtype=float)
+    table_bw, table_lat = host_bw.copy(), host_lat.copy()
+    np.fill_diagonal(table_bw, intra_bw)
+    np.fill_diagonal(table_lat, intra_lat)
+    device_host = np.array([d.host_index for d in devices], dtype=np.intp)
+    bandwidth = table_bw[device_host[:, None], device_host[None, :]]
+    latency = table_lat[device_host[:, None], device_host[None, :]]
+    np.fill_diagonal(bandwidth, np.inf)
+    np.fill_diagonal(latency, 0.0)
+    np.fill_diagonal(host_bw, np.inf)
+    np.fill_diagonal(host_lat, 0.0)
+
+    return Topology(
+        name=name, path=path, hosts=hosts, groups=groups, devices=devices,
+        bandwidth=bandwidth, latency=latency, host_bandwidth=host_bw, host_latency=host_lat,
+        comment=_leading_comment(text),
+        extra={"interconnect": interconnect_kinds, "links": links, "fabric": fabric})
+
+
+def _leading_comment(text: str) -> str:
+    """The '#' comment block the file opens with, without the '#' marks."""
+    out = []
+    for line in text.lstrip("\ufeff").splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("#"):
+            if stripped or out:
+                break
+            continue
+        body = stripped[1:]
+        out.append(body[1:] if body.startswith(" ") else body)
+    return "\n".join(out).strip("\n")
