@@ -1,0 +1,354 @@
+"""tag.runtime: cluster specs, tag-worker, LocalCluster and run_steps on real TF servers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+from tag.errors import GraphError, TagError  # noqa: E402
+from tag.runtime import (  # noqa: E402
+    COLLECTIVE_LEADER,
+    ClusterError,
+    LocalCluster,
+    cluster_spec_from,
+    run_steps,
+    session_config,
+    worker_main,
+)
+from tag.topology import parse_topology  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
+
+
+def free_ports(n: int) -> list[int]:
+    """N ports that nothing listens on right now (the OS picks them)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def topo_text(ports, address="127.0.0.1", name="loop") -> str:
+    hosts = "\n".join(f'host {{ name: "h{i}" address: "{address}" port: {p} {CPU} }}' for i, p in enumerate(ports))
+    return f'name: "{name}"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 20 }}\n'
+
+
+def loopback_topology(n: int):
+    return parse_topology(topo_text(free_ports(n)))
+
+
+def port_free(port: int) -> bool:
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie of ours counts as dead
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def mlp_graph(tasks=(0, 1), batch=16, features=8, hidden=16, classes=2, lr=0.1, unknown_batch=False):
+    """A 2-layer MLP training graph; layer i lives on /job:worker/task:tasks[i] (None: no device)."""
+    def dev(t):
+        return f"/job:worker/task:{t}/device:CPU:0" if t is not None else ""
+
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        b = None if unknown_batch else batch
+        with tf.device(dev(tasks[0])):
+            x = tf.compat.v1.placeholder(tf.float32, [b, features], name="x")
+            y = tf.compat.v1.placeholder(tf.int32, [b], name="y")
+            w1 = tf.compat.v1.get_variable("w1", [features, hidden])
+            b1 = tf.compat.v1.get_variable("b1", [hidden], initializer=tf.compat.v1.zeros_initializer())
+            h = tf.nn.relu(tf.matmul(x, w1) + b1)
+        with tf.device(dev(tasks[1])):
+            w2 = tf.compat.v1.get_variable("w2", [hidden, classes])
+            logits = tf.matmul(h, w2)
+            loss = tf.identity(tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)), name="loss")
+            tf.compat.v1.train.GradientDescentOptimizer(lr).minimize(loss, name="train_op")
+        tf.compat.v1.variables_initializer(tf.compat.v1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+def learnable_input(batch=16, features=8, seed=0):
+    """input_fn: labels follow a fixed rule of the inputs, so the loss can go down."""
+    rng = np.random.default_rng(seed)
+
+    def fn(step):
+        x = rng.standard_normal((batch, features)).astype(np.float32)
+        return {"x": x, "y": (x[:, 0] + x[:, 1] > 0).astype(np.int32)}
+
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------
+# fast: no processes
+# ------------------------------------------------------------------------------------------------
+
+def test_cluster_spec_from_topology():
+    topo = parse_topology(topo_text([23001, 23002, 23003]))
+    spec = cluster_spec_from(topo)
+    assert spec.jobs == ["worker"]
+    assert spec.job_tasks("worker") == ["127.0.0.1:23001", "127.0.0.1:23002", "127.0.0.1:23003"]
+
+
+def test_cluster_spec_from_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["10.1.2.3:2222", "10.1.2.4:2222"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    spec = cluster_spec_from()
+    assert spec.job_tasks("worker") == ["10.1.2.3:2222", "10.1.2.4:2222"]
+
+
+def test_cluster_spec_without_anything_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ClusterError, match="TF_CONFIG"):
+        cluster_spec_from()
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ClusterError, match="not valid JSON"):
+        cluster_spec_from()
+
+
+def test_session_config_sets_collective_leader_and_isolation():
+    cfg = session_config(intra_op_threads=2)
+    assert cfg.experimental.collective_group_leader == COLLECTIVE_LEADER == "/job:worker/replica:0/task:0"
+    assert cfg.isolate_session_state and cfg.intra_op_parallelism_threads == 2
+
+
+def test_worker_unknown_host_exit_2_lists_known_hosts(tmp_path, capsys):
+    f = tmp_path / "c.pbtxt"
+    f.write_text(topo_text([23011, 23012]))
+    assert worker_main(["--topo", str(f), "--host", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown host 'nope'" in err and "h0, h1" in err
+
+
+def test_worker_cli_bad_input_is_one_line_exit_2(tmp_path):
+    """As a process (python -m tag.runtime): no traceback, exit 2, before TensorFlow is even loaded."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = REPO
+    missing = subprocess.run([sys.executable, "-m", "tag.runtime", "--topo", str(tmp_path / "none.pbtxt"),
+                              "--host", "h0"], capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().count("\n") == 0 and "none.pbtxt" in missing.stderr
+    nothing = subprocess.run([sys.executable, "-m", "tag.runtime"], capture_output=True, text=True, env=env,
+                             timeout=60)
+    assert nothing.returncode == 2 and "TF_CONFIG" in nothing.stderr and "Traceback" not in nothing.stderr
+    f = tmp_path / "c.pbtxt"
+    f.write_text(topo_text([23021]))
+    no_host = subprocess.run([sys.executable, "-m", "tag.runtime", "--topo", str(f)], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert no_host.returncode == 2 and "--host" in no_host.stderr
+
+
+def test_local_cluster_refuses_remote_hosts():
+    topo = parse_topology(topo_text([23031, 23032], address="192.0.2.7"))
+    with pytest.raises(ClusterError, match="not loopback"):
+        LocalCluster(topo)
+
+
+def test_local_cluster_port_clash_is_a_clear_error():
+    topo = loopback_topology(2)
+    busy = topo.hosts[1].port
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", busy))
+    squatter.listen(1)
+    try:
+        cluster = LocalCluster(topo)
+        with pytest.raises(ClusterError, match=f"port already in use for h1 127.0.0.1:{busy}"):
+            cluster.start()
+        assert cluster.pids == []
+    finally:
+        squatter.close()
+
+
+def test_run_steps_in_process_random_batches_deterministic():
+    gd = mlp_graph(tasks=(None, None))
+    a = run_steps(gd, "", steps=6, warmup=2, seed=3)
+    b = run_steps(gd, "", steps=6, warmup=2, seed=3)
+    c = run_steps(gd, "", steps=6, warmup=2, seed=4)
+    assert len(a.losses) == len(a.step_times) == 6 and a.warmup == 2
+    assert np.all(np.isfinite(a.losses)) and a.losses == b.losses and a.losses != c.losses
+    assert a.mean_step_time_s == pytest.approx(np.mean(a.step_times[2:]))
+    assert all(t > 0 for t in a.step_times)
+
+
+def test_run_steps_in_process_learns_with_input_fn_and_fetches_values():
+    gd = mlp_graph(tasks=(None, None))
+    r = run_steps(gd, "", steps=40, warmup=1, input_fn=learnable_input(), fetch_after=["w2:0"])
+    assert np.all(np.isfinite(r.losses))
+    assert np.mean(r.losses[-5:]) < 0.8 * np.mean(r.losses[:5])
+    assert r.values["w2:0"].shape == (16, 2)
+
+
+def test_run_steps_unknown_dimension_needs_feeds():
+    gd = mlp_graph(tasks=(None, None), unknown_batch=True)
+    with pytest.raises(GraphError, match="placeholder 'x' has an unknown dimension"):
+        run_steps(gd, "", steps=2, warmup=0)
+    fn = learnable_input(batch=5)
+    r = run_steps(gd, "", steps=2, warmup=0, input_fn=fn)
+    assert len(r.losses) == 2
+    fixed = fn(0)
+    r = run_steps(gd, "", steps=3, warmup=0, feeds=fixed)
+    assert r.losses[2] < r.losses[0]  # the same batch three times: plain gradient descent fits it
+
+
+def test_run_steps_bad_arguments():
+    gd = mlp_graph(tasks=(None, None))
+    with pytest.raises(GraphError, match="no op named 'missing'"):
+        run_steps(gd, "", train_op="missing", steps=2, warmup=0)
+    with pytest.raises(TagError, match="warmup"):
+        run_steps(gd, "", steps=3, warmup=3)
+    with pytest.raises(TagError, match="steps"):
+        run_steps(gd, "", steps=0, warmup=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: real TF servers in worker processes
+# ------------------------------------------------------------------------------------------------
+
+def collective_sum_graph(n_tasks: int, group_key: int = 1, instance_key: int = 1):
+    g = tf.Graph()
+    outs = []
+    with g.as_default():
+        for t in range(n_tasks):
+            with tf.device(f"/job:worker/task:{t}/device:CPU:0"):
+                v = tf.constant(np.arange(4, dtype=np.float32) + 10.0 * t)
+                outs.append(tf.raw_ops.CollectiveReduceV2(
+                    input=v, group_size=n_tasks, group_key=group_key, instance_key=instance_key,
+                    ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring"))
+    return g, outs
+
+
+@pytest.mark.slow
+def test_local_cluster_runs_split_mlp_and_collective_allreduce():
+    topo = loopback_topology(3)
+    with LocalCluster(topo) as cluster:
+        assert cluster.target == f"grpc://127.0.0.1:{topo.hosts[0].port}"
+        assert all(pid_alive(p) for p in cluster.pids) and len(cluster.pids) == 3
+        # an MLP whose two layers live on tasks 1 and 2, driven through task 0
+        r = run_steps(mlp_graph(tasks=(1, 2)), cluster.target, steps=30, warmup=3, input_fn=learnable_input())
+        assert np.all(np.isfinite(r.losses)) and np.mean(r.losses[-5:]) < 0.8 * np.mean(r.losses[:5])
+        assert 0 < r.mean_step_time_s < 5
+        print(f"\n2-task MLP step time on a 3-worker LocalCluster: {r.mean_step_time_s * 1e3:.2f} ms")
+        # all-reduce across the three tasks with TF collective ops, several runs of one graph
+        g, outs = collective_sum_graph(3)
+        want = sum(np.arange(4, dtype=np.float32) + 10.0 * t for t in range(3))
+        with tf.compat.v1.Session(cluster.target, graph=g, config=session_config()) as sess:
+            for _ in range(3):
+                for got in sess.run(outs):
+                    np.testing.assert_allclose(got, want)
+        # a second graph with the same variable names but other shapes: sessions do not share state
+        r2 = run_steps(mlp_graph(tasks=(2, 0), features=5, hidden=3), cluster.target, steps=3, warmup=1)
+        assert np.all(np.isfinite(r2.losses))
+        # the random-batch path across tasks
+        r3 = run_steps(mlp_graph(tasks=(0, 1)), cluster.target, steps=4, warmup=1)
+        assert np.all(np.isfinite(r3.losses))
+
+
+@pytest.mark.slow
+def test_local_cluster_cleans_up_after_an_error():
+    topo = loopback_topology(2)
+    pids = []
+    with pytest.raises(RuntimeError, match="boom"):
+        with LocalCluster(topo) as cluster:
+            pids = list(cluster.pids)
+            assert not any(port_free(h.port) for h in topo.hosts)
+            raise RuntimeError("boom")
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert all(port_free(h.port) for h in topo.hosts)
+    # and the same ports can serve a new cluster right away
+    with LocalCluster(topo) as again:
+        g, outs = collective_sum_graph(2, group_key=7, instance_key=3)
+        with tf.compat.v1.Session(again.target, graph=g, config=session_config()) as sess:
+            np.testing.assert_allclose(sess.run(outs)[1], np.arange(4) * 2 + 10.0)
+
+
+@pytest.mark.slow
+def test_tag_worker_process_serves_and_stops_on_sigterm(tmp_path):
+    port, = free_ports(1)
+    f = tmp_path / "one.pbtxt"
+    f.write_text(topo_text([port]))
+    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-m", "tag.runtime", "--topo", str(f), "--host", "h0", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready h0 127.0.0.1:") and str(port) in line
+        g = tf.Graph()
+        with g.as_default(), tf.device("/job:worker/task:0/device:CPU:0"):
+            s = tf.reduce_sum(tf.constant([1.0, 2.0, 3.0]))
+        with tf.compat.v1.Session(f"grpc://127.0.0.1:{port}", graph=g, config=session_config()) as sess:
+            assert sess.run(s) == 6.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert port_free(port)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_worker_exits_when_its_parent_dies():
+    """The safety net for a parent killed with SIGKILL: workers notice and exit by themselves."""
+    topo = loopback_topology(1)
+    code = (
+        "import sys, time\n"
+        "from tag.topology import parse_topology\n"
+        "from tag.runtime import LocalCluster\n"
+        f"c = LocalCluster(parse_topology({topo_text([topo.hosts[0].port])!r})).start()\n"
+        "print(c.pids[0], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())
+        assert pid_alive(worker)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while pid_alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(worker)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if worker is not None and pid_alive(worker):
+            os.killpg(worker, signal.SIGKILL)
