@@ -133,7 +133,7 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
 
 
 def _op_times(cost_model, topology: "Topology", device_group: int, batch: int) -> np.ndarray:
-    return np.asarray(cost_model.op_times(topology.groups[device_group], batch), dtype=np.float64)
+    return np.asarray(cost_model.op_times(device_group, batch), dtype=np.float64)
 
 
 def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: Grouping,

@@ -68,7 +68,7 @@ class FlopCostModel:
         self.graph, self.topology = graph, topology
 
     def op_times(self, device_group, batch):
-        return np.array([op.flops.at(batch) for op in self.graph.ops]) / device_group.peak_flops
+        return np.array([op.flops.at(batch) for op in self.graph.ops]) / self.topology.groups[device_group].peak_flops
 
 
 def test_unknown_name_lists_known():
