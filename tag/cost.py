@@ -1,0 +1,404 @@
+"""Cost model: how long ops take on a device type, and how long bytes take to move between devices.
+
+Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), mem_bytes / memory_bandwidth)
++ launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
+device and stored as JSON) or from built-in defaults. Communication follows latency + bytes / bandwidth of
+the path, with ring / hierarchical all-reduce, parameter-server push/pull and all-gather models on top.
+No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
+
+Example::
+
+    topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
+    tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
+    cm = CostModel(tg, topo, Profile.load("profile.json"))
+    t = cm.op_times(device_group=0, batch=32)          # seconds per IR op on one device of group 0
+    cm.allreduce_time(100e6, list(range(topo.num_devices)))
+    cm.transfer_time(4e6, 0, 5)
+
+Profile JSON::
+
+    {"version": 1,
+     "devices": {"CPU": {"peak_flops": 1.1e11, "memory_bandwidth": 9e9, "launch_overhead_s": 1.2e-5,
+                         "efficiency": {"MatMul": 0.62, "Conv2D": 0.4, "default": 0.1}}},
+     "source": "tag.profile on zoo:mlp, 20 steps"}
+
+How a profile applies to a device group of the topology: the entry named after the group's device type
+(e.g. "V100", "CPU") is used if present, and its measured ``peak_flops`` / ``memory_bandwidth`` (when > 0)
+replace the topology's spec numbers, because its efficiencies were fitted against them. Otherwise the
+entry named "default" gives the efficiencies and launch overhead while the topology's spec numbers give
+peak and bandwidth (other device types scale by their spec sheets). Without either, built-in defaults
+for the group's TF device type (GPU or CPU) are used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tag.errors import TagError
+from tag.ir import TrainingGraph
+from tag.topology import Topology
+
+PROFILE_VERSION = 1
+
+# Ops that move no data and do no arithmetic at run time (aliases, metadata, graph plumbing).
+ZERO_COST_TYPES = frozenset({
+    "Const", "Identity", "IdentityN", "NoOp", "Reshape", "Squeeze", "ExpandDims", "ReadVariableOp",
+    "VarHandleOp", "VariableV2", "Variable", "Placeholder", "PlaceholderWithDefault", "Shape", "ShapeN",
+    "Size", "Rank", "StopGradient", "PreventGradient", "ControlTrigger", "VarIsInitializedOp",
+    "BroadcastGradientArgs", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape", "CheckNumerics",
+    "_Arg", "_Retval", "DestroyResourceOp", "Assert",
+})
+
+_MATMUL_LIKE = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv2DBackpropInput",
+                "Conv2DBackpropFilter", "Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2",
+                "_FusedMatMul", "_FusedConv2D", "Einsum")
+_DEPTHWISE = ("DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+              "DepthwiseConv2dNativeBackpropFilter")
+
+#: Built-in efficiencies and launch overheads per TF device type, used where no profile entry applies.
+BUILTIN_DEFAULTS: dict[str, dict] = {
+    "GPU": {"launch_overhead_s": 5e-6,
+            "efficiency": {**{t: 0.5 for t in _MATMUL_LIKE}, **{t: 0.2 for t in _DEPTHWISE}, "default": 0.25}},
+    "CPU": {"launch_overhead_s": 1e-5,
+            "efficiency": {**{t: 0.5 for t in _MATMUL_LIKE}, **{t: 0.2 for t in _DEPTHWISE}, "default": 0.1}},
+}
+
+
+@dataclass
+class DeviceProfile:
+    """Measured numbers for one device type. Zero peak/bandwidth: use the topology's spec numbers."""
+
+    peak_flops: float = 0.0
+    memory_bandwidth: float = 0.0
+    launch_overhead_s: float | None = None
+    efficiency: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {"peak_flops": float(self.peak_flops), "memory_bandwidth": float(self.memory_bandwidth),
+             "efficiency": {k: float(v) for k, v in sorted(self.efficiency.items())}}
+        if self.launch_overhead_s is not None:
+            d["launch_overhead_s"] = float(self.launch_overhead_s)
+        return d
+
+
+@dataclass
+class Profile:
+    """Per-device-type calibration of the compute model (see the module docstring for the JSON format)."""
+
+    devices: dict[str, DeviceProfile] = field(default_factory=dict)
+    source: str = ""
+    version: int = PROFILE_VERSION
+
+    def to_dict(self) -> dict:
+        return {"version": int(self.version),
+                "devices": {k: v.to_dict() for k, v in sorted(self.devices.items())},
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str = "profile") -> "Profile":
+        """Validate plain data (as loaded from JSON); raise TagError naming WHERE on anything malformed."""
+        def bad(msg: str) -> TagError:
+            return TagError(f"{where}: {msg}")
+
+        if not isinstance(data, dict):
+            raise bad("expected a JSON object with 'version' and 'devices'")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise bad(f"unsupported profile version {version!r} (expected {PROFILE_VERSION})")
+        devices = data.get("devices")
+        if not isinstance(devices, dict):
+            raise bad("'devices' must be an object mapping device type to its numbers")
+        source = data.get("source", "")
+        if not isinstance(source, str):
+            raise bad("'source' must be a string")
+        out: dict[str, DeviceProfile] = {}
+        for dtype, entry in devices.items():
+            if not isinstance(entry, dict):
+                raise bad(f"devices.{dtype} must be an object")
+            unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency"}
+            if unknown:
+                raise bad(f"devices.{dtype}: unknown field {sorted(unknown)[0]!r}")
+            nums = {}
+            for key in ("peak_flops", "memory_bandwidth", "launch_overhead_s"):
+                if key not in entry or entry[key] is None:
+                    continue
+                v = entry[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise bad(f"devices.{dtype}.{key} must be a finite number >= 0, got {v!r}")
+                nums[key] = float(v)
+            eff = entry.get("efficiency", {})
+            if not isinstance(eff, dict):
+                raise bad(f"devices.{dtype}.efficiency must be an object")
+            effs = {}
+            for op_type, e in eff.items():
+                if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or not 0 < e <= 1:
+                    raise bad(f"devices.{dtype}.efficiency.{op_type} must be in (0, 1], got {e!r}")
+                effs[str(op_type)] = float(e)
+            out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
+                                            nums.get("launch_overhead_s"), effs)
+        return cls(out, source, PROFILE_VERSION)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        """Read a profile JSON file; TagError with the path on any problem."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(64 << 20)
+            data = json.loads(raw.decode("utf-8"))
+        except FileNotFoundError:
+            raise TagError(f"{path}: profile file not found") from None
+        except IsADirectoryError:
+            raise TagError(f"{path}: is a directory, expected a profile JSON file") from None
+        except OSError as err:
+            raise TagError(f"{path}: cannot read profile: {err.strerror or err}") from None
+        except UnicodeDecodeError:
+            raise TagError(f"{path}: profile is not UTF-8 text") from None
+        except (json.JSONDecodeError, RecursionError) as err:
+            msg = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            raise TagError(f"{path}: profile is not valid JSON ({msg})") from None
+        return cls.from_dict(data, where=path)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile as JSON (to a temporary file first, then renamed into place)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    def entry_for(self, device_type: str) -> tuple[DeviceProfile | None, bool]:
+        """(entry, exact): the profile entry for DEVICE_TYPE, else the "default" entry, else None."""
+        if device_type in self.devices:
+            return self.devices[device_type], True
+        return self.devices.get("default"), False
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the roofline needs for one device group: effective peak, bandwidth, overhead, efficiencies."""
+
+    peak_flops: float
+    memory_bandwidth: float
+    launch_overhead_s: float
+    efficiency: dict[str, float]
+
+    def efficiency_of(self, op_type: str) -> float:
+        return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
+
+
+class CostModel:
+    """Compute and communication times for one TrainingGraph on one Topology (see module docstring)."""
+
+    def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None):
+        self.graph = graph
+        self.topology = topology
+        self.profile = profile if profile is not None else Profile()
+        self.arrays = graph.arrays()
+        types = [op.type for op in graph.ops]
+        self._type_names = sorted(set(types))
+        type_id = {t: i for i, t in enumerate(self._type_names)}
+        self._op_type_id = np.array([type_id[t] for t in types], dtype=np.int64)
+        self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
+        self._rates: dict[int, DeviceRates] = {}
+        self._inv_rate: dict[int, np.ndarray] = {}
+        self._op_time_cache: dict[tuple[int, float], np.ndarray] = {}
+        # host-level view of the interconnect, used by the collective models
+        self._dev_host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
+        self._host_intra_bw = np.array([h.intra_bandwidth for h in topology.hosts], dtype=np.float64)
+        self._host_intra_lat = np.array([h.intra_latency for h in topology.hosts], dtype=np.float64)
+
+    # ---------------------------------------------------------------- compute
+    def rates(self, device_group: int) -> DeviceRates:
+        """The effective numbers of one device group (profile entry applied to the topology's spec)."""
+        r = self._rates.get(device_group)
+        if r is not None:
+            return r
+        g = self.topology.groups[device_group]
+        builtin = BUILTIN_DEFAULTS.get(g.tf_device_type, BUILTIN_DEFAULTS["GPU"])
+        entry, exact = self.profile.entry_for(g.device_type)
+        peak, bw = g.peak_flops, g.memory_bandwidth
+        overhead = builtin["launch_overhead_s"]
+        eff = dict(builtin["efficiency"])
+        if entry is not None:
+            if exact and entry.peak_flops > 0:
+                peak = entry.peak_flops
+            if exact and entry.memory_bandwidth > 0:
+                bw = entry.memory_bandwidth
+            if entry.launch_overhead_s is not None:
+                overhead = entry.launch_overhead_s
+            # listed op types come from the profile; unlisted ones keep a built-in per-type value if there
+            # is one, else the profile's "default"
+            eff.update(entry.efficiency)
+        r = DeviceRates(float(peak), float(bw), float(overhead), eff)
+        self._rates[device_group] = r
+        return r
+
+    def _inv_compute_rate(self, device_group: int) -> np.ndarray:
+        inv = self._inv_rate.get(device_group)
+        if inv is None:
+            r = self.rates(device_group)
+            per_type = np.array([1.0 / (r.peak_flops * r.efficiency_of(t)) for t in self._type_names])
+            inv = per_type[self._op_type_id] if len(self._op_type_id) else np.zeros(0)
+            self._inv_rate[device_group] = inv
+        return inv
+
+    def op_times(self, device_group: int, batch: float) -> np.ndarray:
+        """Seconds per IR op on ONE device of DEVICE_GROUP at per-replica batch BATCH (cached, read-only)."""
+        key = (int(device_group), float(batch))
+        t = self._op_time_cache.get(key)
+        if t is not None:
+            return t
+        if len(self._op_time_cache) > 4096:
+            self._op_time_cache.clear()
+        a = self.arrays
+        r = self.rates(device_group)
+        flops = a.flops_fixed + a.flops_per_example * batch
+        mem = a.mem_fixed + a.mem_per_example * batch
+        t = np.maximum(flops * self._inv_compute_rate(device_group), mem / r.memory_bandwidth)
+        t = t + r.launch_overhead_s
+        t[self._zero] = 0.0
+        t.setflags(write=False)
+        self._op_time_cache[key] = t
+        return t
+
+    # ---------------------------------------------------------- communication
+    def transfer_time(self, nbytes: float, src_device: int, dst_device: int) -> float:
+        """Latency + bytes / bandwidth between two devices (0 on the same device)."""
+        if src_device == dst_device or nbytes <= 0:
+            return 0.0
+        topo = self.topology
+        return float(topo.latency[src_device, dst_device] + nbytes / topo.bandwidth[src_device, dst_device])
+
+    def _ring_coeffs(self, devices: Sequence[int]) -> tuple[float, float, int]:
+        """(slowest link bandwidth, largest hop latency, n) of a ring over DEVICES ordered by host."""
+        devs = sorted(devices, key=lambda d: (self._dev_host[d], d))
+        n = len(devs)
+        src = np.array(devs)
+        dst = np.roll(src, -1)
+        bw = float(np.min(self.topology.bandwidth[src, dst]))
+        lat = float(np.max(self.topology.latency[src, dst]))
+        return bw, lat, n
+
+    def allreduce_coeffs(self, devices: Sequence[int]) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Linear models (fixed seconds, seconds per byte) of ring and hierarchical all-reduce over DEVICES.
+
+        ring: 2(n-1) steps of bytes/n each over the slowest link of a ring ordered by host.
+        hierarchical: reduce-scatter inside each host, ring all-reduce of the full bytes across hosts
+        (one stream per host link), all-gather inside each host.
+        """
+        devices = list(dict.fromkeys(int(d) for d in devices))
+        n = len(devices)
+        if n <= 1:
+            return (0.0, 0.0), (0.0, 0.0)
+        bw, lat, _ = self._ring_coeffs(devices)
+        ring = (2 * (n - 1) * lat, 2 * (n - 1) / n / bw)
+        hosts: dict[int, list[int]] = {}
+        for d in devices:
+            hosts.setdefault(int(self._dev_host[d]), []).append(d)
+        if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):
+            return ring, ring
+        # inside hosts: (k-1)/k of the bytes twice (reduce-scatter + all-gather), slowest host dominates
+        intra_fixed, intra_per_byte = 0.0, 0.0
+        for h, devs in hosts.items():
+            k = len(devs)
+            if k > 1:
+                bw_h, lat_h, _ = self._ring_coeffs(devs)
+                intra_fixed = max(intra_fixed, 2 * (k - 1) * lat_h)
+                intra_per_byte = max(intra_per_byte, 2 * (k - 1) / k / bw_h)
+        leaders = [devs[0] for _, devs in sorted(hosts.items())]
+        hb, hl, m = self._ring_coeffs(leaders)
+        hier = (intra_fixed + 2 * (m - 1) * hl, intra_per_byte + 2 * (m - 1) / m / hb)
+        return ring, hier
+
+    def allreduce_time(self, nbytes: float, devices: Sequence[int]) -> float:
+        """Best of ring and hierarchical all-reduce of NBYTES (per device) over DEVICES."""
+        if nbytes <= 0:
+            return 0.0
+        (a1, b1), (a2, b2) = self.allreduce_coeffs(devices)
+        return float(min(a1 + b1 * nbytes, a2 + b2 * nbytes))
+
+    def ps_coeffs(self, workers: Sequence[int], ps_device: int) -> tuple[float, float]:
+        """Linear model (fixed s, s per byte) of ONE direction (push or pull) of parameter-server traffic.
+
+        Every remote worker's bytes cross the PS host's link, one after another (the bottleneck is the sum
+        of bytes through the PS host's NIC / its fastest link); workers on the PS's own host share its
+        intra-host interconnect likewise; a single transfer can be no faster than its own path.
+        """
+        topo = self.topology
+        others = [int(w) for w in dict.fromkeys(workers) if int(w) != int(ps_device)]
+        if not others:
+            return 0.0, 0.0
+        ph = int(self._dev_host[ps_device])
+        remote = [w for w in others if self._dev_host[w] != ph]
+        local = [w for w in others if self._dev_host[w] == ph]
+        fixed = max(float(topo.latency[w, ps_device]) for w in others)
+        per_byte = max(1.0 / float(topo.bandwidth[w, ps_device]) for w in others)
+        if remote:
+            nic_bw = self.nic_bandwidth(ph)
+            per_byte = max(per_byte, len(remote) / nic_bw)
+        if local:
+            per_byte = max(per_byte, len(local) / float(self._host_intra_bw[ph]))
+        return fixed, per_byte
+
+    def nic_bandwidth(self, host: int) -> float:
+        """Bandwidth of a host's network interface: its fastest link to any other host."""
+        hb = self.topology.host_bandwidth
+        if hb.shape[0] <= 1:
+            return float("inf")
+        row = np.delete(hb[host], host)
+        return float(np.max(row))
+
+    def ps_time(self, nbytes: float, workers: Sequence[int], ps_device: int) -> float:
+        """Push of NBYTES from every worker to PS_DEVICE plus the pull back (all share the PS's links)."""
+        if nbytes <= 0:
+            return 0.0
+        a, b = self.ps_coeffs(workers, ps_device)
+        return float(2 * (a + b * nbytes)) if b > 0 else 0.0
+
+    def allgather_coeffs(self, devices: Sequence[int]) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Linear models (fixed s, s per byte of ONE device's block) of ring and hierarchical all-gather.
+
+        ring: (n-1) steps over the slowest link of a ring ordered by host. hierarchical: gather inside each
+        host, ring across hosts carrying each host's gathered blocks, broadcast the rest inside each host.
+        """
+        devices = list(dict.fromkeys(int(d) for d in devices))
+        n = len(devices)
+        if n <= 1:
+            return (0.0, 0.0), (0.0, 0.0)
+        bw, lat, _ = self._ring_coeffs(devices)
+        ring = ((n - 1) * lat, (n - 1) / bw)
+        hosts: dict[int, list[int]] = {}
+        for d in devices:
+            hosts.setdefault(int(self._dev_host[d]), []).append(d)
+        if len(hosts) == 1 or len(hosts) == n:
+            return ring, ring
+        intra_fixed = intra_pb = 0.0
+        for devs in hosts.values():
+            k = len(devs)
+            if k > 1:
+                bw_h, lat_h, _ = self._ring_coeffs(devs)
+                intra_fixed = max(intra_fixed, 2 * (k - 1) * lat_h)
+                intra_pb = max(intra_pb, ((k - 1) + (n - k)) / bw_h)
+        leaders = [devs[0] for _, devs in sorted(hosts.items())]
+        hb, hl, m = self._ring_coeffs(leaders)
+        kmax = max(len(v) for v in hosts.values())
+        return ring, (intra_fixed + (m - 1) * hl, intra_pb + (m - 1) * kmax / hb)
+
+    def allgather_time(self, nbytes_per_device: float, devices: Sequence[int]) -> float:
+        """Time for every device of DEVICES to receive every other device's NBYTES_PER_DEVICE block."""
+        if nbytes_per_device <= 0:
+            return 0.0
+        (a1, b1), (a2, b2) = self.allgather_coeffs(devices)
+        return float(min(a1 + b1 * nbytes_per_device, a2 + b2 * nbytes_per_device))
+
+    def compute_time(self, device_group: int, batch: float, ops: Iterable[int] | None = None) -> float:
+        """Sum of op times (all ops, or OPS) on one device of DEVICE_GROUP at BATCH: a serial lower bound."""
+        t = self.op_times(device_group, batch)
+        return float(t.sum() if ops is None else t[np.asarray(list(ops), dtype=np.int64)].sum())
