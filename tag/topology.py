@@ -39,7 +39,8 @@ import numpy as np
 
 from tag.errors import TopologyError
 
-MAX_FILE_BYTES = 32 * 2**20     # larger files are rejected before parsing
+MAX_FILE_BYTES = 8 * 2**20      # larger files are rejected before parsing (Python's text parser
+                                # takes seconds per MiB; a 512-host file is about 100 KiB)
 MAX_DEVICES = 4096              # tag keeps dense device x device matrices
 MAX_GROUP_COUNT = 4096
 
@@ -162,8 +163,8 @@ def _read_text(path: str) -> str:
     except (OSError, ValueError) as e:
         raise _error(path, None, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
     if len(data) > MAX_FILE_BYTES:
-        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB); "
-                                 "a topology file is a few kilobytes")
+        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB; a 512-host "
+                                 "cluster file is about 100 KiB)")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -198,6 +199,7 @@ def _q(value: Any) -> str:
 
 
 _UNKNOWN_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "([^"]*)"')
+_UNKNOWN_ENUM = re.compile(r'Enum type "([\w.]+)" has no value named (.*?)\.?$')
 
 
 def _parse_error_message(e: Exception, text: str, pb2: Any) -> str:
@@ -221,18 +223,28 @@ def _parse_error_message(e: Exception, text: str, pb2: Any) -> str:
     if m:
         try:
             desc = pb2.DESCRIPTOR.pool.FindMessageTypeByName(m.group(1))
-            msg += f" (fields of {desc.name}: {', '.join(f.name for f in desc.fields)})"
+            msg = (f"unknown field {_q(m.group(2))} in {desc.name} "
+                   f"(its fields: {', '.join(f.name for f in desc.fields)})")
         except KeyError:
             pass
         if m.group(1) == "tag.Interconnect" and m.group(2) == "bandwidth_gbps":
             msg += "; inside a host bandwidth is in GB/s: bandwidth_gbs"
         elif m.group(1) in ("tag.Link", "tag.Fabric") and m.group(2) == "bandwidth_gbs":
             msg += "; between hosts bandwidth is in Gbit/s: bandwidth_gbps"
+    m = _UNKNOWN_ENUM.search(msg)
+    if m:
+        try:
+            enum = pb2.DESCRIPTOR.pool.FindEnumTypeByName(m.group(1))
+            allowed = [v.name for v in enum.values if v.number != 0]
+            msg = (f"unknown {enum.full_name.removeprefix('tag.')} value {_q(m.group(2))} "
+                   f"(expected one of: {', '.join(allowed)})")
+        except KeyError:
+            pass
     head = text.lstrip()[:1]
     if head in ("{", "["):
-        msg += " (this looks like JSON; topology files are protobuf text format: host { name: \"a\" ... })"
-    elif text.lstrip().startswith("---") or re.search(r"^\s*- \w+:", text, re.M):
-        msg += " (this looks like YAML; topology files are protobuf text format: host { name: \"a\" ... })"
+        msg += " -- this looks like JSON, but topology files are protobuf text format: host { name: \"a\" ... }"
+    elif text.lstrip().startswith("---") or re.search(r"^\s*(- \w+:|\w+:\s*$)", text, re.M):
+        msg += " -- this looks like YAML, but topology files are protobuf text format: host { name: \"a\" ... }"
     return msg
 
 
@@ -387,7 +399,7 @@ class _Checker:
         if value <= 0:
             raise self.fail(loc, f"{what}: {name} must be positive, got {value:g}")
         if value > limit:
-            raise self.fail(loc, f"{what}: {name} = {value:g} is implausibly large (limit {limit:g})")
+            raise self.fail(loc, f"{what}: {name} = {value:g} is implausibly large (limit {limit:,.0f})")
         return value
 
     def latency(self, msg: Any, loc: tuple, what: str) -> float:
@@ -400,7 +412,7 @@ class _Checker:
         if value < 0:
             raise self.fail(loc, f"{what}: latency_us must not be negative, got {value:g}")
         if value > 1e9:
-            raise self.fail(loc, f"{what}: latency_us = {value:g} is implausibly large (limit 1e+09)")
+            raise self.fail(loc, f"{what}: latency_us = {value:g} is implausibly large (limit 1,000,000,000)")
         return value * MICROSECOND
 
 
@@ -438,8 +450,11 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
             raise check.fail(loc, f"{what}: missing address (hostname or IP address of its TF server)")
         address = _normalise_address(h.address)
         if address is None:
+            hint = ""
+            if re.fullmatch(r"[^:]+:\d+", h.address):
+                hint = " (give the port in port:, not in the address)"
             raise check.fail(loc + ("address",), f"{what}: address {_q(h.address)} is neither an IP "
-                                                 "address nor a valid hostname")
+                                                 f"address nor a valid hostname{hint}")
         if not h.HasField("port"):
             raise check.fail(loc, f"{what}: missing port")
         if not 1 <= h.port <= 65535:
