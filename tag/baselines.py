@@ -24,8 +24,11 @@ The four strategies:
   a host); a linear-partition dynamic programme minimises the slowest stage, where a stage costs its
   groups' compute time on its device (cost-model op times at the full batch) plus the time to send
   the tensors crossing its outgoing cut to the next device; ties go to the smaller total, which
-  prefers cuts with few bytes. A device may get an empty stage when that is faster. Colocation sets
-  are never split (a set split by the grouping goes to its first op's device).
+  prefers cuts with few bytes. A stage whose rough memory (variables, trainable ones twice for their
+  gradients, plus the forward activations at the full batch) exceeds its device's memory is ruled
+  out, unless no split fits at all. Stages are non-empty and fill the first devices in order; fewer than
+  all devices are used when there are fewer op groups than devices or when that is faster. Colocation
+  sets are never split (a set split by the grouping goes to its first op's device).
 """
 from __future__ import annotations
 
@@ -153,6 +156,17 @@ def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: G
         per_group = np.bincount(gof, weights=_op_times(cost_model, topology, dg, batch), minlength=k_groups)
         prefix[dg] = np.concatenate([[0.0], np.cumsum(per_group[order])])
 
+    # Rough bytes each group keeps on its device: variables (trainable ones twice: weight + gradient),
+    # and the forward activations held for the backward pass. Stages that exceed a device's memory
+    # are ruled out (unless nothing fits; the simulator has the exact memory model).
+    held = np.zeros(k_groups)
+    for v in graph.variables:
+        held[gof[v.op]] += v.nbytes * (2 if v.kind == "trainable" else 1)
+    for i, op in enumerate(graph.ops):
+        if op.phase == "forward":
+            held[gof[i]] += sum(t.nbytes.at(batch) for t in op.outputs)
+    held_prefix = np.concatenate([[0.0], np.cumsum(held[order])])
+
     # Bytes crossing the cut after position p (edges in either direction, at the full batch).
     diff = np.zeros(k_groups + 1)
     for e in graph.edges:
@@ -165,45 +179,11 @@ def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: G
     cut_bytes = np.cumsum(diff)[:k_groups]           # cut_bytes[p]: between positions p and p+1
 
     devices = list(range(topology.num_devices))
-    n_dev = len(devices)
-    # best[e]: (max stage cost, total cost) of placing positions [0, e) on the devices so far.
-    best_max = np.full(k_groups + 1, np.inf)
-    best_sum = np.full(k_groups + 1, np.inf)
-    best_max[0] = best_sum[0] = 0.0
-    choice = np.zeros((n_dev, k_groups + 1), dtype=np.int64)   # start position of device j's stage
-    s_idx, e_idx = np.meshgrid(np.arange(k_groups + 1), np.arange(k_groups + 1), indexing="ij")
-    valid = s_idx <= e_idx
-    for j, d in enumerate(devices):
-        p = prefix[topology.devices[d].group]
-        compute = p[e_idx] - p[s_idx]
-        if j + 1 < n_dev:
-            nxt = devices[j + 1]
-            bw, lat = float(topology.bandwidth[d, nxt]), float(topology.latency[d, nxt])
-            # a non-empty stage [s, e) with e < K sends the bytes crossing the cut after position e-1
-            send = np.zeros(k_groups + 1)
-            send[1:k_groups] = cut_bytes[: k_groups - 1] / bw + lat
-            stage = compute + np.where(s_idx < e_idx, send[e_idx], 0.0)
-        else:
-            stage = compute
-        if j + 1 == n_dev:   # the last device must take everything that is left
-            stage = np.where(e_idx == k_groups, stage, np.inf)
-        m = np.where(valid, np.maximum(best_max[s_idx], stage), np.inf)
-        t = np.where(valid, best_sum[s_idx] + stage, np.inf)
-        col_min = m.min(axis=0)
-        tol = np.abs(col_min) * 1e-9 + 1e-15
-        t_masked = np.where(m <= col_min + tol, t, np.inf)
-        start = np.argmin(t_masked, axis=0)
-        choice[j] = start
-        cols = np.arange(k_groups + 1)
-        best_max, best_sum = m[start, cols], t[start, cols]
-
-    # Walk back: device of each position.
-    device_of_pos = np.empty(k_groups, dtype=np.int64)
-    e = k_groups
-    for j in range(n_dev - 1, -1, -1):
-        s = choice[j, e]
-        device_of_pos[s:e] = devices[j]
-        e = s
+    if k_groups == 0:
+        return np.zeros(n_ops, dtype=np.int64)
+    device_of_pos = _linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, True)
+    if device_of_pos is None:     # no split fits in memory: balance time alone
+        device_of_pos = _linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, False)
     device_of_op = device_of_pos[pos_of_group[gof]]
 
     # Colocation sets stay together: a set the grouping split goes to its first op's device.
@@ -214,3 +194,55 @@ def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: G
             device_of_op[members] = device_of_op[members[0]]
     assert len(device_of_op) == n_ops
     return device_of_op
+
+
+def _linear_partition(topology: "Topology", devices: list[int], k_groups: int, prefix: dict,
+                      cut_bytes: np.ndarray, held_prefix: np.ndarray, fit_memory: bool) -> np.ndarray | None:
+    """Minimax linear partition of K positions over the first devices (see balanced_partition)."""
+    n_use = min(len(devices), k_groups)              # every stage holds at least one group
+    # after device j: best_max[e], best_sum[e] = (slowest stage, total) of positions [0, e) on devices 0..j
+    best_max = np.full(k_groups + 1, np.inf)
+    best_sum = np.full(k_groups + 1, np.inf)
+    best_max[0] = best_sum[0] = 0.0
+    choice = np.zeros((n_use, k_groups + 1), dtype=np.int64)   # start position of device j's stage
+    s_idx, e_idx = np.meshgrid(np.arange(k_groups + 1), np.arange(k_groups + 1), indexing="ij")
+    valid = s_idx < e_idx
+    cols = np.arange(k_groups + 1)
+    finished: list[tuple[float, float, int]] = []    # (slowest stage, total, devices used) covering all
+    for j in range(n_use):
+        d = devices[j]
+        p = prefix[topology.devices[d].group]
+        stage = p[e_idx] - p[s_idx]
+        if fit_memory:
+            over = held_prefix[e_idx] - held_prefix[s_idx] > topology.devices[d].memory_bytes
+            stage = np.where(over, np.inf, stage)
+        if j + 1 < len(devices):
+            nxt = devices[j + 1]
+            bw, lat = float(topology.bandwidth[d, nxt]), float(topology.latency[d, nxt])
+            # a stage [s, e) with e < K sends the bytes crossing the cut after position e-1 to the next device
+            send = np.zeros(k_groups + 1)
+            send[1:k_groups] = cut_bytes[: k_groups - 1] / bw + lat
+            stage = stage + send[e_idx]
+        m = np.where(valid, np.maximum(best_max[s_idx], stage), np.inf)
+        t = np.where(valid, best_sum[s_idx] + stage, np.inf)
+        col_min = m.min(axis=0)
+        t_masked = np.where(m <= col_min + np.abs(col_min) * 1e-9 + 1e-15, t, np.inf)
+        start = np.argmin(t_masked, axis=0)
+        choice[j] = start
+        best_max, best_sum = m[start, cols], t[start, cols]
+        if np.isfinite(best_max[k_groups]):
+            finished.append((float(best_max[k_groups]), float(best_sum[k_groups]), j + 1))
+    if not finished:
+        return None
+    lowest = min(f[0] for f in finished)
+    near = [f for f in finished if f[0] <= lowest * (1 + 1e-9) + 1e-15]
+    used = min(near, key=lambda f: (f[1], f[2]))[2]
+
+    # Walk back: device of each position.
+    device_of_pos = np.empty(k_groups, dtype=np.int64)
+    e = k_groups
+    for j in range(used - 1, -1, -1):
+        s = int(choice[j, e])
+        device_of_pos[s:e] = devices[j]
+        e = s
+    return device_of_pos

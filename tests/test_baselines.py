@@ -1,13 +1,15 @@
 """Built-in strategies (tag.baselines) and the strategy protobuf round trip."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from tag.baselines import (BUILTIN_STRATEGIES, best_connected_device, builtin_strategy, fastest_device,
                            group_order, topological_op_order)
 from tag.errors import StrategyError
-from tag.ir import Edge, Linear, OpInfo, TensorInfo, TrainingGraph
+from tag.ir import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
 from tag.strategy import Action, Grouping, Strategy
 from tag.topology import Device, DeviceGroup, Host, Topology
 
@@ -136,6 +138,22 @@ def test_partition_prefers_cheap_cuts():
     grouping = Grouping(np.arange(4), ["a", "b", "c", "d"])
     s = builtin_strategy("partition", tg, topo, grouping, cost_model=FlopCostModel(tg, topo))
     assert [s.partition[i] for i in range(4)] == [0, 1, 1, 1]
+
+
+def test_partition_respects_device_memory():
+    # 4 equal ops on 4 equal devices would go 1 per device; on 2 devices 2 per device. Here device 0 has
+    # room for the weights of one op only, so it takes op0 and device 1 the other three.
+    topo = make_topology([("h0", "V", 1, 1e12), ("h0", "W", 1, 1e12)], intra_bw=1e15)
+    topo.devices[0] = dataclasses.replace(topo.devices[0], memory_bytes=3 * 2**30)
+    tg = chain_graph(4, act_bytes=0.0)
+    tg.variables = [VariableInfo(f"w{i}", i, (2**28,), "float32", 2**30, "trainable") for i in range(4)]
+    grouping = Grouping(np.arange(4), ["a", "b", "c", "d"])
+    s = builtin_strategy("partition", tg, topo, grouping, cost_model=FlopCostModel(tg, topo))
+    assert [s.partition[i] for i in range(4)] == [0, 1, 1, 1]
+    # when nothing fits, time alone decides
+    topo.devices[1] = dataclasses.replace(topo.devices[1], memory_bytes=2**30)
+    s = builtin_strategy("partition", tg, topo, grouping, cost_model=FlopCostModel(tg, topo))
+    assert [s.partition[i] for i in range(4)] == [0, 0, 1, 1]
 
 
 def test_partition_keeps_colocation_sets_together():
