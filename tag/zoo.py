@@ -73,6 +73,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -202,9 +203,14 @@ def _build_keras_cnn(name: str, batch_size: int, *, image_size: int | None = Non
         raise GraphError(f"model '{name}': image_size {size} is below its minimum {min_size}")
     x = v1.placeholder(tf.float32, [batch_size, size, size, 3], name="input")
     labels = v1.placeholder(tf.int32, [batch_size], name="labels")
-    with tf_keras.backend.learning_phase_scope(1):
-        model = getattr(tf_keras.applications, app)(weights=None, input_tensor=x, classes=num_classes,
-                                                    classifier_activation=None)
+    # Learning phase 1 while the model is built on our placeholder: BatchNorm in training mode with
+    # no learning-phase cond. (Keras calls the scope deprecated in favour of training=True, which
+    # would need a second, unused copy of the model graph built on Keras' own Input placeholder.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*learning_phase_scope.*")
+        with tf_keras.backend.learning_phase_scope(1):
+            model = getattr(tf_keras.applications, app)(weights=None, input_tensor=x, classes=num_classes,
+                                                        classifier_activation=None)
     updates = list(model.updates)
     _finish(_xent(model.output, labels), v1.train.MomentumOptimizer(learning_rate, momentum), updates)
 
@@ -508,8 +514,12 @@ def load_graph_def(path: str | os.PathLike) -> "tf.compat.v1.GraphDef":
     raise errors[_parse_text] if _looks_like_text(data) else errors[_parse_binary]
 
 
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v")
+
+
 def _looks_like_text(data: bytes) -> bool:
-    if b"\0" in data:
+    """UTF-8 without control characters other than whitespace (binary protobufs are full of them)."""
+    if data.translate(None, _CONTROL_BYTES) != data:
         return False
     try:
         data.decode("utf-8")
