@@ -1,0 +1,615 @@
+"""A multi-host testbed on one Linux machine: a network namespace per host, shaped links, TF servers.
+
+Each host of a topology gets its own network namespace with one interface, ``eth0``, plugged into a
+bridge in the root namespace through a veth pair. Addresses come from the benchmarking range
+198.18.0.0/15 (RFC 2544), one /24 per testbed (bridge ``.1``, hosts ``.2``, ``.3``, ...), so the
+testbed never collides with real networks. On every host's ``eth0`` egress an HTB qdisc holds one
+class per destination host, selected by a u32 filter on the destination address, whose rate is the
+bandwidth the topology declares for that pair; each pair therefore sees its own declared bandwidth in
+each direction, as the cost model assumes (no shared NIC). Latency: the topology's ``latency_us`` is
+one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
+``sch_netem``. Without it (e.g. minimal VM kernels) links are bandwidth-shaped only,
+``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of microseconds.
+Traffic to and from the root namespace (the client session) is not shaped.
+
+Rates are link rates, as on a real NIC: TCP goodput is about 1448/1514 = 95.6% of them (Ethernet,
+IP and TCP headers at MTU 1500).
+
+Optional CPU shares per host (cgroup v1, ``/sys/fs/cgroup/cpu``) make some hosts slower under
+contention -- a coarse stand-in for slower devices on a machine whose cores everyone shares.
+
+Needs root and iproute2 (``ip``, ``tc``); nothing is installed. Everything is torn down on exit, even
+after an error; ``cleanup_stale()`` removes what a killed run left behind (names ``tag<pid>t<n>...``).
+
+Example::
+
+    import tag
+    from tag.testbed import Testbed
+    from tag.runtime import run_steps
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    with Testbed(topo) as tb:                     # namespaces, bridge, shaped veths
+        print(tb.measure_bandwidth("cpu0", "cpu1") * 8 / 1e9, "Gbit/s")
+        tb.start_workers()                        # one tag-worker per namespace
+        result = run_steps(graph_def, tb.target, steps=20)
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import atexit
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from tag.errors import TagError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tag.runtime import LocalCluster
+    from tag.topology import Host, Topology
+
+NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range
+BLOCK_PREFIX = 24
+CGROUP_CPU = "/sys/fs/cgroup/cpu"
+PREFIX = "tag"
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)t(\d+)(?:h\d+|br|r\d+)?$")
+_LOCK_PATH = os.path.join(tempfile.gettempdir(), "tag-testbed.lock")
+
+
+class TestbedError(TagError):
+    """The testbed cannot be built here (not root, no iproute2, no namespaces) or a step failed."""
+
+    __test__ = False  # not a pytest test class
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise TestbedError(f"{cmd[0]} not found: the testbed needs iproute2 (ip, tc)") from None
+    if check and res.returncode != 0:
+        msg = " ".join((res.stderr or res.stdout).split())
+        raise TestbedError(f"`{' '.join(cmd)}` failed: {msg}")
+    return res
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_AVAILABLE: tuple[bool, str] | None = None
+
+
+def testbed_available() -> tuple[bool, str]:
+    """(True, "") when this machine can build a testbed, else (False, why). Cached; creates and removes
+    one probe namespace."""
+    global _AVAILABLE
+    if _AVAILABLE is not None:
+        return _AVAILABLE
+    if sys.platform != "linux":
+        _AVAILABLE = (False, "the testbed needs Linux network namespaces")
+    elif os.geteuid() != 0:
+        _AVAILABLE = (False, "the testbed needs root (network namespaces, tc)")
+    elif not (shutil.which("ip") and shutil.which("tc")):
+        _AVAILABLE = (False, "the testbed needs iproute2's `ip` and `tc` on PATH")
+    else:
+        probe = f"{PREFIX}{os.getpid()}t99h0"
+        res = _run(["ip", "netns", "add", probe], check=False)
+        if res.returncode != 0:
+            _AVAILABLE = (False, f"cannot create a network namespace: {' '.join(res.stderr.split())}")
+        else:
+            _run(["ip", "netns", "del", probe], check=False)
+            _AVAILABLE = (True, "")
+    return _AVAILABLE
+
+
+testbed_available.__test__ = False  # type: ignore[attr-defined]
+
+
+def _used_blocks() -> set[int]:
+    """Indices of the /24 blocks of 198.18.0.0/15 already routed in the root namespace."""
+    used = set()
+    out = _run(["ip", "-4", "-o", "route", "show", "table", "all"], check=False).stdout
+    out += _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    for m in re.finditer(r"(\d+\.\d+\.\d+\.\d+)(?:/(\d+))?", out):
+        try:
+            net = ipaddress.ip_network(f"{m.group(1)}/{m.group(2) or 32}", strict=False)
+        except ValueError:
+            continue
+        if not net.overlaps(NET):
+            continue
+        lo = max(int(net.network_address), int(NET.network_address))
+        hi = min(int(net.broadcast_address), int(NET.broadcast_address))
+        for k in range((lo - int(NET.network_address)) >> 8, ((hi - int(NET.network_address)) >> 8) + 1):
+            used.add(k)
+    return used
+
+
+def _parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
+    if cpu_shares is None:
+        return None
+    names = [h.name for h in hosts]
+    if isinstance(cpu_shares, Mapping):
+        unknown = [k for k in cpu_shares if k not in names]
+        if unknown:
+            raise TestbedError(f"cpu_shares names unknown hosts {unknown}; known hosts: {', '.join(names)}")
+        shares = {n: int(cpu_shares.get(n, 1024)) for n in names}
+    else:
+        values = list(cpu_shares)
+        if len(values) != len(names):
+            raise TestbedError(f"cpu_shares has {len(values)} entries for {len(names)} hosts")
+        shares = dict(zip(names, (int(v) for v in values)))
+    bad = {n: s for n, s in shares.items() if not 2 <= s <= 262144}
+    if bad:
+        raise TestbedError(f"cpu shares must be in [2, 262144] (1024 = one normal share): {bad}")
+    return shares
+
+
+_RECEIVER = r"""
+import json, socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+s.settimeout(float(sys.argv[2]))
+c, _ = s.accept(); c.settimeout(float(sys.argv[2]))
+n, t0, t1 = 0, None, None
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    t1 = time.perf_counter()
+    if t0 is None:
+        t0, first = t1, len(b)
+    n += len(b)
+print(json.dumps({"bytes": n, "first": first if t0 else 0, "seconds": (t1 - t0) if t0 else 0.0}), flush=True)
+"""
+
+_SENDER = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+buf, limit, budget = b"\0" * (1 << 16), float(sys.argv[3]), int(sys.argv[4])
+t, sent = time.perf_counter(), 0
+while time.perf_counter() - t < limit and sent < budget:
+    c.sendall(buf); sent += len(buf)
+c.close()
+"""
+
+
+_ECHO = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+s.settimeout(60)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    b = c.recv(1)
+    if not b:
+        break
+    c.sendall(b)
+"""
+
+_PING = r"""
+import socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(int(sys.argv[3]) + 2):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); times.append(time.perf_counter() - t)
+c.close()
+print(statistics.median(times[2:]))
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Testbed
+# ----------------------------------------------------------------------------------------------
+
+_LIVE: "set[Testbed]" = set()
+_LIVE_LOCK = threading.Lock()
+_COUNTER = 0
+
+
+def _teardown_all() -> None:
+    with _LIVE_LOCK:
+        beds = list(_LIVE)
+    for tb in beds:
+        try:
+            tb.close()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+atexit.register(_teardown_all)
+
+
+class Testbed:
+    """Network namespaces, a bridge and shaped veth links that emulate TOPOLOGY's hosts and links.
+
+    ``with Testbed(topo) as tb:`` builds it; ``tb.topology`` is a copy of the topology whose host
+    addresses are the namespaces' IPs; ``tb.start_workers()`` runs one TF server per host inside its
+    namespace and returns ``tb.target`` (task 0, reachable from the root namespace);
+    ``tb.measure_bandwidth(a, b)`` measures a TCP stream between two hosts. ``shape_links=False``
+    leaves links at veth speed. ``cpu_shares``: host name -> cgroup v1 cpu.shares (1024 = normal),
+    or a list in host order.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, topology: "Topology", shape_links: bool = True,
+                 cpu_shares: Mapping[str, int] | Sequence[int] | None = None):
+        if not topology.hosts:
+            raise TestbedError(f"topology {topology.name!r} has no hosts")
+        if len(topology.hosts) > 250:
+            raise TestbedError(f"the testbed supports at most 250 hosts, the topology has {len(topology.hosts)}")
+        self.source = topology
+        self.shape_links = bool(shape_links)
+        self.cpu_shares = _parse_shares(cpu_shares, topology.hosts)
+        self.latency_shaped = False
+        self.topology: "Topology | None" = None
+        self.target: str | None = None
+        self.cluster: "LocalCluster | None" = None
+        self._token: str | None = None
+        self._block: ipaddress.IPv4Network | None = None
+        self._created: list[tuple[str, str]] = []  # ("netns"|"link"|"cgroup", name) in creation order
+        self._hosts_by_name: dict[str, int] = {h.name: i for i, h in enumerate(topology.hosts)}
+
+    # -- naming --------------------------------------------------------------------------------
+    def namespace(self, host: str | int) -> str:
+        """Network-namespace name of a host (by name or index in ``topology.hosts``)."""
+        return f"{PREFIX}{self._token}h{self._index(host)}"
+
+    def address(self, host: str | int) -> str:
+        """IP address of a host inside the testbed."""
+        assert self._block is not None, "testbed not set up"
+        return str(self._block.network_address + 2 + self._index(host))
+
+    def _index(self, host: str | int) -> int:
+        if isinstance(host, int):
+            if not 0 <= host < len(self.source.hosts):
+                raise TestbedError(f"host index {host} out of range (0..{len(self.source.hosts) - 1})")
+            return host
+        if host not in self._hosts_by_name:
+            raise TestbedError(f"unknown host {host!r}; known hosts: {', '.join(self._hosts_by_name)}")
+        return self._hosts_by_name[host]
+
+    @property
+    def bridge(self) -> str:
+        return f"{PREFIX}{self._token}br"
+
+    def _veth(self, i: int) -> str:
+        return f"{PREFIX}{self._token}r{i}"
+
+    def _cgroup(self, i: int | None = None) -> str:
+        base = os.path.join(CGROUP_CPU, f"{PREFIX}{self._token}")
+        return base if i is None else os.path.join(base, f"h{i}")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "Testbed":
+        self.setup()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def setup(self) -> "Testbed":
+        """Build namespaces, bridge, veths, shaping and cgroups. On any failure, tears down and raises."""
+        ok, why = testbed_available()
+        if not ok:
+            raise TestbedError(why)
+        if self._token is not None:
+            raise TestbedError("this testbed is already set up")
+        global _COUNTER
+        with _LIVE_LOCK:
+            self._token = f"{os.getpid()}t{_COUNTER}"
+            _COUNTER += 1
+            _LIVE.add(self)
+        if len(f"{PREFIX}{self._token}r{len(self.source.hosts) - 1}") > 15:
+            raise TestbedError("interface names would exceed 15 characters (too many testbeds in one process)")
+        try:
+            self._build_network()
+            if self.shape_links:
+                self._shape()
+            if self.cpu_shares is not None:
+                self._make_cgroups()
+            hosts = [dataclasses.replace(h, address=self.address(i)) for i, h in enumerate(self.source.hosts)]
+            self.topology = dataclasses.replace(self.source, hosts=hosts)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build_network(self) -> None:
+        with open(_LOCK_PATH, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one subnet per testbed, across processes
+            used = _used_blocks()
+            n_blocks = 1 << (BLOCK_PREFIX - NET.prefixlen)
+            start = (os.getpid() * 7 + int(self._token.split("t")[1])) % n_blocks
+            for off in range(n_blocks):
+                k = (start + off) % n_blocks
+                if k not in used:
+                    break
+            else:
+                raise TestbedError("no free /24 left in 198.18.0.0/15 for a testbed")
+            self._block = ipaddress.ip_network(f"{NET.network_address + (k << 8)}/{BLOCK_PREFIX}")
+            br = self.bridge
+            _run(["ip", "link", "add", br, "type", "bridge"])
+            self._created.append(("link", br))
+            _run(["ip", "addr", "add", f"{self._block.network_address + 1}/{BLOCK_PREFIX}", "dev", br])
+            _run(["ip", "link", "set", br, "up"])
+        for i in range(len(self.source.hosts)):
+            ns, veth = self.namespace(i), self._veth(i)
+            _run(["ip", "netns", "add", ns])
+            self._created.append(("netns", ns))
+            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            self._created.append(("link", veth))
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/{BLOCK_PREFIX}", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "link", "set", veth, "master", br, "up"])
+
+    def _shape(self) -> None:
+        n = len(self.source.hosts)
+        bw, lat = self.source.host_bandwidth, self.source.host_latency
+        netem_ok: bool | None = None
+        wants_latency = False
+        for i in range(n):
+            ns = self.namespace(i)
+            tc = ["tc", "-n", ns]
+            # No default class: unclassified traffic (to the root namespace) leaves unshaped.
+            _run(tc + ["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb"])
+            for j in range(n):
+                if j == i:
+                    continue
+                rate = float(bw[i, j])
+                minor = f"{j + 16:x}"
+                if not (rate > 0 and rate < float("inf")):
+                    continue
+                bits = max(8_000, int(round(rate * 8)))
+                quantum = int(min(max(rate / 100, 1514), 200_000))
+                burst = int(max(rate * 0.002, 15_140))  # 2 ms worth at the rate, at least 10 frames
+                _run(tc + ["class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{minor}", "htb",
+                           "rate", f"{bits}bit", "ceil", f"{bits}bit", "burst", str(burst),
+                           "cburst", str(burst), "quantum", str(quantum)])
+                delay = float(lat[i, j])
+                if delay > 0:
+                    wants_latency = True
+                    if netem_ok is not False:
+                        limit = max(1000, int(2 * rate * delay / 1500) + 100)
+                        res = _run(tc + ["qdisc", "add", "dev", "eth0", "parent", f"1:{minor}", "handle",
+                                         f"{minor}:", "netem", "delay", f"{delay * 1e6:.0f}us", "limit",
+                                         str(limit)], check=False)
+                        if res.returncode == 0:
+                            netem_ok = True
+                        elif netem_ok is None and "unknown" in res.stderr.lower():
+                            netem_ok = False
+                        else:
+                            raise TestbedError(f"tc netem on {ns} failed: {' '.join(res.stderr.split())}")
+                _run(tc + ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                           "match", "ip", "dst", f"{self.address(j)}/32", "flowid", f"1:{minor}"])
+        self.latency_shaped = bool(netem_ok) or not wants_latency
+        if wants_latency and not netem_ok:
+            warnings.warn("this kernel has no sch_netem: testbed links are bandwidth-shaped only; the declared "
+                          "latencies are not added", RuntimeWarning, stacklevel=3)
+
+    def _make_cgroups(self) -> None:
+        if not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.shares")):
+            raise TestbedError(f"cpu_shares needs the cgroup v1 cpu controller at {CGROUP_CPU}")
+        os.mkdir(self._cgroup())
+        self._created.append(("cgroup", self._cgroup()))
+        assert self.cpu_shares is not None
+        for i, h in enumerate(self.source.hosts):
+            path = self._cgroup(i)
+            os.mkdir(path)
+            self._created.append(("cgroup", path))
+            with open(os.path.join(path, "cpu.shares"), "w") as f:
+                f.write(str(self.cpu_shares[h.name]))
+
+    # -- workers ---------------------------------------------------------------------------------
+    def start_workers(self, *, threads_per_worker: int | None = None, startup_timeout_s: float = 90.0) -> str:
+        """Start one TF server per host inside its namespace (and cgroup); returns ``self.target``."""
+        if self.topology is None:
+            raise TestbedError("set up the testbed first (use it as a context manager)")
+        if self.cluster is not None:
+            raise TestbedError("workers already running; stop_workers() first")
+        from tag.runtime import LocalCluster
+
+        index = {h.name: i for i, h in enumerate(self.topology.hosts)}
+
+        def launcher(host: "Host") -> list[str]:
+            i = index[host.name]
+            prefix: list[str] = []
+            if self.cpu_shares is not None:
+                # join the host's cgroup first: `ip netns exec` remounts /sys, hiding the cgroup tree
+                prefix = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self._cgroup(i), "cgroup.procs")]
+            return prefix + ["ip", "netns", "exec", self.namespace(i)]
+
+        cluster = LocalCluster(self.topology, threads_per_worker=threads_per_worker,
+                               startup_timeout_s=startup_timeout_s, allow_remote=True, launcher=launcher)
+        cluster.start()
+        self.cluster = cluster
+        self.target = cluster.target
+        return self.target
+
+    def stop_workers(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+            self.target = None
+
+    # -- measuring -------------------------------------------------------------------------------
+    def exec(self, host: str | int, argv: Sequence[str], *, timeout: float = 60.0,
+             check: bool = True) -> subprocess.CompletedProcess:
+        """Run ARGV inside a host's namespace and return the completed process (text output)."""
+        return _run(["ip", "netns", "exec", self.namespace(host), *argv], check=check, timeout=timeout)
+
+    def measure_bandwidth(self, a: str | int, b: str | int, *, seconds: float = 1.0,
+                          max_bytes: int = 4 << 30) -> float:
+        """Bytes/s of one TCP stream from host A to host B (python sockets, between their namespaces).
+
+        Bounded by SECONDS and MAX_BYTES; the receiver times from its first to its last byte. The
+        result is TCP goodput, about 95.6% of the link rate the topology declares (header overhead).
+        """
+        if self._block is None:
+            raise TestbedError("set up the testbed first (use it as a context manager)")
+        ia, ib = self._index(a), self._index(b)
+        if ia == ib:
+            raise TestbedError("measure_bandwidth needs two different hosts")
+        wait = seconds + 30.0
+        recv = subprocess.Popen(["ip", "netns", "exec", self.namespace(ib), sys.executable, "-c", _RECEIVER,
+                                 self.address(ib), str(wait)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            port = recv.stdout.readline().strip()
+            if not port.isdigit():
+                raise TestbedError(f"bandwidth receiver in {self.namespace(ib)} failed: {recv.stderr.read().strip()}")
+            self.exec(ia, [sys.executable, "-c", _SENDER, self.address(ib), port, str(seconds), str(max_bytes)],
+                      timeout=wait)
+            out, err = recv.communicate(timeout=wait)
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+                recv.wait()
+        try:
+            stats = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise TestbedError(f"bandwidth receiver gave no result: {err.strip()}") from None
+        if stats["seconds"] <= 0:
+            raise TestbedError("bandwidth measurement received too little data to time")
+        return (stats["bytes"] - stats["first"]) / stats["seconds"]
+
+    def measure_rtt(self, a: str | int, b: str | int, *, rounds: int = 20) -> float:
+        """Median seconds of a 1-byte TCP request/response from host A to host B and back."""
+        if self._block is None:
+            raise TestbedError("set up the testbed first (use it as a context manager)")
+        ia, ib = self._index(a), self._index(b)
+        if ia == ib:
+            raise TestbedError("measure_rtt needs two different hosts")
+        echo = subprocess.Popen(["ip", "netns", "exec", self.namespace(ib), sys.executable, "-c", _ECHO,
+                                 self.address(ib)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            port = echo.stdout.readline().strip()
+            if not port.isdigit():
+                raise TestbedError(f"echo server in {self.namespace(ib)} failed: {echo.stderr.read().strip()}")
+            res = self.exec(ia, [sys.executable, "-c", _PING, self.address(ib), port, str(int(rounds))])
+            return float(res.stdout.strip().splitlines()[-1])
+        finally:
+            if echo.poll() is None:
+                echo.kill()
+            echo.wait()
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice."""
+        errors: list[str] = []
+        try:
+            self.stop_workers()
+        except Exception as err:  # noqa: BLE001 - keep tearing down
+            errors.append(f"stopping workers: {err}")
+        created, self._created = self._created, []
+        for kind, name in created:
+            if kind == "netns":
+                _kill_netns_processes(name)
+        for kind, name in reversed(created):
+            try:
+                if kind == "netns":
+                    _run(["ip", "netns", "del", name], check=False)
+                elif kind == "link":
+                    if _run(["ip", "link", "show", name], check=False).returncode == 0:
+                        _run(["ip", "link", "del", name])
+                elif kind == "cgroup":
+                    _rmdir_cgroup(name)
+            except Exception as err:  # noqa: BLE001
+                errors.append(str(err))
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        self.topology = None
+        if errors:
+            warnings.warn(f"testbed teardown left something behind: {'; '.join(errors)}", RuntimeWarning,
+                          stacklevel=2)
+
+
+def _kill_netns_processes(ns: str) -> None:
+    res = _run(["ip", "netns", "pids", ns], check=False)
+    for tok in res.stdout.split():
+        if tok.isdigit():
+            try:
+                os.kill(int(tok), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _rmdir_cgroup(path: str) -> None:
+    if not os.path.isdir(path):
+        return
+    for _ in range(50):  # processes killed a moment ago may still be leaving the group
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.1)
+    os.rmdir(path)
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces, links and cgroups that testbeds of dead processes left behind.
+
+    Only names with tag's prefix whose owning process id is no longer alive are touched; returns
+    what was removed.
+    """
+    ok, why = testbed_available()
+    if not ok:
+        raise TestbedError(why)
+    removed: list[str] = []
+
+    def stale(name: str) -> bool:
+        m = _NAME_RE.match(name)
+        return bool(m) and not _pid_alive(int(m.group(1)))
+
+    for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if stale(name):
+            _kill_netns_processes(name)
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(f"netns {name}")
+    for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) < 2:
+            continue
+        name = parts[1].strip().split("@")[0]
+        if stale(name) and _run(["ip", "link", "del", name], check=False).returncode == 0:
+            removed.append(f"link {name}")
+    if os.path.isdir(CGROUP_CPU):
+        for name in os.listdir(CGROUP_CPU):
+            path = os.path.join(CGROUP_CPU, name)
+            if os.path.isdir(path) and stale(name):
+                for child in os.listdir(path):
+                    if os.path.isdir(os.path.join(path, child)):
+                        try:
+                            _rmdir_cgroup(os.path.join(path, child))
+                        except OSError:
+                            pass
+                try:
+                    _rmdir_cgroup(path)
+                    removed.append(f"cgroup {path}")
+                except OSError:
+                    pass
+    return removed

@@ -1,0 +1,179 @@
+"""tag.testbed: network namespaces, shaped links and TF servers inside them (needs root + iproute2)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tag.topology import parse_topology
+from tag.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
+AVAILABLE, WHY = testbed_available()
+needs_netns = pytest.mark.skipif(not AVAILABLE, reason=f"testbed unavailable: {WHY}")
+
+
+def topo(n=2, fabric_gbps=0.2, latency_us=0, links=""):
+    hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24100 + i} {CPU} }}' for i in range(n))
+    return parse_topology(f'name: "tb"\n{hosts}\nfabric {{ bandwidth_gbps: {fabric_gbps} latency_us: {latency_us} }}\n'
+                          f"{links}")
+
+
+def netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()}
+
+
+def link_names() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
+
+
+def test_bad_cpu_shares_are_input_errors():
+    with pytest.raises(TestbedError, match="unknown hosts"):
+        Testbed(topo(), cpu_shares={"nope": 512})
+    with pytest.raises(TestbedError, match="2 entries for 3 hosts"):
+        Testbed(topo(3), cpu_shares=[512, 1024])
+    with pytest.raises(TestbedError, match=r"\[2, 262144\]"):
+        Testbed(topo(), cpu_shares=[1, 1024])
+
+
+@needs_netns
+def test_namespaces_exist_during_and_are_gone_after():
+    with Testbed(topo(3)) as tb:
+        names = {tb.namespace(i) for i in range(3)}
+        assert names <= netns_names()
+        assert tb.bridge in link_names()
+        addrs = [h.address for h in tb.topology.hosts]
+        assert len(set(addrs)) == 3 and all(a.startswith(("198.18.", "198.19.")) for a in addrs)
+        assert [h.port for h in tb.topology.hosts] == [24100, 24101, 24102]
+        # the host's interface carries its address; the link to h1 is shaped to the declared 200 Mbit/s
+        assert addrs[0] in tb.exec("h0", ["ip", "-4", "addr", "show", "dev", "eth0"]).stdout
+        classes = tb.exec("h0", ["tc", "class", "show", "dev", "eth0"]).stdout
+        assert classes.count("rate 200Mbit") == 2
+    assert not names & netns_names()
+    assert tb.bridge not in link_names() and not any(n.startswith(tb.bridge[:-2]) for n in link_names())
+
+
+@needs_netns
+def test_teardown_after_an_error_inside_the_block():
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(topo(2), cpu_shares={"h0": 256}) as tb:
+            ns, cg = tb.namespace(0), tb._cgroup()
+            assert ns in netns_names() and os.path.isdir(cg)
+            with open(os.path.join(tb._cgroup(0), "cpu.shares")) as f:
+                assert f.read().strip() == "256"
+            raise RuntimeError("boom")
+    assert ns not in netns_names() and not os.path.exists(cg)
+
+
+@needs_netns
+@pytest.mark.slow
+def test_cleanup_stale_removes_what_a_killed_run_left():
+    code = ("import os, sys\n"
+            "from tag.topology import parse_topology\n"
+            "from tag.testbed import Testbed\n"
+            f"tb = Testbed(parse_topology({topo_text_for_child()!r})).setup()\n"
+            "print(tb.namespace(0), tb.bridge, flush=True)\n"
+            "os._exit(0)  # dies without tearing down\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    ns, bridge = out.stdout.split()
+    assert ns in netns_names() and bridge in link_names()
+    removed = cleanup_stale()
+    assert f"netns {ns}" in removed and ns not in netns_names() and bridge not in link_names()
+
+
+def topo_text_for_child() -> str:
+    return (f'host {{ name: "a" address: "127.0.0.1" port: 24200 {CPU} }}\n'
+            f'host {{ name: "b" address: "127.0.0.1" port: 24201 {CPU} }}\n'
+            "fabric { bandwidth_gbps: 1 }\n")
+
+
+@needs_netns
+@pytest.mark.slow
+def test_shaped_bandwidth_matches_the_declared_pairs():
+    """200 Mbit/s fabric, one 100 Mbit/s link: each pair measures within 15% of what it declares."""
+    t = topo(3, fabric_gbps=0.2, links='link { a: "h0" b: "h2" bandwidth_gbps: 0.1 }')
+    measured = {}
+    with Testbed(t) as tb:
+        for a, b, declared in [("h0", "h1", 200e6), ("h1", "h0", 200e6), ("h0", "h2", 100e6),
+                               ("h2", "h0", 100e6)]:
+            got = tb.measure_bandwidth(a, b, seconds=1.0) * 8
+            measured[(a, b)] = got
+            assert abs(got - declared) / declared < 0.15, (a, b, got)
+        rtt = tb.measure_rtt("h0", "h1")
+        assert 0 < rtt < 0.05
+    print(f"\nmeasured Mbit/s: { {k: round(v / 1e6, 1) for k, v in measured.items()} }, rtt {rtt * 1e6:.0f} us")
+    with Testbed(t, shape_links=False) as tb:
+        fast = tb.measure_bandwidth("h0", "h2", seconds=0.5) * 8
+    assert fast > 2 * 100e6  # unshaped veths are much faster: the shaping did the limiting
+    print(f"unshaped veth: {fast / 1e6:.0f} Mbit/s")
+
+
+@needs_netns
+def test_declared_latency_is_shaped_or_reported():
+    with pytest.warns(RuntimeWarning, match="netem") if not _has_netem() else _nothing():
+        with Testbed(topo(2, latency_us=2000)) as tb:
+            shaped = tb.latency_shaped
+            if shaped:
+                assert tb.measure_rtt("h0", "h1") >= 2 * 0.002
+    assert shaped == _has_netem()
+
+
+def _has_netem() -> bool:
+    try:
+        with open("/proc/config.gz", "rb") as f:
+            import gzip
+
+            return b"CONFIG_NET_SCH_NETEM=" in gzip.decompress(f.read())
+    except OSError:
+        return os.path.isdir("/sys/module/sch_netem")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@needs_netns
+@pytest.mark.slow
+def test_tf_cluster_inside_the_testbed_runs_a_two_task_graph():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from tag.runtime import run_steps, session_config
+    from test_runtime import learnable_input, mlp_graph, pid_alive
+
+    with Testbed(topo(2, fabric_gbps=0.5), cpu_shares={"h0": 1024, "h1": 512}) as tb:
+        target = tb.start_workers()
+        assert target == f"grpc://{tb.topology.hosts[0].address}:24100"
+        # each worker really lives in its namespace and its cgroup
+        for i, pid in enumerate(tb.cluster.pids):
+            assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{tb.namespace(i)}").st_ino
+            assert os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+            with open(os.path.join(tb._cgroup(i), "cgroup.procs")) as f:
+                assert str(pid) in f.read().split()
+        r = run_steps(mlp_graph(tasks=(0, 1)), target, steps=20, warmup=3, input_fn=learnable_input())
+        assert np.all(np.isfinite(r.losses)) and np.mean(r.losses[-5:]) < np.mean(r.losses[:5])
+        print(f"\n2-task MLP step on the testbed (500 Mbit/s): {r.mean_step_time_s * 1e3:.2f} ms")
+        g = tf.Graph()
+        outs = []
+        with g.as_default():
+            for t in range(2):
+                with tf.device(f"/job:worker/task:{t}/device:CPU:0"):
+                    outs.append(tf.raw_ops.CollectiveReduceV2(
+                        input=tf.fill([1000], float(t + 1)), group_size=2, group_key=1, instance_key=1,
+                        ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring"))
+        with tf.compat.v1.Session(target, graph=g, config=session_config()) as sess:
+            for got in sess.run(outs):
+                np.testing.assert_allclose(got, np.full(1000, 3.0))
+        pids = list(tb.cluster.pids)
+    assert not any(pid_alive(p) for p in pids)
