@@ -39,8 +39,8 @@ import numpy as np
 
 from tag.errors import TopologyError
 
-MAX_FILE_BYTES = 8 * 2**20      # larger files are rejected before parsing (Python's text parser
-                                # takes seconds per MiB; a 512-host file is about 100 KiB)
+MAX_FILE_BYTES = 2 * 2**20      # larger files are rejected before parsing: protobuf's Python text
+                                # parser takes seconds per MiB; 512 hosts with a fabric are ~100 KiB
 MAX_DEVICES = 4096              # tag keeps dense device x device matrices
 MAX_GROUP_COUNT = 4096
 
@@ -163,8 +163,8 @@ def _read_text(path: str) -> str:
     except (OSError, ValueError) as e:
         raise _error(path, None, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
     if len(data) > MAX_FILE_BYTES:
-        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB; a 512-host "
-                                 "cluster file is about 100 KiB)")
+        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB); topology files are "
+                                 "small: 512 hosts with a fabric { } take about 100 KiB")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -243,7 +243,7 @@ def _parse_error_message(e: Exception, text: str, pb2: Any) -> str:
     head = text.lstrip()[:1]
     if head in ("{", "["):
         msg += " -- this looks like JSON, but topology files are protobuf text format: host { name: \"a\" ... }"
-    elif text.lstrip().startswith("---") or re.search(r"^\s*(- \w+:|\w+:\s*$)", text, re.M):
+    elif text.lstrip().startswith("---") or re.search(r"^[ \t]*(- \w+:|\w+:[ \t]*$)", text, re.M):
         msg += " -- this looks like YAML, but topology files are protobuf text format: host { name: \"a\" ... }"
     return msg
 
@@ -389,7 +389,8 @@ class _Checker:
     def fail(self, loc: tuple, message: str) -> TopologyError:
         return _error(self.path, self.where(*loc), message)
 
-    def positive(self, msg: Any, name: str, loc: tuple, what: str, limit: float) -> float:
+    def positive(self, msg: Any, name: str, loc: tuple, what: str, limit: float, low: float = 1e-6) -> float:
+        """A required number in (0, LIMIT]; values below LOW are rejected as typos (1e-300 GiB, ...)."""
         if not msg.HasField(name):
             raise self.fail(loc, f"{what}: missing {name}")
         value = float(getattr(msg, name))
@@ -400,6 +401,8 @@ class _Checker:
             raise self.fail(loc, f"{what}: {name} must be positive, got {value:g}")
         if value > limit:
             raise self.fail(loc, f"{what}: {name} = {value:g} is implausibly large (limit {limit:,.0f})")
+        if value < low:
+            raise self.fail(loc, f"{what}: {name} = {value:g} is implausibly small (at least {low:g})")
         return value
 
     def latency(self, msg: Any, loc: tuple, what: str) -> float:
@@ -485,6 +488,8 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
             seen_types[d.type] = di
             if d.kind == topology_pb2.DeviceGroup.KIND_UNSPECIFIED:
                 raise check.fail(dloc, f"{dwhat}: missing kind (GPU or CPU)")
+            if d.kind not in (topology_pb2.DeviceGroup.GPU, topology_pb2.DeviceGroup.CPU):
+                raise check.fail(dloc + ("kind",), f"{dwhat}: unknown kind {d.kind} (GPU or CPU)")
             tf_type = topology_pb2.DeviceGroup.Kind.Name(d.kind)
             count = int(d.count) if d.HasField("count") else 1
             if count <= 0:
@@ -492,7 +497,7 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
             if count > MAX_GROUP_COUNT:
                 raise check.fail(dloc + ("count",), f"{dwhat}: count {count} is over the limit of "
                                                     f"{MAX_GROUP_COUNT}")
-            memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20)
+            memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20, low=1e-3)
             tflops = check.positive(d, "peak_tflops", dloc, dwhat, 1e6)
             membw = check.positive(d, "memory_bandwidth_gbs", dloc, dwhat, 1e7)
             if len(devices) + count > MAX_DEVICES:
@@ -518,7 +523,11 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
             iwhat = f"{what} interconnect"
             intra_bw = check.positive(h.interconnect, "bandwidth_gbs", iloc, iwhat, 1e7) * GBYTES_PER_S
             intra_lat = check.latency(h.interconnect, iloc, iwhat)
-            interconnect_kinds[h.name] = topology_pb2.Interconnect.Kind.Name(h.interconnect.kind)
+            kind = h.interconnect.kind
+            if kind not in topology_pb2.Interconnect.Kind.values():
+                names = ", ".join(n for n in topology_pb2.Interconnect.Kind.keys() if n != "INTERCONNECT_UNSPECIFIED")
+                raise check.fail(iloc + ("kind",), f"{iwhat}: unknown kind {kind} ({names})")
+            interconnect_kinds[h.name] = topology_pb2.Interconnect.Kind.Name(kind)
         elif n_host_devices > 1:
             raise check.fail(loc, f"{what} has {n_host_devices} devices but no interconnect "
                                   "{ kind: ... bandwidth_gbs: ... }")

@@ -59,6 +59,9 @@ MALFORMED = [
      "inside a host bandwidth is in GB/s: bandwidth_gbs"),
     ("bad-enum", host(body=gpu(kind="TPU")).encode(),
      ":5: unknown DeviceGroup.Kind value 'TPU' (expected one of: GPU, CPU)"),
+    ("kind-number", host(body=gpu(kind=3)).encode(), ":5: host 'a' device 'V100': unknown kind 3 (GPU or CPU)"),
+    ("interconnect-kind-number", host(body=GPU2 + "\n  interconnect {\n    kind: 9\n    bandwidth_gbs: 1\n  }").encode(),
+     ":7: host 'a' interconnect: unknown kind 9 (NVLINK, PCIE, SHARED_MEMORY, OTHER)"),
     ("unclosed", b'host {\n  name: "a"\n', ':2: Expected "}".'),
     ("double-name", b'host {\n  name: "a"\n  name: "b"\n}\n',
      ':3: Message type "tag.Host" should not have multiple "name" fields.'),
@@ -100,6 +103,8 @@ MALFORMED = [
     ("memory-missing", host(body=gpu(memory_gib=None)).encode(), ":5: host 'a' device 'V100': missing memory_gib"),
     ("memory-huge", host(body=gpu(memory_gib="1e300")).encode(),
      ":5: host 'a' device 'V100': memory_gib = 1e+300 is implausibly large (limit 1,048,576)"),
+    ("memory-tiny", host(body=gpu(memory_gib="1e-300")).encode(),
+     ":5: host 'a' device 'V100': memory_gib = 1e-300 is implausibly small (at least 0.001)"),
     ("tflops-nan", host(body=gpu(peak_tflops="nan")).encode(),
      ":5: host 'a' device 'V100': peak_tflops must be a finite number, got nan"),
     ("membw-inf", host(body=gpu(memory_bandwidth_gbs="inf")).encode(),
@@ -155,7 +160,7 @@ def test_malformed_file_gives_one_line_error(tmp_path, content, expected):
 
 def test_megabytes_of_text_garbage_is_a_short_error(tmp_path):
     path = tmp_path / "garbage.pbtxt"
-    path.write_text("x" * 3_000_000)
+    path.write_text("x" * 1_500_000)
     start = time.perf_counter()
     with pytest.raises(TopologyError) as info:
         load_topology(path)
@@ -167,7 +172,7 @@ def test_megabytes_of_text_garbage_is_a_short_error(tmp_path):
 def test_file_over_the_size_limit(tmp_path):
     path = tmp_path / "big.pbtxt"
     path.write_bytes(b"# padding\n" * (MAX_FILE_BYTES // 10 + 1))
-    with pytest.raises(TopologyError, match=r"big\.pbtxt: file too large \(over 8 MiB"):
+    with pytest.raises(TopologyError, match=r"big\.pbtxt: file too large \(over 2 MiB\)"):
         load_topology(path)
 
 
@@ -402,7 +407,7 @@ def test_generated_module_matches_the_proto(tmp_path):
 VALID = open(os.path.join(TOPOLOGIES, "lab-v100-1080ti.pbtxt"), encoding="utf-8").read()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_mutated_files_never_raise_anything_else(data):
     text = VALID
@@ -421,7 +426,7 @@ def test_mutated_files_never_raise_anything_else(data):
         assert topo.num_devices >= 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=300))
 def test_random_bytes_never_raise_anything_else(tmp_path_factory, content):
     path = tmp_path_factory.mktemp("fuzz") / "f.pbtxt"
