@@ -74,6 +74,7 @@ import inspect
 import math
 import os
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -438,7 +439,8 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def training_graph(name: str, batch_size: int = DEFAULT_BATCH_SIZE, **options: Any) -> "tf.compat.v1.GraphDef":
+def training_graph(name: str, batch_size: int = DEFAULT_BATCH_SIZE, *, cache: bool = True,
+                   **options: Any) -> "tf.compat.v1.GraphDef":
     """Build one training step of zoo model NAME at global batch BATCH_SIZE and return its GraphDef.
 
     Options (all optional; see ``model_info(name)["options"]`` for a model's defaults): ``seed``;
@@ -447,11 +449,18 @@ def training_graph(name: str, batch_size: int = DEFAULT_BATCH_SIZE, **options: A
     ``num_layers``, ``d_model``, ``d_ff``, ``num_heads``; BERT: ``seq_len``, ``vocab_size``,
     ``num_layers``, ``hidden_size``, ``num_heads``, ``intermediate_size``, ``max_position``,
     ``type_vocab_size``, ``num_classes``. Bad names or values raise GraphError.
+
+    Building takes seconds (BERT-large ~15 s), so the last few graphs are kept in memory and a
+    repeated request returns a fresh copy of the stored one; ``cache=False`` always builds.
     """
     _check_name(name)
     batch_size = _positive_int("batch_size", batch_size)
-    options = _check_options(name, dict(options))
-    seed = int(options.pop("seed", 0))
+    options = {**_options_of(name), **_check_options(name, dict(options))}
+    key = (name, batch_size, tuple(sorted(options.items())))
+    if cache and key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _copy(_CACHE[key])
+    seed = int(options.pop("seed"))
     g = tf.Graph()
     with g.as_default():
         v1.set_random_seed(seed)
@@ -461,7 +470,22 @@ def training_graph(name: str, batch_size: int = DEFAULT_BATCH_SIZE, **options: A
             raise
         except (ValueError, TypeError) as err:   # e.g. Keras rejecting a size; still one line
             raise GraphError(f"model '{name}': {' '.join(str(err).split())}") from err
-    return g.as_graph_def()
+    gd = g.as_graph_def()
+    if cache:
+        _CACHE[key] = _copy(gd)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return gd
+
+
+_CACHE_SIZE = 8
+_CACHE: "OrderedDict[tuple, tf.compat.v1.GraphDef]" = OrderedDict()
+
+
+def _copy(gd: "tf.compat.v1.GraphDef") -> "tf.compat.v1.GraphDef":
+    out = v1.GraphDef()
+    out.CopyFrom(gd)
+    return out
 
 
 def model_info(name: str) -> dict[str, Any]:

@@ -252,11 +252,22 @@ def test_resnet50_step_runs_and_updates_batchnorm_statistics():
 
 def test_seed_makes_initial_weights_reproducible():
     opts = dict(batch_size=BATCH, **TINY["mlp"])
-    a, b = zoo.training_graph("mlp", **opts), zoo.training_graph("mlp", **opts)
+    a, b = zoo.training_graph("mlp", cache=False, **opts), zoo.training_graph("mlp", cache=False, **opts)
     assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
     first = run_steps(a, 1)[0][0]
     assert run_steps(b, 1)[0][0] == first
     assert run_steps(zoo.training_graph("mlp", seed=7, **opts), 1)[0][0] != first
+
+
+def test_cache_returns_independent_copies():
+    opts = dict(batch_size=3, input_dim=5, hidden=(7,), num_classes=2)
+    first = zoo.training_graph("mlp", **opts)
+    first.node[0].name = "mutated"
+    again = zoo.training_graph("mlp", **opts)
+    assert again.node[0].name != "mutated"
+    assert again == zoo.training_graph("mlp", cache=False, **opts)
+    # Spelling out a default option is the same graph.
+    assert zoo.training_graph("mlp", num_classes=2, seed=0, input_dim=5, hidden=[7], batch_size=3) == again
 
 
 @pytest.mark.parametrize("name, options, message", [
