@@ -26,6 +26,12 @@ def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str]
     except TagError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # e.g. `tag-topo show f | head`: the reader left, nothing to report
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
