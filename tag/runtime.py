@@ -523,6 +523,97 @@ def _readable(graph, tensor):
         return tf.raw_ops.ReadVariableOp(resource=tensor, dtype=tensor.op.get_attr("dtype"))
 
 
+_V1_COLLECTIVES = {"CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"}
+_KEY_ALLOC_LOCK = threading.Lock()
+_NEXT_KEY = [0]
+
+
+def _fresh_key() -> int:
+    """A collective key no earlier run of this process used (start varies per process)."""
+    with _KEY_ALLOC_LOCK:
+        if _NEXT_KEY[0] == 0:
+            _NEXT_KEY[0] = (1 << 24) + ((os.getpid() * 7919 + int(time.time())) % (1 << 20)) * 512
+        _NEXT_KEY[0] += 1
+        if _NEXT_KEY[0] >= (1 << 31) - 1:
+            _NEXT_KEY[0] = 1 << 24
+        return _NEXT_KEY[0]
+
+
+def _input_positions(node, op_def, arg_names: Sequence[str]) -> dict[str, int]:
+    """Position in NODE.input of each named single-tensor input argument."""
+    pos, out = 0, {}
+    for arg in op_def.input_arg:
+        if arg.number_attr:
+            count = node.attr[arg.number_attr].i
+        elif arg.type_list_attr:
+            count = len(node.attr[arg.type_list_attr].list.type)
+        else:
+            count = 1
+        if arg.name in arg_names and count == 1:
+            out[arg.name] = pos
+        pos += count
+    return out
+
+
+def fresh_collective_keys(graph_def: Any) -> Any:
+    """A copy of GRAPH_DEF whose collective group and instance keys are new to this process's clusters.
+
+    TF servers remember collective groups for their whole life: a later session that reuses a group
+    key with other members aborts every collective on the cluster ("joining a group with size 2, but
+    that group has size 3"). Renumbering the keys of each graph before it runs (same old key -> same
+    new key, so the members of one collective still agree) lets one cluster run many graphs, e.g. a
+    plan and then its baseline. Keys of V2 ops must come from Const nodes; when one does not, the graph
+    is returned unchanged. ``run_steps`` calls this itself.
+    """
+    tf = _tf()
+    from tensorflow.python.framework import op_def_registry, tensor_util
+
+    nodes = {n.name: n for n in graph_def.node}
+    plan = []  # (node index, kind, arg name, position or None)
+    for idx, node in enumerate(graph_def.node):
+        if node.op in _V1_COLLECTIVES:
+            plan.extend((idx, "attr", k, None) for k in ("group_key", "instance_key") if k in node.attr)
+        elif node.op.startswith("Collective") and node.op.endswith(("V2", "V3")):
+            op_def = op_def_registry.get(node.op)
+            if op_def is None:
+                continue
+            positions = _input_positions(node, op_def, ("group_key", "instance_key"))
+            for k, p in positions.items():
+                src = node.input[p].lstrip("^").split(":")[0]
+                if src not in nodes or nodes[src].op != "Const":
+                    return graph_def  # cannot renumber consistently: leave the graph as it is
+                plan.append((idx, "input", k, p))
+    if not plan:
+        return graph_def
+    out = tf.compat.v1.GraphDef()
+    out.CopyFrom(graph_def)
+    maps: dict[str, dict[int, int]] = {"group_key": {}, "instance_key": {}}
+    taken = set(nodes)
+    for idx, kind, key, p in plan:
+        node = out.node[idx]
+        if kind == "attr":
+            old = int(node.attr[key].i)
+        else:
+            old = int(tensor_util.MakeNdarray(nodes[node.input[p].split(":")[0]].attr["value"].tensor))
+        new = maps[key].setdefault(old, _fresh_key())
+        if kind == "attr":
+            node.attr[key].i = new
+            continue
+        src = nodes[node.input[p].split(":")[0]]
+        name = f"{node.name}/tag_{key}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        const = out.node.add()
+        const.name, const.op, const.device = name, "Const", node.device
+        dtype = src.attr["dtype"].type
+        const.attr["dtype"].type = dtype
+        const.attr["value"].tensor.CopyFrom(
+            tensor_util.make_tensor_proto(np.array(new, dtype=tf.dtypes.as_dtype(dtype).as_numpy_dtype)))
+        node.input[p] = name
+    return out
+
+
 def _random_feed(op, rng: np.random.Generator) -> np.ndarray:
     dtype = op.get_attr("dtype")
     shape = op.get_attr("shape")
@@ -545,7 +636,8 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
               init: str | None = "init", steps: int = 20, warmup: int = 3,
               feeds: Mapping[str, Any] | None = None,
               input_fn: Callable[[int], Mapping[str, Any]] | None = None,
-              config: Any = None, seed: int = 0, fetch_after: Sequence[str] = ()) -> RunResult:
+              config: Any = None, seed: int = 0, fetch_after: Sequence[str] = (),
+              renumber_collectives: bool = True) -> RunResult:
     """Run STEPS training steps of GRAPH_DEF on TARGET ("grpc://host:port", or "" for in-process).
 
     Imports the graph into a fresh ``tf.Graph``, opens ``Session(target, config=session_config())``,
@@ -554,7 +646,9 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     from ``numpy.random.default_rng(seed)``, unless FEEDS (name -> value, every step) or
     ``INPUT_FN(step) -> {name: value}`` supply them. Only ``session.run`` is timed; the mean skips the
     first WARMUP steps. FETCH_AFTER names tensors (e.g. variables) read once after the last step
-    into ``RunResult.values``.
+    into ``RunResult.values``. Collective keys are renumbered first (``fresh_collective_keys``) so
+    that graphs run one after another on one cluster never clash; pass RENUMBER_COLLECTIVES=False to
+    keep them.
     """
     if steps < 1:
         raise TagError(f"steps must be >= 1, got {steps}")
@@ -565,6 +659,8 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
         gd = tf.compat.v1.GraphDef()
         gd.ParseFromString(bytes(graph_def))
         graph_def = gd
+    if renumber_collectives:
+        graph_def = fresh_collective_keys(graph_def)
     graph = tf.Graph()
     with graph.as_default():
         try:

@@ -21,6 +21,7 @@ from tag.runtime import (  # noqa: E402
     ClusterError,
     LocalCluster,
     cluster_spec_from,
+    fresh_collective_keys,
     run_steps,
     session_config,
     worker_main,
@@ -235,6 +236,46 @@ def test_run_steps_bad_arguments():
         run_steps(gd, "", steps=0, warmup=0)
 
 
+def _keys(gd):
+    from tensorflow.python.framework import tensor_util
+
+    nodes = {n.name: n for n in gd.node}
+    out = []
+    for n in gd.node:
+        if n.op == "CollectiveReduceV2":
+            out.append(tuple(int(tensor_util.MakeNdarray(nodes[n.input[i]].attr["value"].tensor)) for i in (2, 3)))
+        elif n.op == "CollectiveReduce":
+            out.append((n.attr["group_key"].i, n.attr["instance_key"].i))
+    return out
+
+
+def test_fresh_collective_keys_renumbers_consistently():
+    g = tf.Graph()
+    with g.as_default():
+        for t in range(2):
+            with tf.device(f"/job:worker/task:{t}/device:CPU:0"):
+                v = tf.constant([1.0, 2.0])
+                tf.raw_ops.CollectiveReduceV2(input=v, group_size=2, group_key=1, instance_key=1, ordering_token=[],
+                                              merge_op="Add", final_op="Id")
+                tf.raw_ops.CollectiveReduceV2(input=v, group_size=2, group_key=1, instance_key=2, ordering_token=[],
+                                              merge_op="Add", final_op="Id")
+                tf.raw_ops.CollectiveReduce(input=v, group_size=2, group_key=5, instance_key=1, merge_op="Add",
+                                            final_op="Id", subdiv_offsets=[0])
+    gd = g.as_graph_def()
+    before = _keys(gd)
+    assert before == [(1, 1), (1, 2), (5, 1)] * 2
+    a, b = fresh_collective_keys(gd), fresh_collective_keys(gd)
+    assert _keys(gd) == before  # the input is not modified
+    ka, kb = _keys(a), _keys(b)
+    assert ka[:3] == ka[3:] and kb[:3] == kb[3:]  # both members of each collective agree
+    assert ka[0][0] == ka[1][0] != ka[2][0] and ka[0][1] != ka[1][1] and ka[0][1] == ka[2][1]
+    assert not {k for pair in ka for k in pair} & {k for pair in kb for k in pair}  # new keys every time
+    with tf.Graph().as_default():  # still a valid graph
+        tf.compat.v1.import_graph_def(a, name="")
+    plain = mlp_graph(tasks=(None, None))
+    assert fresh_collective_keys(plain) is plain
+
+
 # ------------------------------------------------------------------------------------------------
 # slow: real TF servers in worker processes
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +291,27 @@ def collective_sum_graph(n_tasks: int, group_key: int = 1, instance_key: int = 1
                     input=v, group_size=n_tasks, group_key=group_key, instance_key=instance_key,
                     ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring"))
     return g, outs
+
+
+def dp_graph(n_tasks: int, batch=8, features=4, lr=0.1):
+    """Data parallelism by hand: a linear model replicated on N tasks, gradients all-reduced (group key 1)."""
+    g = tf.Graph()
+    with g.as_default():
+        losses, updates = [], []
+        for t in range(n_tasks):
+            with tf.device(f"/job:worker/task:{t}/device:CPU:0"):
+                x = tf.compat.v1.placeholder(tf.float32, [batch, features], name=f"x{t}")
+                w = tf.compat.v1.get_variable(f"w{t}", initializer=tf.ones([features, 1]))
+                loss_t = tf.reduce_mean(tf.square(tf.matmul(x, w) - tf.reduce_sum(x, 1, keepdims=True) * 0.5))
+                grad, = tf.gradients(loss_t, [w])
+                total = tf.raw_ops.CollectiveReduceV2(input=grad, group_size=n_tasks, group_key=1, instance_key=1,
+                                                      ordering_token=[], merge_op="Add", final_op="Div")
+                updates.append(tf.compat.v1.assign_sub(w, lr * total))
+                losses.append(loss_t)
+        tf.identity(tf.add_n(losses) / n_tasks, name="loss")
+        tf.group(*updates, name="train_op")
+        tf.compat.v1.variables_initializer(tf.compat.v1.global_variables(), name="init")
+    return g.as_graph_def()
 
 
 @pytest.mark.slow
@@ -270,9 +332,24 @@ def test_local_cluster_runs_split_mlp_and_collective_allreduce():
             for _ in range(3):
                 for got in sess.run(outs):
                     np.testing.assert_allclose(got, want)
+        # the servers remember group 1 = 3 tasks: a 2-task group under the same key aborts unless renumbered
+        g2, outs2 = collective_sum_graph(2)
+        g3 = tf.Graph()
+        with g3.as_default():
+            tf.compat.v1.import_graph_def(fresh_collective_keys(g2.as_graph_def()), name="")
+        outs3 = [g3.get_tensor_by_name(t.name) for t in outs2]
+        with tf.compat.v1.Session(cluster.target, graph=g3, config=session_config()) as sess:
+            np.testing.assert_allclose(sess.run(outs3)[0], np.arange(4) * 2 + 10.0)
         # a second graph with the same variable names but other shapes: sessions do not share state
         r2 = run_steps(mlp_graph(tasks=(2, 0), features=5, hidden=3), cluster.target, steps=3, warmup=1)
         assert np.all(np.isfinite(r2.losses))
+        # data-parallel training with all-reduced gradients, on 3 then 2 tasks with the same keys:
+        # run_steps renumbers them, the replicas stay identical and the loss goes down
+        for n in (3, 2):
+            r4 = run_steps(dp_graph(n), cluster.target, steps=8, warmup=1, fetch_after=[f"w{t}" for t in range(n)])
+            assert r4.losses[-1] < r4.losses[0]
+            for t in range(1, n):
+                np.testing.assert_allclose(r4.values[f"w{t}"], r4.values["w0"], rtol=1e-6)
         # the random-batch path across tasks
         r3 = run_steps(mlp_graph(tasks=(0, 1)), cluster.target, steps=4, warmup=1)
         assert np.all(np.isfinite(r3.losses))
@@ -288,12 +365,7 @@ def test_local_cluster_cleans_up_after_an_error():
             assert not any(port_free(h.port) for h in topo.hosts)
             raise RuntimeError("boom")
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
-    assert all(port_free(h.port) for h in topo.hosts)
-    # and the same ports can serve a new cluster right away
-    with LocalCluster(topo) as again:
-        g, outs = collective_sum_graph(2, group_key=7, instance_key=3)
-        with tf.compat.v1.Session(again.target, graph=g, config=session_config()) as sess:
-            np.testing.assert_allclose(sess.run(outs)[1], np.arange(4) * 2 + 10.0)
+    assert all(port_free(h.port) for h in topo.hosts)  # a new cluster can bind them right away
 
 
 @pytest.mark.slow
@@ -352,3 +424,38 @@ def test_worker_exits_when_its_parent_dies():
             parent.wait()
         if worker is not None and pid_alive(worker):
             os.killpg(worker, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_workers():
+    """SIGINT (Ctrl-C) in the process that owns a LocalCluster stops its workers on the way out."""
+    topo = loopback_topology(1)
+    code = (
+        "import os, time\n"
+        "from tag.topology import parse_topology\n"
+        "from tag.runtime import LocalCluster\n"
+        "def alive(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/stat').read().split(')')[-1].split()[0] != 'Z'\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "try:\n"
+        f"    with LocalCluster(parse_topology({topo_text([h.port for h in topo.hosts])!r})) as c:\n"
+        "        pids = c.pids\n"
+        "        print('up', flush=True)\n"
+        "        time.sleep(600)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('alive' if any(alive(p) for p in pids) else 'stopped', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "stopped"
+        proc.wait(timeout=15)
+        assert all(port_free(h.port) for h in topo.hosts)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
