@@ -101,6 +101,7 @@ class TrainingGraph:
     colocation: list[list[str]]     # op-name sets that must share a device
     unknown_op_types: dict[str, int] = field(default_factory=dict)  # type -> count, fallback cost used
     name: str = ""
+    unknown_shape_tensors: int = 0  # numeric tensors whose shape TF could not infer (counted as 0 bytes)
 
     @cached_property
     def op_index(self) -> dict[str, int]:
