@@ -70,13 +70,15 @@ floats, or ``AxB`` int lists such as ``hidden=256x256``), or a path to a ``.pb``
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
+import random
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -143,9 +145,11 @@ def _layer_norm(x: tf.Tensor, name: str, eps: float) -> tf.Tensor:
         return (x - mean) * tf.math.rsqrt(var + eps) * gamma + beta
 
 
-def _attention(q_in: tf.Tensor, kv_in: tf.Tensor, batch: int, q_len: int, kv_len: int, heads: int,
+def _attention(q_in: tf.Tensor, kv_in: tf.Tensor, q_len: int, kv_len: int, heads: int,
                name: str, init: Any, bias: tf.Tensor | None) -> tf.Tensor:
     """Multi-head scaled dot-product attention on 2-D ``[B*len, H]`` inputs; returns ``[B*q_len, H]``.
+
+    Shapes use -1 for the batch, so the forward ops carry no batch-sized constants.
 
     ``bias`` is added to the attention scores (broadcast to ``[B, heads, q_len, kv_len]``): -1e4 / -1e9
     where attention is not allowed (padding, future positions).
@@ -156,7 +160,7 @@ def _attention(q_in: tf.Tensor, kv_in: tf.Tensor, batch: int, q_len: int, kv_len
     d = hidden // heads
     with v1.variable_scope(name):
         def split(t: tf.Tensor, length: int) -> tf.Tensor:
-            return tf.transpose(tf.reshape(t, [batch, length, heads, d]), [0, 2, 1, 3])
+            return tf.transpose(tf.reshape(t, [-1, length, heads, d]), [0, 2, 1, 3])
 
         q = split(_dense(q_in, hidden, "query", init), q_len)
         k = split(_dense(kv_in, hidden, "key", init), kv_len)
@@ -165,7 +169,7 @@ def _attention(q_in: tf.Tensor, kv_in: tf.Tensor, batch: int, q_len: int, kv_len
         if bias is not None:
             scores = scores + bias
         probs = tf.nn.softmax(scores)
-        ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [batch * q_len, hidden])
+        ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [-1, hidden])
         return _dense(ctx, hidden, "output", init)
 
 
@@ -194,8 +198,35 @@ _KERAS_APPS = {
 }
 
 
+@contextlib.contextmanager
+def _keras_seeds(seed: int) -> Iterator[None]:
+    """Make tf_keras draw its initializers' seeds from SEED while a model is built, then restore.
+
+    tf_keras gives every unseeded initializer a seed from a thread-local generator (set by
+    ``tf_keras.utils.set_random_seed``) or, failing that, from Python's ``random``; the graph-level
+    seed alone does not fix them. Both are swapped in for the build and put back after, so the
+    caller's random state is untouched.
+    """
+    try:
+        from tf_keras.src import backend as keras_backend
+        holder = getattr(keras_backend, "_SEED_GENERATOR", None)
+    except ImportError:   # a tf_keras without that module: Python's random is still pinned
+        holder = None
+    saved_generator = getattr(holder, "generator", None)
+    saved_state = random.getstate()
+    random.seed(seed)
+    if holder is not None:
+        holder.generator = random.Random(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved_state)
+        if holder is not None:
+            holder.generator = saved_generator
+
+
 def _build_keras_cnn(name: str, batch_size: int, *, image_size: int | None = None, num_classes: int = 1000,
-                     learning_rate: float = 0.01, momentum: float = 0.9) -> None:
+                     learning_rate: float = 0.01, momentum: float = 0.9, seed: int = 0) -> None:
     import tf_keras  # the Keras 2 package: builds TF1 graph-mode models (Keras 3 cannot)
 
     app, default_size, min_size = _KERAS_APPS[name]
@@ -207,7 +238,7 @@ def _build_keras_cnn(name: str, batch_size: int, *, image_size: int | None = Non
     # Learning phase 1 while the model is built on our placeholder: BatchNorm in training mode with
     # no learning-phase cond. (Keras calls the scope deprecated in favour of training=True, which
     # would need a second, unused copy of the model graph built on Keras' own Input placeholder.)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _keras_seeds(seed):
         warnings.filterwarnings("ignore", message=".*learning_phase_scope.*")
         with tf_keras.backend.learning_phase_scope(1):
             model = getattr(tf_keras.applications, app)(weights=None, input_tensor=x, classes=num_classes,
@@ -231,6 +262,8 @@ def _build_transformer(batch_size: int, *, seq_len: int = 64, vocab_size: int = 
                        d_model: int = 512, d_ff: int = 2048, num_heads: int = 8,
                        learning_rate: float = 1e-4) -> None:
     b, s, d = batch_size, seq_len, d_model
+    if d % 2:
+        raise GraphError(f"d_model must be even (sinusoidal position encodings), got {d}")
     src = v1.placeholder(tf.int32, [b, s], name="input")
     tgt = v1.placeholder(tf.int32, [b, s], name="target_input")
     labels = v1.placeholder(tf.int32, [b, s], name="labels")
@@ -242,7 +275,7 @@ def _build_transformer(batch_size: int, *, seq_len: int = 64, vocab_size: int = 
         pos = tf.constant(_sinusoid(s, d), name="position_encoding")
 
         def embed(ids: tf.Tensor) -> tf.Tensor:
-            return tf.reshape(tf.gather(emb, ids) * math.sqrt(d) + pos, [b * s, d])
+            return tf.reshape(tf.gather(emb, ids) * math.sqrt(d) + pos, [-1, d])
 
         causal = tf.constant(np.triu(np.full((s, s), -1e9, dtype=np.float32), k=1)[None, None],
                              name="causal_bias")
@@ -250,7 +283,7 @@ def _build_transformer(batch_size: int, *, seq_len: int = 64, vocab_size: int = 
             h = embed(src)
             for i in range(num_layers):
                 with v1.variable_scope(f"layer_{i}"):
-                    h = _layer_norm(h + _attention(h, h, b, s, s, num_heads, "self_attention", init, None),
+                    h = _layer_norm(h + _attention(h, h, s, s, num_heads, "self_attention", init, None),
                                     "attention_norm", eps)
                     ff = _dense(_dense(h, d_ff, "ffn_in", init, tf.nn.relu), d, "ffn_out", init)
                     h = _layer_norm(h + ff, "ffn_norm", eps)
@@ -259,14 +292,14 @@ def _build_transformer(batch_size: int, *, seq_len: int = 64, vocab_size: int = 
             h = embed(tgt)
             for i in range(num_layers):
                 with v1.variable_scope(f"layer_{i}"):
-                    h = _layer_norm(h + _attention(h, h, b, s, s, num_heads, "self_attention", init, causal),
+                    h = _layer_norm(h + _attention(h, h, s, s, num_heads, "self_attention", init, causal),
                                     "self_attention_norm", eps)
-                    h = _layer_norm(h + _attention(h, memory, b, s, s, num_heads, "cross_attention", init, None),
+                    h = _layer_norm(h + _attention(h, memory, s, s, num_heads, "cross_attention", init, None),
                                     "cross_attention_norm", eps)
                     ff = _dense(_dense(h, d_ff, "ffn_in", init, tf.nn.relu), d, "ffn_out", init)
                     h = _layer_norm(h + ff, "ffn_norm", eps)
         logits = tf.matmul(h, emb, transpose_b=True, name="logits")   # tied output projection
-    loss = _xent(logits, tf.reshape(labels, [b * s]))
+    loss = _xent(logits, tf.reshape(labels, [-1]))
     _finish(loss, v1.train.AdamOptimizer(learning_rate, beta1=0.9, beta2=0.98, epsilon=1e-9))
 
 
@@ -295,19 +328,19 @@ def _build_bert(batch_size: int, *, seq_len: int = 128, vocab_size: int = 30522,
             x = tf.gather(words, tf.reshape(ids, [-1]))
             # Token types as a one-hot matmul (as BERT does): a small vocabulary, dense gradient.
             x = x + tf.matmul(tf.one_hot(tf.reshape(segments, [-1]), type_vocab_size), types)
-            x = tf.reshape(x, [b, s, h_dim]) + tf.slice(positions, [0, 0], [s, h_dim])
-            x = _layer_norm(tf.reshape(x, [b * s, h_dim]), "LayerNorm", eps)
+            x = tf.reshape(x, [-1, s, h_dim]) + tf.slice(positions, [0, 0], [s, h_dim])
+            x = _layer_norm(tf.reshape(x, [-1, h_dim]), "LayerNorm", eps)
         # Additive attention bias: 0 where input_mask is 1, -10000 on padding.
-        bias = (1.0 - tf.cast(tf.reshape(mask, [b, 1, 1, s]), tf.float32)) * -10000.0
+        bias = (1.0 - tf.cast(tf.reshape(mask, [-1, 1, 1, s]), tf.float32)) * -10000.0
         with v1.variable_scope("encoder"):
             for i in range(num_layers):
                 with v1.variable_scope(f"layer_{i}"):
-                    att = _attention(x, x, b, s, s, num_heads, "attention", init, bias)
+                    att = _attention(x, x, s, s, num_heads, "attention", init, bias)
                     x = _layer_norm(x + att, "attention_norm", eps)
                     inter = _dense(x, intermediate_size, "intermediate", init, _gelu)
                     x = _layer_norm(x + _dense(inter, h_dim, "output", init), "output_norm", eps)
         with v1.variable_scope("pooler"):
-            first = tf.reshape(x, [b, s, h_dim])[:, 0, :]
+            first = tf.reshape(x, [-1, s, h_dim])[:, 0, :]
             pooled = _dense(first, h_dim, "dense", init, tf.tanh)
     with v1.variable_scope("classifier"):
         logits = _dense(pooled, num_classes, "dense", init)
@@ -322,9 +355,9 @@ def _bert_large(batch_size: int, *, num_layers: int = 24, hidden_size: int = 102
 
 def _keras(name: str) -> Callable[..., None]:
     def build(batch_size: int, *, image_size: int | None = None, num_classes: int = 1000,
-              learning_rate: float = 0.01, momentum: float = 0.9) -> None:
+              learning_rate: float = 0.01, momentum: float = 0.9, seed: int = 0) -> None:
         _build_keras_cnn(name, batch_size, image_size=image_size, num_classes=num_classes,
-                         learning_rate=learning_rate, momentum=momentum)
+                         learning_rate=learning_rate, momentum=momentum, seed=seed)
     return build
 
 
@@ -460,7 +493,9 @@ def training_graph(name: str, batch_size: int = DEFAULT_BATCH_SIZE, *, cache: bo
     if cache and key in _CACHE:
         _CACHE.move_to_end(key)
         return _copy(_CACHE[key])
-    seed = int(options.pop("seed"))
+    seed = int(options["seed"])
+    if "seed" not in inspect.signature(_BUILDERS[name]).parameters:   # only Keras builders need it
+        del options["seed"]
     g = tf.Graph()
     with g.as_default():
         v1.set_random_seed(seed)

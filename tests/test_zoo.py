@@ -259,6 +259,19 @@ def test_seed_makes_initial_weights_reproducible():
     assert run_steps(zoo.training_graph("mlp", seed=7, **opts), 1)[0][0] != first
 
 
+def test_keras_models_are_reproducible_and_leave_python_random_alone():
+    import random
+    opts = dict(batch_size=BATCH, image_size=32, num_classes=10, cache=False)
+    random.seed(11)
+    expected_next = random.random()
+    random.seed(11)
+    a = zoo.training_graph("vgg19", **opts)
+    assert random.random() == expected_next           # the caller's random stream is untouched
+    b = zoo.training_graph("vgg19", **opts)
+    assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+    assert zoo.training_graph("vgg19", seed=3, **opts) != a
+
+
 def test_cache_returns_independent_copies():
     opts = dict(batch_size=3, input_dim=5, hidden=(7,), num_classes=2)
     first = zoo.training_graph("mlp", **opts)
@@ -279,6 +292,7 @@ def test_cache_returns_independent_copies():
     ("bert_base", {"seq_len": 600}, "seq_len 600 exceeds max_position 512"),
     ("bert_base", {"hidden_size": 30, "num_layers": 1}, "not divisible by num_heads 12"),
     ("transformer", {"num_layers": -1}, "num_layers"),
+    ("transformer", {"d_model": 33, "num_heads": 3}, "d_model must be even"),
     ("vgg19", {"num_classes": 2.5}, "num_classes"),
 ])
 def test_bad_options_raise_graph_error(name, options, message):
