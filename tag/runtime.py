@@ -632,12 +632,34 @@ def _random_feed(op, rng: np.random.Generator) -> np.ndarray:
                      "pass feeds= or input_fn= for it")
 
 
+def _synthetic_input(node) -> tuple[Any, Any]:
+    """(initializer, per-step value) of an on-device variable standing in for placeholder NODE."""
+    tf = _tf()
+    dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
+    shape = tf.TensorShape(node.attr["shape"].shape)
+    dims = shape.as_list() if shape.rank is not None else None
+    if dims is None or any(d is None for d in dims):
+        raise GraphError(f"placeholder {node.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
+                         "pass feeds= for it")
+    with tf.device(node.device), tf.name_scope(f"tag_synthetic/{node.name}/"):
+        if dtype.is_floating:
+            value = tf.random.normal(dims, dtype=dtype)
+        elif dtype.is_integer or dtype.is_bool:
+            value = tf.random.uniform(dims, 0, 2, dtype=tf.int64 if dtype == tf.int64 else tf.int32)
+            value = tf.cast(value, dtype) if value.dtype != dtype else value
+        else:
+            raise GraphError(f"placeholder {node.name!r} has dtype {dtype.name}, which tag cannot fill with random "
+                             "data; pass feeds= for it")
+        var = tf.compat.v1.Variable(value, trainable=False, use_resource=True, collections=[], name="batch")
+        return var.initializer, var.value()
+
+
 def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: str | None = "loss",
               init: str | None = "init", steps: int = 20, warmup: int = 3,
               feeds: Mapping[str, Any] | None = None,
               input_fn: Callable[[int], Mapping[str, Any]] | None = None,
               config: Any = None, seed: int = 0, fetch_after: Sequence[str] = (),
-              renumber_collectives: bool = True) -> RunResult:
+              renumber_collectives: bool = True, synthetic: bool = False) -> RunResult:
     """Run STEPS training steps of GRAPH_DEF on TARGET ("grpc://host:port", or "" for in-process).
 
     Imports the graph into a fresh ``tf.Graph``, opens ``Session(target, config=session_config())``,
@@ -649,6 +671,11 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     into ``RunResult.values``. Collective keys are renumbered first (``fresh_collective_keys``) so
     that graphs run one after another on one cluster never clash; pass RENUMBER_COLLECTIVES=False to
     keep them.
+
+    SYNTHETIC=True: instead of feeding, each placeholder (not in FEEDS) becomes a variable on the
+    placeholder's own device holding one random batch of the same distribution, made at start-up and
+    reused every step -- as synthetic-data benchmarks do, no input crosses the client connection or
+    the network, so the step time is the training step alone.
     """
     if steps < 1:
         raise TagError(f"steps must be >= 1, got {steps}")
@@ -662,9 +689,22 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     if renumber_collectives:
         graph_def = fresh_collective_keys(graph_def)
     graph = tf.Graph()
+    input_map: dict[str, Any] = {}
+    synthetic_init: list[Any] = []
+    if synthetic:
+        if input_fn is not None:
+            raise TagError("synthetic=True and input_fn= exclude each other")
+        fed = {k.split(":")[0] for k in (feeds or {}) if isinstance(k, str)}
+        with graph.as_default():
+            tf.compat.v1.set_random_seed(seed)
+            for node in graph_def.node:
+                if node.op == "Placeholder" and node.name not in fed:
+                    var_init, value = _synthetic_input(node)
+                    input_map[f"{node.name}:0"] = value
+                    synthetic_init.append(var_init)
     with graph.as_default():
         try:
-            tf.compat.v1.import_graph_def(graph_def, name="")
+            tf.compat.v1.import_graph_def(graph_def, input_map=input_map or None, name="")
         except (ValueError, TypeError) as err:
             raise GraphError(f"cannot import the graph: {err}") from None
     train = _op_and_tensor(graph, train_op, "training op")[0]
@@ -678,7 +718,8 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
         return _op_and_tensor(graph, name, "fed tensor")[1]
 
     fixed = {to_tensor(k): v for k, v in (feeds or {}).items()}
-    placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
+    placeholders = [op for op in graph.get_operations()
+                    if op.type == "Placeholder" and f"{op.name}:0" not in input_map]
     rng = np.random.default_rng(seed)
 
     def feed_for(step: int) -> dict:
@@ -696,6 +737,8 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     losses: list[float] = []
     values: dict[str, np.ndarray] = {}
     with tf.compat.v1.Session(target, graph=graph, config=cfg) as sess:
+        if synthetic_init:
+            sess.run(synthetic_init)
         if init_op is not None:
             sess.run(init_op)
         for step in range(steps):

@@ -226,6 +226,22 @@ def test_run_steps_unknown_dimension_needs_feeds():
     assert r.losses[2] < r.losses[0]  # the same batch three times: plain gradient descent fits it
 
 
+def test_run_steps_synthetic_inputs_on_device():
+    gd = mlp_graph(tasks=(None, None))
+    a = run_steps(gd, "", steps=10, warmup=1, synthetic=True, seed=5)
+    b = run_steps(gd, "", steps=10, warmup=1, synthetic=True, seed=5)
+    assert a.losses == b.losses and np.all(np.isfinite(a.losses))
+    assert a.losses[-1] < a.losses[0]  # one fixed batch: gradient descent fits it
+    with pytest.raises(TagError, match="exclude each other"):
+        run_steps(gd, "", steps=2, warmup=0, synthetic=True, input_fn=learnable_input())
+    unknown = mlp_graph(tasks=(None, None), unknown_batch=True)
+    with pytest.raises(GraphError, match="unknown dimension"):
+        run_steps(unknown, "", steps=2, warmup=0, synthetic=True)
+    fn = learnable_input(batch=4)
+    r = run_steps(unknown, "", steps=2, warmup=0, synthetic=True, feeds=fn(0))  # fed ones stay fed
+    assert len(r.losses) == 2
+
+
 def test_run_steps_bad_arguments():
     gd = mlp_graph(tasks=(None, None))
     with pytest.raises(GraphError, match="no op named 'missing'"):
@@ -350,6 +366,9 @@ def test_local_cluster_runs_split_mlp_and_collective_allreduce():
             assert r4.losses[-1] < r4.losses[0]
             for t in range(1, n):
                 np.testing.assert_allclose(r4.values[f"w{t}"], r4.values["w0"], rtol=1e-6)
+        # synthetic inputs made on the placeholders' own task
+        r5 = run_steps(mlp_graph(tasks=(1, 2)), cluster.target, steps=6, warmup=1, synthetic=True)
+        assert r5.losses[-1] < r5.losses[0]
         # the random-batch path across tasks
         r3 = run_steps(mlp_graph(tasks=(0, 1)), cluster.target, steps=4, warmup=1)
         assert np.all(np.isfinite(r3.losses))
