@@ -96,7 +96,11 @@ def op_stages(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarr
 
 
 def op_levels(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarray:
-    """Longest-path depth of each op from the graph's sources (sources: 0)."""
+    """Longest-path depth of each op below the batch inputs (``graph.inputs``; all sources if none).
+
+    Ops that no input reaches (variables, constants and what only they feed) get -1, so parameters do
+    not pull a layer to the front of the step.
+    """
     n = len(graph.ops)
     if order is None:
         order = topological_order(graph)
@@ -104,10 +108,15 @@ def op_levels(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarr
     preds: list[list[int]] = [[] for _ in range(n)]
     for s, d in zip(src.tolist(), dst.tolist()):
         preds[d].append(s)
-    lv = [0] * n
+    starts = {graph.op_index[nm] for nm in graph.inputs if nm in graph.op_index}
+    if not starts:
+        starts = {i for i in range(n) if not preds[i]}
+    lv = [-1] * n
     for i in order.tolist():
+        if i in starts:
+            lv[i] = max(lv[i], 0)
         for p in preds[i]:
-            if lv[p] + 1 > lv[i]:
+            if lv[p] >= 0 and lv[p] + 1 > lv[i]:
                 lv[i] = lv[p] + 1
     return np.asarray(lv, dtype=np.int64)
 
@@ -151,6 +160,11 @@ def _scope(name: str) -> str:
     return name.rsplit("/", 1)[0] if "/" in name else name
 
 
+def _key(name: str) -> str:
+    """Grouping key of an op name: its scope, or the op itself at top level (never a scope's key)."""
+    return "scope:" + name.rsplit("/", 1)[0] if "/" in name else "op:" + name
+
+
 def _forward_op_of_gradient(name: str) -> tuple[str | None, bool]:
     """For ``gradients/a/b/MatMul_grad/x``: ('a/b/MatMul', True). Non-gradient names: (None, False)."""
     m = _GRAD_PREFIX.match(name)
@@ -174,10 +188,18 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     index = graph.op_index
     order = topological_order(graph)
     stage = op_stages(graph, order)
-    uf = _UnionFind(n)
+    src, dst = dependency_arrays(graph)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    pred: list[list[int]] = [[] for _ in range(n)]
+    for s_, d_ in zip(src.tolist(), dst.tolist()):
+        succ[s_].append(d_)
+        pred[d_].append(s_)
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
 
     # 1-2: keys by scope; backward ops join their forward op
-    key_root: dict[str, int] = {}
+    pairs: list[tuple[int, int]] = []      # unions that always hold
+    key_ops: dict[str, list[int]] = {}
     label = [""] * n            # readable scope name per op (for group names)
     unresolved = []
     for i, op in enumerate(ops):
@@ -187,65 +209,164 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
                 unresolved.append(i)
                 continue
             j = index.get(fwd)
-            key = _scope(fwd)
-            label[i] = key
+            label[i] = _scope(fwd)
             if j is not None and j != i:
-                uf.union(i, j)
+                pairs.append((i, j))
                 continue
+            key = _key(fwd)
         else:
-            key = _scope(op.name)
-        label[i] = key
-        r = key_root.get(key)
-        if r is None:
-            key_root[key] = i
-        else:
-            uf.union(r, i)
-
-    # 3: colocation sets and gradient producers with their variables
-    for names in graph.colocation:
-        idx = [index[nm] for nm in names if nm in index]
-        for j in idx[1:]:
-            uf.union(idx[0], j)
+            key = _key(op.name)
+            label[i] = _scope(op.name)
+        key_ops.setdefault(key, []).append(i)
+    # 3: a trainable variable, its reads, its optimizer op and its slots are one group (hard), and so is
+    # the op producing its gradient. TrainingGraph.colocation sets are kept unless they close a cycle of
+    # groups: TF also colocates gradient plumbing (an AddN with the first gradient it sums) and Adam's
+    # beta powers with the first variable -- read by every update op and updated after all of them.
     for v in graph.variables:
-        if v.kind == "trainable" and v.gradient:
+        if v.kind != "trainable":
+            continue
+        members = [v.op] + [index[nm] for nm in [*v.read_ops, v.apply_op or "", *v.slots] if nm in index]
+        for sv in graph.variables:
+            if sv.name in v.slots:
+                members.extend(index[nm] for nm in sv.read_ops if nm in index)
+        pairs.extend((v.op, j) for j in members[1:])
+        if v.gradient:
             j = index.get(v.gradient.rsplit(":", 1)[0].lstrip("^"))
             if j is not None:
-                uf.union(v.op, j)
+                pairs.append((v.op, j))
+    soft_sets = []
+    for names in graph.colocation:
+        idx = sorted({index[nm] for nm in names if nm in index})
+        if len(idx) > 1:
+            soft_sets.append(idx)
 
-    # backward ops without a forward op: join the first consumer, else the first producer
-    if unresolved:
-        src, dst = dependency_arrays(graph)
-        succ: list[list[int]] = [[] for _ in range(n)]
-        pred: list[list[int]] = [[] for _ in range(n)]
-        for s, d in zip(src.tolist(), dst.tolist()):
-            succ[s].append(d)
-            pred[d].append(s)
-        pending = set(unresolved)
-        pos = np.empty(n, dtype=np.int64)
-        pos[order] = np.arange(n)
-        for sweep in ("consumers", "producers"):
-            seq = sorted(pending, key=lambda i: -pos[i]) if sweep == "consumers" else sorted(pending, key=lambda i: pos[i])
-            for i in seq:
-                nbrs = succ[i] if sweep == "consumers" else pred[i]
-                for j in sorted(nbrs):
-                    if j not in pending:
-                        uf.union(i, j)
-                        pending.discard(i)
-                        break
-        for i in sorted(pending):
-            label[i] = ops[i].name
+    # a scope is one group only if that keeps each stage of it contiguous in the dataflow (no path
+    # leaves it and comes back): a transformer layer's scope holding the residual adds around its
+    # sub-layers is not. Such a scope splits into its directly connected parts, and parts that are
+    # still not contiguous into single ops.
+    hard = _UnionFind(n)
+    for x, y in pairs:
+        hard.union(x, y)
+    hard_root = [hard.find(i) for i in range(n)]
+    hard_members: dict[int, list[int]] = {}
+    for i, r in enumerate(hard_root):
+        hard_members.setdefault(r, []).append(i)
+    pos_l, stage_l = pos.tolist(), stage.tolist()
 
+    coloc_of: dict[int, list[int]] = {}
+    for idx in soft_sets:
+        if len(idx) <= 64:      # a variable's own reads and updates, not a hub like Adam's beta powers
+            for i in idx:
+                coloc_of.setdefault(i, []).extend(idx)
+
+    def contiguous(key_members: list[int]) -> bool:
+        closure = {i for m in key_members for i in hard_members[hard_root[m]]}
+        closure.update(j for m in key_members for j in coloc_of.get(m, ()))
+        return _is_convex(sorted(closure), succ, pos_l, stage_l)
+
+    for members in key_ops.values():
+        if len(members) == 1:
+            continue
+        if contiguous(members):
+            pairs.extend((members[0], j) for j in members[1:])
+            continue
+        for comp in _components(members, succ):
+            if len(comp) > 1 and contiguous(comp):
+                pairs.extend((comp[0], j) for j in comp[1:])
+
+    cyc = _Cycles(graph, stage)
+    uf = _UnionFind(n)
+    for x, y in pairs:
+        uf.union(x, y)
+    # backward ops without a forward op: join the first consumer, else the first producer, else stay alone
+    pending = set(unresolved)
+    for sweep in ("consumers", "producers"):
+        seq = sorted(pending, key=lambda i: -pos[i] if sweep == "consumers" else pos[i])
+        for i in seq:
+            for j in sorted(succ[i] if sweep == "consumers" else pred[i]):
+                if j not in pending:
+                    uf.union(i, j)
+                    pending.discard(i)
+                    break
+    for i in pending:
+        label[i] = ops[i].name
     roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)
-    roots = _make_acyclic(graph, roots, stage, uf)
+    roots = _make_acyclic(cyc, roots, uf)
 
-    # 5: merge adjacent cheapest groups until at most target_groups remain
+    # colocation sets: all at once if that stays acyclic, else the harmless ones at once and the rest
+    # one by one, each only if it keeps the group graph acyclic
+    def with_sets(r: np.ndarray, sets: list[list[int]]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        u = _UnionFind(n)
+        links = []
+        for idx in sets:
+            for j in idx[1:]:
+                a_, b_ = int(r[idx[0]]), int(r[j])
+                if u.find(a_) != u.find(b_):
+                    u.union(a_, b_)
+                    links.append((a_, b_))
+        if not links:
+            return r, links
+        uniq = np.unique(r)
+        mapped = np.array([u.find(int(x)) for x in uniq], dtype=np.int64)
+        return mapped[np.searchsorted(uniq, r)], links
+
+    def accept(links: list[tuple[int, int]]) -> np.ndarray:
+        for a_, b_ in links:
+            uf.union(a_, b_)
+        return _relabel(roots, uf)
+
+    trial, links = with_sets(roots, soft_sets)
+    sccs = cyc.sccs(trial) if links else []
+    if not sccs:
+        roots = accept(links)
+    else:
+        bad = set(np.concatenate(sccs).tolist())
+        suspicious = [idx for idx in soft_sets if bad.intersection(trial[idx].tolist())]
+        harmless = [idx for idx in soft_sets if not bad.intersection(trial[idx].tolist())]
+        trial, links = with_sets(roots, harmless)
+        if links and not cyc.sccs(trial):
+            roots = accept(links)
+        else:
+            suspicious = soft_sets
+        for idx in sorted(suspicious, key=lambda x: (len(x), x[0])):
+            trial, links = with_sets(roots, [idx])
+            if links and not cyc.sccs(trial):
+                roots = accept(links)
+
+    # sets that do no work (plumbing: shapes, reads of shared state, control ops) join the set of their
+    # first consumer, else of their first producer, where that keeps the group graph acyclic
     cost = nominal_op_cost(graph)
     levels = op_levels(graph, order)
-    roots = _merge_to_target(graph, roots, stage, levels, cost, target_groups, uf)
+    set_ids, inv = np.unique(roots, return_inverse=True)
+    set_cost = np.bincount(inv, weights=cost, minlength=len(set_ids))
+    idle = [int(r) for r, c in zip(set_ids.tolist(), set_cost.tolist()) if c == 0]
+    if 1 < len(set_ids):
+        members_of: dict[int, list[int]] = {}
+        for i, r in enumerate(roots.tolist()):
+            members_of.setdefault(r, []).append(i)
+        for r in sorted(idle, key=lambda x: _position_key(np.asarray(members_of[x]), stage, levels, cost)):
+            cur = uf.find(r)
+            inside = set(members_of[r])
+            cands = []
+            for nbrs in ([j for i in sorted(inside) for j in sorted(succ[i])],
+                         [j for i in sorted(inside) for j in sorted(pred[i])]):
+                for j in nbrs:
+                    t = int(roots[j])
+                    if j not in inside and t != cur and t not in cands:
+                        cands.append(t)
+            for t in cands[:3]:
+                trial = np.where(roots == cur, t, roots)
+                if not cyc.sccs(trial):
+                    uf.union(cur, t)
+                    roots = _relabel(roots, uf)
+                    break
+
+    # 5: merge adjacent cheapest groups until at most target_groups remain
+    roots = _merge_to_target(cyc, roots, stage, levels, cost, target_groups, uf)
 
     # number groups in topological order of their first op; name each after its costliest scope
     set_ids = np.unique(roots)
-    key_of = {int(r): _position_key(np.flatnonzero(roots == r), stage, levels) for r in set_ids}
+    key_of = {int(r): _position_key(np.flatnonzero(roots == r), stage, levels, cost) for r in set_ids}
     ordered = sorted(set_ids.tolist(), key=lambda r: key_of[r])
     gid = {r: g for g, r in enumerate(ordered)}
     group_of_op = np.array([gid[int(r)] for r in roots], dtype=np.int64)
@@ -271,37 +392,112 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     return Grouping(group_of_op, names)
 
 
-def _position_key(members: np.ndarray, stage: np.ndarray, levels: np.ndarray) -> tuple[int, int, int]:
-    """Where a set of ops sits in the step: (earliest stage, its shallowest depth there, first index)."""
-    s = int(stage[members].min())
-    in_stage = members[stage[members] == s]
-    return s, int(levels[in_stage].min()), int(members.min())
-
-
-def _task_graph_sccs(graph: TrainingGraph, roots: np.ndarray, stage: np.ndarray) -> list[np.ndarray]:
-    """Strongly connected components (with more than one node) of the (set, stage) task graph."""
-    src, dst = dependency_arrays(graph)
+def _relabel(roots: np.ndarray, uf: _UnionFind) -> np.ndarray:
+    """ROOTS with every set id replaced by its current union-find root."""
     uniq, inv = np.unique(roots, return_inverse=True)
-    task = inv * 3 + stage.astype(np.int64)
-    a, b = task[src], task[dst]
-    keep = a != b
-    m = len(uniq) * 3
-    mat = csr_matrix((np.ones(int(keep.sum()), dtype=np.int8), (a[keep], b[keep])), shape=(m, m))
-    ncomp, lab = connected_components(mat, directed=True, connection="strong")
-    if ncomp == m:
-        return []
-    counts = np.bincount(lab, minlength=ncomp)
+    return np.array([uf.find(int(x)) for x in uniq], dtype=np.int64)[inv]
+
+
+def _is_convex(members: list[int], succ: list[list[int]], pos: list[int], stage: list[int]) -> bool:
+    """True when, in every stage, no dependency path leaves MEMBERS and comes back into them.
+
+    Stages never decrease along a path, so a path between two ops of one stage stays in that stage.
+    """
+    inside = set(members)
+    by_stage: dict[int, list[int]] = {}
+    for i in members:
+        by_stage.setdefault(stage[i], []).append(i)
+    for st, group in by_stage.items():
+        last = max(pos[i] for i in group)
+        stack = [j for i in group for j in succ[i] if j not in inside and pos[j] < last and stage[j] == st]
+        seen = set(stack)
+        while stack:
+            x = stack.pop()
+            for y in succ[x]:
+                if y in inside:
+                    if stage[y] == st:
+                        return False
+                    continue
+                if y not in seen and pos[y] < last and stage[y] == st:
+                    seen.add(y)
+                    stack.append(y)
+    return True
+
+
+def _components(members: list[int], succ: list[list[int]]) -> list[list[int]]:
+    """Weakly connected components of the subgraph induced by MEMBERS (each sorted, in order of first op)."""
+    inside = set(members)
+    adj: dict[int, list[int]] = {i: [] for i in members}
+    for i in members:
+        for j in succ[i]:
+            if j in inside:
+                adj[i].append(j)
+                adj[j].append(i)
+    seen: set[int] = set()
     out = []
-    for c in np.flatnonzero(counts > 1):
-        tasks = np.flatnonzero(lab == c)
-        out.append(uniq[np.unique(tasks // 3)])
+    for i in sorted(members):
+        if i in seen:
+            continue
+        comp, stack = [], [i]
+        seen.add(i)
+        while stack:
+            x = stack.pop()
+            comp.append(x)
+            for y in adj[x]:
+                if y not in seen:
+                    seen.add(y)
+                    stack.append(y)
+        out.append(sorted(comp))
     return out
 
 
-def _make_acyclic(graph: TrainingGraph, roots: np.ndarray, stage: np.ndarray, uf: _UnionFind) -> np.ndarray:
+def _position_key(members: np.ndarray, stage: np.ndarray, levels: np.ndarray,
+                  cost: np.ndarray) -> tuple[int, int, int]:
+    """Where a set of ops sits in the step: (earliest stage, shallowest depth below the inputs of its
+    ops there that do work, first index). Ops no input reaches, or that do no work, count only when the
+    set has nothing else in that stage."""
+    s = int(stage[members].min())
+    here = members[stage[members] == s]
+    lv = levels[here]
+    working = (lv >= 0) & (cost[here] > 0)
+    if working.any():
+        return s, int(lv[working].min()), int(members.min())
+    lv = lv[lv >= 0]
+    return s, int(lv.min()) if len(lv) else 1 << 40, int(members.min())
+
+
+class _Cycles:
+    """Finds cycles of the (set, stage) task graph for a given op -> set labelling (set ids are op indices)."""
+
+    def __init__(self, graph: TrainingGraph, stage: np.ndarray):
+        self.src, self.dst = dependency_arrays(graph)
+        self.s_src = stage[self.src].astype(np.int64)
+        self.s_dst = stage[self.dst].astype(np.int64)
+        self.m = 3 * len(graph.ops)
+
+    def sccs(self, roots: np.ndarray) -> list[np.ndarray]:
+        """Strongly connected components with more than one task, as arrays of the set ids involved."""
+        a = roots[self.src] * 3 + self.s_src
+        b = roots[self.dst] * 3 + self.s_dst
+        keep = a != b
+        a, b = a[keep], b[keep]
+        if len(a) == 0:
+            return []
+        mat = csr_matrix((np.ones(len(a), dtype=np.int8), (a, b)), shape=(self.m, self.m))
+        ncomp, lab = connected_components(mat, directed=True, connection="strong")
+        if ncomp == self.m:
+            return []
+        counts = np.bincount(lab, minlength=ncomp)
+        out = []
+        for c in np.flatnonzero(counts > 1):
+            out.append(np.unique(np.flatnonzero(lab == c) // 3))
+        return out
+
+
+def _make_acyclic(cyc: _Cycles, roots: np.ndarray, uf: _UnionFind) -> np.ndarray:
     """Merge sets until the (set, stage) task graph has no cycle."""
     while True:
-        sccs = _task_graph_sccs(graph, roots, stage)
+        sccs = cyc.sccs(roots)
         if not sccs:
             return roots
         for sets in sccs:
@@ -310,40 +506,51 @@ def _make_acyclic(graph: TrainingGraph, roots: np.ndarray, stage: np.ndarray, uf
         roots = np.array([uf.find(i) for i in range(len(roots))], dtype=np.int64)
 
 
-def _merge_to_target(graph: TrainingGraph, roots: np.ndarray, stage: np.ndarray, levels: np.ndarray,
+def _merge_to_target(cyc: _Cycles, roots: np.ndarray, stage: np.ndarray, levels: np.ndarray,
                      cost: np.ndarray, target: int, uf: _UnionFind) -> np.ndarray:
-    """Merge the cheapest adjacent pair (in topological order of the sets) until at most TARGET sets."""
+    """Merge the cheapest adjacent pair of sets (in topological order) until at most TARGET sets remain.
+
+    A merge that would close a cycle of (set, stage) tasks is skipped (that pair stays apart for good:
+    later merges cannot remove the path between them). If no pair can merge safely, the cheapest pair
+    merges anyway together with everything on the cycle it closes.
+    """
     set_ids = np.unique(roots)
     if len(set_ids) <= target:
         return roots
-    seq = sorted(set_ids.tolist(), key=lambda r: _position_key(np.flatnonzero(roots == r), stage, levels))
+    seq = sorted(set_ids.tolist(), key=lambda r: _position_key(np.flatnonzero(roots == r), stage, levels, cost))
     totals = np.bincount(np.searchsorted(set_ids, roots), weights=cost, minlength=len(set_ids))
     set_cost = {int(r): float(totals[k]) for k, r in enumerate(set_ids.tolist())}
+    blocked: set[tuple[int, int]] = set()
     while len(seq) > target:
-        best_k, best_c = 0, None
-        for k in range(len(seq) - 1):
-            c = set_cost[seq[k]] + set_cost[seq[k + 1]]
-            if best_c is None or c < best_c:
-                best_k, best_c = k, c
-        a, b = seq[best_k], seq[best_k + 1]
+        cands = sorted(range(len(seq) - 1), key=lambda k: (set_cost[seq[k]] + set_cost[seq[k + 1]], k))
+        chosen = None
+        for k in cands:
+            a, b = seq[k], seq[k + 1]
+            if (a, b) in blocked:
+                continue
+            if cyc.sccs(np.where(roots == b, a, roots)):
+                blocked.add((a, b))
+                continue
+            chosen = k
+            break
+        forced = chosen is None
+        k = cands[0] if forced else chosen
+        a, b = seq[k], seq[k + 1]
         r = uf.union(a, b)
         merged_cost = set_cost.pop(a) + set_cost.pop(b)
-        seq[best_k:best_k + 2] = [r]
+        seq[k:k + 2] = [r]
         set_cost[r] = merged_cost
         roots = np.where((roots == a) | (roots == b), r, roots)
-        sccs = _task_graph_sccs(graph, roots, stage)
-        if sccs:
-            roots = _make_acyclic(graph, roots, stage, uf)
-            alive = set(np.unique(roots).tolist())
-            # drop absorbed sets from the sequence, keeping each survivor at its first position
+        if forced:
+            roots = _make_acyclic(cyc, roots, uf)
             new_seq, new_cost = [], {}
-            for s in seq:
+            for s in seq:   # absorbed sets leave the sequence; survivors keep their first position
                 rr = uf.find(s)
                 if rr in new_cost:
                     new_cost[rr] += set_cost[s]
                 else:
                     new_seq.append(rr)
                     new_cost[rr] = set_cost[s]
-            assert set(new_seq) == alive
             seq, set_cost = new_seq, new_cost
+            blocked = {(x, y) for x, y in blocked if uf.find(x) == x and uf.find(y) == y}
     return roots
