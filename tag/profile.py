@@ -22,16 +22,24 @@ How the fit works (one device type, one graph):
 - Profiling runs ops one at a time (``inter_op_parallelism_threads=1``; each kernel still uses all
   intra-op threads) with grappler's graph rewrites off, so each IR op is one kernel with its own
   name and the per-device sequential schedule the simulator assumes is what is measured.
-- ``kernel_floor``: the median kernel time of the zero-FLOP ops (a kernel's fixed cost).
+- ``kernel_floor``: the median kernel time of the zero-FLOP ops (a kernel's fixed cost; at least
+  the step stats' resolution of 1 us).
 - Per op type with FLOPs, the efficiency ``e`` solves ``sum_i max(F_i / (peak * e), B_i / bw) =
-  sum_i max(t_i - kernel_floor, 0)`` over that type's ops (``t_i`` the median kernel time), so the
-  memory-bound ops are charged to bandwidth, not to efficiency; ``e`` is clipped to (0, 1]. The
-  ``default`` efficiency is the same fit over all ops with FLOPs together (used for op types this
-  graph does not have).
+  sum_i max(t_i - kernel_floor, 0)`` over that type's ops (``t_i`` the fastest kernel time), so the
+  memory-bound ops are charged to bandwidth, not to efficiency; ``e`` is clipped to (0, 1]. Only
+  ops whose roofline at ``e = 1`` is at least 20 us take part: a tiny op's time is its fixed cost,
+  and fitting it as an efficiency would make the same op type absurdly slow on large tensors in
+  other graphs (their time goes to the launch overhead instead). The ``default`` efficiency is the
+  same fit over all those ops together (used for op types the profile does not list). A toy graph
+  with no op that large is fitted on all its ops with FLOPs.
 - ``launch_overhead_s``: the executor's per-op cost beyond the kernels, ``(wall - sum_i roofline_i)
-  / n_ops`` with the wall time of an untraced step, never below ``kernel_floor``; the sum and the
-  count run over the ops the cost model charges (not ``tag.cost.ZERO_COST_TYPES``, whose time is
-  folded in here). The cost model's op times summed over the graph then reproduce the measured step.
+  / n_ops``, where ``wall`` is an untraced step with TensorFlow's default session settings (what
+  users and tag's runtime run), never below ``kernel_floor``; the sum and the count run over the
+  ops the cost model charges (not ``tag.cost.ZERO_COST_TYPES``, whose time is folded in here). The
+  cost model's op times summed over the graph then reproduce the measured step (when the kernels
+  alone do not already exceed it: TF overlaps independent ops, the simulator's device does not).
+- Every time is the fastest of the steps (peak and bandwidth: the fastest of several runs), the
+  figure closest to the device's own speed on a shared machine.
 """
 from __future__ import annotations
 
@@ -58,6 +66,9 @@ v1 = tf.compat.v1
 PROFILE_ENV = "TAG_PROFILE"
 _VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
 _INIT_OPS = {"Assign", "AssignVariableOp"}
+_STEP_STATS_RESOLUTION_S = 1e-6      # step stats count whole microseconds
+_MIN_WALL_SAMPLES = 20
+_MIN_FIT_S = 20e-6                   # ops faster than this even at the roofline: fixed costs, not efficiency
 
 
 def default_profile_path() -> str:
@@ -197,10 +208,14 @@ def _initialise(sess, init: list[str], feeds: dict) -> None:
 
 @dataclass
 class StepMeasurement:
-    """Kernel time per IR op (seconds; NaN where the step stats did not show the op) and step walls."""
+    """Kernel time per IR op (seconds; NaN where the step stats did not show the op) and step walls.
+
+    Every figure is the fastest of the steps: on a shared machine that is the closest to the device's
+    own speed, and it matches how the peak FLOP/s and bandwidth are measured (fastest of several runs).
+    """
 
     op_times: np.ndarray
-    wall_s: float                   # median wall time of an untraced step, ops one at a time
+    wall_s: float                   # wall time of an untraced step, ops one at a time
     wall_parallel_s: float          # the same with TensorFlow's default session settings
     steps: int
 
@@ -228,12 +243,11 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
             raise GraphError(f"the training step fails on random inputs: {' '.join(err.message.split())[:300]}") \
                 from None
         walls = []
-        for _ in range(steps):
+        opts = v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE)
+        for _ in range(steps):   # untraced and traced runs alternate, so both see the same machine load
             t0 = time.perf_counter()
             sess.run(targets, feed_dict=feeds)
             walls.append(time.perf_counter() - t0)
-        opts = v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE)
-        for _ in range(steps):
             md = v1.RunMetadata()
             sess.run(targets, feed_dict=feeds, options=opts, run_metadata=md)
             per_step: dict[int, float] = {}
@@ -252,13 +266,14 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
             _initialise(sess, init, feeds)
         for _ in range(warmup):
             sess.run(targets, feed_dict=feeds)
-        par = []
-        for _ in range(steps):
+        par: list[float] = []
+        start = time.perf_counter()   # at least 20 samples (cheap, untraced) unless that takes > 10 s
+        while len(par) < steps or (len(par) < _MIN_WALL_SAMPLES and time.perf_counter() - start < 10.0):
             t0 = time.perf_counter()
             sess.run(targets, feed_dict=feeds)
             par.append(time.perf_counter() - t0)
-    op_times = np.array([np.median(s) if s else np.nan for s in samples], dtype=np.float64)
-    return StepMeasurement(op_times, float(np.median(walls)), float(np.median(par)), steps)
+    op_times = np.array([np.min(s) if s else np.nan for s in samples], dtype=np.float64)
+    return StepMeasurement(op_times, float(np.min(walls)), float(np.min(par)), steps)
 
 
 def _best_kernel_time(sess, op, reps: int) -> float:
@@ -277,7 +292,7 @@ def _best_kernel_time(sess, op, reps: int) -> float:
     return float(best)
 
 
-def measure_peak_flops(device_type: str = "CPU", n: int = 1024, reps: int = 10) -> float:
+def measure_peak_flops(device_type: str = "CPU", n: int = 1024, reps: int = 20) -> float:
     """FLOP/s of an n x n x n float32 MatMul (fastest of REPS), the device's attainable peak."""
     g = tf.Graph()
     with g.as_default(), tf.device(_tf_device(device_type)):
@@ -290,7 +305,7 @@ def measure_peak_flops(device_type: str = "CPU", n: int = 1024, reps: int = 10) 
         return 2.0 * n ** 3 / _best_kernel_time(sess, mm.op, reps)
 
 
-def measure_memory_bandwidth(device_type: str = "CPU", n: int = 1 << 22, reps: int = 10) -> float:
+def measure_memory_bandwidth(device_type: str = "CPU", n: int = 1 << 22, reps: int = 20) -> float:
     """Bytes/s of a float32 ``a + b`` over N elements (reads 2N, writes N floats; fastest of REPS).
 
     The default 16 MiB operands are larger than the caches but, unlike much larger ones, do not
@@ -353,18 +368,22 @@ def fit_profile(graph: "TrainingGraph", m: StepMeasurement, peak: float, bw: flo
         raise GraphError("TensorFlow's step stats named none of the graph's ops; nothing to fit")
     zero = seen & (flops <= 0)
     floor = float(np.median(m.op_times[zero])) if zero.any() else float(np.min(m.op_times[seen]))
+    floor = max(floor, _STEP_STATS_RESOLUTION_S)
     busy = np.where(seen, np.maximum(m.op_times - floor, 0.0), 0.0)
-    fitted = seen & costed & (flops > 0)
+    ideal = np.maximum(flops / peak, mem / bw)        # the roofline at efficiency 1
+    fitted = seen & costed & (flops > 0) & (ideal >= _MIN_FIT_S)
+    if not fitted.any():      # a toy graph: every op is tiny, so fit what there is
+        fitted = seen & costed & (flops > 0)
     eff: dict[str, float] = {}
     for t in sorted(set(types[fitted])):
         sel = fitted & (types == t)
-        eff[t] = _fit_efficiency(flops[sel], mem[sel], float(busy[sel].sum()), peak, bw)
+        eff[str(t)] = _fit_efficiency(flops[sel], mem[sel], float(busy[sel].sum()), peak, bw)
     eff["default"] = (_fit_efficiency(flops[fitted], mem[fitted], float(busy[fitted].sum()), peak, bw)
                       if fitted.any() else 0.5)
     e_op = np.array([eff.get(t, eff["default"]) for t in types])
     roofline = np.where(costed, np.maximum(flops / (peak * e_op), mem / bw), 0.0)
-    launch = max(floor, (m.wall_s - float(roofline.sum())) / max(int(costed.sum()), 1))
-    return Fit(eff, float(max(launch, 1e-9)), floor)
+    launch = max(floor, (m.wall_parallel_s - float(roofline.sum())) / max(int(costed.sum()), 1))
+    return Fit(eff, float(launch), floor)
 
 
 def _cpu_name() -> str:
@@ -379,19 +398,19 @@ def _cpu_name() -> str:
 
 
 def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_type: str = "CPU",
-                  seed: int = 0) -> "Profile":
+                  seed: int = 0, model: str | None = None) -> "Profile":
     """Profile one training step on the local device and return the calibrated ``tag.cost.Profile``.
 
     ``graph`` is ``tag.analyze(graph_def)``; ``device_type`` names the entry in the profile (the
     topology's device type for this machine, "CPU" on a CPU host); ``steps`` traced steps are taken
-    after a short warm-up and per-op medians used.
+    after a short warm-up; each op's fastest time is used. ``model`` names the graph in the profile's source.
     """
     from tag.cost import Profile
     m = measure_step(graph_def, graph, steps=steps, device_type=device_type, seed=seed)
     peak = measure_peak_flops(device_type)
     bw = measure_memory_bandwidth(device_type)
     fit = fit_profile(graph, m, peak, bw)
-    name = graph.name or "graph"
+    name = model or graph.name or "graph"
     source = (f"tag.profile: {name} at batch {graph.batch_size}, {steps} traced steps on {_cpu_name()} "
               f"({os.cpu_count()} cores, TensorFlow {tf.__version__}); step {m.wall_s * 1e3:.2f} ms ops one at a "
               f"time, {m.wall_parallel_s * 1e3:.2f} ms with default settings; kernel floor "
@@ -424,9 +443,7 @@ def _body(argv: Sequence[str]) -> int:
     from tag.graph import analyze
     name, gd = zoo.resolve_model(args.model, args.batch)
     graph = analyze(gd, batch_size=args.batch)
-    if not graph.name:
-        graph.name = name
-    prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type)
+    prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
     out = args.out or default_profile_path()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}"

@@ -32,13 +32,14 @@ def test_fit_on_hand_made_measurement():
     # -> efficiency 1e9 / (1e11 * 0.02) = 0.5. Relu: 1 MB-bound op of 0.1 ms measured 50 us -> efficiency 1.
     ops = [_op("c", "Const", 0, 0), _op("mm", "MatMul", 1e9, 1e6), _op("r", "Relu", 1e6, 1e6)]
     tg = TrainingGraph(ops, [Edge(0, 1, "c:0", Linear(4, 0)), Edge(1, 2, "mm:0", Linear(4, 0))], [], [], 1, [], [])
-    m = StepMeasurement(np.array([1e-5, 0.02 + 1e-5, 5e-5]), wall_s=0.03, wall_parallel_s=0.03, steps=1)
+    m = StepMeasurement(np.array([1e-5, 0.02 + 1e-5, 5e-5]), wall_s=0.05, wall_parallel_s=0.03, steps=1)
     fit = fit_profile(tg, m, peak=1e11, bw=1e10)
     assert fit.efficiency["MatMul"] == pytest.approx(0.5, rel=1e-6)
     assert fit.efficiency["Relu"] == 1.0
     assert fit.kernel_floor_s == pytest.approx(1e-5)
     # roofline sum: 0.02 (MatMul) + 1e-4 (Relu memory term); Const is free in the cost model;
-    # the rest of the 30 ms wall is spread over the 2 charged ops
+    # the rest of the 30 ms wall (TF's default settings, not the 50 ms of ops one at a time) is spread
+    # over the 2 charged ops
     assert fit.launch_overhead_s == pytest.approx((0.03 - 0.02 - 1e-4) / 2, rel=1e-6)
     assert 0 < fit.efficiency["default"] <= 1
 
@@ -50,6 +51,9 @@ def test_fit_launch_never_below_kernel_floor():
     m = StepMeasurement(np.array([2e-5, 0.05]), wall_s=0.01, wall_parallel_s=0.01, steps=1)
     fit = fit_profile(tg, m, peak=1e11, bw=1e10)
     assert fit.launch_overhead_s == pytest.approx(2e-5)
+    # step stats count whole microseconds: a 0 us floor still gives a positive overhead
+    m = StepMeasurement(np.array([0.0, 0.05]), wall_s=0.01, wall_parallel_s=0.01, steps=1)
+    assert fit_profile(tg, m, peak=1e11, bw=1e10).launch_overhead_s == pytest.approx(1e-6)
 
 
 def test_default_profile_path_and_env(tmp_path, monkeypatch):
@@ -73,13 +77,23 @@ def mlp():
 
 
 @pytest.fixture(scope="module")
-def mlp_profile(mlp):
+def mlp_profile_and_step(mlp):
+    """The profile, and the measured step time taken just before and after it (the fastest of both:
+    the machine is shared, so both sides are taken in the same stretch of time)."""
     gd, tg = mlp
-    return profile_graph(gd, tg, steps=5)
+    before = _measured_step_time(gd, tg)
+    prof = profile_graph(gd, tg, steps=5, model=MLP_SPEC)
+    return prof, min(before, _measured_step_time(gd, tg))
+
+
+@pytest.fixture(scope="module")
+def mlp_profile(mlp_profile_and_step):
+    return mlp_profile_and_step[0]
 
 
 def _measured_step_time(gd, tg, steps: int = 15) -> float:
-    """Median wall time of a training step in a plain TF session (TF's default settings)."""
+    """Fastest wall time of a training step in a plain TF session (TF's default settings); the profile's
+    figures are fastest-of-N too, which keeps both sides comparable on a shared, loaded machine."""
     import tensorflow as tf
     v1 = tf.compat.v1
     g = tf.Graph()
@@ -102,7 +116,7 @@ def _measured_step_time(gd, tg, steps: int = 15) -> float:
             t0 = time.perf_counter()
             sess.run("train_op", feeds)
             walls.append(time.perf_counter() - t0)
-    return float(np.median(walls))
+    return float(np.min(walls))
 
 
 def test_profile_of_small_mlp_is_sane(mlp_profile):
@@ -123,12 +137,12 @@ def test_profile_json_round_trip(mlp_profile, tmp_path):
     assert json.loads(path.read_text())["version"] == 1
 
 
-def test_calibrated_cost_model_predicts_measured_step(mlp, mlp_profile):
+def test_calibrated_cost_model_predicts_measured_step(mlp, mlp_profile_and_step):
     from tag.topology import load_topology
     gd, tg = mlp
+    mlp_profile, measured = mlp_profile_and_step
     topo = load_topology(LOCALHOST)
     predicted = CostModel(tg, topo, mlp_profile).compute_time(0, MLP_BATCH)
-    measured = _measured_step_time(gd, tg)
     assert measured / 2 <= predicted <= measured * 2, (predicted, measured)
     # without the profile (built-in defaults and the file's spec numbers) the prediction is a different one
     uncalibrated = CostModel(tg, topo).compute_time(0, MLP_BATCH)
@@ -140,7 +154,7 @@ def test_cli_writes_profile(tmp_path, capsys):
     rc = main(["--model", "zoo:mlp,input_dim=64,hidden=128", "--batch", "16", "--steps", "2", "--out", str(out)])
     assert rc == 0
     prof = Profile.load(out)
-    assert prof.devices["CPU"].efficiency["MatMul"] > 0
+    assert 0 < prof.devices["CPU"].efficiency["default"] <= 1 and prof.devices["CPU"].launch_overhead_s > 0
     assert "wrote" in capsys.readouterr().out
     assert not [p for p in os.listdir(out.parent) if ".tmp" in p]
 
