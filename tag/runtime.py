@@ -456,8 +456,6 @@ class LocalCluster:
                         w.proc.wait(timeout=5.0)
                     except subprocess.TimeoutExpired:
                         pass
-                else:
-                    _signal_group(w.proc.pid, signal.SIGKILL)  # stragglers left in its group
             with _LIVE_LOCK:
                 _LIVE_CLUSTERS.discard(self)
             if self._logdir is not None:
