@@ -19,8 +19,8 @@ The four strategies:
   A placement names device *groups*, so one device is written as mode ``partition`` with placement
   ``(its device group,)`` and every op mapped to that device in ``Strategy.partition``; the
   simulator and the rewriter therefore see exactly one device, even when its device group has more.
-- ``partition``: model parallelism over all devices. Op groups are put in topological order and cut
-  into contiguous stages, one per device (devices in index order, so neighbouring stages mostly share
+- ``partition``: model parallelism over all devices. Op groups are put in step order (``group_order``:
+  phase, then depth below the batch inputs) and cut into contiguous stages, one per device (devices in index order, so neighbouring stages mostly share
   a host); a linear-partition dynamic programme minimises the slowest stage, where a stage costs its
   groups' compute time on its device (cost-model op times at the full batch) plus the time to send
   the tensors crossing its outgoing cut to the next device; ties go to the smaller total, which
@@ -128,11 +128,33 @@ def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
 
 
 def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
-    """Op groups sorted by the earliest topological position of their ops (ties: group index)."""
-    pos = topological_op_order(graph)
-    first = np.full(grouping.num_groups, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(first, np.asarray(grouping.group_of_op, dtype=np.int64), pos)
-    return np.lexsort((np.arange(grouping.num_groups), first))
+    """Op groups in the order the step reaches them: by (earliest phase stage of their ops, shallowest
+    depth below the batch inputs of their working ops in that stage, group index).
+
+    Depth, not topological position, decides: variables, constants and labels are sources that a
+    topological order may list first, and they must not pull their layer to the front (ops of
+    ``tag.cost.ZERO_COST_TYPES`` count only for a group that has nothing else).
+    """
+    from tag.grouping import op_levels, op_stages
+    order = np.argsort(topological_op_order(graph), kind="stable")
+    stage = np.asarray(op_stages(graph, order), dtype=np.int64)
+    level = np.asarray(op_levels(graph, order), dtype=np.int64)
+    gof = np.asarray(grouping.group_of_op, dtype=np.int64)
+    k = grouping.num_groups
+    big = np.iinfo(np.int64).max
+    first_stage = np.full(k, big, dtype=np.int64)
+    np.minimum.at(first_stage, gof, stage)
+    in_first = stage == first_stage[gof]
+    from tag.cost import ZERO_COST_TYPES
+    working = np.array([op.type not in ZERO_COST_TYPES for op in graph.ops], dtype=bool)
+    depth = np.full(k, big, dtype=np.int64)          # ops that do work decide ...
+    reached = in_first & (level >= 0) & working
+    np.minimum.at(depth, gof[reached], level[reached])
+    fallback = np.full(k, big, dtype=np.int64)       # ... else any op the inputs reach
+    reached = in_first & (level >= 0)
+    np.minimum.at(fallback, gof[reached], level[reached])
+    depth = np.where(depth == big, fallback, depth)
+    return np.lexsort((np.arange(k), depth, first_stage))
 
 
 def _op_times(cost_model, topology: "Topology", device_group: int, batch: int) -> np.ndarray:

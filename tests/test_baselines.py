@@ -209,3 +209,59 @@ def test_proto_rejects_unspecified_mode_and_garbage():
         Strategy.from_proto(msg)
     with pytest.raises(StrategyError):
         Strategy.from_proto(b"\xff\xff\xff garbage")
+
+
+# ---------------------------------------------------------------- zoo graphs on the ready topologies
+ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", params=["zoo:mlp", "zoo:bert_base,num_layers=2,seq_len=16"])
+def zoo_case(request):
+    from tag import zoo
+    from tag.graph import analyze
+    from tag.grouping import group_ops
+    _, gd = zoo.resolve_model(request.param, 16)
+    tg = analyze(gd)
+    return tg, group_ops(tg, target_groups=16)
+
+
+@pytest.mark.parametrize("topo_file", ["lab-v100-1080ti.pbtxt", "fabric-64x8.pbtxt"])
+def test_builtins_on_zoo_graphs(zoo_case, topo_file):
+    import os
+    from tag.cost import CostModel
+    from tag.topology import load_topology
+    tg, grouping = zoo_case
+    topo = load_topology(os.path.join(ROOT, "topologies", topo_file))
+    cm = CostModel(tg, topo)
+    everything = tuple(range(len(topo.groups)))
+    for name in BUILTIN_STRATEGIES:
+        s = builtin_strategy(name, tg, topo, grouping, cost_model=cm)
+        assert s.name == name and len(s.actions) == grouping.num_groups
+        if name in ("dp_allreduce", "ps"):
+            assert all(a.placement == everything for a in s.actions) and not s.partition
+            continue
+        assert set(s.partition) == set(range(len(tg.ops)))
+        devs = np.array([s.partition[i] for i in range(len(tg.ops))])
+        assert devs.min() >= 0 and devs.max() < topo.num_devices
+        for a in s.actions:
+            assert a.mode == "partition"
+            allowed = {d for g in a.placement for d in topo.groups[g].devices}
+            assert set(devs[np.flatnonzero(grouping.group_of_op == s.actions.index(a))]) <= allowed
+        index = tg.op_index
+        for names in tg.colocation:      # colocation sets never split
+            assert len({devs[index[n]] for n in names if n in index}) <= 1
+        if name == "single":
+            assert len(set(devs)) == 1 and topo.devices[devs[0]].peak_flops == max(d.peak_flops for d in topo.devices)
+        else:
+            assert len(set(devs)) > 1
+            # stages follow the groups' step order: the device of a layer (the group's forward compute
+            # ops) never goes back. (Small update-only groups can be pulled to device 0 by colocation:
+            # Adam's beta powers are colocated with the first variable.)
+            from tag.cost import ZERO_COST_TYPES
+            layer_devs = []
+            for g in group_order(tg, grouping):
+                fwd = [i for i in grouping.members(g)
+                       if tg.ops[i].phase == "forward" and tg.ops[i].type not in ZERO_COST_TYPES]
+                if fwd:
+                    layer_devs.append(int(np.bincount(devs[fwd]).argmax()))
+            assert len(layer_devs) >= 2 and layer_devs == sorted(layer_devs)
