@@ -16,15 +16,17 @@ Example::
 Conventions every zoo graph follows (other stages rely on them):
 
 * Built in its own ``tf.Graph()`` (``with g.as_default():``); eager execution is never switched off
-  globally. ``tf.compat.v1.set_random_seed(seed)`` (option ``seed``, default 0) is called first, so
-  the initial weights are the same on every build.
+  globally. ``tf.compat.v1.set_random_seed(seed)`` (option ``seed``, default 0) is called first, and
+  tf_keras' own initializer seeds are drawn from ``seed`` too, so the same options give the same
+  GraphDef and the same initial weights on every build (the caller's random state is left alone).
 * Inputs are Placeholders with a concrete batch dimension ``batch_size``: ``input`` (images
   ``[B, H, W, 3]`` float32, MLP features ``[B, input_dim]`` float32, or token ids ``[B, S]`` int32),
   BERT also ``input_mask`` and ``segment_ids`` (``[B, S]`` int32), the Transformer also
   ``target_input`` (``[B, S]`` int32, the shifted decoder input), and ``labels`` (int32: ``[B]`` class
   ids, ``[B, S]`` token ids for the Transformer).
-* ``loss`` is the scalar loss (mean cross-entropy), ``train_op`` runs one optimizer step, ``init``
-  initialises every variable (weights and optimizer slots).
+* ``loss`` is the scalar loss (mean cross-entropy over examples, over tokens for the Transformer),
+  ``train_op`` runs one optimizer step, ``init`` initialises every variable (weights and optimizer
+  slots).
 * Gradients come from ``Optimizer.compute_gradients`` (``tf.gradients`` under the ``gradients`` name
   scope) and every trainable weight is updated by one ``ResourceApply*`` op (resource variables).
   Embedding gradients (IndexedSlices) are converted to dense tensors under ``gradients/`` before
@@ -34,10 +36,15 @@ Conventions every zoo graph follows (other stages rely on them):
   Transformer (lr 1e-4, beta2 0.98, eps 1e-9, as in the paper) and BERT (lr 1e-4, eps 1e-6).
 * No dropout, so one step is deterministic and a rewritten graph can be checked against it.
 * CNNs are ``tf_keras.applications`` models (``weights=None``) built in Keras' TF1 graph mode under
-  learning phase 1 (BatchNorm uses batch statistics, no ``cond`` in the graph); ``train_op`` has
-  control dependencies on the layers' moving-statistic updates (``model.updates``), as TF1 users do.
+  learning phase 1 (BatchNorm uses batch statistics, no ``cond`` in the graph). ``train_op`` is
+  ``tf.group(apply_gradients, *model.updates)``: it runs the layers' moving-statistic updates too;
+  only ``train_op`` waits for them (no control edges onto every gradient op).
 * The Transformer and BERT are written here in raw TF ops (``get_variable``, ``MatMul``,
-  ``BatchMatMulV2`` softmax attention, layer norm), dense layers on ``[B*S, H]`` matrices.
+  ``BatchMatMulV2`` softmax attention, layer norm), dense layers on ``[B*S, H]`` matrices; their
+  reshapes use -1 for the batch, so the forward ops hold no batch-sized constants. No padding mask
+  or label smoothing in the Transformer (every token is real); BERT masks by ``input_mask``.
+* Building takes seconds (see ``scripts/bench_zoo.py``), so the last 8 graphs built are kept in
+  memory and ``training_graph`` returns a fresh copy on a repeat request (``cache=False`` rebuilds).
 
 Default sizes and what the parameter counts contain (trainable weights only; optimizer slots and
 BatchNorm moving statistics excluded):
@@ -60,7 +67,7 @@ bert_large    24 layers, hidden 1024, 16 heads, ff 4096, otherwise    335,143,93
               as bert_base
 ============  =====================================================  ============  ===========
 
-The Transformer count is 3.0% under the paper's rounded 65M: with a 37000-token vocabulary
+The Transformer count is 2.95% under the paper's rounded 65M: with a 37000-token vocabulary
 tied between source, target and output the architecture has 63.08M weights (18.94M embedding,
 18.91M encoder, 25.22M decoder). BERT uses the fine-tuning classification head (pooler +
 ``[hidden, num_classes]`` classifier) rather than the pre-training heads.
