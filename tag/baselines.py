@@ -3,7 +3,9 @@
 Example::
 
     from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
-    grouping = tag.grouping.group_ops(tg, target_groups=64)
+    from tag.grouping import group_ops
+    from tag.simulator import Simulator
+    grouping = group_ops(tg, target_groups=64)
     for name in BUILTIN_STRATEGIES:
         s = builtin_strategy(name, tg, topo, grouping)
         print(name, Simulator(tg, topo, grouping).evaluate(s).step_time)
@@ -19,16 +21,17 @@ The four strategies:
   A placement names device *groups*, so one device is written as mode ``partition`` with placement
   ``(its device group,)`` and every op mapped to that device in ``Strategy.partition``; the
   simulator and the rewriter therefore see exactly one device, even when its device group has more.
-- ``partition``: model parallelism over all devices. Op groups are put in step order (``group_order``:
-  phase, then depth below the batch inputs) and cut into contiguous stages, one per device (devices in index order, so neighbouring stages mostly share
-  a host); a linear-partition dynamic programme minimises the slowest stage, where a stage costs its
-  groups' compute time on its device (cost-model op times at the full batch) plus the time to send
-  the tensors crossing its outgoing cut to the next device; ties go to the smaller total, which
-  prefers cuts with few bytes. A stage whose rough memory (variables, trainable ones twice for their
-  gradients, plus the forward activations at the full batch) exceeds its device's memory is ruled
-  out, unless no split fits at all. Stages are non-empty and fill the first devices in order; fewer than
-  all devices are used when there are fewer op groups than devices or when that is faster. Colocation
-  sets are never split (a set split by the grouping goes to its first op's device).
+- ``partition``: model parallelism over all devices. Op groups are put in step order
+  (``group_order``: phase, then depth below the batch inputs) and cut into contiguous stages, one per
+  device (devices in index order, so neighbouring stages mostly share a host). A linear-partition
+  dynamic programme minimises the slowest stage, where a stage costs its groups' compute time on its
+  device (cost-model op times at the full batch) plus the time to send the tensors crossing its
+  outgoing cut to the next device; ties go to the smaller total, which prefers cuts with few bytes.
+  A stage whose rough memory (variables, trainable ones twice for their gradients, plus the forward
+  activations at the full batch) exceeds its device's memory is ruled out, unless no split fits at
+  all. Stages are non-empty and fill the first devices in order; fewer than all devices are used
+  when there are fewer op groups than devices or when that is no slower. Colocation sets are never
+  split (a set split by the grouping goes to its first op's device).
 """
 from __future__ import annotations
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from tag.cli import run_cli
 from tag.errors import StrategyError, TagError
@@ -79,12 +81,14 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _load_profile(path: str | None):
-    from tag.profile import load_default_profile
+    """(profile or None, where it came from or None)."""
+    from tag.profile import default_profile_path, load_default_profile
     if path is None:
-        return load_default_profile()
+        prof = load_default_profile()
+        return prof, (default_profile_path() if prof is not None else None)
     from tag.cost import Profile
     try:
-        return Profile.load(path)
+        return Profile.load(path), path
     except TagError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -176,7 +180,10 @@ def format_table(report: dict, model_spec: str) -> str:
              f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}",
              f"predicted step time  {_fmt_time(report['predicted_step_time_s'])}"
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
-             f"communication        {_fmt_bytes(report['communication_bytes'])} per step", ""]
+             f"communication        {_fmt_bytes(report['communication_bytes'])} per step",
+             "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
+                                           "built-in defaults (calibrate: python -m tag.profile --model ...)"),
+             ""]
     width = max([len("device")] + [len(n) for n in report["peak_memory_bytes"]])
     lines.append(f"{'device':<{width}}  {'memory used / capacity':>28}  {'util':>6}")
     for name, used in report["peak_memory_bytes"].items():
@@ -207,22 +214,34 @@ def _body(argv: Sequence[str]) -> int:
     if args.batch is not None and args.batch < topology.num_devices:
         raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
                        f"{args.topo}; data parallelism needs at least one example per device")
-    profile = _load_profile(args.profile)
+    profile, profile_path = _load_profile(args.profile)
     t0 = time.perf_counter()
-    from tag import zoo
-    from tag.graph import analyze
-    model_name, graph_def = zoo.resolve_model(args.model, args.batch)
-    graph = analyze(graph_def, batch_size=args.batch)
-    batch = int(args.batch if args.batch is not None else graph.batch_size)
-    if batch < topology.num_devices:
-        raise TagError(f"the model's batch {batch} is smaller than the {topology.num_devices} devices of "
-                       f"{args.topo}; pass a larger --batch")
-    from tag.cost import CostModel
-    from tag.grouping import group_ops
-    grouping = group_ops(graph, target_groups=args.groups)
-    cost_model = CostModel(graph, topology, profile)
-    pred = predict(topology, graph, grouping, args.strategy, cost_model, batch)
+    # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    with tqdm(total=4, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
+        bar.set_postfix_str("building the model")
+        from tag import zoo
+        from tag.graph import analyze
+        model_name, graph_def = zoo.resolve_model(args.model, args.batch)
+        bar.update()
+        bar.set_postfix_str("analysing the graph")
+        graph = analyze(graph_def, batch_size=args.batch)
+        batch = int(args.batch if args.batch is not None else graph.batch_size)
+        if batch < topology.num_devices:
+            raise TagError(f"the model's batch {batch} is smaller than the {topology.num_devices} devices of "
+                           f"{args.topo}; pass a larger --batch")
+        bar.update()
+        bar.set_postfix_str("grouping ops")
+        from tag.cost import CostModel
+        from tag.grouping import group_ops
+        grouping = group_ops(graph, target_groups=args.groups)
+        cost_model = CostModel(graph, topology, profile)
+        bar.update()
+        bar.set_postfix_str("simulating the built-in strategies")
+        pred = predict(topology, graph, grouping, args.strategy, cost_model, batch)
+        bar.update()
     report = build_report(model_name, topology, graph, grouping, args.strategy, pred["results"], batch)
+    report["profile"] = profile_path
     report["predict_seconds"] = time.perf_counter() - t0
     if args.run:
         report.update(_run_hook(args, {"graph_def": graph_def, "graph": graph, "topology": topology,
