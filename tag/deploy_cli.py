@@ -200,7 +200,7 @@ def format_table(report: dict, model_spec: str) -> str:
             notes.append("out of memory")
         lines.append(f"  {name:<14} {_fmt_time(t):>12}{'   (' + ', '.join(notes) + ')' if notes else ''}")
     sp = report["speedup_vs_dp"]
-    lines.append(f"speedup vs dp_allreduce: {sp:.2f}x" if sp is not None else "speedup vs dp_allreduce: n/a")
+    lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
     return "\n".join(lines)
 
 

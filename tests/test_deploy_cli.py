@@ -93,6 +93,24 @@ def test_bad_input_exits_2_one_line_no_files(tmp_path, capsys, args, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_model_from_a_graphdef_file(tmp_path, capsys):
+    from tag import zoo
+    gd = zoo.training_graph("mlp", batch_size=8, input_dim=32, hidden=(64,))
+    path = tmp_path / "my_mlp.pb"
+    path.write_bytes(gd.SerializeToString())
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", str(path), "--strategy", "partition",
+                         "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["model"] == "my_mlp" and r["batch_size"] == 8 and r["strategy"] == "partition"
+    # a truncated file is bad input
+    path.write_bytes(gd.SerializeToString()[:100])
+    report.unlink()
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", str(path), "--report", str(report)], capsys)
+    assert rc == 2 and "my_mlp.pb" in err and not report.exists()
+
+
 def test_bad_profile_file_exits_2(tmp_path, capsys):
     prof = tmp_path / "p.json"
     prof.write_text('{"version": 1, "devices": {"CPU": {"efficiency": {"MatMul": 7}}}}')
@@ -123,7 +141,7 @@ def test_console_script(tmp_path):
     env.pop("TAG_PROFILE", None)
     proc = subprocess.run(cmd + ["--topo", LOCALHOST, "--model", MLP, "--strategy", "ps", "--report", str(report)],
                           capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(report.read_text())
     assert r["strategy"] == "ps" and REPORT_KEYS <= set(r)
     bad = subprocess.run(cmd + ["--topo", str(tmp_path / "nope.pbtxt"), "--model", MLP],
