@@ -52,6 +52,7 @@ How the IR is derived (the rules later stages rely on):
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -516,6 +517,7 @@ def _grad_arg_index(op_def) -> int | None:
 # Batch-axis propagation rules (complement TF's shape inference where the batch is baked into constants)
 # ---------------------------------------------------------------------------------------------------------
 
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 _BATCH_REDUCING = frozenset("""Shape ShapeN Size Rank BroadcastGradientArgs L2Loss BiasAddGrad Conv2DBackpropFilter
 Conv3DBackpropFilter Conv3DBackpropFilterV2 DepthwiseConv2dNativeBackpropFilter VarIsInitializedOp
 UnsortedSegmentSum UnsortedSegmentMax UnsortedSegmentMin SegmentSum SegmentMean SparseSegmentSum SparseSegmentMean
@@ -539,6 +541,14 @@ def _axis_by_prefix(in_shape: Shape, in_axis: int, out_shape: Shape) -> int | No
         if p > before:
             return j
     return None
+
+
+def _same_shape_axes(ins: list, outs: list) -> list:
+    """Batch axis of each output that has exactly the shape of a batch-carrying input."""
+    res = []
+    for o in outs:
+        res.append(next((ax for s, ax in ins if ax is not None and s is not None and o and s == o), None))
+    return res
 
 
 def _generic_axes(ins: list, outs: list) -> list:
@@ -668,7 +678,7 @@ def _forward_op_of(name: str, nodes: dict) -> str | None:
     return None
 
 
-def _mirror_axes(name: str, outs: list, nodes: dict, shapes: dict, axes: dict) -> list:
+def _mirror_axes(name: str, outs: list, out_dtypes: list, nodes: dict, shapes: dict, axes: dict) -> list:
     """Batch axes of a gradient op with no batch-carrying input: those of a same-shaped input or output
     of the forward op it differentiates (gradients have their forward tensor's shape)."""
     fwd = _forward_op_of(name, nodes)
@@ -679,9 +689,9 @@ def _mirror_axes(name: str, outs: list, nodes: dict, shapes: dict, axes: dict) -
              if s in shapes and i < len(shapes[s]) and s in axes and i < len(axes[s])]
     cands += list(zip(shapes.get(fwd, []), axes.get(fwd, [])))
     res = []
-    for o in outs:
+    for o, dt in zip(outs, out_dtypes):
         hit = None
-        if o:
+        if o and dt in _FLOAT_DTYPES:
             same = [ax for s, ax in cands if s == o]
             if same and all(ax is not None for ax in same):
                 hit = same[0]
@@ -818,6 +828,18 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
     Raises :class:`tag.GraphError` (one line) for a graph without optimizer apply ops or whose batch
     dimension cannot be found or fixed.
     """
+    # Building the IR creates many small objects; the cyclic collector's passes over them cost more than
+    # the analysis itself on large graphs, and nothing here creates garbage cycles worth collecting early.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyze(graph_def, batch_size, name)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph:
     timings: dict[str, float] = {}
     t_last = [time.perf_counter()]
 
@@ -900,6 +922,16 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
     base.versions.CopyFrom(gd.versions)
     base.library.CopyFrom(gd.library)
     base.node.extend(nd for nd in gd.node if nd.name in step)
+    for nd in base.node:  # colocation with ops outside the step (e.g. the loss) would fail the import
+        if "_class" in nd.attr:
+            keep = [c for c in nd.attr["_class"].list.s
+                    if not c.startswith(b"loc:@") or c[5:].decode(errors="replace") in step]
+            if len(keep) != len(nd.attr["_class"].list.s):
+                if keep:
+                    del nd.attr["_class"].list.s[:]
+                    nd.attr["_class"].list.s.extend(keep)
+                else:
+                    del nd.attr["_class"]
 
     concrete = tf.compat.v1.GraphDef()
     concrete.CopyFrom(base)
@@ -939,25 +971,26 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
     _mark("imports")
     # --- 5. tensors: dtype, shape, probe shape -----------------------------------------------------------
     tf_ops = {op.name: op for op in g1.get_operations()}
-    shapes: dict[str, list] = {}      # op -> [shape per output]
+    shapes: dict[str, list] = {}        # op -> [shape per output] (the concrete import)
     dtypes: dict[str, list] = {}
-    trick_axes: dict[str, list] = {}
+    probe_shapes: dict[str, list] = {}  # op -> [shape per output] (the unknown-batch import)
+    trick_axes: dict[str, list] = {}    # op -> [axis known in the first import, unknown in the probe]
     for nm, op in tf_ops.items():
         outs = op.outputs
         ss = [_to_shape(t.shape) for t in outs]
         shapes[nm] = ss
         dtypes[nm] = [t.dtype.name for t in outs]
         p = probe_ops.get(nm)
-        ax_list = [None] * len(outs)
+        ax_list: list = [None] * len(outs)
         if p is not None and len(p.outputs) == len(outs):
-            for k, (s, t2) in enumerate(zip(ss, p.outputs)):
-                if s is None:
+            ps = [_to_shape(t.shape) for t in p.outputs]
+            probe_shapes[nm] = ps
+            for k, (s1, s2) in enumerate(zip(ss, ps)):
+                if s1 is None or s2 is None or len(s2) != len(s1):
                     continue
-                s2 = _to_shape(t2.shape)
-                for j, d in enumerate(s):
-                    if d is not None and (s2 is None or len(s2) != len(s) or s2[j] is None):
-                        if s2 is not None and len(s2) == len(s):
-                            ax_list[k] = j
+                for j, d in enumerate(s1):
+                    if d is not None and s2[j] is None:
+                        ax_list[k] = j
                         break
         trick_axes[nm] = ax_list
 
@@ -1012,7 +1045,7 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
             if n.type in _INPUT_TYPES or n.type in _ITERATOR_TYPES:
                 axes[nm] = [0 if (nm, i) in input_tensors and ss[i] else None for i in range(len(ss))]
                 continue
-            if n.type in _VARIABLE_TYPES or n.type == "Const":
+            if n.type in _VARIABLE_TYPES or (n.type == "Const" and not second):
                 axes[nm] = [None] * len(ss)
                 continue
             res = list(axes[nm]) if second else list(trick_axes.get(nm, [None] * len(ss)))
@@ -1021,13 +1054,15 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
                 continue
             ins = [(shapes[s][i] if i < len(shapes[s]) else None,
                     axes[s][i] if s in axes and i < len(axes[s]) else None) for s, i in n.data_in]
-            if any(a is not None for _, a in ins):
+            if any(a is not None for _, a in ins) and n.type in _FUNCTIONAL_TYPES:
+                rule = _same_shape_axes(ins, ss)   # opaque bodies: only an input's exact shape tells
+            elif any(a is not None for _, a in ins):
                 rule = _rule_axes(n.type, n.nd.attr, ins, ss, lambda k, _n=n: const_node(_n, k))
             elif second and n.type not in _BATCH_REDUCING:
-                rule = _mirror_axes(nm, ss, nodes, shapes, axes)
+                rule = _mirror_axes(nm, ss, dtypes[nm], nodes, shapes, axes)
             else:
                 rule = [None] * len(ss)
-            axes[nm] = [t if t is not None else r for t, r in zip(res, rule)]
+            axes[nm] = [a if a is not None else r for a, r in zip(res, rule)]
 
     _mark("batch axes")
     # --- 8. tensors ----------------------------------------------------------------------------------------
@@ -1142,8 +1177,20 @@ def analyze(graph_def: Any, batch_size: int | None = None, name: str = "") -> Tr
 
     backward = {nm for nm in order if in_grad_scope(nm)}
     if not backward:
+        # tf.gradients(name=...) under another scope: its ops are "<scope>/<forward op>_grad/...";
+        # every op under such a scope is backward.
+        scopes = set()
+        for nm in order:
+            parts = nm.split("/")
+            for i, p in enumerate(parts[:-1]):
+                if p.endswith("_grad") and i > 0:
+                    scopes.add("/".join(parts[:i]) + "/")
+                    break
+        if scopes:
+            backward = {nm for nm in order if nm not in after and any(nm.startswith(sc) for sc in scopes)}
+    if not backward:
         seeds = [nm for nm in order if ("Grad" in nodes[nm].type or "Backprop" in nodes[nm].type)
-                 and nm not in after]
+                 and not is_apply_op(nodes[nm].type) and nm not in after]
         backward = set(seeds)
         for nm in order:
             if nm in backward or nm in after:
