@@ -45,6 +45,7 @@ Example::
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import re
@@ -55,7 +56,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2  # noqa: E402
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_pb2, tensor_shape_pb2  # noqa: E402
+from tensorflow.python.client import pywrap_tf_session as c_api  # noqa: E402
+from tensorflow.python.framework import c_api_util  # noqa: E402
 from tensorflow.python.framework import op_def_registry  # noqa: E402
 
 from tag.errors import RewriteError, StrategyError  # noqa: E402
@@ -132,7 +135,15 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
     returned. Raises RewriteError (naming the op) for what cannot be rewritten and StrategyError
     when the strategy does not fit the graph or the topology.
     """
-    return _Rewriter(graph_def, graph, strategy, topology, batch_size, train_op, loss, init).run(validate)
+    # The rewrite allocates many small objects; with large graphs alive in the process, cyclic GC passes
+    # would dominate its run time (seconds), and it creates no reference cycles worth collecting.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Rewriter(graph_def, graph, strategy, topology, batch_size, train_op, loss, init).run(validate)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,6 +164,16 @@ def _tname(op: str, idx: int) -> str:
 
 def _attr_type(dtype: "tf.DType") -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(type=dtype.as_datatype_enum)
+
+
+def _tensor_proto(value: np.ndarray):
+    """A TensorProto for a small numpy array (faster than tf.make_tensor_proto)."""
+    value = np.asarray(value)
+    proto = tensor_pb2.TensorProto(dtype=tf.as_dtype(value.dtype).as_datatype_enum)
+    proto.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(d)) for d in value.shape]))
+    proto.tensor_content = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<")).tobytes()
+    return proto
 
 
 def _fill_defaults(node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
@@ -231,11 +252,11 @@ class _Rewriter:
     # -------------------------------------------------------------------------------- driver
     def run(self, validate: bool) -> RewriteResult:
         self._prune_and_order()
-        self._import_original()
+        self._tfg = None
+        self._const_rules()
         self._flags()
         self._variables()
         self._keys()
-        self._const_rules()
         self._emit_all()
         fetch_train, fetch_loss, fetch_init = self._fetches()
         out = graph_pb2.GraphDef()
@@ -264,7 +285,7 @@ class _Rewriter:
             for i in self.nodes[n].input:
                 stack.append(_split(i.lstrip("^"))[0])
         # topological order (Kahn), original node order as tie-break
-        pos = {n.name: i for i, n in enumerate(self.gd.node)}
+        pos = {name: i for i, name in enumerate(self.nodes)}
         names = sorted(keep, key=pos.__getitem__)
         indeg = {n: 0 for n in names}
         succ: dict[str, list[str]] = {n: [] for n in names}
@@ -299,24 +320,39 @@ class _Rewriter:
         self.order = order
         self.keep = keep
 
-    def _import_original(self) -> None:
-        sub = graph_pb2.GraphDef()
-        sub.versions.CopyFrom(self.gd.versions)
-        sub.library.CopyFrom(self.gd.library)
-        sub.node.extend(self.nodes[n] for n in self.order)
-        g = tf.Graph()
-        with g.as_default():
-            try:
-                tf.graph_util.import_graph_def(sub, name="")
-            except (ValueError, tf.errors.OpError) as err:
-                raise RewriteError(f"the training graph does not import: {str(err).splitlines()[0]}") from None
-        self.tfg = g
+    @property
+    def tfg(self) -> "tf.Graph":
+        """The pruned original graph imported into Python (only built when the IR lacks an answer)."""
+        if self._tfg is None:
+            sub = graph_pb2.GraphDef()
+            sub.versions.CopyFrom(self.gd.versions)
+            sub.library.CopyFrom(self.gd.library)
+            sub.node.extend(self.nodes[n] for n in self.order)
+            g = tf.Graph()
+            with g.as_default():
+                try:
+                    tf.graph_util.import_graph_def(sub, name="")
+                except (ValueError, tf.errors.OpError) as err:
+                    raise RewriteError(f"the training graph does not import: {str(err).splitlines()[0]}") from None
+            self._tfg = g
+        return self._tfg
 
     def _tensor(self, t: str):
         op, k = _split(t)
         return self.tfg.get_operation_by_name(op).outputs[k]
 
     def _dtype(self, t: str) -> "tf.DType":
+        info = self.tinfo.get(_tname(*_split(t)))
+        if info is not None and info.dtype:
+            try:
+                return tf.as_dtype(info.dtype).base_dtype
+            except TypeError:
+                pass
+        op, k = _split(t)
+        node = self.nodes[op]
+        for a in ("T", "dtype"):
+            if k == 0 and a in node.attr and node.attr[a].type:
+                return tf.as_dtype(node.attr[a].type).base_dtype
         return self._tensor(t).dtype.base_dtype
 
     def _batch_axis(self, t: str) -> int | None:
@@ -326,8 +362,8 @@ class _Rewriter:
     def _ref_shape(self, t: str) -> list[int | None] | None:
         """Shape of T at the reference batch (IR first, else TF's static shape)."""
         info = self.tinfo.get(_tname(*_split(t)))
-        if info is not None and info.shape is not None:
-            return list(info.shape)
+        if info is not None:
+            return None if info.shape is None else list(info.shape)
         shape = self._tensor(t).shape
         return None if shape.rank is None else shape.as_list()
 
@@ -344,13 +380,13 @@ class _Rewriter:
         self.gd_: dict[str, bool] = {}
         for n in self.order:
             data_in = [_split(i)[0] for i in self.nodes[n].input if not i.startswith("^")]
-            self.bd[n] = n in inputs or n in self.seeds or any(self.bd[p] for p in data_in)
+            self.bd[n] = n in inputs or n in self.seeds or n in self.const_scale or any(self.bd[p] for p in data_in)
             self.gd_[n] = n in self.seeds or any(self.gd_[p] for p in data_in)
         self.agg: dict[str, bool] = {}
         for n in reversed(self.order):
             self.agg[n] = self._phase(n) == "update" and (
                 self.gd_[n] or any(self.agg.get(c, False) for c, _, _ in self.consumers[n]))
-        if not self.seeds and any(self.gd_.values()) is False:
+        if not self.seeds:
             self.notes.append("no gradient seed (gradients/grad_ys_N) found; replicas are not rescaled")
 
     def _additive(self, t: str) -> bool:
@@ -399,15 +435,20 @@ class _Rewriter:
             node = self.nodes[op]
             if node.op in _VAR_OPS:
                 return op
-            if node.op in ("Identity", "IdentityN") and node.input and \
-                    self._tensor(t).dtype in (tf.resource,) :
-                t = node.input[k] if node.op == "IdentityN" else node.input[0]
+            if node.op == "Identity" and node.input and node.attr["T"].type == tf.resource.as_datatype_enum:
+                t = node.input[0]
                 seen += 1
                 continue
             return None
         return None
 
     def _vars_of_inputs(self, op: str) -> list[str]:
+        cache = self.__dict__.setdefault("_vars_cache", {})
+        if op not in cache:
+            cache[op] = self._find_vars_of_inputs(op)
+        return cache[op]
+
+    def _find_vars_of_inputs(self, op: str) -> list[str]:
         out = []
         for i in self.nodes[op].input:
             if i.startswith("^"):
@@ -579,7 +620,7 @@ class _Rewriter:
             if cop == "Tile":
                 continue
             ax = self._batch_axis(c)
-            shape = self._ref_shape(c)
+            shape = self._ref_shape(c) if ax is not None else None
             if ax is not None and shape is not None and ax < v.size and shape[ax] is not None \
                     and v[ax] == shape[ax] and v[ax] % B == 0:
                 pos.add(ax)
@@ -595,12 +636,12 @@ class _Rewriter:
             fwd = self._forward_op(m.group(1))
             if fwd is not None:
                 tensors = [i for i in self.nodes[fwd].input if not i.startswith("^")]
-                tensors += [_tname(fwd, k) for k in range(len(self.tfg.get_operation_by_name(fwd).outputs))
-                            if fwd in self.ir_index or True]
+                if fwd in self.ir_index:
+                    tensors += [t.name for t in self.ir.ops[self.ir_index[fwd]].outputs]
                 for t in tensors:
                     ax = self._batch_axis(t)
-                    shape = self._ref_shape(t)
-                    if ax is None or shape is None or any(s is None for s in shape):
+                    shape = self._ref_shape(t) if ax is not None else None
+                    if shape is None or any(s is None for s in shape):
                         continue
                     numel = int(np.prod(shape)) if shape else 1
                     if is_int and v.size == len(shape) and v.size > 0 and list(v) == list(shape):
@@ -609,9 +650,9 @@ class _Rewriter:
                         pos.add(0)
                 if self.nodes[fwd].op == "Mean" and v.size == 1 and self._is_scalar(self.nodes[n]):
                     tin, tout = self.nodes[fwd].input[0], _tname(fwd, 0)
-                    sin, sout = self._ref_shape(tin), self._ref_shape(tout)
-                    if self._batch_axis(tin) is not None and self._batch_axis(tout) is None and sin and \
-                            sout is not None and None not in sin and None not in sout:
+                    ok = self._batch_axis(tin) is not None and tout in self.tinfo and self._batch_axis(tout) is None
+                    sin, sout = (self._ref_shape(tin), self._ref_shape(tout)) if ok else (None, None)
+                    if ok and sin and sout is not None and None not in sin and None not in sout:
                         factor = int(np.prod(sin)) // max(int(np.prod(sout)) if sout else 1, 1)
                         if v[0] == factor and factor % B == 0:
                             pos.add(0)
@@ -961,7 +1002,7 @@ class _Rewriter:
         name = self._fresh(name)
         node = node_def_pb2.NodeDef(name=name, op="Const", device=self.topo.tf_device(dev))
         node.attr["dtype"].CopyFrom(_attr_type(tf.as_dtype(value.dtype)))
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+        node.attr["value"].tensor.CopyFrom(_tensor_proto(value))
         self.out_nodes.append(node)
         return name
 
@@ -1015,10 +1056,16 @@ class _Rewriter:
 
     # -------------------------------------------------------------------------------- validation
     def _validate(self, out: "tf.compat.v1.GraphDef") -> None:
+        """Import OUT with TF's C++ importer (shape inference with constant folding of shapes)."""
         g = tf.Graph()
-        with g.as_default():
-            try:
-                tf.graph_util.import_graph_def(out, name="")
-            except (ValueError, tf.errors.OpError) as err:
-                first = " ".join(str(err).split())
-                raise RewriteError(f"the rewritten graph does not import: {first[:400]}") from None
+        opts = c_api.TF_NewImportGraphDefOptions()
+        try:
+            c_api.TF_ImportGraphDefOptionsSetPrefix(opts, "")
+            with c_api_util.tf_buffer(out.SerializeToString()) as buf:
+                with g._c_graph.get() as c_graph:  # noqa: SLF001 - the C graph is what TF's importer fills
+                    c_api.TF_GraphImportGraphDefWithResults(c_graph, buf, opts)
+        except (ValueError, tf.errors.OpError) as err:
+            first = " ".join(str(err).split())
+            raise RewriteError(f"the rewritten graph does not import: {first[:400]}") from None
+        finally:
+            c_api.TF_DeleteImportGraphDefOptions(opts)
