@@ -523,14 +523,28 @@ class Simulator:
         self._coll[k] = c
         return c
 
-    def _partition_plan(self, g: int, partition: dict, action: Action, lanes_needed: set) -> dict:
+    def _partition_array(self, partition: dict) -> np.ndarray:
+        """strategy.partition as an array over ops (-1: not listed)."""
+        n = len(self._gop)
+        out = np.full(n, -1, dtype=np.int64)
+        if partition:
+            keys = np.fromiter(partition.keys(), dtype=np.int64, count=len(partition))
+            vals = np.fromiter(partition.values(), dtype=np.int64, count=len(partition))
+            ok = (keys >= 0) & (keys < n)
+            if not ok.all():
+                raise StrategyError(f"strategy.partition names op index {int(keys[~ok][0])}, but the graph has "
+                                    f"ops 0..{n - 1}")
+            out[keys] = vals
+        return out
+
+    def _partition_plan(self, g: int, part: np.ndarray, action: Action, lanes_needed: set) -> dict:
         """Per task of partition group G: ("dev", device) or ("split", [(device, ops)...]) + variable devices."""
         members = self._members_l[g]
-        try:
-            devs = np.fromiter(map(partition.__getitem__, members), dtype=np.int64, count=len(members))
-        except KeyError as err:
+        devs = part[self._members[g]]
+        if devs.min() < 0:
+            i = members[int(np.flatnonzero(devs < 0)[0])]
             raise StrategyError(f"op group {g} ({self.grouping.names[g]}) is partitioned but op "
-                                f"{self.graph.ops[err.args[0]].name!r} has no device in strategy.partition") from None
+                                f"{self.graph.ops[i].name!r} has no device in strategy.partition")
         k = (g, action.placement, devs.tobytes())
         plan = self._part_cache.get(k)
         if plan is None:
@@ -644,9 +658,10 @@ class Simulator:
                 any_partition = True
         plans: dict[int, dict] = {}
         if any_partition:
+            part = self._partition_array(strategy.partition)
             for g, a in enumerate(actions):
                 if a.mode == "partition":
-                    plans[g] = self._partition_plan(g, strategy.partition, a, special)
+                    plans[g] = self._partition_plan(g, part, a, special)
         lanes = self._lanes(frozenset(special))
         L = len(lanes.lanes)
 
@@ -912,20 +927,24 @@ class Simulator:
     def _run_split(self, t, parts, lay, xb, arr, r0, lane_free, rfree, S, F, Bm, rec) -> float:
         """Run the per-device sub-tasks of a split partition task in order, with transfers between them.
         Returns the bytes moved between them."""
-        dev_of_op = {}
-        for d, ops in parts:
-            for i in ops.tolist():
-                dev_of_op[i] = d
         order = {d: k for k, (d, _) in enumerate(parts)}
-        B = lay.insts[0][2]
-        moved: dict[tuple[int, int], float] = {}
-        seen = set()
-        for (so, do, Pe, Fx, name) in self._internal[t]:
-            ds, dd = dev_of_op[so], dev_of_op[do]
-            if ds == dd or (name, dd) in seen:
-                continue
-            seen.add((name, dd))
-            moved[(ds, dd)] = moved.get((ds, dd), 0.0) + Pe * B + Fx
+        key = ("split-internal", lay.id)
+        moved = self._moves.get(key)
+        if moved is None:
+            dev_of_op = {}
+            for d, ops in parts:
+                for i in ops.tolist():
+                    dev_of_op[i] = d
+            B = lay.insts[0][2]
+            moved = {}
+            seen = set()
+            for (so, do, Pe, Fx, name) in self._internal[t]:
+                ds, dd = dev_of_op[so], dev_of_op[do]
+                if ds == dd or (name, dd) in seen:
+                    continue
+                seen.add((name, dd))
+                moved[(ds, dd)] = moved.get((ds, dd), 0.0) + Pe * B + Fx
+            self._moves[key] = moved
         internal_arr: dict[int, float] = {}
         comm = 0.0
         label = f"{self.grouping.names[self._tg_l[t]]} (split)"
@@ -957,36 +976,55 @@ class Simulator:
             return [h for h in lay.holdings if h[0] == d]
         return lay.holdings
 
-    def _split_bundle(self, b: int, ls: _Layout, ld: _Layout, fins: dict, rfree: list, plans: dict,
-                      rec) -> tuple[dict, float]:
-        """Arrival time per destination lane of bundle B when either side is a split partition task."""
-        arrd: dict[int, float] = {h[3]: 0.0 for h in ld.holdings}
-        comm = 0.0
+    def _split_moves(self, b: int, ls: _Layout, ld: _Layout, plans: dict) -> tuple:
+        """(deps, transfers) of bundle B between layouts LS and LD when either is a split partition task:
+        deps = [(dst lane, src lanes)], transfers = [(src device, src lane, dst device, dst lane, bytes)]."""
+        key = (b, ls.id, ld.id)
+        mv = self._moves.get(key)
+        if mv is not None:
+            return mv
+        deps: dict[int, set] = {h[3]: set() for h in ld.holdings}
+        moved: dict[tuple, float] = {}
         sent: set = set()
         for (so, do, P, F, name) in self._b_contrib[b] or [(None, None, 0.0, 0.0, None)]:
             src_h = ls.holdings if so is None else self._holders(ls, so, plans)
             dst_h = ld.holdings if do is None else self._holders(ld, do, plans)
-            src_devs = [h[0] for h in src_h]
+            src_lane = {h[0]: h[3] for h in src_h}
             for (c, clo, chi, cl) in dst_h:
-                x = arrd.get(cl, 0.0)
                 for (p, plo, phi, pl) in src_h:
                     ov = min(chi, phi) - max(clo, plo)
                     if ov <= 0:
                         continue
-                    x = max(x, fins.get(pl, 0.0))
+                    deps[cl].add(pl)
                     if p != c and P > 0 and (name, p, c, "P") not in sent:
                         sent.add((name, p, c, "P"))
-                        comm += P * ov
-                        x = max(x, self._transfer(p, c, P * ov, fins.get(pl, 0.0), rfree, rec, "partition transfer"))
-                if c in src_devs:
-                    x = max(x, fins.get(next(h[3] for h in src_h if h[0] == c), 0.0))
-                elif F > 0 and (name, c, "F") not in sent:
-                    sent.add((name, c, "F"))
-                    p = self._best_source(src_devs, c)
-                    pl = next(h[3] for h in src_h if h[0] == p)
-                    comm += F
-                    x = max(x, self._transfer(p, c, F, fins.get(pl, 0.0), rfree, rec, "partition transfer"))
-                arrd[cl] = x
+                        moved[(p, pl, c, cl)] = moved.get((p, pl, c, cl), 0.0) + P * ov
+                if c in src_lane:
+                    deps[cl].add(src_lane[c])
+                elif src_lane:
+                    p = self._best_source(list(src_lane), c)
+                    deps[cl].add(src_lane[p])
+                    if F > 0 and (name, c, "F") not in sent:
+                        sent.add((name, c, "F"))
+                        moved[(p, src_lane[p], c, cl)] = moved.get((p, src_lane[p], c, cl), 0.0) + F
+        mv = ([(dl, tuple(sorted(x))) for dl, x in sorted(deps.items())],
+              [(k[0], k[1], k[2], k[3], v) for k, v in sorted(moved.items()) if v > 0])
+        self._moves[key] = mv
+        return mv
+
+    def _split_bundle(self, b: int, ls: _Layout, ld: _Layout, fins: dict, rfree: list, plans: dict,
+                      rec) -> tuple[dict, float]:
+        """Arrival time per destination lane of bundle B when either side is a split partition task."""
+        deps, transfers = self._split_moves(b, ls, ld, plans)
+        arrd = {}
+        for dl, sls in deps:
+            arrd[dl] = max((fins.get(sl, 0.0) for sl in sls), default=0.0)
+        comm = 0.0
+        for (p, pl, c, cl, nb) in transfers:
+            comm += nb
+            end = self._transfer(p, c, nb, fins.get(pl, 0.0), rfree, rec, "partition transfer")
+            if end > arrd.get(cl, 0.0):
+                arrd[cl] = end
         return arrd, comm
 
     # ------------------------------------------------------------------ results

@@ -1,0 +1,151 @@
+"""Cost model: profile files, roofline op times and communication models, checked by hand."""
+import json
+
+import numpy as np
+import pytest
+
+from tag.cost import CostModel, DeviceProfile, Profile
+from tag.errors import TagError
+
+from tiny import DeviceSpec, GraphBuilder, make_topology
+
+
+def _graph():
+    b = GraphBuilder(batch_size=8)
+    b.op("x", "Placeholder", out_pe=4000)
+    b.op("mm", "MatMul", inputs=("x",), flops=2e9, out_pe=1000)          # compute-bound
+    b.op("add", "AddV2", inputs=("mm",), flops_pe=10, out_bytes=1e9)    # memory-bound: 1e9 + 8*1000 bytes
+    b.op("id", "Identity", inputs=("add",), out_bytes=1e9)              # free
+    return b.build()
+
+
+def _topo(**kw):
+    return make_topology([("h0", [("GPU-A", 2)]), ("h1", [("GPU-A", 2), ("GPU-B", 1)])],
+                         specs={"GPU-A": DeviceSpec(peak_flops=10e12, memory_bandwidth=1e11),
+                                "GPU-B": DeviceSpec(peak_flops=5e12, memory_bandwidth=5e10)}, **kw)
+
+
+def test_op_times_roofline_by_hand():
+    prof = Profile({"GPU-A": DeviceProfile(efficiency={"MatMul": 0.5, "default": 0.25}, launch_overhead_s=1e-5)})
+    cm = CostModel(_graph(), _topo(), prof)
+    t = cm.op_times(0, batch=8)
+    assert t[0] == 0.0                                              # Placeholder: zero-cost type
+    assert t[1] == pytest.approx(2e9 / (10e12 * 0.5) + 1e-5)         # 0.4 ms + launch overhead
+    assert t[2] == pytest.approx((1e9 + 8 * 1000) / 1e11 + 1e-5)     # memory term dominates
+    assert t[3] == 0.0                                              # Identity moves nothing
+    # another device type scales by its spec sheet (no profile entry: built-in GPU defaults)
+    tb = cm.op_times(2, batch=8)
+    assert tb[1] == pytest.approx(2e9 / (5e12 * 0.5) + 5e-6)
+    assert tb[2] == pytest.approx((1e9 + 8000) / 5e10 + 5e-6)
+    # cached and read-only
+    assert cm.op_times(0, 8) is t
+    with pytest.raises(ValueError):
+        t[0] = 1.0
+
+
+def test_profile_entry_replaces_spec_numbers_default_entry_does_not():
+    prof = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e10, launch_overhead_s=0.0,
+                                           efficiency={"MatMul": 1.0}),
+                    "default": DeviceProfile(peak_flops=123.0, launch_overhead_s=0.0, efficiency={"default": 0.1})})
+    cm = CostModel(_graph(), _topo(), prof)
+    assert cm.op_times(0, 8)[1] == pytest.approx(2e9 / 1e12)        # measured peak, not the 10 TFLOP/s spec
+    ra, rb = cm.rates(0), cm.rates(2)
+    assert ra.peak_flops == 1e12 and ra.memory_bandwidth == 1e10
+    assert rb.peak_flops == 5e12 and rb.efficiency_of("Conv2DBackpropFilter") == 0.5   # built-in per type
+    assert rb.efficiency_of("Softmax") == 0.1                        # the profile's "default"
+
+
+def test_profile_round_trip(tmp_path):
+    prof = Profile({"CPU": DeviceProfile(1.1e11, 9e9, 1.2e-5, {"MatMul": 0.6, "default": 0.1})}, source="test")
+    path = tmp_path / "p.json"
+    prof.save(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["devices"]["CPU"]["efficiency"]["MatMul"] == 0.6
+    back = Profile.load(path)
+    assert back == prof
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "not valid JSON"),
+    ("[]", "expected a JSON object"),
+    ('{"version": 2, "devices": {}}', "unsupported profile version"),
+    ('{"version": 1}', "'devices' must be an object"),
+    ('{"version": 1, "devices": {"CPU": {"efficiency": {"MatMul": 1.5}}}}', "must be in (0, 1]"),
+    ('{"version": 1, "devices": {"CPU": {"peak_flops": -1}}}', "finite number >= 0"),
+    ('{"version": 1, "devices": {"CPU": {"peak_flops": "fast"}}}', "finite number >= 0"),
+    ('{"version": 1, "devices": {"CPU": {"speed": 3}}}', "unknown field 'speed'"),
+])
+def test_bad_profile_files_raise_one_line_tag_error(tmp_path, text, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(TagError) as err:
+        Profile.load(path)
+    msg = str(err.value)
+    assert msg.startswith(str(path)) and needle in msg and "\n" not in msg
+
+
+def test_missing_and_binary_profile(tmp_path):
+    with pytest.raises(TagError, match="not found"):
+        Profile.load(tmp_path / "nope.json")
+    p = tmp_path / "bin.json"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(TagError, match="not UTF-8"):
+        Profile.load(p)
+    with pytest.raises(TagError, match="directory"):
+        Profile.load(tmp_path)
+
+
+def test_transfer_time():
+    topo = _topo(intra_bandwidth=100e9, intra_latency=2e-6, inter_bandwidth=1.25e9, inter_latency=20e-6)
+    cm = CostModel(_graph(), topo)
+    assert cm.transfer_time(1e9, 0, 0) == 0.0
+    assert cm.transfer_time(1e9, 0, 1) == pytest.approx(2e-6 + 1e9 / 100e9)
+    assert cm.transfer_time(1e9, 0, 2) == pytest.approx(20e-6 + 1e9 / 1.25e9)
+
+
+def test_allreduce_ring_and_hierarchical_by_hand():
+    # 4 hosts x 1 device, 1 GB/s links, 10 us: ring only
+    topo = make_topology([(f"h{i}", [("GPU-A", 1)]) for i in range(4)], inter_bandwidth=1e9, inter_latency=1e-5)
+    cm = CostModel(_graph(), topo)
+    assert cm.allreduce_time(1e8, [0, 1, 2, 3]) == pytest.approx(2 * 3 / 4 * 1e8 / 1e9 + 2 * 3 * 1e-5)
+    assert cm.allreduce_time(1e8, [2]) == 0.0
+    # 2 hosts x 2 devices: hierarchical (reduce-scatter + all-gather inside at 100 GB/s, ring across hosts)
+    topo = make_topology([("h0", [("GPU-A", 2)]), ("h1", [("GPU-A", 2)])], intra_bandwidth=1e11,
+                         intra_latency=2e-6, inter_bandwidth=1e9, inter_latency=1e-5)
+    cm = CostModel(_graph(), topo)
+    ring = 2 * 3 / 4 * 1e8 / 1e9 + 6 * 1e-5
+    hier = (2 * 1 / 2 * 1e8 / 1e11 + 2 * 2e-6) + (2 * 1 / 2 * 1e8 / 1e9 + 2 * 1e-5)
+    assert hier < ring
+    assert cm.allreduce_time(1e8, [0, 1, 2, 3]) == pytest.approx(hier)
+
+
+def test_ps_time_shares_the_ps_link():
+    topo = make_topology([(f"h{i}", [("GPU-A", 1)]) for i in range(4)], inter_bandwidth=1e9, inter_latency=1e-5)
+    cm = CostModel(_graph(), topo)
+    # three remote workers push 1e8 bytes each through the PS host's 1 GB/s NIC, then pull them back
+    assert cm.ps_time(1e8, [0, 1, 2, 3], 0) == pytest.approx(2 * (1e-5 + 3 * 1e8 / 1e9))
+    assert cm.ps_time(1e8, [0], 0) == 0.0
+    # 10 GB/s links from the PS host: its NIC still carries the three workers' bytes one after another
+    fast = make_topology([(f"h{i}", [("GPU-A", 1)]) for i in range(4)], inter_bandwidth=1e9, inter_latency=1e-5,
+                         host_links={("h0", f"h{i}"): (1e10, 1e-5) for i in (1, 2, 3)})
+    assert CostModel(_graph(), fast).ps_time(1e8, [0, 1, 2, 3], 0) == pytest.approx(2 * (1e-5 + 3 * 1e8 / 1e10))
+    # ... and a single slow path is never faster than its own link
+    one = make_topology([(f"h{i}", [("GPU-A", 1)]) for i in range(4)], inter_bandwidth=1e9, inter_latency=1e-5,
+                        host_links={("h0", "h1"): (1e10, 1e-5)})
+    assert CostModel(_graph(), one).ps_time(1e8, [0, 1, 2, 3], 0) == pytest.approx(2 * (1e-5 + 1e8 / 1e9))
+
+
+def test_allgather_ring_by_hand():
+    topo = make_topology([(f"h{i}", [("GPU-A", 1)]) for i in range(3)], inter_bandwidth=1e9, inter_latency=1e-5)
+    cm = CostModel(_graph(), topo)
+    assert cm.allgather_time(1e6, [0, 1, 2]) == pytest.approx(2 * (1e-5 + 1e6 / 1e9))
+    assert cm.allgather_time(1e6, [1]) == 0.0
+
+
+def test_cost_model_on_a_real_graph_is_positive_and_scales_with_batch():
+    from tiny import mlp_graph
+    tg = mlp_graph(batch=8, widths=(64, 256, 10))
+    cm = CostModel(tg, _topo())
+    t8, t64 = cm.compute_time(0, 8), cm.compute_time(0, 64)
+    assert 0 < t8 < t64
+    assert np.all(cm.op_times(0, 64) >= cm.op_times(0, 8))
