@@ -458,7 +458,7 @@ def _body(argv: Sequence[str]) -> int:
     print(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
           f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
     for t, e in sorted(d["efficiency"].items()):
-        print(f"  {t:<32} efficiency {e:.3f}")
+        print(f"  {t:<36} efficiency {e:.3g}")
     return 0
 
 
