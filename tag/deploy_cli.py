@@ -37,6 +37,7 @@ from tag.errors import StrategyError, TagError
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
+RUN_AVAILABLE = False      # set when _run_hook deploys for real
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +108,19 @@ def _write_atomic(path: str, text: str) -> None:
             os.remove(tmp)
 
 
+def _finite(obj: Any) -> Any:
+    """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
 def _fmt_time(s: float) -> str:
     if not np.isfinite(s):
         return "inf"
@@ -125,7 +139,8 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
 
     Returns the report's ``measured_step_time_s``, ``measured_baseline_step_time_s`` and
     ``measured_speedup_vs_dp``. CONTEXT holds what the prediction used (graph_def, graph, topology,
-    grouping, strategies by name, cost model). The runtime wires this in; until then it is refused.
+    grouping, strategies by name, cost model, batch). The runtime wires this in (and sets
+    RUN_AVAILABLE); until then ``--run`` is refused before any work.
     """
     raise TagError("--run is not available yet")
 
@@ -207,8 +222,8 @@ def format_table(report: dict, model_spec: str) -> str:
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     _check_args(args)
-    if args.run:
-        _run_hook(args, {})          # refuses early, before anything heavy, while --run is unwired
+    if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
+        raise TagError("--run is not available yet")
     from tag.topology import load_topology
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
@@ -249,8 +264,8 @@ def _body(argv: Sequence[str]) -> int:
                                        "cost_model": cost_model, "batch": batch}))
     trace_text = None
     if args.trace:
-        trace_text = json.dumps(pred["simulator"].trace(pred["strategies"][args.strategy]))
-    report_text = json.dumps(report, indent=2, sort_keys=False) + "\n" if args.report else None
+        trace_text = json.dumps(_finite(pred["simulator"].trace(pred["strategies"][args.strategy], batch_size=batch)))
+    report_text = json.dumps(_finite(report), indent=2) + "\n" if args.report else None
     # write only once everything has been computed: an error above leaves no file behind
     if trace_text is not None:
         _write_atomic(args.trace, trace_text)

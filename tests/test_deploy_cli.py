@@ -93,6 +93,20 @@ def test_bad_input_exits_2_one_line_no_files(tmp_path, capsys, args, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_out_of_memory_is_reported_not_an_error(tmp_path, capsys):
+    # localhost with 16 MiB per device: the mlp's weights, gradients and Adam slots do not fit
+    text = open(LOCALHOST).read().replace("memory_gib: 2", "memory_gib: 0.015625")
+    topo = tmp_path / "tiny-memory.pbtxt"
+    topo.write_text(text)
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", str(topo), "--model", "zoo:mlp,input_dim=784,hidden=2048x2048",
+                         "--strategy", "single", "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["feasible"] is False and r["oom_devices"] and not r["baselines_feasible"]["single"]
+    assert "OUT OF MEMORY" in out
+
+
 def test_model_from_a_graphdef_file(tmp_path, capsys):
     from tag import zoo
     gd = zoo.training_graph("mlp", batch_size=8, input_dim=32, hidden=(64,))
