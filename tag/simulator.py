@@ -64,6 +64,9 @@ from tag.strategy import Action, Grouping, Strategy, batch_shares
 from tag.topology import Topology
 
 STAGE_NAMES = ("forward", "backward", "update")
+# ops whose output is their first input's buffer (no memory of their own)
+ALIAS_TYPES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "ReadVariableOp", "Snapshot",
+                         "StopGradient", "PreventGradient", "EnsureShape", "CheckNumerics", "Enter", "Exit"})
 
 
 @dataclass
@@ -262,25 +265,51 @@ class Simulator:
             if ts == int(top[e_dst[i]]):
                 self._internal[ts].append((int(e_src[i]), int(e_dst[i]), float(e_P[i]), float(e_F[i]), tensors[i]))
 
-        # ---- memory: outputs read by later tasks live until the last reader finishes
+        # ---- memory: outputs read by later tasks live until the last reader finishes. Ops that only
+        # alias their input (Identity, Reshape, ReadVariableOp, ...) extend the life of the buffer they
+        # alias instead of holding one; weights and their gradients are static memory, not activations.
+        out_bytes: dict[str, tuple[int, float, float]] = {}
+        for i, op in enumerate(graph.ops):
+            for tinfo in op.outputs:
+                out_bytes[tinfo.name] = (i, max(tinfo.nbytes.per_example, 0.0), max(tinfo.nbytes.fixed, 0.0))
+        alias_in: dict[int, str] = {}
+        for i, op in enumerate(graph.ops):
+            if op.type in ALIAS_TYPES and op.inputs:
+                alias_in[i] = op.inputs[0].lstrip("^")
+        root_cache: dict[str, str] = {}
+
+        def root_of(name: str) -> str:
+            seen_ = []
+            while name not in root_cache:
+                seen_.append(name)
+                prod = out_bytes.get(name, (None,))[0]
+                if prod is None or prod not in alias_in or len(seen_) > 64:
+                    root_cache[name] = name
+                    break
+                name = alias_in[prod]
+            r_ = root_cache[name]
+            for x in seen_:
+                root_cache[x] = r_
+            return r_
+
+        static_roots = {root_of(v.gradient.lstrip("^")) for v in graph.variables
+                        if v.kind == "trainable" and v.gradient}
         last_reader: dict[str, int] = {}
-        t_bytes: dict[str, tuple[int, float, float]] = {}
         for i in range(len(tensors)):
-            ts, td = int(top[e_src[i]]), int(top[e_dst[i]])
-            if td <= ts:
+            r_ = root_of(tensors[i])
+            if r_ in static_roots or r_ not in out_bytes:
                 continue
-            name = tensors[i]
-            last_reader[name] = max(last_reader.get(name, -1), td)
-            t_bytes[name] = (int(e_src[i]), float(e_P[i]), float(e_F[i]))
+            ts, td = int(top[out_bytes[r_][0]]), int(top[e_dst[i]])
+            if td > ts:
+                last_reader[r_] = max(last_reader.get(r_, -1), td)
         mb: dict[tuple[int, int], list] = {}
-        mb_ops: dict[tuple[int, int], list] = {}
         for name, last in last_reader.items():
-            op, P, F = t_bytes[name]
-            k = (int(top[op]), last)
-            acc = mb.setdefault(k, [0.0, 0.0])
+            op, P, F = out_bytes[name]
+            if P <= 0 and F <= 0:
+                continue
+            acc = mb.setdefault((int(top[op]), last), [0.0, 0.0])
             acc[0] += P
             acc[1] += F
-            mb_ops.setdefault(k, []).append((op, P, F))
         mkeys = sorted(mb)
         self._mb_src = np.array([k[0] for k in mkeys], dtype=np.int64)
         self._mb_last = np.array([k[1] for k in mkeys], dtype=np.int64)

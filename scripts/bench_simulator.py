@@ -1,0 +1,150 @@
+"""How many strategies per second the step simulator scores (ResNet-50 and BERT-base, ~100 op groups).
+
+The search calls ``Simulator.evaluate`` thousands of times, so this is its speed budget. Per model it
+builds the training graph, groups it into about 100 op groups and times ``evaluate`` on:
+
+- the four built-in strategies (dp_allreduce, ps, single, partition), each on its own;
+- a search-like mix: data parallelism with 1-10 op groups changed to a random action (all-reduce or
+  parameter server on a random set of device groups, or one device group's first device holding the
+  whole op group), the kind of strategies a tree search scores one after another.
+
+The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix.
+
+Usage::
+
+    python scripts/bench_simulator.py [--quick] [--json FILE] [--topo topologies/lab-v100-1080ti.pbtxt]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = {
+    "resnet50": {"batch_size": 64},
+    "bert_base": {"batch_size": 32},
+}
+
+
+def search_like(graph, topo, grouping, dp, n: int, seed: int = 0):
+    """N strategies: dp_allreduce with 1-10 op groups given a random action."""
+    from tag.strategy import Action, Strategy
+
+    rng = random.Random(seed)
+    ng = len(topo.groups)
+    out = []
+    for _ in range(n):
+        acts = list(dp.actions)
+        partition = {}
+        for _ in range(rng.randint(1, 10)):
+            g = rng.randrange(grouping.num_groups)
+            placement = tuple(sorted(rng.sample(range(ng), rng.randint(1, ng))))
+            devs = [d for p in placement for d in topo.groups[p].devices]
+            u = rng.random()
+            if u < 0.6:
+                acts[g] = Action(placement, "allreduce")
+            elif u < 0.9:
+                acts[g] = Action(placement, "ps", ps_device=rng.choice(devs))
+            else:
+                acts[g] = Action(placement[:1], "partition")
+                for i in grouping.members(g).tolist():
+                    partition[i] = topo.groups[placement[0]].devices[0]
+        for g, a in enumerate(acts):      # a later draw may have replaced a partition action
+            if a.mode != "partition":
+                for i in grouping.members(g).tolist():
+                    partition.pop(i, None)
+        out.append(Strategy(grouping, acts, partition=partition, name="search-like"))
+    return out
+
+
+def rate(sim, strategies, seconds: float) -> tuple[float, float]:
+    """(wall-clock, CPU-time) evaluations per second over repeated passes through STRATEGIES."""
+    for s in strategies:            # warm the caches once, as a search does within its first playouts
+        sim.evaluate(s)
+    n, w0, c0 = 0, time.perf_counter(), time.process_time()
+    while True:
+        for s in strategies:
+            sim.evaluate(s)
+        n += len(strategies)
+        if time.perf_counter() - w0 >= seconds:
+            break
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    return n / wall, n / max(cpu, 1e-9)
+
+
+def bench_model(name: str, topo, seconds: float, groups: int) -> dict:
+    import tag
+    from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
+    from tag.grouping import group_ops
+    from tag.simulator import Simulator
+
+    t0 = time.perf_counter()
+    gd = tag.zoo.training_graph(name, **MODELS[name])
+    t1 = time.perf_counter()
+    graph = tag.analyze(gd)
+    t2 = time.perf_counter()
+    grouping = group_ops(graph, target_groups=groups)
+    t3 = time.perf_counter()
+    sim = Simulator(graph, topo, grouping)
+    t4 = time.perf_counter()
+    row = {"ops": len(graph.ops), "groups": grouping.num_groups, "tasks": sim.num_tasks,
+           "batch_size": graph.batch_size, "build_graph_s": t1 - t0, "analyze_s": t2 - t1,
+           "group_s": t3 - t2, "simulator_init_s": t4 - t3, "builtin": {}}
+    builtins = {n: builtin_strategy(n, graph, topo, grouping, sim.cost) for n in BUILTIN_STRATEGIES}
+    for n, s in builtins.items():
+        r = sim.evaluate(s)
+        wall, cpu = rate(sim, [s], seconds / 8)
+        row["builtin"][n] = {"step_time_s": r.step_time, "feasible": r.feasible,
+                             "evaluations_per_second": wall, "evaluations_per_cpu_second": cpu}
+    mix = search_like(graph, topo, grouping, builtins["dp_allreduce"], 50)
+    wall, cpu = rate(sim, mix, seconds)
+    row["search_like"] = {"strategies": len(mix), "evaluations_per_second": wall, "evaluations_per_cpu_second": cpu}
+    row["evaluations_per_second"] = wall
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="time each case briefly (CI-sized run)")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--topo", default=os.path.join(os.path.dirname(__file__), "..", "topologies",
+                                                   "lab-v100-1080ti.pbtxt"))
+    ap.add_argument("--groups", type=int, default=100, help="target number of op groups (default 100)")
+    ap.add_argument("--seconds", type=float, default=None, help="timing budget per model (default 6, quick 1.5)")
+    args = ap.parse_args(argv)
+    import tag
+
+    topo = tag.load_topology(args.topo)
+    seconds = args.seconds if args.seconds is not None else (1.5 if args.quick else 6.0)
+    results = {}
+    for name in MODELS:
+        results[name] = bench_model(name, topo, seconds, args.groups)
+        print(f"  {name}: done", file=sys.stderr)
+
+    print(f"Simulator speed on {topo.name} ({topo.num_devices} devices, {len(topo.groups)} device groups), "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    hdr = f"{'model':<10} {'ops':>6} {'groups':>6} {'tasks':>6} {'init s':>7} " + \
+          " ".join(f"{n:>13}" for n in results["resnet50"]["builtin"]) + f" {'search-like':>12} {'(CPU time)':>11}"
+    print(hdr)
+    for name, r in results.items():
+        cells = " ".join(f"{b['evaluations_per_second']:>11.0f}/s" for b in r["builtin"].values())
+        print(f"{name:<10} {r['ops']:>6} {r['groups']:>6} {r['tasks']:>6} {r['simulator_init_s']:>7.2f} {cells} "
+              f"{r['search_like']['evaluations_per_second']:>10.0f}/s {r['search_like']['evaluations_per_cpu_second']:>9.0f}/s")
+    print("predicted step times (ms): " + "; ".join(
+        f"{name}: " + ", ".join(f"{n} {b['step_time_s'] * 1e3:.1f}" for n, b in r["builtin"].items())
+        for name, r in results.items()))
+    if args.json:
+        out = {"evaluations_per_second": {n: r["evaluations_per_second"] for n, r in results.items()},
+               "topology": topo.name, "models": results}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

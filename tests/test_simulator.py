@@ -1,0 +1,318 @@
+"""Step simulator: hand-computed results on tiny graphs, memory, determinism, trace, errors; zoo sanity."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from tag.cost import CostModel, DeviceProfile, Profile
+from tag.errors import StrategyError
+from tag.grouping import group_ops
+from tag.simulator import SimResult, Simulator
+from tag.strategy import Action, Grouping, Strategy
+
+from tiny import DeviceSpec, GraphBuilder, chain_graph, make_topology, mlp_graph
+
+# An ideal device for hand computation: ops cost flops / 1 TFLOP/s exactly, memory traffic is free,
+# no launch overhead.
+EXACT = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e30, launch_overhead_s=0.0,
+                                        efficiency={"MatMul": 1.0, "default": 1.0}),
+                 "GPU-B": DeviceProfile(peak_flops=3e12, memory_bandwidth=1e30, launch_overhead_s=0.0,
+                                        efficiency={"MatMul": 1.0, "default": 1.0})})
+# Communication-only: compute is (practically) free.
+FREE = Profile({"GPU-A": DeviceProfile(peak_flops=1e30, memory_bandwidth=1e30, launch_overhead_s=0.0,
+                                       efficiency={"MatMul": 1.0, "default": 1.0})})
+
+
+def _sim(tg, topo, profile=EXACT, target=64):
+    grouping = group_ops(tg, target)
+    return Simulator(tg, topo, grouping, CostModel(tg, topo, profile)), grouping
+
+
+def _all(grouping, action, **kw):
+    return Strategy(grouping, [action] * grouping.num_groups, **kw)
+
+
+def _hosts(n, per_host=1, **kw):
+    return make_topology([(f"h{i}", [("GPU-A", per_host)]) for i in range(n)], **kw)
+
+
+def test_chain_on_one_device():
+    tg = chain_graph([1e9, 2e9, 3e9])
+    topo = _hosts(1)
+    sim, gr = _sim(tg, topo)
+    assert gr.num_groups == 3
+    r = sim.evaluate(_all(gr, Action((0,), "allreduce")))
+    assert isinstance(r, SimResult)
+    assert r.step_time == pytest.approx(6e-3)
+    assert r.compute_time[0] == pytest.approx(6e-3) and r.utilisation[0] == pytest.approx(1.0)
+    assert r.comm_bytes == 0 and r.feasible and r.oom_devices == []
+    # the same as model parallelism on that device
+    part = _all(gr, Action((0,), "partition"), partition={i: 0 for i in range(len(tg.ops))})
+    assert sim.evaluate(part).step_time == pytest.approx(6e-3)
+    # groups run back to back: makespan of each is its own time, no idle time between them
+    assert np.allclose(r.group_makespan, [1e-3, 2e-3, 3e-3])
+    assert np.allclose(r.group_idle_after, 0.0)
+
+
+def test_two_devices_one_transfer():
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)     # layer0 sends 4 x 1 MB to layer1
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
+    sim, gr = _sim(tg, topo)
+    expected = 1e-3 + (1e-4 + 4e6 / 1e9) + 2e-3
+    part = Strategy(gr, [Action((0, 1), "partition")] * 2, partition={0: 0, 1: 1})
+    r = sim.evaluate(part)
+    assert r.step_time == pytest.approx(expected)
+    assert r.comm_bytes == pytest.approx(4e6)
+    # the same placement written as one device group per op group
+    rep = Strategy(gr, [Action((0,), "allreduce"), Action((1,), "allreduce")])
+    assert sim.evaluate(rep).step_time == pytest.approx(expected)
+    # device 0 waits for nothing, device 1 waits for the transfer
+    assert r.group_idle_after[0] == pytest.approx(expected - 1e-3)
+    # inside one host the interconnect is used instead
+    topo1 = make_topology([("h0", [("GPU-A", 2)])], intra_bandwidth=1e10, intra_latency=1e-6)
+    sim1, gr1 = _sim(tg, topo1)
+    r1 = sim1.evaluate(Strategy(gr1, [Action((0,), "partition")] * 2, partition={0: 0, 1: 1}))
+    assert r1.step_time == pytest.approx(1e-3 + 1e-6 + 4e6 / 1e10 + 2e-3)
+
+
+def test_batch_resplit_between_groups():
+    b = GraphBuilder(batch_size=4)
+    x = b.op("l0/op", "MatMul", flops_pe=2.5e8, out_pe=1e6)
+    b.op("l1/op", "MatMul", inputs=(x,), flops_pe=2.5e8, out_pe=1e6)
+    tg = b.build()
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
+    sim, gr = _sim(tg, topo)
+    # layer0 on device 0 (all 4 examples), layer1 data-parallel on both devices (2 examples each):
+    # device 1 needs its 2 examples (2 MB); device 0 keeps its half
+    r = sim.evaluate(Strategy(gr, [Action((0,), "allreduce"), Action((0, 1), "allreduce")]))
+    assert r.comm_bytes == pytest.approx(2e6)
+    assert r.step_time == pytest.approx(1e-3 + (1e-4 + 2e6 / 1e9) + 0.5e-3)
+
+
+def test_ring_allreduce_of_known_bytes():
+    tg = mlp_graph(batch=4, widths=(5000, 5000))      # one 5000x5000 float32 kernel: 1e8 bytes of gradient
+    assert tg.variables[0].nbytes == 1e8
+    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
+    sim, gr = _sim(tg, topo, FREE)
+    r = sim.evaluate(_all(gr, Action((0, 1, 2, 3), "allreduce")))
+    ring = 2 * 3 / 4 * 1e8 / 1e9 + 2 * 3 * 1e-5
+    assert r.step_time == pytest.approx(ring, rel=1e-6)
+    assert r.comm_bytes == pytest.approx(2 * 3 * 1e8)
+    assert r.step_time == pytest.approx(sim.cost.allreduce_time(1e8, [0, 1, 2, 3]), rel=1e-6)
+
+
+def test_collectives_share_links_one_after_another():
+    tg = mlp_graph(batch=4, widths=(5000, 5000, 5000))   # two kernels of 1e8 bytes
+    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
+    sim, gr = _sim(tg, topo, FREE)
+    r = sim.evaluate(_all(gr, Action((0, 1, 2, 3), "allreduce")))
+    assert r.step_time == pytest.approx(2 * (2 * 3 / 4 * 1e8 / 1e9 + 6e-5), rel=1e-6)
+
+
+def test_parameter_server_bottleneck():
+    tg = mlp_graph(batch=4, widths=(5000, 5000))
+    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
+    sim, gr = _sim(tg, topo, FREE)
+    r = sim.evaluate(_all(gr, Action((0, 1, 2, 3), "ps", ps_device=0)))
+    # pull 3 x 1e8 bytes through the PS host's 1 GB/s NIC, later push them back
+    assert r.step_time == pytest.approx(2 * (1e-5 + 3e8 / 1e9), rel=1e-6)
+    assert r.step_time == pytest.approx(sim.cost.ps_time(1e8, [0, 1, 2, 3], 0), rel=1e-6)
+    assert r.comm_bytes == pytest.approx(2 * 3 * 1e8)
+    # memory: the PS holds the weights, Adam's slots and the aggregated gradient besides its replica
+    W, S = 1e8, 2e8
+    assert r.static_memory[0] == pytest.approx(2 * W + 2 * W + S)
+    assert np.allclose(r.static_memory[1:], 2 * W)
+
+
+def test_out_of_memory():
+    tg = mlp_graph(batch=4, widths=(5000, 5000))
+    roomy = _hosts(4, specs={"GPU-A": DeviceSpec(memory_bytes=1 << 30)})
+    tight = _hosts(4, specs={"GPU-A": DeviceSpec(memory_bytes=300_000_000)})
+    for topo, ok in ((roomy, True), (tight, False)):
+        sim, gr = _sim(tg, topo, FREE)
+        r = sim.evaluate(_all(gr, Action((0, 1, 2, 3), "allreduce")))
+        # every replica holds weights + gradients + Adam slots (2x weights) = 4e8 bytes
+        assert np.allclose(r.static_memory, 4e8)
+        assert np.all(r.peak_memory >= r.static_memory)
+        assert r.feasible is ok
+        assert r.oom_devices == ([] if ok else [0, 1, 2, 3])
+
+
+def test_activations_live_until_backward():
+    topo = _hosts(2, specs={"GPU-A": DeviceSpec(memory_bytes=1 << 40)})
+    widths = (256, 256, 256, 10)
+    sim, gr = _sim(mlp_graph(batch=512, widths=widths), topo)
+    one = sim.evaluate(_all(gr, Action((0,), "allreduce")))
+    two = sim.evaluate(_all(gr, Action((0, 1), "allreduce")))
+    assert one.activation_memory[0] > 0 and one.activation_memory[1] == 0
+    # weights, gradients and Adam slots are static memory: 4 x the weights on every replica
+    weights = 4 * (256 * 256 * 2 + 256 * 10)
+    assert np.allclose(two.static_memory, 4 * weights)
+    # the forward activations every layer keeps for its weight gradient (batch x width floats) are live
+    # together at the start of the backward pass
+    saved = 4 * 512 * (256 + 256 + 256)
+    assert one.activation_memory[0] >= saved
+    # data parallelism halves each replica's activations
+    assert two.activation_memory[0] < 0.6 * one.activation_memory[0]
+    # activations grow linearly with the batch: evaluate the same graph at other batch sizes
+    a = [sim.evaluate(_all(gr, Action((0,), "allreduce")), batch_size=b).activation_memory[0]
+         for b in (256, 512, 1024)]
+    assert a[1] == one.activation_memory[0]
+    assert a[2] - a[1] == pytest.approx(2 * (a[1] - a[0]))
+    # ... the same as a graph built for that batch
+    sim2, gr2 = _sim(mlp_graph(batch=1024, widths=widths), topo)
+    assert sim2.evaluate(_all(gr2, Action((0,), "allreduce"))).activation_memory[0] == pytest.approx(a[2])
+
+
+def test_uneven_shares_balance_unequal_devices():
+    b = GraphBuilder(batch_size=16)
+    x = b.op("l0/op", "MatMul", flops_pe=1e9, out_pe=4)
+    b.op("l1/op", "MatMul", inputs=(x,), flops_pe=1e9, out_pe=4)
+    tg = b.build()
+    topo = make_topology([("h0", [("GPU-A", 1), ("GPU-B", 1)])],
+                         specs={"GPU-A": DeviceSpec(peak_flops=1e12), "GPU-B": DeviceSpec(peak_flops=3e12)})
+    sim, gr = _sim(tg, topo)
+    r = sim.evaluate(_all(gr, Action((0, 1), "allreduce")))
+    # shares 4 : 12 for speeds 1 : 3, so both devices compute for 2 x 4e9 / 1e12 = 8 ms
+    assert r.compute_time == pytest.approx([8e-3, 8e-3])
+    assert r.step_time == pytest.approx(8e-3)
+
+
+def test_deterministic_and_trace_structure():
+    tg = mlp_graph(batch=16, widths=(64, 128, 128, 10))
+    topo = make_topology([("h0", [("GPU-A", 2)]), ("h1", [("GPU-A", 2)])])
+    sim, gr = _sim(tg, topo)
+    g = gr.num_groups
+    strategies = [
+        _all(gr, Action((0, 1), "allreduce")),
+        _all(gr, Action((0, 1), "ps", ps_device=2)),
+        Strategy(gr, [Action((0,), "allreduce"), Action((1,), "allreduce")] * (g // 2) + [Action((0, 1))] * (g % 2)),
+        _all(gr, Action((0, 1), "partition"), partition={i: int(gr.group_of_op[i]) % 4 for i in range(len(tg.ops))}),
+    ]
+    for s in strategies:
+        a, b = sim.evaluate(s), sim.evaluate(s)
+        c = Simulator(tg, topo, gr, CostModel(tg, topo, EXACT)).evaluate(s)
+        for x in (b, c):
+            assert x.step_time == a.step_time and x.comm_bytes == a.comm_bytes
+            for f in ("peak_memory", "utilisation", "group_makespan", "group_idle_after", "compute_time"):
+                assert np.array_equal(getattr(a, f), getattr(x, f)), f
+        assert a.step_time > 0 and len(a.group_makespan) == g and len(a.peak_memory) == topo.num_devices
+        tr = sim.trace(s)
+        assert json.dumps(tr) == json.dumps(sim.trace(s))
+        ev = tr["traceEvents"]
+        assert {e["ph"] for e in ev} <= {"X", "M"}
+        rows = {(e["pid"], e["tid"]) for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+        assert {(0, d) for d in range(topo.num_devices)} <= rows
+        assert (1, 0) in rows and (1, 2) in rows              # host interconnects and NICs
+        xs = [e for e in ev if e["ph"] == "X"]
+        assert xs and all(e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["name"], str) for e in xs)
+        assert all((e["pid"], e["tid"]) in rows for e in xs)
+        end = max(e["ts"] + e["dur"] for e in xs)
+        assert end == pytest.approx(a.step_time * 1e6, rel=1e-9)
+        if s.actions[0].mode == "ps":
+            assert any(e["cat"] == "comm" and e["name"].startswith("push") for e in xs)
+
+
+def test_trace_shows_the_transfer_on_the_network_rows():
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
+    sim, gr = _sim(tg, topo)
+    tr = sim.trace(Strategy(gr, [Action((0, 1), "partition")] * 2, partition={0: 0, 1: 1}))
+    comm = [e for e in tr["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    assert sorted(e["tid"] for e in comm) == [2, 3]        # both hosts' network interfaces
+    assert all(e["args"]["bytes"] == 4e6 and e["ts"] == pytest.approx(1e3) for e in comm)
+
+
+def test_bad_strategies():
+    tg = mlp_graph(batch=4, widths=(16, 32, 4))
+    topo = _hosts(2)
+    sim, gr = _sim(tg, topo)
+    g = gr.num_groups
+    with pytest.raises(StrategyError, match="has no device"):
+        sim.evaluate(_all(gr, Action((0,), "partition"), partition={0: 0}))
+    with pytest.raises(StrategyError, match="outside the group's placement"):
+        sim.evaluate(_all(gr, Action((0,), "partition"), partition={i: 1 for i in range(len(tg.ops))}))
+    with pytest.raises(StrategyError, match="device group 5"):
+        sim.evaluate(_all(gr, Action((5,), "allreduce")))
+    with pytest.raises(StrategyError, match="ps_device"):
+        sim.evaluate(_all(gr, Action((0,), "ps", ps_device=9)))
+    with pytest.raises(StrategyError, match="smaller than"):
+        sim.evaluate(_all(gr, Action((0, 1), "allreduce")), batch_size=1)
+    other = Grouping(np.zeros(len(tg.ops), dtype=np.int64), ["all"])
+    with pytest.raises(StrategyError, match="grouping"):
+        sim.evaluate(Strategy(other, [Action((0,))]))
+    with pytest.raises(StrategyError):
+        Simulator(tg, topo, Grouping(np.zeros(3, dtype=np.int64), ["x"]))
+    assert sim.evaluate(_all(gr, Action((0, 1), "allreduce"))).feasible
+    assert g >= 3
+
+
+# ---------------------------------------------------------------- zoo sanity (real training graphs)
+def _fast_links(topo):
+    """The same cluster with every link between hosts as fast as its best one (bandwidth and latency)."""
+    n = len(topo.hosts)
+    off = ~np.eye(n, dtype=bool)
+    bw_best, lat_best = float(topo.host_bandwidth[off].max()), float(topo.host_latency[off].min())
+    hbw, hlat = topo.host_bandwidth.copy(), topo.host_latency.copy()
+    hbw[off], hlat[off] = bw_best, lat_best
+    bw, lat = topo.bandwidth.copy(), topo.latency.copy()
+    hidx = np.array([d.host_index for d in topo.devices])
+    cross = hidx[:, None] != hidx[None, :]
+    bw[cross], lat[cross] = bw_best, lat_best
+    return dataclasses.replace(topo, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat,
+                               name=topo.name + "-fast")
+
+
+@pytest.fixture(scope="module")
+def resnet50():
+    tag = pytest.importorskip("tag")
+    graph = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
+    return graph, group_ops(graph, target_groups=100)
+
+
+@pytest.mark.slow
+def test_zoo_resnet50_grouping(resnet50):
+    import networkx as nx
+    from tag.grouping import nominal_op_cost, op_stages
+    graph, gr = resnet50
+    assert 80 <= gr.num_groups <= 100
+    cost = nominal_op_cost(graph)
+    share = np.bincount(gr.group_of_op, weights=cost) / cost.sum()
+    assert share.max() < 0.1
+    stage = op_stages(graph)
+    dg = nx.DiGraph()
+    for e in graph.edges:
+        a, b = (gr.group_of_op[e.src], stage[e.src]), (gr.group_of_op[e.dst], stage[e.dst])
+        if a != b:
+            dg.add_edge(a, b)
+    assert nx.is_directed_acyclic_graph(dg)
+
+
+@pytest.mark.slow
+def test_zoo_dp_beats_single_device_on_8_equal_gpus(resnet50):
+    import tag
+    graph, gr = resnet50
+    topo = tag.load_topology("topologies/a100-8x-nvlink.pbtxt")
+    sim = Simulator(graph, topo, gr)
+    dp = sim.evaluate(_all(gr, Action((0,), "allreduce")))
+    single = sim.evaluate(_all(gr, Action((0,), "partition"), partition={i: 0 for i in range(len(graph.ops))}))
+    assert dp.feasible and single.feasible
+    assert dp.step_time < single.step_time / 3
+    assert np.allclose(dp.utilisation, dp.utilisation[0])
+    assert single.utilisation[0] > 0.9 and np.all(single.utilisation[1:] == 0)
+
+
+@pytest.mark.slow
+def test_zoo_slow_link_hurts_data_parallelism(resnet50):
+    import tag
+    graph, gr = resnet50
+    slow = tag.load_topology("topologies/cloud-slow-link.pbtxt")
+    fast = _fast_links(slow)
+    everywhere = Action(tuple(range(len(slow.groups))), "allreduce")
+    t_slow = Simulator(graph, slow, gr).evaluate(_all(gr, everywhere)).step_time
+    t_fast = Simulator(graph, fast, gr).evaluate(_all(gr, everywhere)).step_time
+    assert t_slow > 2 * t_fast
+    # leaving the host behind the slow link out is better than including it
+    no_t4 = Action(tuple(g.index for g in slow.groups if g.host != "t4-remote"), "allreduce")
+    assert Simulator(graph, slow, gr).evaluate(_all(gr, no_t4)).step_time < t_slow
