@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import filecmp
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from tag.strategy import Action, Grouping, Strategy
 from tag.topology import Device, DeviceGroup, Host, Topology
 
 GB = 1e9
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_topology(spec: list[tuple[str, str, int, float]], intra_bw: float = 100 * GB,
@@ -211,8 +214,19 @@ def test_proto_rejects_unspecified_mode_and_garbage():
         Strategy.from_proto(b"\xff\xff\xff garbage")
 
 
+def test_generated_strategy_module_matches_the_proto(tmp_path):
+    import grpc_tools
+    from grpc_tools import protoc
+    from tag._proto import strategy_pb2
+    include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+    rc = protoc.main(["protoc", f"-I{os.path.join(ROOT, 'proto')}", f"-I{include}", f"--python_out={tmp_path}",
+                      "strategy.proto"])
+    assert rc == 0
+    assert filecmp.cmp(tmp_path / "strategy_pb2.py", strategy_pb2.__file__, shallow=False), (
+        "tag/_proto/strategy_pb2.py is stale: run `pip install -e . --no-deps` to regenerate it")
+
+
 # ---------------------------------------------------------------- zoo graphs on the ready topologies
-ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", params=["zoo:mlp", "zoo:bert_base,num_layers=2,seq_len=16"])
@@ -227,7 +241,6 @@ def zoo_case(request):
 
 @pytest.mark.parametrize("topo_file", ["lab-v100-1080ti.pbtxt", "fabric-64x8.pbtxt"])
 def test_builtins_on_zoo_graphs(zoo_case, topo_file):
-    import os
     from tag.cost import CostModel
     from tag.topology import load_topology
     tg, grouping = zoo_case
