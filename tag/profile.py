@@ -30,8 +30,8 @@ How the fit works (one device type, one graph):
   ops whose roofline at ``e = 1`` is at least 20 us take part: a tiny op's time is its fixed cost,
   and fitting it as an efficiency would make the same op type absurdly slow on large tensors in
   other graphs (their time goes to the launch overhead instead). The ``default`` efficiency is the
-  same fit over all those ops together (used for op types the profile does not list). A toy graph
-  with no op that large is fitted on all its ops with FLOPs.
+  same fit over all those ops together (used for op types the profile does not list). In a toy graph
+  with no op that large, the ops within 2x of its largest roofline take part.
 - ``launch_overhead_s``: the executor's per-op cost beyond the kernels, ``(wall - sum_i roofline_i)
   / n_ops``, where ``wall`` is an untraced step with TensorFlow's default session settings (what
   users and tag's runtime run), never below ``kernel_floor``; the sum and the count run over the
@@ -371,9 +371,10 @@ def fit_profile(graph: "TrainingGraph", m: StepMeasurement, peak: float, bw: flo
     floor = max(floor, _STEP_STATS_RESOLUTION_S)
     busy = np.where(seen, np.maximum(m.op_times - floor, 0.0), 0.0)
     ideal = np.maximum(flops / peak, mem / bw)        # the roofline at efficiency 1
-    fitted = seen & costed & (flops > 0) & (ideal >= _MIN_FIT_S)
-    if not fitted.any():      # a toy graph: every op is tiny, so fit what there is
-        fitted = seen & costed & (flops > 0)
+    candidates = seen & costed & (flops > 0)
+    # a toy graph whose ops are all tiny: fit its largest ops (within 2x of the largest)
+    threshold = min(_MIN_FIT_S, 0.5 * float(ideal[candidates].max())) if candidates.any() else _MIN_FIT_S
+    fitted = candidates & (ideal >= threshold)
     eff: dict[str, float] = {}
     for t in sorted(set(types[fitted])):
         sel = fitted & (types == t)

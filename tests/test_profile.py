@@ -167,3 +167,26 @@ def test_cli_bad_model_exits_2_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
     assert main(["--model", "zoo:mlp", "--steps", "0", "--out", str(out)]) == 2
     assert not out.exists()
+
+
+def test_profile_of_a_users_raw_tf_graph():
+    """Ref variables, no ``init`` op, a None batch dimension: the initialisers are found and the step runs."""
+    import tensorflow as tf
+    from tag.graph import analyze
+    from tag.profile import _init_ops
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 64], name="x")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        w = v1.Variable(tf.random.normal([64, 128], seed=1), name="w", use_resource=False)
+        w2 = v1.Variable(tf.random.normal([128, 1], seed=2), name="w2", use_resource=False)
+        loss = tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w)), w2) - y))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    gd = g.as_graph_def()
+    tg = analyze(gd, batch_size=16)
+    assert sorted(_init_ops(gd, tg)) == ["w/Assign", "w2/Assign"]
+    prof = profile_graph(gd, tg, steps=2)
+    d = prof.devices["CPU"]
+    assert d.launch_overhead_s > 0 and "default" in d.efficiency
+    assert all(0 < e <= 1 for e in d.efficiency.values())
