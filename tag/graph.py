@@ -7,7 +7,7 @@ Example::
 
     tg = analyze(tag.zoo.training_graph("resnet50", batch_size=32))
     print(len(tg.ops), tg.num_parameters, tg.total_flops(batch=8, phases=("forward", "backward")))
-    tg16 = analyze(graph_def_with_unknown_batch, batch_size=16)   # inputs declared [None, ...]
+    tg16 = analyze(my_graph_def, batch_size=16)   # a user's graph whose inputs are [None, ...]
 
 How the IR is derived (the rules later stages rely on):
 
@@ -22,24 +22,32 @@ How the IR is derived (the rules later stages rely on):
   rescaled, which gives the same ``Linear`` sizes.
 * **Batch axes.** Batch-carrying inputs are the Placeholders / iterator outputs of rank >= 1 whose first
   dimension is the batch (the most common first dimension among them, or unknown). A second import
-  declares their first dimension unknown (and, for that import only, lets shape inference run through
-  ``If``/``StatelessIf`` branch functions); a dimension that is known in the first import and unknown
-  in the second scales with the batch. Where the graph has the batch baked into constants (TF1
-  gradient code uses static shapes), a per-op propagation rule fills in the rest: same shape or same
-  element count as a batch-carrying input, a dimension equal to the input's batch dimension, with
-  explicit rules for ops that reduce the batch away (weight gradients, ``BiasAddGrad``, reductions
-  over the batch axis, batch-norm statistics). A tensor with a batch axis has
-  ``nbytes = Linear(0, bytes / batch)``; others are fixed. Tensors with an unknown shape count 0 bytes
-  and are counted in ``TrainingGraph.unknown_shape_tensors``.
+  declares their first dimension unknown (and, for that import only, turns ``If``/``Case`` ops into
+  calls of a branch so shape inference runs through the function body); a dimension that is known in
+  the first import and unknown in the second scales with the batch. Where the graph has the batch
+  baked into constants (TF1 gradient code uses static shapes, users write ``reshape(x, [B*S, H])``),
+  the unknown dimension stops there, so per-op rules, applied in topological order, carry the batch
+  on: an output with a batch-carrying input's shape, its element count (a reshape: the batch goes to
+  the first axis that spans it, so ``[B*S, H]`` and ``[B, S, H]`` both scale), or a dimension equal
+  to that input's batch dimension; explicit rules for ops that reduce the batch away (weight
+  gradients of MatMul/Conv2D, ``BiasAddGrad``, reductions over the batch axis, batch-norm
+  statistics) and for MatMul/BatchMatMul/Gather; outputs of functional ops only by exact shape. A
+  gradient op built from constants alone (``Fill``/``Tile`` of a static shape) takes the batch axis
+  of the same-shaped tensor of the forward op it differentiates (``gradients/<op>_grad/...``).
+  A tensor with a batch axis has ``nbytes = Linear(0, bytes / batch)``; others are fixed. Tensors with
+  an unknown shape count 0 bytes and are counted in ``TrainingGraph.unknown_shape_tensors``.
 * **Phases.** ``update``: the apply ops, the ops they reach, and ops whose consumers are all update
-  ops (learning rate, beta powers, slot reads). ``backward``: ops under a ``gradients`` or
-  ``gradients_N`` name scope (what ``tf.gradients`` uses). ``forward``: the rest. With no gradients
-  scope in the step, ops whose type contains ``Grad`` or ``Backprop`` and the ops they feed are
-  backward instead.
+  ops (learning rate, beta powers, slot variables). ``backward``: ops under a ``gradients`` or
+  ``gradients_N`` name scope (what ``tf.gradients`` uses); failing that, under any scope that holds
+  ``<op>_grad`` scopes (``tf.gradients(name=...)``); failing that, ops whose type contains ``Grad``
+  or ``Backprop`` and the ops they feed. ``forward``: the rest. The loss op itself is not in the IR
+  when nothing in the update reads it (TF1's gradient of a mean does not).
 * **Variables.** ``trainable``: the ``var`` input of an apply op, with the tensor feeding its
   ``grad``/``delta`` argument and its per-variable slots (other variable inputs of the same apply op
   with the variable's shape: Adam m/v, momentum accumulators). ``slot``: those. ``state``: any other
-  variable the step uses (batch-norm moving statistics, beta powers, global step).
+  variable the step uses (batch-norm moving statistics, beta powers, global step). A weight that an
+  optimizer updates with scatter/assign ops instead of an apply op (TF1 Adam on an ``IndexedSlices``
+  gradient) counts as state: densify such gradients first (``tag.zoo`` does).
 * **Colocation.** A variable op with its read ops (``ReadVariableOp``/``Identity``), its apply op and
   its slots, merged with TensorFlow's ``_class: loc:@...`` attributes. Only groups of two or more ops.
 * **FLOPs** per op as ``Linear`` in the batch (a multiply-add is 2 FLOPs). Rules cover matmuls, convs
@@ -53,12 +61,13 @@ How the IR is derived (the rules later stages rely on):
 from __future__ import annotations
 
 import gc
+import heapq
 import logging
 import os
 import re
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -287,7 +296,6 @@ def _r_einsum(a, ins, outs, ex):
         if "..." in term:
             pre, post = term.split("...", 1)
             n_ell = len(shape) - len(pre) - len(post)
-            labels = list(pre) + [f"...{i}" for i in range(n_ell)] + list(post)
             # broadcast ellipsis dims align from the right across operands
             labels = list(pre) + [f"...{n_ell - i}" for i in range(n_ell)] + list(post)
         else:
@@ -730,7 +738,8 @@ def _coerce_graph_def(graph_def: Any):
     raise GraphError(f"analyze() needs a tf.compat.v1.GraphDef (or tf.Graph), got {type(graph_def).__name__}")
 
 
-def _import(gd, what: str) -> tf.Graph:
+def _import(gd) -> tf.Graph:
+    """Import GD into a fresh graph: TensorFlow's shape inference runs on every op."""
     g = tf.Graph()
     with g.as_default():
         tf.compat.v1.import_graph_def(gd, name="")
@@ -939,7 +948,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     if unknown or (graph_batch is not None and B != graph_batch):
         _set_batch_dims(concrete, targets, B)
     try:
-        g1 = _import(concrete, "concrete")
+        g1 = _import(concrete)
     except Exception as err:  # noqa: BLE001
         if unknown or graph_batch is None:
             raise GraphError(f"cannot analyse the graph at batch {B}: TensorFlow rejects it: "
@@ -948,7 +957,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         log.info("graph has its batch %d built in (%s); analysing at %d and rescaling to %d",
                  graph_batch, _first_line(err), graph_batch, B)
         try:
-            g1 = _import(base, "declared")
+            g1 = _import(base)
         except Exception as err2:  # noqa: BLE001
             raise GraphError(f"TensorFlow cannot import the graph: {_first_line(err2)}") from None
         rescale = (graph_batch, B)
@@ -962,7 +971,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         if rewrite_ifs and not _calls_instead_of_ifs(probe):
             continue
         try:
-            g2 = _import(probe, "probe")
+            g2 = _import(probe)
             break
         except Exception as err:  # noqa: BLE001
             log.debug("unknown-batch import failed (rewrite_ifs=%s): %s", rewrite_ifs, _first_line(err))
@@ -1007,7 +1016,6 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     ready = [nd.name for nd in gd.node if nd.name in step and indeg[nd.name] == 0]
     pos = {nd.name: i for i, nd in enumerate(gd.node)}
     seen_edges: set[tuple[str, str]] = set()
-    import heapq
     heap = [(pos[x], x) for x in ready]
     heapq.heapify(heap)
     while heap:
