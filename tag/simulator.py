@@ -522,6 +522,19 @@ class Simulator:
         self._moves[k] = mv
         return mv
 
+    def _compiled_moves(self, b: int, ls: _Layout, ld: _Layout) -> tuple:
+        """Bundle B's movement between LS and LD with its bytes and seconds per route (cached)."""
+        deps, routes = self._movement(ls, ld)
+        P, F = self._b_P[b], self._b_F[b]
+        out = []
+        for (sl, dl, res, lat, ipb, ex, cnt) in routes:
+            nb = P * ex + F * cnt
+            if nb > 0:
+                out.append((sl, dl, res, lat + nb * ipb, nb))
+        cm = (deps, out)
+        self._moves[(b, ls.id, ld.id)] = cm
+        return cm
+
     def _collective(self, kind: str, placement: tuple[int, ...], ps_device: int | None) -> tuple:
         """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier) of a collective."""
         k = (kind, placement, ps_device)
@@ -738,35 +751,49 @@ class Simulator:
         post: dict[int, list[int]] = {}
         rec = record
         names = self.grouping.names
-        # ps pulls at the start of the step; collectives after the tasks producing the gradients
+        # ps pulls at the start of the step; collectives after the tasks producing the gradients:
+        # post[task] = [(group, resources, seconds, bytes sent, tasks it waits for, tasks waiting for it)]
+        coll_of: dict[int, tuple] = {}
+        W_l, coll_after, coll_deps, upd_tasks = self._W_l, self._coll_after, self._coll_deps, self._upd_tasks
         for g, a in enumerate(actions):
-            W = self._W_l[g]
+            W = W_l[g]
             if W <= 0 or a.mode == "partition":
                 continue
+            c = coll_of.get(id(a))
+            if c is None:
+                if a.mode == "ps":
+                    c = self._collective("ps", a.placement, int(a.ps_device))
+                elif len(group_lays[g].devices) > 1:
+                    c = self._collective("allreduce", a.placement, None)
+                else:
+                    c = ()
+                coll_of[id(a)] = c
+            if not c or c[5] <= 0:
+                continue
             if a.mode == "ps":
-                c = self._collective("ps", a.placement, int(a.ps_device))
-                if c[5] > 0:
-                    st = 0.0
-                    for r in c[4]:
-                        if rfree[r] > st:
-                            st = rfree[r]
-                    end = st + c[0] + c[1] * W
-                    for r in c[4]:
-                        rfree[r] = end
-                    comm += c[5] * W
-                    for t in self._fwd_tasks[g]:
-                        if end > ready0[t]:
-                            ready0[t] = end
-                    if rec is not None:
-                        rec["collectives"].append((c[4], st, end, W * c[5], f"pull {names[g]}"))
-                    post.setdefault(self._coll_after[g], []).append(g)
-            elif len(group_lays[g].devices) > 1:
-                post.setdefault(self._coll_after[g], []).append(g)
+                st = 0.0
+                for r in c[4]:
+                    if rfree[r] > st:
+                        st = rfree[r]
+                end = st + c[0] + c[1] * W
+                for r in c[4]:
+                    rfree[r] = end
+                comm += c[5] * W
+                for t in self._fwd_tasks[g]:
+                    if end > ready0[t]:
+                        ready0[t] = end
+                if rec is not None:
+                    rec["collectives"].append((c[4], st, end, W * c[5], f"pull {names[g]}"))
+                dur = c[0] + c[1] * W
+            else:
+                dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
+            post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], upd_tasks[g]))
 
         is_ps = [a.mode == "ps" for a in actions] if ps_of else None
         tg_l, ts_l = self._tg_l, self._ts_l
         b_dst, b_P, b_F, b_same = self._b_dst, self._b_P, self._b_F, self._b_same_group
         arr: dict[int, dict] = {}
+        moves = self._moves
         S = np.zeros((T, L))
         F = np.full((T, L), -1.0)
         Bm = np.zeros((T, L))
@@ -809,7 +836,7 @@ class Simulator:
                                     r[k - t, j] = x
                 else:
                     r = r0
-                c = np.cumsum(d, axis=0)
+                c = np.add.accumulate(d, axis=0)
                 f = c + np.maximum(np.maximum.accumulate(r - (c - d), axis=0),
                                    np.array([lane_free[lane] for lane in lay.lanes]))
                 li = lay.lane_idx
@@ -861,7 +888,11 @@ class Simulator:
                             arr[b], c_add = self._split_bundle(b, lk, ld, fins, rfree, plans, rec)
                             comm += c_add
                         else:
-                            deps, routes = self._movement(lk, ld)
+                            mk = (b, lk.id, ld.id)
+                            cm = moves.get(mk)
+                            if cm is None:
+                                cm = self._compiled_moves(b, lk, ld)
+                            deps, routes = cm
                             arrd = {}
                             for dl, sls in deps:
                                 x = 0.0
@@ -870,16 +901,12 @@ class Simulator:
                                     if y > x:
                                         x = y
                                 arrd[dl] = x
-                            P, Fb = b_P[b], b_F[b]
-                            for (sl, dl, res, lat, ipb, ex, cnt) in routes:
-                                nb = P * ex + Fb * cnt
-                                if nb <= 0:
-                                    continue
+                            for (sl, dl, res, dur, nb) in routes:
                                 st = fk[sl]
                                 for r in res:
                                     if rfree[r] > st:
                                         st = rfree[r]
-                                end = st + lat + nb * ipb
+                                end = st + dur
                                 for r in res:
                                     rfree[r] = end
                                 if end > arrd[dl]:
@@ -891,34 +918,26 @@ class Simulator:
                             arr[b] = arrd
                 pg = post.get(k)
                 if pg is not None:
-                    for g in pg:
-                        a = actions[g]
-                        W = self._W_l[g]
+                    for g, res, dur, nbytes, deps, waiting in pg:
                         ready = 0.0
-                        for dt in self._coll_deps[g]:
+                        for dt in deps:
                             if rowmax[dt] > ready:
                                 ready = rowmax[dt]
-                        if a.mode == "ps":
-                            c = self._collective("ps", a.placement, int(a.ps_device))
-                            dur = c[0] + c[1] * W
-                        else:
-                            c = self._collective("allreduce", a.placement, None)
-                            dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
                         st = ready
-                        for r in c[4]:
+                        for r in res:
                             if rfree[r] > st:
                                 st = rfree[r]
                         end = st + dur
-                        for r in c[4]:
+                        for r in res:
                             rfree[r] = end
-                        comm += c[5] * W
+                        comm += nbytes
                         coll_end[g] = end
-                        for ut in self._upd_tasks[g]:
+                        for ut in waiting:
                             if end > ready0[ut]:
                                 ready0[ut] = end
                         if rec is not None:
-                            rec["collectives"].append((c[4], st, end, W * c[5],
-                                                       ("push " if a.mode == "ps" else "all-reduce ") + names[g]))
+                            rec["collectives"].append((res, st, end, nbytes, ("push " if actions[g].mode == "ps"
+                                                                              else "all-reduce ") + names[g]))
             t = e
 
         step = max(max(lane_free, default=0.0), max(rfree, default=0.0), max(coll_end, default=0.0))
