@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import filecmp
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -215,13 +217,13 @@ def test_proto_rejects_unspecified_mode_and_garbage():
 
 
 def test_generated_strategy_module_matches_the_proto(tmp_path):
+    # protoc runs in its own process: in a process that has loaded TensorFlow it crashes
     import grpc_tools
-    from grpc_tools import protoc
     from tag._proto import strategy_pb2
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{os.path.join(ROOT, 'proto')}", f"-I{include}", f"--python_out={tmp_path}",
-                      "strategy.proto"])
-    assert rc == 0
+    result = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"-I{include}",
+                             f"--python_out={tmp_path}", "strategy.proto"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
     assert filecmp.cmp(tmp_path / "strategy_pb2.py", strategy_pb2.__file__, shallow=False), (
         "tag/_proto/strategy_pb2.py is stale: run `pip install -e . --no-deps` to regenerate it")
 
