@@ -15,7 +15,9 @@ predicted step time. ``--report`` writes DESIGN.md's report keys as JSON; ``--tr
 simulated step as a Chrome trace (chrome://tracing, Perfetto). Files are written to a temporary
 name and renamed, so an error never leaves a half-written file. ``--profile`` (else
 ``$TAG_PROFILE`` or the default profile of ``python -m tag.profile``, when present) calibrates the
-cost model. ``--run --steps N`` (deploy and measure on TensorFlow) is reserved for the runtime.
+cost model. ``--run --steps N`` rewrites the graph for the strategy, runs it on TensorFlow's distributed
+runtime (local workers started for a loopback topology) beside the dp_allreduce baseline, and adds the
+measured step times to the report.
 
 Exit codes: 0 success, 2 bad input (one line on stderr; no file written), 1 anything else.
 """
@@ -37,7 +39,7 @@ from tag.errors import StrategyError, TagError
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
-RUN_AVAILABLE = False      # set when _run_hook deploys for real
+RUN_AVAILABLE = True
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,10 +141,37 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
 
     Returns the report's ``measured_step_time_s``, ``measured_baseline_step_time_s`` and
     ``measured_speedup_vs_dp``. CONTEXT holds what the prediction used (graph_def, graph, topology,
-    grouping, strategies by name, cost model, batch). The runtime wires this in (and sets
-    RUN_AVAILABLE); until then ``--run`` is refused before any work.
+    grouping, strategies by name, cost model, batch). A topology whose hosts are all on loopback gets
+    its workers started here (and stopped on exit, error or Ctrl-C); otherwise the hosts' ``tag-worker``
+    servers must already be running. Inputs are synthetic batches stored on the devices.
     """
-    raise TagError("--run is not available yet")
+    from tag.rewrite import rewrite
+    from tag.runtime import LocalCluster, _is_loopback, run_steps
+
+    topology, strategies = context["topology"], context["strategies"]
+    warmup = min(3, args.steps - 1)
+
+    def measure(target: str, name: str):
+        plan = rewrite(context["graph_def"], context["graph"], strategies[name], topology, batch_size=context["batch"])
+        return run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
+                         steps=args.steps, warmup=warmup, synthetic=True)
+
+    def measure_both(target: str):
+        mine = measure(target, args.strategy)
+        base = mine if args.strategy == "dp_allreduce" else measure(target, "dp_allreduce")
+        return mine, base
+
+    if all(_is_loopback(h.address) for h in topology.hosts):
+        with LocalCluster(topology) as cluster:
+            mine, base = measure_both(cluster.target)
+    else:
+        first = min(topology.hosts, key=lambda h: h.task_index)
+        mine, base = measure_both(f"grpc://{first.address}:{first.port}")
+    return {"measured_step_time_s": mine.mean_step_time_s,
+            "measured_baseline_step_time_s": base.mean_step_time_s,
+            "measured_speedup_vs_dp": base.mean_step_time_s / mine.mean_step_time_s,
+            "measured_steps": args.steps, "measured_warmup_steps": warmup,
+            "measured_losses": [float(x) for x in mine.losses]}
 
 
 def predict(topology, graph, grouping, strategy_name: str, cost_model, batch: int) -> dict[str, Any]:
@@ -216,6 +245,12 @@ def format_table(report: dict, model_spec: str) -> str:
         lines.append(f"  {name:<14} {_fmt_time(t):>12}{'   (' + ', '.join(notes) + ')' if notes else ''}")
     sp = report["speedup_vs_dp"]
     lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
+    if "measured_step_time_s" in report:
+        lines += ["", f"measured on TensorFlow ({report['measured_steps']} steps, "
+                      f"{report['measured_warmup_steps']} warm-up):",
+                  f"  {report['strategy']:<14} {_fmt_time(report['measured_step_time_s']):>12}",
+                  f"  {'dp_allreduce':<14} {_fmt_time(report['measured_baseline_step_time_s']):>12}",
+                  f"measured speedup vs dp_allreduce: {report['measured_speedup_vs_dp']:.3g}x"]
     return "\n".join(lines)
 
 

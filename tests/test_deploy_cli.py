@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tag.deploy_cli import main
@@ -81,7 +82,7 @@ def test_lab_topology_each_strategy(tmp_path, capsys):
     (["--topo", LOCALHOST, "--model", MLP, "--batch", "0"], "--batch"),
     (["--topo", LOCALHOST, "--model", MLP, "--groups", "0"], "--groups"),
     (["--topo", LOCALHOST, "--model", MLP, "--profile", "no_profile.json"], "no_profile.json"),
-    (["--topo", LOCALHOST, "--model", MLP, "--run", "--steps", "3"], "--run"),
+    (["--topo", LOCALHOST, "--model", MLP, "--run", "--steps", "0"], "--steps"),
 ])
 def test_bad_input_exits_2_one_line_no_files(tmp_path, capsys, args, message):
     report, trace = tmp_path / "r.json", tmp_path / "t.json"
@@ -161,3 +162,17 @@ def test_console_script(tmp_path):
     bad = subprocess.run(cmd + ["--topo", str(tmp_path / "nope.pbtxt"), "--model", MLP],
                          capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_run_measures_plan_and_baseline_on_local_workers(tmp_path, capsys):
+    """--run: the plan and the dp_allreduce baseline run on three real local TF servers."""
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", "zoo:mlp,input_dim=32,hidden=64", "--batch", "12",
+                         "--strategy", "ps", "--run", "--steps", "4", "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["measured_step_time_s"] > 0 and r["measured_baseline_step_time_s"] > 0
+    assert r["measured_speedup_vs_dp"] == pytest.approx(r["measured_baseline_step_time_s"] / r["measured_step_time_s"])
+    assert len(r["measured_losses"]) == 4 and all(np.isfinite(r["measured_losses"]))
+    assert "measured speedup vs dp_allreduce" in out
