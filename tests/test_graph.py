@@ -515,7 +515,11 @@ def test_zoo_model_ir_small(name):
         assert _op(tg, v.apply_op).colocation_group == tg.ops[v.op].colocation_group
     if name in CNNS and name != "vgg19":   # BatchNorm moving statistics are state
         assert any(v.kind == "state" and "moving_mean" in v.name for v in tg.variables)
-    assert tg.unknown_op_types == {} and tg.unknown_shape_tensors == 0
+    assert tg.unknown_op_types == {}
+    # TF infers every shape except FusedBatchNormV3's unused reserve_space_3 (unknown rank)
+    unknown = [(o.type, t.name) for o in tg.ops for t in o.outputs if t.shape is None and t.dtype == "float32"]
+    assert tg.unknown_shape_tensors == len(unknown)
+    assert all(typ.startswith("FusedBatchNorm") for typ, _ in unknown), unknown[:3]
     fwd = tg.total_flops(batch=1, phases=("forward",))
     bwd = tg.total_flops(batch=1, phases=("backward",))
     assert fwd > 0 and 1.5 * fwd < bwd < 3.5 * fwd          # backward ~ twice the forward
@@ -560,5 +564,5 @@ def test_zoo_parameter_counts_match_published(name):
     if name in ("resnet50", "inception_v3", "mobilenet_v2"):
         _, tg = small_ir(name)        # global pooling + 1000 classes: the same weights as at full size
     else:
-        tg = analyze(zoo.training_graph(name, batch_size=1))
+        tg = analyze(zoo.training_graph(name, batch_size=8))   # the graph tests/test_zoo.py builds too
     assert tg.num_parameters == pytest.approx(PUBLISHED[name], rel=0.03)
