@@ -6,7 +6,7 @@ assignment of partitioned groups). Every stage after search (simulator, compress
 Example::
 
     s = Strategy(grouping, [Action(placement=(0, 1), mode="allreduce")] * grouping.num_groups)
-    s.replica_devices(0, topo)            # devices holding a replica of group 0
+    s.devices_of(0, topo)                # devices of group 0's placement
     s.to_json()
     Strategy.from_proto(s.to_proto().SerializeToString())   # proto/strategy.proto round trip
 """
