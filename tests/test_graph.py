@@ -330,6 +330,37 @@ def test_phases_without_gradient_names_fall_back_to_op_types():
     assert tg.num_parameters == mlp_ir().num_parameters
 
 
+def _iterator_graph(drop_remainder: bool) -> tf.compat.v1.GraphDef:
+    g = tf.Graph()
+    with g.as_default():
+        ds = tf.data.Dataset.from_tensor_slices((np.zeros((20, 6), np.float32), np.zeros((20,), np.int32)))
+        x, y = v1.data.make_one_shot_iterator(ds.batch(5, drop_remainder=drop_remainder)).get_next()
+        logits = tf.matmul(x, _var("w", [6, 3]), name="fc")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train_op")
+    return g.as_graph_def()
+
+
+def test_iterator_outputs_carry_the_batch():
+    tg = analyze(_iterator_graph(drop_remainder=True))
+    assert tg.inputs == ["IteratorGetNext"] and tg.batch_size == 5
+    it = _op(tg, "IteratorGetNext")
+    assert [t.batch_axis for t in it.outputs] == [0, 0] and it.outputs[0].nbytes == Linear(0.0, 6 * 4)
+    assert _op(tg, "fc").flops == Linear(0.0, 2 * 6 * 3)
+    with pytest.raises(GraphError, match="input 'IteratorGetNext' has unknown first dimension"):
+        analyze(_iterator_graph(drop_remainder=False))
+    tg = analyze(_iterator_graph(drop_remainder=False), batch_size=7)
+    assert _op(tg, "fc").outputs[0].shape == (7, 3) and tg.batch_size == 7
+
+
+def test_user_graph_file_round_trip(tmp_path):
+    """A user's GraphDef written as .pbtxt and read back with tag.zoo.load_graph_def analyses the same."""
+    load = pytest.importorskip("tag.zoo").load_graph_def
+    tf.io.write_graph(mlp_graph(8), str(tmp_path), "mlp.pbtxt", as_text=True)
+    tg = analyze(load(tmp_path / "mlp.pbtxt"))
+    assert tg.num_parameters == mlp_ir().num_parameters and len(tg.ops) == len(mlp_ir().ops)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A small CNN: Conv2D FLOPs by hand, reference variables (VariableV2), GradientDescent
 # ---------------------------------------------------------------------------------------------------------
