@@ -64,6 +64,7 @@ from tag.strategy import Action, Grouping, Strategy, batch_shares
 from tag.topology import Topology
 
 STAGE_NAMES = ("forward", "backward", "update")
+_VECTOR_MIN = 16     # runs of at least this many task instances are simulated with numpy
 # ops whose output is their first input's buffer (no memory of their own)
 ALIAS_TYPES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "ReadVariableOp", "Snapshot",
                          "StopGradient", "PreventGradient", "EnsureShape", "CheckNumerics", "Enter", "Exit"})
@@ -91,7 +92,7 @@ class _Layout:
     """Where one task runs in one evaluation: lanes with their per-replica batch, and which devices hold
     which examples of its outputs."""
 
-    __slots__ = ("id", "kind", "insts", "holdings", "devices", "lanes", "key", "lane_idx", "tm", "bvec")
+    __slots__ = ("id", "kind", "insts", "holdings", "devices", "lanes", "key", "lane_idx", "tmT", "bvec")
 
     def __init__(self, id_, kind, insts, holdings, devices, key):
         self.id = id_
@@ -103,8 +104,8 @@ class _Layout:
         self.key = key
         self.lane_idx = np.array([i[0] for i in insts], dtype=np.int64)
         self.bvec = np.array([i[2] for i in insts], dtype=np.float64)
-        # durations per task (rows) and lane (columns), for runs simulated with numpy
-        self.tm = np.stack([i[3] for i in insts], axis=1) if kind != "split" else None
+        # durations per lane (rows) and task (columns), for runs simulated with numpy
+        self.tmT = np.stack([i[3] for i in insts]) if kind != "split" else None
 
 
 class _Lanes:
@@ -794,9 +795,10 @@ class Simulator:
         b_dst, b_P, b_F, b_same = self._b_dst, self._b_P, self._b_F, self._b_same_group
         arr: dict[int, dict] = {}
         moves = self._moves
-        S = np.zeros((T, L))
-        F = np.full((T, L), -1.0)
-        Bm = np.zeros((T, L))
+        # start, finish and per-replica batch of every task on every lane (lane-major; finish -1: not run)
+        S = np.zeros((L, T))
+        F = np.full((L, T), -1.0)
+        Bm = np.zeros((L, T))
         rowmax = [0.0] * T
         xin_tasks = sorted(xin)
         todo = sorted(set(xout) | set(post))      # tasks with transfers to issue or collectives to start
@@ -820,38 +822,39 @@ class Simulator:
             if lay.kind == "split":
                 comm += self._run_split(t, split_info[t], lay, xin.get(t, ()), arr, ready0[t], lane_free, rfree,
                                         S, F, Bm, rec)
-                rowmax[t] = float(F[t].max())
-            elif (e - t) * len(lay.insts) >= 16:
-                # f_k = max(f_(k-1), release_k) + d_k for every lane at once:
-                # f = C + max(lane_free, running max of (release - C_(k-1)))
-                d = lay.tm[t:e]
-                r0 = np.array(ready0[t:e])[:, None]
-                if xs:
-                    r = np.repeat(r0, d.shape[1], axis=1)
-                    for j, lane in enumerate(lay.lanes):
-                        for k in xs:
-                            for b_ in xin[k]:
-                                x = arr[b_].get(lane, 0.0)
-                                if x > r[k - t, j]:
-                                    r[k - t, j] = x
-                else:
-                    r = r0
-                c = np.add.accumulate(d, axis=0)
-                f = c + np.maximum(np.maximum.accumulate(r - (c - d), axis=0),
-                                   np.array([lane_free[lane] for lane in lay.lanes]))
-                li = lay.lane_idx
-                F[t:e, li] = f
-                S[t:e, li] = f - d
-                Bm[t:e, li] = lay.bvec
-                for lane, x in zip(lay.lanes, f[-1].tolist()):
-                    lane_free[lane] = x
-                rowmax[t:e] = f.max(axis=1).tolist()
+                rowmax[t] = float(F[:, t].max())
+            elif (e - t) * len(lay.insts) >= _VECTOR_MIN:
+                # per lane: f_k = max(f_(k-1), release_k) + d_k, i.e.
+                # f = C + max(lane_free, running max of (release - C_(k-1))), C = cumulative durations
+                rel = ready0[t:e]
+                plain = not xs and not any(rel)
+                rm = None
+                for j, lane in enumerate(lay.lanes):
+                    d = lay.tmT[j, t:e]
+                    c = np.add.accumulate(d)
+                    if plain:
+                        f = c + lane_free[lane]
+                    else:
+                        r = rel
+                        if xs:
+                            r = list(rel)
+                            for k in xs:
+                                for b_ in xin[k]:
+                                    x = arr[b_].get(lane, 0.0)
+                                    if x > r[k - t]:
+                                        r[k - t] = x
+                        f = c + np.maximum(np.maximum.accumulate(np.asarray(r) - (c - d)), lane_free[lane])
+                    F[lane, t:e] = f
+                    S[lane, t:e] = f - d
+                    Bm[lane, t:e] = lay.insts[j][2]
+                    lane_free[lane] = float(f[-1])
+                    rm = f if rm is None else np.maximum(rm, f)
+                rowmax[t:e] = rm.tolist()
             else:
-                li, bv = lay.lane_idx, lay.bvec
                 for k in range(t, e):
                     xb = xin.get(k) if xs else None
                     r0 = ready0[k]
-                    ss, ff = [], []
+                    m = 0.0
                     for lane, tbl, batch, _ in lay.insts:
                         r = r0
                         if xb is not None:
@@ -864,12 +867,12 @@ class Simulator:
                             s_ = r
                         f = s_ + tbl[k]
                         lane_free[lane] = f
-                        ss.append(s_)
-                        ff.append(f)
-                    S[k, li] = ss
-                    F[k, li] = ff
-                    Bm[k, li] = bv
-                    rowmax[k] = max(ff)
+                        S[lane, k] = s_
+                        F[lane, k] = f
+                        Bm[lane, k] = batch
+                        if f > m:
+                            m = f
+                    rowmax[k] = m
             # transfers out of the run and collectives it completes, in task order
             while pi < len(todo) and todo[pi] < e:
                 k = todo[pi]
@@ -877,7 +880,7 @@ class Simulator:
                 xo = xout.get(k)
                 if xo is not None:
                     lk = lay_of_task[k]
-                    fk = F[k].tolist()
+                    fk = F[:, k].tolist()
                     for b in xo:
                         ld = lay_of_task[b_dst[b]]
                         if is_ps is not None and b_same[b] and is_ps[tg_l[k]]:
@@ -943,7 +946,7 @@ class Simulator:
         step = max(max(lane_free, default=0.0), max(rfree, default=0.0), max(coll_end, default=0.0))
         if rec is not None:
             rec["lanes"] = lanes
-            rec["matrices"] = (S, F, Bm)
+            rec["matrices"] = (S.T, F.T, Bm.T)
         return self._finish(actions, uniq, plans, lanes, B, step, comm, coll_end, split_info, S, F, Bm)
 
     # ------------------------------------------------------------------ partition sub-tasks (slow path)
@@ -1006,9 +1009,9 @@ class Simulator:
             s = max(lane_free[lane], r)
             f = s + dur
             lane_free[lane] = f
-            S[t, lane] = s
-            F[t, lane] = f
-            Bm[t, lane] = batch
+            S[lane, t] = s
+            F[lane, t] = f
+            Bm[lane, t] = batch
             for (ds, dd), nb in moved.items():
                 if ds != d or nb <= 0:
                     continue
@@ -1107,49 +1110,50 @@ class Simulator:
                 static[devs] += 2 * W + Sl + X
 
         # activations: a task's outputs that later tasks read stay live on each lane that ran it from the
-        # task until its last reader (in the lane's task order); plus the running task's working set
+        # task until its last reader (in the lane's task order); plus the running task's working set.
+        # Arrays are lane-major: [lane, task].
         mask = F >= 0
         act_peak = np.zeros(L)
         if T:
-            trans = np.where(mask, self._tr_F[:, None] + self._tr_P[:, None] * Bm, 0.0)
+            trans = mask * self._tr_F + Bm * self._tr_P
             if len(self._mb_src):
                 src = self._mb_src
-                C = self._mb_F[:, None] * mask[src] + self._mb_P[:, None] * Bm[src]
+                C = mask[:, src] * self._mb_F + Bm[:, src] * self._mb_P
                 if split_info:
                     nsub = np.ones(T)
                     for t, parts in split_info.items():
                         nsub[t] = len(parts)
-                    C = C / nsub[src][:, None]
-                D = np.zeros((T + 1, L))
-                D[self._mb_src_u] += np.add.reduceat(C, self._mb_src_starts, axis=0)
-                D[self._mb_last_u + 1] -= np.add.reduceat(C[self._mb_last_order], self._mb_last_starts, axis=0)
-                live = np.cumsum(D[:T], axis=0)
-                act_peak = np.where(mask, live + trans, 0.0).max(axis=0)
+                    C = C / nsub[src]
+                D = np.zeros((L, T + 1))
+                D[:, self._mb_src_u] += np.add.reduceat(C, self._mb_src_starts, axis=1)
+                D[:, self._mb_last_u + 1] -= np.add.reduceat(C[:, self._mb_last_order], self._mb_last_starts, axis=1)
+                live = np.add.accumulate(D[:, :T], axis=1)
+                act_peak = ((live + trans) * mask).max(axis=1)
             else:
-                act_peak = trans.max(axis=0)
+                act_peak = trans.max(axis=1)
         lod = lanes.lane_of_device
         activation = np.maximum(act_peak, 0.0)[lod]
         peak = static + activation
         oom = np.flatnonzero(peak > self._dev_mem)
 
         # utilisation, group makespan, idle time after each group's tasks
-        dur = np.where(mask, F - S, 0.0)
-        busy = dur.sum(axis=0)
+        busy = ((F - S) * mask).sum(axis=1)
         compute = busy[lod]
         util = compute / step if step > 0 else np.zeros(ndev)
         if T:
             s_inf = np.where(mask, S, np.inf)
-            tmin = s_inf.min(axis=1)
-            tmax = F.max(axis=1)
             o, starts = self._task_by_group, self._task_by_group_starts
-            gstart = np.minimum.reduceat(tmin[o], starts)
-            gend = np.maximum(np.maximum.reduceat(tmax[o], starts), np.asarray(coll_end))
+            gstart = np.minimum.reduceat(s_inf.min(axis=0)[o], starts)
+            gend = np.maximum(np.maximum.reduceat(F.max(axis=0)[o], starts), coll_end)
             makespan = np.where(np.isfinite(gstart), gend - np.where(np.isfinite(gstart), gstart, 0.0), 0.0)
-            nxt = np.minimum.accumulate(s_inf[::-1], axis=0)[::-1]
-            nxt = np.vstack([nxt[1:], np.full((1, L), np.inf)])
-            gaps = np.where(mask, np.where(np.isinf(nxt), step, nxt) - F, 0.0).clip(min=0.0)
-            cnt = np.add.reduceat(mask.sum(axis=1)[o], starts)
-            idle = np.add.reduceat(gaps.sum(axis=1)[o], starts) / np.maximum(cnt, 1)
+            # next start on the same lane after each task (step end after the lane's last task)
+            nxt = np.empty((L, T))
+            nxt[:, :-1] = np.minimum.accumulate(s_inf[:, :0:-1], axis=1)[:, ::-1]
+            nxt[:, -1] = np.inf
+            nxt[np.isinf(nxt)] = step
+            gaps = np.maximum(nxt - F, 0.0) * mask
+            cnt = np.add.reduceat(mask.sum(axis=0)[o], starts)
+            idle = np.add.reduceat(gaps.sum(axis=0)[o], starts) / np.maximum(cnt, 1)
         else:
             makespan = np.zeros(G)
             idle = np.zeros(G)
