@@ -8,6 +8,8 @@ No TensorFlow here: numpy only, so the simulator can call it thousands of times 
 
 Example::
 
+    import tag
+    from tag.cost import CostModel, Profile
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     cm = CostModel(tg, topo, Profile.load("profile.json"))

@@ -19,9 +19,11 @@ Group names are the layer scope of the group's costliest part, with ``(+k)`` whe
 
 Example::
 
+    import tag
+    from tag.grouping import group_ops
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=32))
     grouping = group_ops(tg, target_groups=100)
-    grouping.num_groups, grouping.names[:3]      # e.g. 100, ['conv1_pad(+1)', 'conv1_conv', 'conv1_bn']
+    grouping.num_groups, grouping.names[:3]      # 100, ['conv1_pad', 'conv1_conv(+1)', 'pool1_pad(+1)']
 """
 from __future__ import annotations
 

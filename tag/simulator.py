@@ -21,18 +21,24 @@ What is simulated (the strategy semantics of DESIGN.md / tag.strategy):
   use both hosts' network interfaces (``nic``). Contention model: every bus and NIC is one *serialised*
   resource (FIFO in the order transfers are issued; a transfer occupies all its resources for
   latency + bytes / bandwidth), so concurrent transfers through a NIC add up.
-- Gradients of an allreduce group are all-reduced over its devices (``CostModel.allreduce_coeffs``:
-  best of ring and hierarchical) once the tasks producing them have finished everywhere; the collective
-  occupies the NICs of the hosts involved (and the bus of each host with several of its devices); the
-  group's update tasks wait for it. ps groups pull their variables from the PS at the start of the step
-  and push gradients after the backward pass (``CostModel.ps_coeffs`` per direction, on the PS host's
-  NIC and the workers' NICs); the update runs once, on the PS device.
+- Gradients of an allreduce group are all-reduced over its devices as one fused collective per op
+  group (``CostModel.allreduce_coeffs``: best of ring and hierarchical) once the tasks producing them
+  have finished everywhere; the collective occupies the NICs of the hosts involved (and the bus of each
+  host with several of its devices); the group's update tasks wait for it. ps groups pull their
+  variables from the PS at the start of the step and push gradients after the backward pass
+  (``CostModel.ps_coeffs`` per direction, on the PS host's NIC and the workers' NICs); the update runs
+  once, on the PS device. ``Strategy.sfb`` is not modelled yet (plain all-reduce is assumed).
 - Memory per device: parameters + gradients + optimizer slots held there (allreduce: every replica; ps:
-  trainable weights and slots on the PS, a pulled copy, the gradients and non-trainable state on every
-  worker; partition: on the variable's device) + the peak, over the simulated schedule, of live
-  activations: a task's outputs that later tasks read are allocated when it starts and freed when the
-  last reader on that lane finishes (forward activations live until their backward use), plus the
-  largest single op's inputs and outputs while a task runs. Compared with each device's memory.
+  trainable weights, slots and the summed gradient on the PS, a pulled copy, the gradients and
+  non-trainable state on every worker; partition: on the variable's device) + the peak of live
+  activations in the simulated schedule: a task's outputs that later tasks read are held on every lane
+  that ran it from that task until their last reader (in the lane's task order: forward activations
+  live until their backward use); ops that only alias their input (Identity, Reshape, ReadVariableOp,
+  ...) hold no buffer of their own; the running task adds its largest op's inputs + outputs.
+  Compared with each device's memory.
+- Reported per op group (features for the GNN): ``group_makespan`` = last finish of the group's tasks or
+  collective - first start; ``group_idle_after`` = mean, over the group's task instances, of the idle
+  time of that lane before its next task (or the end of the step).
 
 Everything that depends only on the graph, grouping and topology is precomputed in ``Simulator()``;
 ``evaluate`` does no per-op work except for partition groups (one vectorised lookup of their ops'
@@ -40,6 +46,10 @@ devices) and caches what depends on placements and batch shares across calls. De
 
 Example::
 
+    import json, tag
+    from tag.grouping import group_ops
+    from tag.simulator import Simulator
+    from tag.strategy import Action, Strategy
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     topo = tag.load_topology("topologies/a100-8x-nvlink.pbtxt")
     grouping = group_ops(tg, target_groups=100)
