@@ -63,6 +63,7 @@ from __future__ import annotations
 import gc
 import heapq
 import logging
+import math
 import os
 import re
 import time
@@ -118,7 +119,7 @@ def _parse_input(s: str) -> tuple[str, int, bool]:
 def _numel(shape: Shape | None) -> int | None:
     if shape is None or any(d is None or d < 0 for d in shape):
         return None
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return math.prod(shape)
 
 
 def _prod(dims: Iterable[int | None]) -> int | None:
@@ -133,6 +134,18 @@ def _prod(dims: Iterable[int | None]) -> int | None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:400] if text else type(err).__name__
+
+
+_DTYPE_SIZES: dict[str, int] = {}
+
+
+def _dtype_size(name: str) -> int:
+    """Bytes per element of a dtype name; 0 for handles, variants and strings."""
+    size = _DTYPE_SIZES.get(name)
+    if size is None:
+        size = 0 if name in ("resource", "variant", "string") else tf.as_dtype(name).size
+        _DTYPE_SIZES[name] = size
+    return size
 
 
 def _to_shape(ts: tf.TensorShape) -> Shape | None:
@@ -1011,25 +1024,22 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         deps = {s for s, _ in n.data_in if nodes[s].type not in ("NextIteration", "RefNextIteration")}
         deps.update(n.ctrl_in)
         indeg[nm] = len(deps)
-    # consumers restricted to the step, deduplicated per producer
+    # Kahn's algorithm, ties broken by GraphDef position (consumers is a set: each pair counts once)
     order: list[str] = []
-    ready = [nd.name for nd in gd.node if nd.name in step and indeg[nd.name] == 0]
     pos = {nd.name: i for i, nd in enumerate(gd.node)}
-    seen_edges: set[tuple[str, str]] = set()
-    heap = [(pos[x], x) for x in ready]
+    heap = [(pos[nm], nm) for nm in step if indeg[nm] == 0]
     heapq.heapify(heap)
+    back_edge_types = ("NextIteration", "RefNextIteration")
     while heap:
         _, nm = heapq.heappop(heap)
         order.append(nm)
+        if nodes[nm].type in back_edge_types:
+            continue
         for c in nodes[nm].consumers:
-            if c not in step or (nm, c) in seen_edges:
-                continue
-            if nodes[nm].type in ("NextIteration", "RefNextIteration"):
-                continue
-            seen_edges.add((nm, c))
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                heapq.heappush(heap, (pos[c], c))
+            if c in indeg:
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    heapq.heappush(heap, (pos[c], c))
     if len(order) < len(step):  # cycles (TF1 while loops): keep graph order for the rest
         placed = set(order)
         order.extend(nd.name for nd in gd.node if nd.name in step and nd.name not in placed)
@@ -1080,7 +1090,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         infos = []
         for k, (s, dt) in enumerate(zip(shapes[nm], dtypes[nm])):
             ax = axes[nm][k]
-            size = tf.as_dtype(dt).size if dt not in ("resource", "variant", "string") else 0
+            size = _dtype_size(dt)
             n_el = _numel(s)
             if n_el is None:
                 if size:
