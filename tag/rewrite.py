@@ -533,26 +533,36 @@ class _Rewriter:
 
     # -------------------------------------------------------------------------------- instance keys
     def _keys(self) -> None:
-        """Instance keys (range, requested device) of every op, consumers before producers for homes."""
+        """Instance keys (range, requested device) of every op.
+
+        Step ops follow their op group's action; variables their copies; ops that take a variable one
+        per copy; other ops outside the analysed step follow their batch-dependent producer (the loss
+        of a static-shape graph, metrics), else sit with their first consumer ("home").
+        """
         self.keys: dict[str, list[tuple[Range, int]]] = {}
-        self.home: dict[str, int] = {}
-        for n in reversed(self.order):
+        for n in self.order:
             node = self.nodes[n]
             if node.op in _VAR_OPS:
-                keys = [(self.FULL, c) for c in self.var_copies[n]]
+                self.keys[n] = [(self.FULL, c) for c in self.var_copies[n]]
             elif node.op in _PLACEHOLDERS:
-                keys = [(self.FULL, self._placeholder_home(n))]
+                if n in self.ir_index:
+                    self.keys[n] = [(self.FULL, self._placeholder_home(n))]
             elif n in self.ir_index:
-                keys = self._ir_keys(n)
-            else:
-                vs = self._vars_of_inputs(n)
-                if vs:
-                    keys = [(self.FULL, c) for c in self.var_copies[vs[0]]]
-                else:
-                    keys = [(self.FULL, self._home(n))]
+                self.keys[n] = self._ir_keys(n)
+            elif self._vars_of_inputs(n):
+                self.keys[n] = [(self.FULL, c) for c in self.var_copies[self._vars_of_inputs(n)[0]]]
+            elif self.bd[n]:
+                for i in self.nodes[n].input:
+                    p = _split(i)[0]
+                    if not i.startswith("^") and self.bd[p] and p in self.keys:
+                        self.keys[n] = list(self.keys[p])
+                        break
+        for n in reversed(self.order):
+            if n not in self.keys:
+                self.keys[n] = [(self.FULL, self._home(n))]
+        for n in self.order:
             if self._writes(n):
-                keys = self._writer_keys(n, keys)
-            self.keys[n] = keys
+                self.keys[n] = self._writer_keys(n, self.keys[n])
 
     def _writer_keys(self, n: str, keys):
         copies = self.var_copies[self._vars_of_inputs(n)[0]]
@@ -566,8 +576,6 @@ class _Rewriter:
 
     def _placeholder_home(self, n: str) -> int:
         g = self._group(n)
-        if g is None:
-            return self._home(n)
         a = self.st.actions[g]
         if a.mode == "partition":
             return int(self.st.partition[self.ir_index[n]])
@@ -580,10 +588,8 @@ class _Rewriter:
                 return self._device_for(c, self.keys[c][0][1])
         for i in self.nodes[n].input:
             p = _split(i.lstrip("^"))[0]
-            if p in self.ir_index or self.nodes[p].op in _VAR_OPS:
-                keys = self.keys.get(p) or ([(self.FULL, self.var_copies[p][0])] if p in self.var_copies else None)
-                if keys:
-                    return self._device_for(p, keys[0][1])
+            if p in self.keys:
+                return self._device_for(p, self.keys[p][0][1])
         return self._main_device()
 
     # -------------------------------------------------------------------------------- constants
