@@ -594,10 +594,6 @@ class Simulator:
         """Per task of partition group G: ("dev", device) or ("split", [(device, ops)...]) + variable devices."""
         members = self._members_l[g]
         devs = part[self._members[g]]
-        if devs.min() < 0:
-            i = members[int(np.flatnonzero(devs < 0)[0])]
-            raise StrategyError(f"op group {g} ({self.grouping.names[g]}) is partitioned but op "
-                                f"{self.graph.ops[i].name!r} has no device in strategy.partition")
         k = (g, action.placement, devs.tobytes())
         plan = self._part_cache.get(k)
         if plan is None:
@@ -621,7 +617,7 @@ class Simulator:
                     parts = sorted(on.items(), key=lambda kv: min(self._pos[i] for i in kv[1]))
                     tasks[t] = ("split", [(d, np.asarray(o, dtype=np.int64)) for d, o in parts])
             vops, vbytes = self._part_vars[g]
-            plan = {"tasks": tasks, "dev_of": dev_of, "devices": sorted(set(devs.tolist())),
+            plan = {"tasks": tasks, "dev_of": dev_of, "devices": sorted(set(devs.tolist())), "layouts": {},
                     "var_dev": np.array([dev_of[int(o)] for o in vops], dtype=np.int64), "var_bytes": vbytes}
             if len(self._part_cache) > 4096:
                 self._part_cache.clear()
@@ -712,9 +708,17 @@ class Simulator:
         plans: dict[int, dict] = {}
         if any_partition:
             part = self._partition_array(strategy.partition)
-            for g, a in enumerate(actions):
-                if a.mode == "partition":
-                    plans[g] = self._partition_plan(g, part, a, special)
+            pgroups = [g for g, a in enumerate(actions) if a.mode == "partition"]
+            is_part = np.zeros(G, dtype=bool)
+            is_part[pgroups] = True
+            missing = np.flatnonzero(is_part[self._gop] & (part < 0))
+            if len(missing):
+                i = int(missing[0])
+                g = int(self._gop[i])
+                raise StrategyError(f"op group {g} ({self.grouping.names[g]}) is partitioned but op "
+                                    f"{self.graph.ops[i].name!r} has no device in strategy.partition")
+            for g in pgroups:
+                plans[g] = self._partition_plan(g, part, actions[g], special)
         lanes = self._lanes(frozenset(special))
         L = len(lanes.lanes)
 
@@ -737,12 +741,21 @@ class Simulator:
                         if self._ts_l[t] == 2:
                             lay_of_task[t] = pl
                 elif a.mode == "partition":
-                    for t, (kind, what) in plans[g]["tasks"].items():
-                        if kind == "dev":
-                            lay_of_task[t] = self._dev_layout(what, lanes, B)
-                        else:
-                            lay_of_task[t] = self._split_layout(t, what, lanes, B)
-                            split_info[t] = what
+                    plan = plans[g]
+                    lk = (lanes.key, B)
+                    lays = plan["layouts"].get(lk)
+                    if lays is None:
+                        lays = {}
+                        for t, (kind, what) in plan["tasks"].items():
+                            lays[t] = (self._dev_layout(what, lanes, B) if kind == "dev"
+                                       else self._split_layout(t, what, lanes, B))
+                        if len(plan["layouts"]) > 64:
+                            plan["layouts"].clear()
+                        plan["layouts"][lk] = lays
+                    for t, lay in lays.items():
+                        lay_of_task[t] = lay
+                        if lay.kind == "split":
+                            split_info[t] = plan["tasks"][t][1]
         # only bundles between different layouts need work: on a shared layout every lane already ran
         # the producer before the consumer (lanes run tasks in priority order)
         xin: dict[int, list[int]] = {}
@@ -1097,11 +1110,14 @@ class Simulator:
         static = np.zeros(ndev)
         acc: dict[int, list[float]] = {}
         W_l, S_l, X_l = self._W_l, self._S_l, self._X_l
+        if plans:
+            vd = [p["var_dev"] for p in plans.values() if len(p["var_dev"])]
+            if vd:
+                static += np.bincount(np.concatenate(vd), minlength=ndev,
+                                      weights=np.concatenate([p["var_bytes"] for p in plans.values()
+                                                              if len(p["var_dev"])]))
         for g, a in enumerate(actions):
             if a.mode == "partition":
-                plan = plans[g]
-                if len(plan["var_dev"]):
-                    np.add.at(static, plan["var_dev"], plan["var_bytes"])
                 continue
             v = acc.get(id(a))
             if v is None:
