@@ -16,10 +16,11 @@ How the IR is derived (the rules later stages rely on):
   optimizer's bookkeeping such as Adam's beta-power updates), and all data and control ancestors of
   those. Initializers, savers and summaries are left out. ``ops`` is in topological order.
 * **Shapes** come from TensorFlow's own shape inference: the step is imported into a fresh
-  ``tf.Graph``. If ``batch_size=`` differs from the batch the inputs declare, the inputs are re-declared
-  at ``batch_size`` first; when the graph has its old batch built into constants (TF1 gradient code
-  does that) and so cannot be re-imported, the IR is built at the declared batch and the batch axes are
-  rescaled, which gives the same ``Linear`` sizes.
+  ``tf.Graph``. Inputs with an unknown batch are declared at ``batch_size`` first. A graph built at
+  another batch than ``batch_size`` is analysed at its own batch and every size is rescaled to
+  ``batch_size`` (shapes along their batch axis; ``Linear`` sizes need nothing): TF1 graphs have their
+  batch baked into constants (the gradient code uses static shapes), so re-declaring only the inputs
+  would give an inconsistent graph.
 * **Batch axes.** Batch-carrying inputs are the Placeholders / iterator outputs of rank >= 1 whose first
   dimension is the batch (the most common first dimension among them, or unknown). A second import
   declares their first dimension unknown (and, for that import only, turns ``If``/``Case`` ops into
@@ -955,26 +956,22 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
                 else:
                     del nd.attr["_class"]
 
-    concrete = tf.compat.v1.GraphDef()
-    concrete.CopyFrom(base)
-    rescale = None
-    if unknown or (graph_batch is not None and B != graph_batch):
-        _set_batch_dims(concrete, targets, B)
+    # Inputs with an unknown batch are declared at B_ref. A graph built at another batch is analysed at its
+    # own batch and rescaled: TF1 graphs have their batch baked into constants (static shapes in the
+    # gradient code), so re-declaring only the inputs would give an inconsistent graph.
+    rescale = (graph_batch, B) if graph_batch is not None and B != graph_batch else None
+    B_ref = graph_batch if rescale else B
+    concrete = base
+    if unknown:
+        concrete = tf.compat.v1.GraphDef()
+        concrete.CopyFrom(base)
+        _set_batch_dims(concrete, targets, B_ref)   # a no-op for the inputs declared at B_ref already
     try:
         g1 = _import(concrete)
     except Exception as err:  # noqa: BLE001
-        if unknown or graph_batch is None:
-            raise GraphError(f"cannot analyse the graph at batch {B}: TensorFlow rejects it: "
-                             f"{_first_line(err)}") from None
-        # The batch is built into the graph's constants: analyse at the declared batch, rescale.
-        log.info("graph has its batch %d built in (%s); analysing at %d and rescaling to %d",
-                 graph_batch, _first_line(err), graph_batch, B)
-        try:
-            g1 = _import(base)
-        except Exception as err2:  # noqa: BLE001
-            raise GraphError(f"TensorFlow cannot import the graph: {_first_line(err2)}") from None
-        rescale = (graph_batch, B)
-    B_ref = rescale[0] if rescale else B
+        raise GraphError(f"TensorFlow cannot import the graph at batch {B_ref}: {_first_line(err)}") from None
+    if rescale:
+        log.info("analysing at the graph's own batch %d; sizes rescaled to batch %d", graph_batch, B)
 
     g2 = None
     for rewrite_ifs in (True, False):
