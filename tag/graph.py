@@ -1116,13 +1116,17 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         return None
 
     def var_shape(vn: str) -> tuple[int, ...] | None:
+        """The declared shape; failing that, what shape inference says of the variable or its reads."""
         sh = nodes[vn].nd.attr["shape"].shape
-        if sh.unknown_rank or any(d.size < 0 for d in sh.dim):
-            s = shapes.get(vn, [None])[0]
-            if nodes[vn].type != "VarHandleOp" and s is not None and all(d is not None for d in s):
+        if not sh.unknown_rank and all(d.size >= 0 for d in sh.dim):
+            return tuple(int(d.size) for d in sh.dim)
+        sources = [vn] if nodes[vn].type != "VarHandleOp" else []
+        sources += [c for c in nodes[vn].consumers if nodes[c].type == "ReadVariableOp" and c in shapes]
+        for src in sources:
+            s = shapes.get(src, [None])[0]
+            if s is not None and all(d is not None for d in s):
                 return tuple(s)
-            return None
-        return tuple(int(d.size) for d in sh.dim)
+        return None
 
     var_names = [nm for nm in order if nodes[nm].type in _VARIABLE_TYPES]
     var_kind: dict[str, str] = {v: "state" for v in var_names}
@@ -1179,7 +1183,8 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     for v in var_names:
         s = var_shape(v)
         variables.append(VariableInfo(
-            name=v, op=index[v], shape=s if s is not None else (), dtype=tf.as_dtype(nodes[v].nd.attr["dtype"].type).name,
+            name=v, op=index[v], shape=s if s is not None else (),
+            dtype=tf.as_dtype(nodes[v].nd.attr["dtype"].type).name,
             nbytes=var_bytes(v), kind=var_kind[v], apply_op=var_apply.get(v), gradient=var_grad.get(v),
             slots=list(var_slots.get(v, [])), slot_bytes=sum(var_bytes(sv) for sv in var_slots.get(v, [])),
             read_ops=read_ops[v]))
