@@ -8,7 +8,10 @@ builds the training graph, groups it into about 100 op groups and times ``evalua
   parameter server on a random set of device groups, or one device group's first device holding the
   whole op group), the kind of strategies a tree search scores one after another.
 
-The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix.
+The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix. The
+objects built before timing (TensorFlow graphs, the IR) are moved out of the garbage collector's way
+with ``gc.freeze()``, as a long-running search should do too; the machine's load average is printed,
+since other processes on a small machine slow every figure down.
 
 Usage::
 
@@ -17,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -92,6 +96,9 @@ def bench_model(name: str, topo, seconds: float, groups: int) -> dict:
     t3 = time.perf_counter()
     sim = Simulator(graph, topo, grouping)
     t4 = time.perf_counter()
+    del gd
+    gc.collect()
+    gc.freeze()
     row = {"ops": len(graph.ops), "groups": grouping.num_groups, "tasks": sim.num_tasks,
            "batch_size": graph.batch_size, "build_graph_s": t1 - t0, "analyze_s": t2 - t1,
            "group_s": t3 - t2, "simulator_init_s": t4 - t3, "builtin": {}}
@@ -140,7 +147,8 @@ def main(argv=None) -> int:
         for name, r in results.items()))
     if args.json:
         out = {"evaluations_per_second": {n: r["evaluations_per_second"] for n, r in results.items()},
-               "topology": topo.name, "models": results}
+               "topology": topo.name, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
+               "models": results}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
