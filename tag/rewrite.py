@@ -79,6 +79,10 @@ _VAR_READERS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableIni
                           "ResourceGatherNd", "VariableShape", "Identity", "Snapshot", "Shape", "Size", "Rank"})
 # Stateful ops that may nevertheless be recomputed (they only read).
 _CLONABLE_STATEFUL = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"})
+# Function-call ops: TF lowers or partitions them itself, placing a body's variable ops with the
+# variables, so they may take variable handles from any device.
+_FUNCTION_CALLS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile",
+                             "PartitionedCall", "StatefulPartitionedCall"})
 _UNSUPPORTED = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"})
 # op type -> input index that is a shape whose entries follow the op's output shape
 _SHAPE_OPERAND = {
@@ -459,10 +463,15 @@ class _Rewriter:
         return out
 
     def _writes(self, op: str) -> bool:
+        """Does OP (not a function call) update a variable it takes?"""
         node = self.nodes[op]
-        if node.op in _VAR_READERS or node.op in _VAR_OPS:
+        if node.op in _VAR_READERS or node.op in _VAR_OPS or node.op in _FUNCTION_CALLS:
             return False
         return bool(self._vars_of_inputs(op))
+
+    def _may_write(self, op: str) -> bool:
+        """Like _writes, counting function calls that take variables (their bodies may assign)."""
+        return self._writes(op) or (self.nodes[op].op in _FUNCTION_CALLS and bool(self._vars_of_inputs(op)))
 
     def _variables(self) -> None:
         info = {v.name: v for v in self.ir.variables}
@@ -474,7 +483,7 @@ class _Rewriter:
         self.var_owner: dict[str, int | None] = {}
         writers: dict[str, list[str]] = {}
         for n in self.order:
-            if n in self.ir_index and self._writes(n):
+            if n in self.ir_index and self._may_write(n):
                 for v in self._vars_of_inputs(n):
                     writers.setdefault(v, []).append(n)
         var_order = [n for n in self.order if self.nodes[n].op in _VAR_OPS]
@@ -524,7 +533,7 @@ class _Rewriter:
 
     def _device_for(self, op: str, key: int) -> int:
         vs = self._vars_of_inputs(op)
-        if not vs:
+        if not vs or self.nodes[op].op in _FUNCTION_CALLS:
             return key
         cand = [d for d in self.var_copies[vs[0]] if all(d in self.var_copies[v] for v in vs[1:])]
         if not cand:
@@ -549,7 +558,7 @@ class _Rewriter:
                     self.keys[n] = [(self.FULL, self._placeholder_home(n))]
             elif n in self.ir_index:
                 self.keys[n] = self._ir_keys(n)
-            elif self._vars_of_inputs(n):
+            elif self._vars_of_inputs(n) and node.op not in _FUNCTION_CALLS:
                 self.keys[n] = [(self.FULL, c) for c in self.var_copies[self._vars_of_inputs(n)[0]]]
             elif self.bd[n]:
                 for i in self.nodes[n].input:
@@ -815,6 +824,8 @@ class _Rewriter:
         insts = self.insts[p]
         if self.nodes[p].op in _VAR_OPS or self._var_of(t) is not None:
             same = [i for i in insts if i.dev == dev]
+            if not same and self.nodes[consumer].op in _FUNCTION_CALLS:
+                same = insts[:1]
             if not same:
                 raise RewriteError(f"op {consumer!r} needs variable {p!r} on {self.topo.tf_device(dev)}, "
                                    f"where it has no copy")

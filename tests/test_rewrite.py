@@ -429,6 +429,77 @@ def cluster():
     return ports, servers[0].target
 
 
+def bn_cnn_graph():
+    """A small CNN with tf_keras BatchNorm behind a ``training`` tensor (If / StatelessIf + function
+    library) and an unknown batch dimension (``[None, ...]`` placeholders)."""
+    import tf_keras
+
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        x = tf1.placeholder(tf.float32, [None, 6, 6, 3], name="input")
+        y = tf1.placeholder(tf.int32, [None], name="labels")
+        training = tf1.placeholder_with_default(True, [], name="training")
+        init = tf_keras.initializers.GlorotUniform
+        h = tf_keras.layers.Conv2D(4, 3, kernel_initializer=init(seed=1), name="conv")(x)
+        h = tf_keras.layers.BatchNormalization(name="bn")(h, training=training)
+        h = tf_keras.layers.Flatten()(tf_keras.layers.ReLU()(h))
+        logits = tf_keras.layers.Dense(3, kernel_initializer=init(seed=2), name="dense")(h)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        loss = tf.identity(loss, name="loss")
+        updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+        tf.group(tf1.train.MomentumOptimizer(0.05, 0.9).minimize(loss), *updates, name="train_op")
+        tf1.variables_initializer(tf1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "ps", "mixed"])
+def test_function_library_batchnorm_unknown_batch(cluster, mode):
+    """StatelessIf/If BatchNorm in a [None, ...] graph, shares 6:2: same training as the original graph run
+    on each replica's slice with the gradients combined sum_d (s_d / B) g_d (per-replica statistics)."""
+    ports, target = cluster
+    gd = bn_cnn_graph()
+    assert {"If", "StatelessIf"} <= {n.op for n in gd.node} and len(gd.library.function) > 0
+    B = 8
+    ir = tag.analyze(gd, batch_size=B)
+    topo = topology(ports[:2], [0.15, 0.05])
+    shares = batch_shares([d.peak_flops for d in topo.devices], B)
+    assert shares == [6, 2]
+    grouping = group_ops(ir, 6)
+    if mode == "mixed":
+        actions = [Action((0, 1), "allreduce") if g % 2 else Action((0, 1), "ps", ps_device=0)
+                   for g in range(grouping.num_groups)]
+    else:
+        actions = [Action((0, 1), mode, ps_device=1 if mode == "ps" else None)] * grouping.num_groups
+    res = rewrite(gd, ir, Strategy(grouping, actions), topo)
+    assert len(res.graph_def.library.function) == len(gd.library.function)
+    assert all(n.device for n in res.graph_def.node if n.op in ("If", "StatelessIf"))
+    rng = np.random.RandomState(1)
+    batches = [{"input": rng.randn(B, 6, 6, 3).astype(np.float32), "labels": rng.randint(0, 3, B).astype(np.int32)}
+               for _ in range(STEPS)]
+    # reference: the original graph on each slice, gradients combined and fed to the apply ops
+    g = _import(gd)
+    vs = trainables(ir)
+    reads = _reads(g, [v.name for v in vs])
+    ref, grads0 = [], None
+    with tf1.Session(graph=g, config=local_config()) as s:
+        s.run("init")
+        for fd in batches:
+            total, loss, lo = None, 0.0, 0
+            for s_d in shares:
+                l_d, g_d = s.run(["loss:0", [v.gradient for v in vs]], {k + ":0": v[lo:lo + s_d] for k, v in fd.items()})
+                total = [s_d / B * x for x in g_d] if total is None else [t + s_d / B * x for t, x in zip(total, g_d)]
+                loss += s_d / B * float(l_d)
+                lo += s_d
+            grads0 = total if grads0 is None else grads0
+            feed = _named(fd)
+            feed.update({v.gradient: t for v, t in zip(vs, total)})
+            s.run("train_op", feed)
+            ref.append((loss, s.run(reads)))
+    got = run_rewritten(res, target, ir, batches)
+    assert_same_training(got, ref, grads0, ir, 0.05)
+
+
 LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e-4, "bert_base": 1e-4}
 
 
