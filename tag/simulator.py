@@ -74,7 +74,7 @@ from tag.strategy import Action, Grouping, Strategy, batch_shares
 from tag.topology import Topology
 
 STAGE_NAMES = ("forward", "backward", "update")
-_VECTOR_MIN = 16     # runs of at least this many task instances are simulated with numpy
+_VECTOR_MIN = 8      # runs of at least this many task instances are simulated with numpy
 # ops whose output is their first input's buffer (no memory of their own)
 ALIAS_TYPES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "ReadVariableOp", "Snapshot",
                          "StopGradient", "PreventGradient", "EnsureShape", "CheckNumerics", "Enter", "Exit"})
@@ -102,7 +102,8 @@ class _Layout:
     """Where one task runs in one evaluation: lanes with their per-replica batch, and which devices hold
     which examples of its outputs."""
 
-    __slots__ = ("id", "kind", "insts", "holdings", "devices", "lanes", "key", "lane_idx", "tmT", "bvec")
+    __slots__ = ("id", "kind", "insts", "holdings", "devices", "lanes", "key", "lane_idx", "tmT", "bvec", "bmat",
+                 "lane_slice")
 
     def __init__(self, id_, kind, insts, holdings, devices, key):
         self.id = id_
@@ -114,8 +115,12 @@ class _Layout:
         self.key = key
         self.lane_idx = np.array([i[0] for i in insts], dtype=np.int64)
         self.bvec = np.array([i[2] for i in insts], dtype=np.float64)
-        # durations per lane (rows) and task (columns), for runs simulated with numpy
+        # durations and batch per lane (rows) and task (columns), for runs simulated with numpy
         self.tmT = np.stack([i[3] for i in insts]) if kind != "split" else None
+        self.bmat = np.repeat(self.bvec[:, None], len(insts[0][3]), axis=1) if kind != "split" else None
+        li = self.lane_idx
+        self.lane_slice = slice(int(li[0]), int(li[0]) + len(li)) if len(li) and np.array_equal(
+            li, np.arange(li[0], li[0] + len(li))) else None
 
 
 class _Lanes:
@@ -847,32 +852,49 @@ class Simulator:
                                         S, F, Bm, rec)
                 rowmax[t] = float(F[:, t].max())
             elif (e - t) * len(lay.insts) >= _VECTOR_MIN:
-                # per lane: f_k = max(f_(k-1), release_k) + d_k, i.e.
-                # f = C + max(lane_free, running max of (release - C_(k-1))), C = cumulative durations
+                # every lane at once: f_k = max(f_(k-1), release_k) + d_k, i.e.
+                # f = C + max(lane_free, running max of (release - C_(k-1))), C = cumulative durations.
+                # (Written without broadcasting, which costs more than the arithmetic at these sizes.)
+                d = lay.tmT[:, t:e]
                 rel = ready0[t:e]
-                plain = not xs and not any(rel)
-                rm = None
-                for j, lane in enumerate(lay.lanes):
-                    d = lay.tmT[j, t:e]
-                    c = np.add.accumulate(d)
-                    if plain:
-                        f = c + lane_free[lane]
-                    else:
-                        r = rel
-                        if xs:
+                lf = np.array([lane_free[lane] for lane in lay.lanes])
+                if not xs and not any(rel):
+                    c0 = d.copy()
+                    c0[:, 0] += lf
+                    f = np.add.accumulate(c0, axis=1)
+                else:
+                    if xs:
+                        rows = []
+                        for lane in lay.lanes:
                             r = list(rel)
                             for k in xs:
                                 for b_ in xin[k]:
                                     x = arr[b_].get(lane, 0.0)
                                     if x > r[k - t]:
                                         r[k - t] = x
-                        f = c + np.maximum(np.maximum.accumulate(np.asarray(r) - (c - d)), lane_free[lane])
-                    F[lane, t:e] = f
-                    S[lane, t:e] = f - d
-                    Bm[lane, t:e] = lay.insts[j][2]
-                    lane_free[lane] = float(f[-1])
-                    rm = f if rm is None else np.maximum(rm, f)
-                rowmax[t:e] = rm.tolist()
+                            rows.append(r)
+                        rm_ = np.array(rows)
+                    else:
+                        rm_ = np.array([rel] * len(lay.lanes))
+                    c = np.add.accumulate(d, axis=1)
+                    x = rm_ - c
+                    x += d
+                    x[:, 0] = np.maximum(x[:, 0], lf)
+                    f = np.maximum.accumulate(x, axis=1)
+                    f += c
+                sl = lay.lane_slice
+                if sl is not None:
+                    F[sl, t:e] = f
+                    S[sl, t:e] = f - d
+                    Bm[sl, t:e] = lay.bmat[:, t:e]
+                else:
+                    li = lay.lane_idx
+                    F[li, t:e] = f
+                    S[li, t:e] = f - d
+                    Bm[li, t:e] = lay.bmat[:, t:e]
+                for lane, x_ in zip(lay.lanes, f[:, -1].tolist()):
+                    lane_free[lane] = x_
+                rowmax[t:e] = f.max(axis=0).tolist()
             else:
                 for k in range(t, e):
                     xb = xin.get(k) if xs else None
