@@ -500,6 +500,67 @@ def test_function_library_batchnorm_unknown_batch(cluster, mode):
     assert_same_training(got, ref, grads0, ir, 0.05)
 
 
+def embedding_graph(use_resource: bool):
+    """tf.gather on an embedding (IndexedSlices gradient, TF1 Adam's sparse Unique/ScatterAdd update)."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None, 5], name="input")
+        y = tf1.placeholder(tf.int32, [None], name="labels")
+        emb = tf1.get_variable("emb", [20, 6], initializer=tf1.random_normal_initializer(seed=2),
+                               use_resource=use_resource)
+        w = tf1.get_variable("w", [6, 3], initializer=tf1.glorot_uniform_initializer(seed=3),
+                             use_resource=use_resource)
+        logits = tf.matmul(tf.reduce_mean(tf.gather(emb, ids), axis=1), w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        tf1.train.AdamOptimizer(0.01).minimize(tf.identity(loss, name="loss"), name="train_op")
+        tf1.variables_initializer(tf1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "ps"])
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_sparse_gradients_and_ref_variables(cluster, mode, use_resource):
+    """Sparse embedding updates (indices and values gathered to every updating device, then deduplicated
+    there as on one device) and TF1 reference variables (VariableV2, ApplyAdam) train exactly alike."""
+    ports, target = cluster
+    gd = embedding_graph(use_resource)
+    assert any(n.op in ("ResourceScatterAdd", "ScatterAdd") for n in gd.node)
+    B = 8
+    ir = tag.analyze(gd, batch_size=B)
+    topo = topology(ports, [0.1, 0.05, 0.05])
+    st = Strategy(one_group(ir), [Action((0, 1, 2), mode, ps_device=1 if mode == "ps" else None)])
+    res = rewrite(gd, ir, st, topo)
+    rng = np.random.RandomState(0)
+    batches = [{"input:0": rng.randint(0, 20, (B, 5)).astype(np.int32),
+                "labels:0": rng.randint(0, 3, B).astype(np.int32)} for _ in range(STEPS)]
+    names = [v.name for v in ir.variables]          # every variable: weights, slots, beta powers
+
+    def values(sess, graph, ops):
+        out = []
+        for n in ops:
+            op = graph.get_operation_by_name(n)
+            if op.type == "VarHandleOp":
+                with graph.as_default():
+                    out.append(sess.run(tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=op.get_attr("dtype"))))
+            else:
+                out.append(sess.run(op.outputs[0]))
+        return out
+
+    g = _import(gd)
+    with tf1.Session(graph=g, config=local_config()) as s:
+        s.run("init")
+        ref = [(s.run(["loss:0", "train_op"], fd)[0], values(s, g, names)) for fd in batches]
+    g = _import(res.graph_def)
+    with tf1.Session(target, graph=g, config=cluster_config()) as s:
+        s.run(res.init)
+        for step, fd in enumerate(batches):
+            loss = s.run([res.loss + ":0", res.train_op], fd)[0]
+            assert abs(loss - ref[step][0]) <= RTOL * abs(ref[step][0])
+            for name, r in zip(names, ref[step][1]):
+                for copy in values(s, g, res.variables[name]):
+                    assert np.max(np.abs(copy - r)) <= RTOL * np.max(np.abs(r)), (step, name)
+
+
 LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e-4, "bert_base": 1e-4}
 
 
@@ -540,3 +601,29 @@ def _cached_reference(name):
         gd, ir = model(name)
         _REFS[name] = reference(gd, ir, feeds_for(gd, ir, STEPS))
     return _REFS[name]
+
+
+@pytest.mark.slow
+def test_runtime_worker_processes():
+    """End to end on separate tag-worker processes (tag.runtime.LocalCluster + run_steps): the built-in
+    strategies of an MLP, with uneven shares, train like the original graph, one after another on
+    the same cluster."""
+    from tag.runtime import LocalCluster, run_steps
+
+    gd, ir = model("mlp")
+    topo = topology(free_ports(3), [0.1, 0.05, 0.05])
+    grouping = group_ops(ir, 8)
+    batches = feeds_for(gd, ir, STEPS)
+    ref, _ = _cached_reference("mlp")
+    weights = [v.name for v in trainables(ir)]
+    with LocalCluster(topo) as cluster:
+        for name in ("dp_allreduce", "ps", "partition"):
+            res = rewrite(gd, ir, builtin_strategy(name, ir, topo, grouping), topo)
+            copies = [c for v in weights for c in res.variables[v]]
+            run = run_steps(res.graph_def, cluster.target, train_op=res.train_op, loss=res.loss, init=res.init,
+                            steps=STEPS, warmup=0, input_fn=lambda step: _named(batches[step]), fetch_after=copies)
+            for loss, (ref_loss, _) in zip(run.losses, ref):
+                assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), name
+            for v, r in zip(weights, ref[-1][1]):
+                for c in res.variables[v]:
+                    assert np.max(np.abs(run.values[c] - r)) <= RTOL * np.max(np.abs(r)), (name, c)
