@@ -92,6 +92,9 @@ _SHAPE_OPERAND = {
     "DepthwiseConv2dNativeBackpropInput": 0, "AvgPoolGrad": 0, "AvgPool3DGrad": 0, "Empty": 0,
     "ScatterNd": 2,
 }
+# ops a loss may pass through between its batch reduction and the loss tensor
+_LOSS_PASSTHROUGH = frozenset({"Identity", "AddV2", "Add", "AddN", "Sub", "Mul", "RealDiv", "Div", "Cast", "Neg",
+                               "Reshape", "Squeeze"})
 _SEED_RE = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
 _FLOAT_TYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
@@ -261,6 +264,9 @@ class _Rewriter:
         self._flags()
         self._variables()
         self._keys()
+        if not self.seeds and any(r != self.FULL for keys in self.keys.values() for r, _ in keys):
+            raise RewriteError(f"train op {self.train_op!r}: no TF1 gradient seed (a Fill named gradients/grad_ys_N) "
+                               f"was found, so replicas' gradients cannot be weighted by their batch shares")
         self._emit_all()
         fetch_train, fetch_loss, fetch_init = self._fetches()
         out = graph_pb2.GraphDef()
@@ -390,8 +396,30 @@ class _Rewriter:
         for n in reversed(self.order):
             self.agg[n] = self._phase(n) == "update" and (
                 self.gd_[n] or any(self.agg.get(c, False) for c, _, _ in self.consumers[n]))
-        if not self.seeds:
-            self.notes.append("no gradient seed (gradients/grad_ys_N) found; replicas are not rescaled")
+        self.loss_is_mean = self._loss_kind() == "mean"
+
+    def _loss_kind(self) -> str:
+        """'mean' if the loss averages over the batch (instances weight their seeds and losses by
+        s / B), 'sum' if it sums over it (weights 1); found by walking from the loss to its batch reduction."""
+        t, steps, constant_term = self.loss, 0, None
+        while t and steps < 64:
+            steps += 1
+            node = self.nodes[_split(t)[0]]
+            if node.op == "Mean":
+                return "mean"
+            if node.op in ("Sum", "L2Loss"):
+                if constant_term is not None:
+                    raise RewriteError(f"loss {self.loss!r} sums over the batch and adds {constant_term!r}, which does "
+                                       f"not depend on the batch; replicas cannot share such a loss (use a mean)")
+                return "sum"
+            data = [i for i in node.input if not i.startswith("^")]
+            batch_inputs = [i for i in data if self.bd[_split(i)[0]]]
+            if node.op not in _LOSS_PASSTHROUGH or not batch_inputs:
+                break
+            if node.op in ("AddV2", "Add", "AddN", "Sub") and len(batch_inputs) < len(data) and constant_term is None:
+                constant_term = next(i for i in data if i not in batch_inputs)
+            t = batch_inputs[0]
+        return "mean"
 
     def _additive(self, t: str) -> bool:
         """A batch-reduced partial sum of gradients (sums over instances give the whole-batch value)."""
@@ -784,7 +812,7 @@ class _Rewriter:
                 ctrl.extend(self._control(i[1:], n, rng, key))
             else:
                 data.append(self._resolve(i, rng, dev, n, key))
-        if n in self.seeds and size != self.B:
+        if n in self.seeds and size != self.B and self.loss_is_mean:
             dtype = self._dtype(_tname(n, 0))
             c = self._const(f"{name}/tag_seed_scale", np.array(size / self.B, dtype=dtype.as_numpy_dtype), dev)
             data[1] = c
@@ -1056,8 +1084,8 @@ class _Rewriter:
         dtype = self._dtype(_tname(n, 0))
         terms = []
         for i in sorted(insts, key=lambda i: i.rng):
-            w = self._const(f"{n}/tag_weight_{i.key}", np.array((i.rng[1] - i.rng[0]) / self.B,
-                                                                dtype=dtype.as_numpy_dtype), i.dev)
+            weight = (i.rng[1] - i.rng[0]) / self.B if self.loss_is_mean else 1.0
+            w = self._const(f"{n}/tag_weight_{i.key}", np.array(weight, dtype=dtype.as_numpy_dtype), i.dev)
             name = self._fresh(f"{n}/tag_weighted_{i.key}")
             node = node_def_pb2.NodeDef(name=name, op="Mul", device=self.topo.tf_device(i.dev))
             node.input.extend([i.name, w])

@@ -561,6 +561,47 @@ def test_sparse_gradients_and_ref_variables(cluster, mode, use_resource):
                     assert np.max(np.abs(copy - r)) <= RTOL * np.max(np.abs(r)), (step, name)
 
 
+def small_mlp(loss_kind: str):
+    """A [None, 10] MLP whose loss is a batch mean (+ L2), a batch sum, or a sum / constant (+ L2)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 10], name="input")
+        y = tf1.placeholder(tf.int32, [None], name="labels")
+        w1 = tf1.get_variable("w1", [10, 7], initializer=tf1.glorot_uniform_initializer(seed=1))
+        w2 = tf1.get_variable("w2", [7, 3], initializer=tf1.glorot_uniform_initializer(seed=2))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(tf.nn.relu(x @ w1), w2))
+        l2 = 0.01 * tf.nn.l2_loss(w1)
+        loss = {"mean+l2": tf.reduce_mean(xent) + l2, "sum": tf.reduce_sum(xent),
+                "sum/8": tf.reduce_sum(xent) / 8.0, "sum+l2": tf.reduce_sum(xent) + l2}[loss_kind]
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.identity(loss, name="loss"), name="train_op")
+        tf1.variables_initializer(tf1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("loss_kind", ["mean+l2", "sum", "sum/8"])
+def test_mean_and_sum_losses(cluster, loss_kind):
+    """Seeds and loss weights follow the loss's batch reduction: s/B for a mean (batch-independent terms
+    such as weight decay stay exact), 1 for a sum."""
+    ports, target = cluster
+    gd = small_mlp(loss_kind)
+    B = 8
+    ir = tag.analyze(gd, batch_size=B)
+    topo = topology(ports[:2], [0.15, 0.05])        # shares 6:2
+    res = rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1), "allreduce")]), topo)
+    rng = np.random.RandomState(2)
+    batches = [{"input": rng.randn(B, 10).astype(np.float32), "labels": rng.randint(0, 3, B).astype(np.int32)}
+               for _ in range(STEPS)]
+    ref, grads0 = reference(gd, ir, batches)
+    assert_same_training(run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.1)
+
+
+def test_sum_loss_with_constant_term_is_refused():
+    gd = small_mlp("sum+l2")
+    ir = tag.analyze(gd, batch_size=8)
+    with pytest.raises(RewriteError, match="sums over the batch"):
+        rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1), "allreduce")]), UNEVEN)
+
+
 LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e-4, "bert_base": 1e-4}
 
 
