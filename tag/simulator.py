@@ -240,6 +240,8 @@ class Simulator:
         bundle_of: dict[tuple[int, int], list] = {}
         seen_tensor: set[tuple[str, int]] = set()
         contrib: dict[tuple[int, int], list] = {}
+        tensor_id: dict[str, int] = {}
+        b_tensors: dict[tuple[int, int], list] = {}
         self.dropped_dependencies = 0
         for i in range(len(tensors)):
             ts, td = int(top[e_src[i]]), int(top[e_dst[i]])
@@ -253,6 +255,8 @@ class Simulator:
                 seen_tensor.add((tensors[i], td))
                 acc[0] += e_P[i]
                 acc[1] += e_F[i]
+                tid = tensor_id.setdefault(tensors[i], len(tensor_id))
+                b_tensors.setdefault((ts, td), []).append((tid, float(e_P[i]), float(e_F[i])))
             contrib.setdefault((ts, td), []).append((int(e_src[i]), int(e_dst[i]), float(e_P[i]), float(e_F[i]), tensors[i]))
         for a, b in graph.control_edges:
             ts, td = int(top[a]), int(top[b])
@@ -266,6 +270,25 @@ class Simulator:
         self._b_P = [bundle_of[k][0] for k in bkeys]
         self._b_F = [bundle_of[k][1] for k in bkeys]
         self._b_contrib = [contrib.get(k, []) for k in bkeys]
+        # per bundle: bytes of tensors no other task reads (always moved with it), and the tensors other
+        # tasks read too, [(tensor id, per-example, fixed bytes)], moved once per destination layout
+        readers: dict[int, int] = {}
+        for lst in b_tensors.values():
+            for tid, _, _ in lst:
+                readers[tid] = readers.get(tid, 0) + 1
+        self._b_own = []
+        self._b_shared = []
+        for k in bkeys:
+            own_p = own_f = 0.0
+            shared = []
+            for tid, P, F in b_tensors.get(k, []):
+                if readers[tid] > 1:
+                    shared.append((tid, P, F))
+                else:
+                    own_p += P
+                    own_f += F
+            self._b_own.append((own_p, own_f))
+            self._b_shared.append(shared)
         self._b_src_arr = np.asarray(self._b_src, dtype=np.int64)
         self._b_dst_arr = np.asarray(self._b_dst, dtype=np.int64)
         self._b_same_group = [self._tg_l[a] == self._tg_l[b] for a, b in bkeys]
@@ -538,17 +561,17 @@ class Simulator:
         self._moves[k] = mv
         return mv
 
-    def _compiled_moves(self, b: int, ls: _Layout, ld: _Layout) -> tuple:
-        """Bundle B's movement between LS and LD with its bytes and seconds per route (cached)."""
+    def _compiled_moves(self, key: tuple, ls: _Layout, ld: _Layout) -> tuple:
+        """``_movement`` from LS to LD with its routes split by how many resources they hold:
+        (deps, [(sl, dl, r, lat, s/byte, examples, copies)], [(sl, dl, r1, r2, ...)], all routes in
+        that order) (cached)."""
         deps, routes = self._movement(ls, ld)
-        P, F = self._b_P[b], self._b_F[b]
-        out = []
-        for (sl, dl, res, lat, ipb, ex, cnt) in routes:
-            nb = P * ex + F * cnt
-            if nb > 0:
-                out.append((sl, dl, res, lat + nb * ipb, nb))
-        cm = (deps, out)
-        self._moves[(b, ls.id, ld.id)] = cm
+        r1 = [(sl, dl, res[0], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes if len(res) == 1]
+        r2 = [(sl, dl, res[0], res[1], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes
+              if len(res) == 2]
+        full = [r for r in routes if len(r[2]) == 1] + [r for r in routes if len(r[2]) == 2]
+        cm = (deps, r1, r2, full)
+        self._moves[key] = cm
         return cm
 
     def _collective(self, kind: str, placement: tuple[int, ...], ps_device: int | None) -> tuple:
@@ -763,14 +786,42 @@ class Simulator:
                             split_info[t] = plan["tasks"][t][1]
         # only bundles between different layouts need work: on a shared layout every lane already ran
         # the producer before the consumer (lanes run tasks in priority order)
+        # Tensors from one task to tasks of one other layout travel together (one transfer per route).
+        # flows[m] = (producer task, destination layout, per-example bytes, fixed bytes, bundle or -1,
+        # wait-for-all flag); xin / xout: flows into / out of each task.
         xin: dict[int, list[int]] = {}
         xout: dict[int, list[int]] = {}
+        flows: list[list] = []
         if len(uniq) > 1 or ps_of or plans:
             lid = np.fromiter((lay.id for lay in lay_of_task), dtype=np.int64, count=T)
             b_src, b_dst = self._b_src, self._b_dst
+            b_same, tg_l = self._b_same_group, self._tg_l
+            ps_group = [a.mode == "ps" for a in actions] if ps_of else None
+            flow_of: dict[tuple, int] = {}
+            sent: set[tuple[int, int]] = set()     # (tensor, destination layout): a tensor moves once
+            b_own, b_shared = self._b_own, self._b_shared
             for b in np.flatnonzero(lid[self._b_src_arr] != lid[self._b_dst_arr]).tolist():
-                xin.setdefault(b_dst[b], []).append(b)
-                xout.setdefault(b_src[b], []).append(b)
+                k, t = b_src[b], b_dst[b]
+                lk, ld = lay_of_task[k], lay_of_task[t]
+                wait_all = ps_group is not None and b_same[b] and ps_group[tg_l[k]]
+                key = (k, ld.id, b if lk.kind == "split" or ld.kind == "split" else -1, wait_all)
+                m = flow_of.get(key)
+                if m is None:
+                    m = flow_of[key] = len(flows)
+                    flows.append([k, ld, 0.0, 0.0, key[2], wait_all])
+                    xout.setdefault(k, []).append(m)
+                fl = flows[m]
+                P, Fx = b_own[b]
+                fl[2] += P
+                fl[3] += Fx
+                for (tid, P, Fx) in b_shared[b]:
+                    if (tid, ld.id) not in sent:
+                        sent.add((tid, ld.id))
+                        fl[2] += P
+                        fl[3] += Fx
+                xi = xin.setdefault(t, [])
+                if not xi or xi[-1] != m:
+                    xi.append(m)
 
         rfree = [0.0] * (2 * self._H)
         lane_free = [0.0] * L
@@ -818,9 +869,7 @@ class Simulator:
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
             post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], upd_tasks[g]))
 
-        is_ps = [a.mode == "ps" for a in actions] if ps_of else None
         tg_l, ts_l = self._tg_l, self._ts_l
-        b_dst, b_P, b_F, b_same = self._b_dst, self._b_P, self._b_F, self._b_same_group
         arr: dict[int, dict] = {}
         moves = self._moves
         # start, finish and per-replica batch of every task on every lane (lane-major; finish -1: not run)
@@ -926,21 +975,21 @@ class Simulator:
                 if xo is not None:
                     lk = lay_of_task[k]
                     fk = F[:, k].tolist()
-                    for b in xo:
-                        ld = lay_of_task[b_dst[b]]
-                        if is_ps is not None and b_same[b] and is_ps[tg_l[k]]:
+                    for m in xo:
+                        _, ld, P, Fb, b, wait_all = flows[m]
+                        if wait_all:
                             # gradients to the PS travel in the push collective: only wait for every replica
-                            arr[b] = dict.fromkeys(ld.lanes, rowmax[k])
-                        elif lk.kind == "split" or ld.kind == "split":
+                            arr[m] = dict.fromkeys(ld.lanes, rowmax[k])
+                        elif b >= 0:
                             fins = {lane: fk[lane] for lane in lk.lanes}
-                            arr[b], c_add = self._split_bundle(b, lk, ld, fins, rfree, plans, rec)
+                            arr[m], c_add = self._split_bundle(b, lk, ld, fins, rfree, plans, rec)
                             comm += c_add
                         else:
-                            mk = (b, lk.id, ld.id)
+                            mk = ("c", lk.id, ld.id)
                             cm = moves.get(mk)
                             if cm is None:
-                                cm = self._compiled_moves(b, lk, ld)
-                            deps, routes = cm
+                                cm = self._compiled_moves(mk, lk, ld)
+                            deps, routes1, routes2, full = cm
                             arrd = {}
                             for dl, sls in deps:
                                 x = 0.0
@@ -949,21 +998,53 @@ class Simulator:
                                     if y > x:
                                         x = y
                                 arrd[dl] = x
-                            for (sl, dl, res, dur, nb) in routes:
-                                st = fk[sl]
-                                for r in res:
-                                    if rfree[r] > st:
-                                        st = rfree[r]
-                                end = st + dur
-                                for r in res:
-                                    rfree[r] = end
-                                if end > arrd[dl]:
-                                    arrd[dl] = end
-                                comm += nb
-                                if rec is not None:
+                            nbytes = 0.0
+                            if rec is None:
+                                for (sl, dl, r1, lat, ipb, ex, cnt) in routes1:
+                                    nb = P * ex + Fb * cnt
+                                    if nb <= 0:
+                                        continue
+                                    nbytes += nb
+                                    st = fk[sl]
+                                    y = rfree[r1]
+                                    if y > st:
+                                        st = y
+                                    st += lat + nb * ipb
+                                    rfree[r1] = st
+                                    if st > arrd[dl]:
+                                        arrd[dl] = st
+                                for (sl, dl, r1, r2, lat, ipb, ex, cnt) in routes2:
+                                    nb = P * ex + Fb * cnt
+                                    if nb <= 0:
+                                        continue
+                                    nbytes += nb
+                                    st = fk[sl]
+                                    y = rfree[r1]
+                                    if y > st:
+                                        st = y
+                                    y = rfree[r2]
+                                    if y > st:
+                                        st = y
+                                    st += lat + nb * ipb
+                                    rfree[r1] = st
+                                    rfree[r2] = st
+                                    if st > arrd[dl]:
+                                        arrd[dl] = st
+                            else:   # the same schedule, recorded
+                                for (sl, dl, res, lat, ipb, ex, cnt) in full:
+                                    nb = P * ex + Fb * cnt
+                                    if nb <= 0:
+                                        continue
+                                    nbytes += nb
+                                    st = max(fk[sl], *(rfree[r] for r in res))
+                                    end = st + lat + nb * ipb
+                                    for r in res:
+                                        rfree[r] = end
+                                    arrd[dl] = max(arrd[dl], end)
                                     rec["transfers"].append((res, st, end, nb,
-                                                             f"{names[tg_l[k]]} -> {names[tg_l[b_dst[b]]]}"))
-                            arr[b] = arrd
+                                                             f"{names[tg_l[k]]} -> {names[tg_l[flows[m][0]]]}"))
+                            comm += nbytes
+                            arr[m] = arrd
                 pg = post.get(k)
                 if pg is not None:
                     for g, res, dur, nbytes, deps, waiting in pg:
