@@ -247,6 +247,9 @@ class _Rewriter:
         for i, d in st.partition.items():
             if not 0 <= int(d) < topo.num_devices:
                 raise StrategyError(f"op {i} is partitioned onto device {d}, the topology has {topo.num_devices}")
+        groups = np.asarray(st.grouping.group_of_op)
+        if len(groups) and (groups.min() < 0 or groups.max() >= len(st.actions)):
+            raise StrategyError(f"grouping names op group {int(groups.max())}, the strategy has {len(st.actions)} actions")
         for i, op in enumerate(ir.ops):
             a = st.actions[int(st.grouping.group_of_op[i])]
             if a.mode == "partition":
@@ -689,7 +692,10 @@ class _Rewriter:
                     numel = int(np.prod(shape)) if shape else 1
                     if is_int and v.size == len(shape) and v.size > 0 and list(v) == list(shape):
                         pos.add(ax)
-                    elif v.size == 1 and self._is_scalar(self.nodes[n]) and numel % B == 0 and v[0] == numel:
+                    elif v.size == 1 and self._is_scalar(self.nodes[n]) and numel % B == 0 and v[0] == numel and (
+                            # the element count of a batch tensor (tf.size folded), or a mean's divisor
+                            (is_int and n.rsplit("/", 1)[-1].startswith("Size"))
+                            or (not is_int and self.nodes[fwd].op == "Mean")):
                         pos.add(0)
                 if self.nodes[fwd].op == "Mean" and v.size == 1 and self._is_scalar(self.nodes[n]):
                     tin, tout = self.nodes[fwd].input[0], _tname(fwd, 0)
@@ -746,6 +752,7 @@ class _Rewriter:
         token.update(repr(sorted(self.nodes)).encode())
         self.token = token.hexdigest()
         self.counts = {"slices": 0, "concats": 0, "sums": 0, "allreduces": 0, "clones": 0}
+        self.sfb = self._sfb_tensors()
         for n in self.order:
             keys = self.keys[n]
             names = self._instance_names(n, keys)
@@ -861,6 +868,8 @@ class _Rewriter:
         if not self.bd[p]:
             return _tname(self._pick(insts, dev, ckey).name, k)
         same = [i for i in insts if i.rng == rng]
+        if t in self.sfb:                      # recomputed on every device that needs it, not shipped
+            same = [i for i in same if i.dev == dev]
         if same:
             return _tname(self._pick(same, dev, ckey).name, k)
         if self._batch_axis(t) is not None:
@@ -985,9 +994,33 @@ class _Rewriter:
         self.memo[memo_key] = name
         return name
 
+    def _sfb_tensors(self) -> set[str]:
+        """Gradients sent by sufficient-factor broadcasting (``strategy.sfb``), with the Identity ops
+        between them and the op that computes them from batch-carrying factors."""
+        out: set[str] = set()
+        info = {v.name: v for v in self.ir.variables}
+        for name in self.st.sfb:
+            v = info.get(name)
+            if v is None or not v.gradient:
+                raise StrategyError(f"strategy.sfb names {name!r}, which is not a trainable variable with a gradient")
+            t = _tname(*_split(v.gradient))
+            while True:
+                out.add(t)
+                node = self.nodes[_split(t)[0]]
+                if node.op != "Identity":
+                    break
+                t = _tname(*_split(node.input[0]))
+        return out
+
     def _aggregate(self, t: str, dev: int, consumer: str) -> str:
-        """The whole-batch sum of gradient partial sums T, on DEV, for an update op CONSUMER."""
+        """The whole-batch sum of gradient partial sums T, on DEV, for an update op CONSUMER.
+
+        Gradients in ``strategy.sfb`` are recomputed on the whole batch instead: their factors (the
+        layer's input and output gradient, which have a batch axis) are gathered to DEV.
+        """
         p, k = _split(t)
+        if t in self.sfb:
+            return _tname(self._clone(p, self.FULL, dev, consumer).name, k)
         g = self._group(consumer)
         if g is not None and self.st.actions[g].mode == "allreduce":
             devs, ranges = self._replicas(g)

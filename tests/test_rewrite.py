@@ -605,6 +605,34 @@ def test_sum_loss_with_constant_term_is_refused():
 LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e-4, "bert_base": 1e-4}
 
 
+def test_sufficient_factor_broadcasting(cluster):
+    """Kernels in strategy.sfb: no all-reduce of their gradient; every replica gathers the layer's input
+    and output gradient (batch slices) and recomputes the whole-batch gradient; same training."""
+    ports, target = cluster
+    gd, ir = model("mlp")
+    topo = topology(ports, [0.1, 0.05, 0.05])
+    kernels = [v.name for v in trainables(ir) if v.name.endswith("kernel")]
+    st = Strategy(one_group(ir), [Action((0, 1, 2), "allreduce")], sfb=kernels)
+    res = rewrite(gd, ir, st, topo)
+    collectives = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2"]
+    assert len(collectives) == 3 * (len(trainables(ir)) - len(kernels))      # biases only
+    nodes = _nodes(res)
+    for v in trainables(ir):
+        for d in range(3):
+            grad = nodes[nodes[f"{v.apply_op}/replica_{d}"].input[-1].split(":")[0]]
+            assert (grad.op == "CollectiveReduceV2") == (v.name not in kernels), v.name
+            if v.name in kernels:                      # recomputed from the gathered batch
+                matmul = nodes[grad.input[0].split(":")[0]]
+                assert matmul.op == "MatMul" and matmul.device == topo.tf_device(d)
+                assert all(nodes[i.split(":")[0]].op in ("ConcatV2", "Placeholder") for i in matmul.input)
+    ref, grads0 = _cached_reference("mlp")
+    got = run_rewritten(res, target, ir, feeds_for(gd, ir, STEPS))
+    assert_same_training(got, ref, grads0, ir, LEARNING_RATE["mlp"])
+    with pytest.raises(StrategyError, match="sfb"):
+        rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1, 2), "allreduce")], sfb=["nope"]), topo)
+
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allreduce", "ps", "partition", "mixed"])
 @pytest.mark.parametrize("name", list(MODELS))
