@@ -440,6 +440,11 @@ class Simulator:
         self._valid_actions: set[Action] = set()
         self._next_layout_id = 0
 
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model the simulator uses (the one passed in, or a default CostModel)."""
+        return self.cost
+
     # ------------------------------------------------------------------ cached building blocks
     def _table(self, dg: int, batch: float) -> tuple[list[float], np.ndarray]:
         """Seconds per task on one device of device group DG at per-replica BATCH (as list and array)."""

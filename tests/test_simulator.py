@@ -76,6 +76,25 @@ def test_two_devices_one_transfer():
     assert r1.step_time == pytest.approx(1e-3 + 1e-6 + 4e6 / 1e10 + 2e-3)
 
 
+def test_partition_splits_a_group_over_devices():
+    b = GraphBuilder(batch_size=4)
+    x = b.op("l/a", "MatMul", flops=1e9, out_pe=1e6)              # one op group, two devices
+    y = b.op("l/b", "MatMul", inputs=(x,), flops=2e9, out_pe=1e6)
+    b.op("m/c", "MatMul", inputs=(y,), flops=3e9)                  # next group back on device 0
+    tg = b.build()
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
+    sim, gr = _sim(tg, topo)
+    assert gr.num_groups == 2
+    s = Strategy(gr, [Action((0, 1), "partition")] * 2, partition={0: 0, 1: 1, 2: 0})
+    r = sim.evaluate(s)
+    hop = 1e-4 + 4e6 / 1e9
+    assert r.step_time == pytest.approx(1e-3 + hop + 2e-3 + hop + 3e-3)
+    assert r.comm_bytes == pytest.approx(8e6)
+    assert r.compute_time == pytest.approx([4e-3, 2e-3])
+    tr = sim.trace(s)
+    assert max(e["ts"] + e["dur"] for e in tr["traceEvents"] if e["ph"] == "X") == pytest.approx(r.step_time * 1e6)
+
+
 def test_batch_resplit_between_groups():
     b = GraphBuilder(batch_size=4)
     x = b.op("l0/op", "MatMul", flops_pe=2.5e8, out_pe=1e6)
