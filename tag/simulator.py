@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -82,20 +83,49 @@ ALIAS_TYPES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandD
 
 @dataclass
 class SimResult:
-    """Prediction for one training step. Arrays are per device (topology order) or per op group."""
+    """Prediction for one training step. Arrays are per device (topology order) or per op group.
+
+    ``utilisation``, ``compute_time``, ``group_makespan`` and ``group_idle_after`` are computed from the
+    simulated schedule on first access (a search that reads only the step time and feasibility does not
+    pay for them).
+    """
 
     step_time: float                 # seconds
     peak_memory: np.ndarray          # bytes per device: static (below) + activation peak
-    utilisation: np.ndarray          # busy compute time / step time per device
-    group_makespan: np.ndarray       # per op group: last finish (incl. its collective) - first start, s
-    group_idle_after: np.ndarray     # per op group: mean idle time of a lane right after the group's tasks, s
     feasible: bool                   # every device fits its memory
     oom_devices: list[int]           # devices whose peak memory exceeds their capacity
     comm_bytes: float                # bytes sent over links per step (transfers + collectives)
-    compute_time: np.ndarray         # busy compute seconds per device
     static_memory: np.ndarray = field(default_factory=lambda: np.zeros(0))      # params+grads+slots per device
     activation_memory: np.ndarray = field(default_factory=lambda: np.zeros(0))  # activation peak per device
     batch_size: int = 0
+    _features: object = field(default=None, repr=False, compare=False)   # () -> dict of the arrays below
+
+    def _feature(self, name: str) -> np.ndarray:
+        f = self._features
+        if callable(f):
+            f = self._features = f()
+        return f[name] if f else np.zeros(0)
+
+    @property
+    def utilisation(self) -> np.ndarray:
+        """Busy compute time / step time, per device."""
+        return self._feature("utilisation")
+
+    @property
+    def compute_time(self) -> np.ndarray:
+        """Busy compute seconds per device."""
+        return self._feature("compute_time")
+
+    @property
+    def group_makespan(self) -> np.ndarray:
+        """Per op group: last finish of its tasks or its collective - first start of its tasks (s)."""
+        return self._feature("group_makespan")
+
+    @property
+    def group_idle_after(self) -> np.ndarray:
+        """Per op group: mean idle time of a lane right after one of the group's tasks, before the lane's
+        next task or the end of the step (s)."""
+        return self._feature("group_idle_after")
 
 
 class _Layout:
@@ -1212,30 +1242,27 @@ class Simulator:
     # ------------------------------------------------------------------ results
     def _finish(self, actions, uniq, plans, lanes: _Lanes, B: int, step: float, comm: float, coll_end: list,
                 split_info: dict, S: np.ndarray, F: np.ndarray, Bm: np.ndarray) -> SimResult:
-        T, G, L = self.num_tasks, self.num_groups, len(lanes.lanes)
+        T, L = self.num_tasks, len(lanes.lanes)
         ndev = self.topology.num_devices
         # static memory: parameters, gradients, optimizer slots, state
         static = np.zeros(ndev)
-        acc: dict[int, list[float]] = {}
-        W_l, S_l, X_l = self._W_l, self._S_l, self._X_l
         if plans:
             vd = [p["var_dev"] for p in plans.values() if len(p["var_dev"])]
             if vd:
                 static += np.bincount(np.concatenate(vd), minlength=ndev,
                                       weights=np.concatenate([p["var_bytes"] for p in plans.values()
                                                               if len(p["var_dev"])]))
-        for g, a in enumerate(actions):
+        keys = list(uniq)
+        slot = {k: i for i, k in enumerate(keys)}
+        aidx = [slot[id(a)] for a in actions]
+        nW = np.bincount(aidx, weights=self._W, minlength=len(keys)).tolist()
+        nS = np.bincount(aidx, weights=self._S, minlength=len(keys)).tolist()
+        nX = np.bincount(aidx, weights=self._X, minlength=len(keys)).tolist()
+        for i, k in enumerate(keys):
+            a = uniq[k]
             if a.mode == "partition":
                 continue
-            v = acc.get(id(a))
-            if v is None:
-                acc[id(a)] = [W_l[g], S_l[g], X_l[g]]
-            else:
-                v[0] += W_l[g]
-                v[1] += S_l[g]
-                v[2] += X_l[g]
-        for k, (W, Sl, X) in acc.items():
-            a = uniq[k]
+            W, Sl, X = nW[i], nS[i], nX[i]
             devs = self._devices_of(a.placement)
             if a.mode == "ps":
                 static[devs] += 2 * W + X
@@ -1270,7 +1297,13 @@ class Simulator:
         peak = static + activation
         oom = np.flatnonzero(peak > self._dev_mem)
 
-        # utilisation, group makespan, idle time after each group's tasks
+        features = partial(self._features, lod, step, coll_end, mask, S, F, ndev)
+        return SimResult(float(step), peak, len(oom) == 0, [int(d) for d in oom], float(comm), static, activation,
+                         B, features)
+
+    def _features(self, lod, step, coll_end, mask, S, F, ndev) -> dict:
+        """Utilisation, compute time, group makespan and idle time from a simulated schedule."""
+        G, (L, T) = self.num_groups, F.shape
         busy = ((F - S) * mask).sum(axis=1)
         compute = busy[lod]
         util = compute / step if step > 0 else np.zeros(ndev)
@@ -1291,5 +1324,4 @@ class Simulator:
         else:
             makespan = np.zeros(G)
             idle = np.zeros(G)
-        return SimResult(float(step), peak, util, makespan, idle, len(oom) == 0, [int(d) for d in oom],
-                         float(comm), compute, static, activation, B)
+        return {"utilisation": util, "compute_time": compute, "group_makespan": makespan, "group_idle_after": idle}
