@@ -287,7 +287,8 @@ class Simulator:
                 acc[1] += e_F[i]
                 tid = tensor_id.setdefault(tensors[i], len(tensor_id))
                 b_tensors.setdefault((ts, td), []).append((tid, float(e_P[i]), float(e_F[i])))
-            contrib.setdefault((ts, td), []).append((int(e_src[i]), int(e_dst[i]), float(e_P[i]), float(e_F[i]), tensors[i]))
+            contrib.setdefault((ts, td), []).append(
+                (int(e_src[i]), int(e_dst[i]), float(e_P[i]), float(e_F[i]), tensors[i]))
         for a, b in graph.control_edges:
             ts, td = int(top[a]), int(top[b])
             if ts < td:
