@@ -133,11 +133,14 @@ def collective_group_key(device_strings: Iterable[str]) -> int:
 
 def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy: Strategy,
             topology: "Topology", *, batch_size: int | None = None, train_op: str = "train_op",
-            loss: str | None = "loss", init: str | None = "init", validate: bool = True) -> RewriteResult:
+            loss: str | None = "loss", init: str | None = "init", fuse_allreduce: bool = True,
+            validate: bool = True) -> RewriteResult:
     """Rewrite GRAPH_DEF (analysed as GRAPH) to run STRATEGY on TOPOLOGY; returns a RewriteResult.
 
     ``batch_size`` overrides the global batch (default: ``graph.batch_size``). ``train_op``, ``loss``
-    and ``init`` name the original ops to keep runnable (``loss``/``init`` may be absent). With
+    and ``init`` name the original ops to keep runnable (``loss``/``init`` may be absent).
+    ``fuse_allreduce``: the gradients of each allreduce op group are summed by one collective over a
+    concatenated buffer (as the simulator models it) instead of one collective per variable. With
     ``validate`` the result is imported into a fresh ``tf.Graph`` (shape inference) before it is
     returned. Raises RewriteError (naming the op) for what cannot be rewritten and StrategyError
     when the strategy does not fit the graph or the topology.
@@ -147,7 +150,8 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Rewriter(graph_def, graph, strategy, topology, batch_size, train_op, loss, init).run(validate)
+        return _Rewriter(graph_def, graph, strategy, topology, batch_size, train_op, loss, init,
+                         fuse_allreduce).run(validate)
     finally:
         if was_enabled:
             gc.enable()
@@ -204,7 +208,9 @@ class _Inst:
 
 
 class _Rewriter:
-    def __init__(self, graph_def, graph, strategy: Strategy, topology, batch_size, train_op, loss, init):
+    def __init__(self, graph_def, graph, strategy: Strategy, topology, batch_size, train_op, loss, init,
+                 fuse: bool = True):
+        self.fuse = fuse
         self.gd = graph_def
         self.ir = graph
         self.st = strategy
@@ -747,18 +753,21 @@ class _Rewriter:
         self.memo: dict[tuple, str] = {}
         self.coll: dict[tuple, dict[int, str]] = {}
         self.instance_keys: set[int] = set()
+        self.instance_key: dict[tuple, int] = {}
         token = hashlib.sha1()
         token.update(self.st.to_json().encode())
         token.update(repr(sorted(self.nodes)).encode())
         self.token = token.hexdigest()
-        self.counts = {"slices": 0, "concats": 0, "sums": 0, "allreduces": 0, "clones": 0}
+        self.counts = {"slices": 0, "concats": 0, "sums": 0, "allreduces": 0, "fused allreduces": 0, "clones": 0}
         self.sfb = self._sfb_tensors()
+        self._plan_fusion()
         for n in self.order:
             keys = self.keys[n]
             names = self._instance_names(n, keys)
             self.insts[n] = []
             for (rng, key), name in zip(keys, names):
                 self._emit(n, rng, key, name, primary=True)
+        self._emit_fusions()
         for k, v in self.counts.items():
             if v:
                 self.notes.append(f"{v} {k} added")
@@ -868,7 +877,7 @@ class _Rewriter:
         if not self.bd[p]:
             return _tname(self._pick(insts, dev, ckey).name, k)
         same = [i for i in insts if i.rng == rng]
-        if t in self.sfb:                      # recomputed on every device that needs it, not shipped
+        if _tname(p, k) in self.sfb:                      # recomputed on every device that needs it, not shipped
             same = [i for i in same if i.dev == dev]
         if same:
             return _tname(self._pick(same, dev, ckey).name, k)
@@ -1018,9 +1027,13 @@ class _Rewriter:
         Gradients in ``strategy.sfb`` are recomputed on the whole batch instead: their factors (the
         layer's input and output gradient, which have a batch axis) are gathered to DEV.
         """
+        t = _tname(*_split(t))
         p, k = _split(t)
         if t in self.sfb:
             return _tname(self._clone(p, self.FULL, dev, consumer).name, k)
+        fused = self._fused(t, dev)
+        if fused is not None:
+            return fused
         g = self._group(consumer)
         if g is not None and self.st.actions[g].mode == "allreduce":
             devs, ranges = self._replicas(g)
@@ -1032,34 +1045,132 @@ class _Rewriter:
         return self._sum(t, [_tname(i.name, k) for i in parts], self.FULL, dev)
 
     def _allreduce(self, t: str, devs: list[int], ranges: list[Range]) -> dict[int, str]:
+        """One CollectiveReduceV2 per device of DEVS summing T's partial sums (ranges RANGES)."""
         memo_key = (t, tuple(devs), tuple(ranges))
         if memo_key in self.coll:
             return self.coll[memo_key]
         p, k = _split(t)
-        dstrs = [self.topo.tf_device(d) for d in devs]
-        group_key = collective_group_key(dstrs)
-        ikey = 1 + int.from_bytes(hashlib.sha1(f"{self.token}|{t}|{dstrs}".encode()).digest()[:4], "big") % (2 ** 30 - 1)
-        while ikey in self.instance_keys:
-            ikey = ikey % (2 ** 30 - 1) + 1
-        self.instance_keys.add(ikey)
-        dtype = self._dtype(t)
-        out = {}
-        for d, r in zip(devs, ranges):
-            partial = self._resolve(t, r, d, p, d)
-            name = self._fresh(f"tag/allreduce/{p}_{k}/{d}")
-            consts = [self._const(f"{name}/{what}", np.array(v, np.int32), d)
-                      for what, v in (("group_size", len(devs)), ("group_key", group_key), ("instance_key", ikey))]
-            node = node_def_pb2.NodeDef(name=name, op="CollectiveReduceV2", device=self.topo.tf_device(d))
-            node.input.extend([partial] + consts)
-            node.attr["T"].CopyFrom(_attr_type(dtype))
-            node.attr["merge_op"].s = b"Add"
-            node.attr["final_op"].s = b"Id"
-            node.attr["communication_hint"].s = b"ring"
-            self.out_nodes.append(_fill_defaults(node))
-            out[d] = name
+        partials = {d: self._resolve(t, r, d, p, d) for d, r in zip(devs, ranges)}
+        out = {d: self._collective(f"tag/allreduce/{p}_{k}/{d}", partials[d], d, devs, self._dtype(t), t)
+               for d in devs}
         self.counts["allreduces"] += 1
         self.coll[memo_key] = out
         return out
+
+    def _collective(self, base: str, partial: str, dev: int, devs: list[int], dtype, what: str) -> str:
+        """A CollectiveReduceV2 (sum) of PARTIAL on DEV over DEVS; WHAT names the instance for its key."""
+        dstrs = [self.topo.tf_device(d) for d in devs]
+        ikey = self.instance_key.get((what, tuple(devs)))
+        if ikey is None:
+            ikey = 1 + int.from_bytes(hashlib.sha1(f"{self.token}|{what}|{dstrs}".encode()).digest()[:4],
+                                      "big") % (2 ** 30 - 1)
+            while ikey in self.instance_keys:
+                ikey = ikey % (2 ** 30 - 1) + 1
+            self.instance_keys.add(ikey)
+            self.instance_key[(what, tuple(devs))] = ikey
+        name = self._fresh(base)
+        consts = [self._const(f"{name}/{key}", np.array(v, np.int32), dev)
+                  for key, v in (("group_size", len(devs)), ("group_key", collective_group_key(dstrs)),
+                                 ("instance_key", ikey))]
+        node = node_def_pb2.NodeDef(name=name, op="CollectiveReduceV2", device=self.topo.tf_device(dev))
+        node.input.extend([partial] + consts)
+        node.attr["T"].CopyFrom(_attr_type(dtype))
+        node.attr["merge_op"].s = b"Add"
+        node.attr["final_op"].s = b"Id"
+        node.attr["communication_hint"].s = b"ring"
+        self.out_nodes.append(_fill_defaults(node))
+        return name
+
+    # -------------------------------------------------------------------------------- gradient fusion
+    def _plan_fusion(self) -> None:
+        """Gradients of one allreduce op group (and dtype) are summed by one fused collective, as the
+        simulator models it: flattened, concatenated, all-reduced, split. Output names are reserved here;
+        the collectives are built once every gradient exists (``_emit_fusions``)."""
+        self.fusion: dict[str, tuple] = {}
+        self.buckets: dict[tuple, list[str]] = {}
+        self.bucket_out: dict[tuple, dict[str, dict[int, str]]] = {}
+        self.buckets_used: list[tuple] = []
+        if not self.fuse:
+            return
+        buckets: dict[tuple, list[str]] = {}
+        for v in self.ir.variables:
+            if v.kind != "trainable" or v.apply_op not in self.ir_index or not v.gradient:
+                continue
+            g = self._group(v.apply_op)
+            if self.st.actions[g].mode != "allreduce" or len(self._replicas(g)[0]) < 2:
+                continue
+            t = _tname(*_split(v.gradient))
+            shape = self._ref_shape(t) if t in self.tinfo else None
+            if t in self.sfb or shape is None or None in shape or self._batch_axis(t) is not None \
+                    or not self.gd_[_split(t)[0]] or t in buckets.get((g, self._dtype(t)), []):
+                continue
+            buckets.setdefault((g, self._dtype(t)), []).append(t)
+        for key, ts in buckets.items():
+            if len(ts) < 2:
+                continue
+            g = key[0]
+            base = self._fresh(f"tag/fused_allreduce/group_{g}_{key[1].name}")
+            self.buckets[key] = ts
+            self.bucket_out[key] = {t: {d: self._fresh(f"{base}/grad_{j}/{d}") for d in self._replicas(g)[0]}
+                                    for j, t in enumerate(ts)}
+            for t in ts:
+                self.fusion[t] = key
+
+    def _fused(self, t: str, dev: int) -> str | None:
+        key = self.fusion.get(t)
+        if key is None or dev not in self._replicas(key[0])[0]:
+            return None
+        if key not in self.buckets_used:
+            self.buckets_used.append(key)
+        return self.bucket_out[key][t][dev]
+
+    def _emit_fusions(self) -> None:
+        for key in self.buckets_used:
+            g, dtype = key
+            ts = self.buckets[key]
+            devs, ranges = self._replicas(g)
+            sizes = [int(np.prod(self._ref_shape(t))) for t in ts]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+            base = self.bucket_out[key][ts[0]][devs[0]].rsplit("/", 2)[0]
+            for d, r in zip(devs, ranges):
+                flat = []
+                for j, t in enumerate(ts):
+                    partial = self._resolve(t, r, d, _split(t)[0], d)
+                    flat.append(self._reshape(f"{base}/flat_{j}/{d}", partial, [-1], dtype, d))
+                shape_axis = self._const(f"{base}/concat_{d}/axis", np.array(0, np.int32), d)
+                concat = self._fresh(f"{base}/concat_{d}")
+                node = node_def_pb2.NodeDef(name=concat, op="ConcatV2", device=self.topo.tf_device(d))
+                node.input.extend(flat + [shape_axis])
+                node.attr["N"].i = len(flat)
+                node.attr["T"].CopyFrom(_attr_type(dtype))
+                node.attr["Tidx"].CopyFrom(_attr_type(tf.int32))
+                self.out_nodes.append(node)
+                summed = self._collective(f"{base}/allreduce_{d}", concat, d, devs, dtype, f"fused|{g}|{dtype.name}")
+                for j, t in enumerate(ts):
+                    begin = self._const(f"{base}/split_{j}_{d}/begin", np.array([offsets[j]], np.int32), d)
+                    size = self._const(f"{base}/split_{j}_{d}/size", np.array([sizes[j]], np.int32), d)
+                    part = self._fresh(f"{base}/split_{j}_{d}")
+                    node = node_def_pb2.NodeDef(name=part, op="Slice", device=self.topo.tf_device(d))
+                    node.input.extend([summed, begin, size])
+                    node.attr["T"].CopyFrom(_attr_type(dtype))
+                    node.attr["Index"].CopyFrom(_attr_type(tf.int32))
+                    self.out_nodes.append(node)
+                    out = self.bucket_out[key][t][d]
+                    self._reshape(out, part, self._ref_shape(t), dtype, d, exact_name=True)
+            self.counts["fused allreduces"] += 1
+            self.notes.append(f"op group {g}: {len(ts)} gradients all-reduced as one {dtype.name} buffer "
+                              f"of {int(offsets[-1])} elements")
+
+    def _reshape(self, name: str, tensor: str, shape, dtype, dev: int, exact_name: bool = False) -> str:
+        if not exact_name:
+            name = self._fresh(name)
+        sh = self._const(f"{name}/shape", np.array(list(shape), np.int32), dev)
+        node = node_def_pb2.NodeDef(name=name, op="Reshape", device=self.topo.tf_device(dev))
+        node.input.extend([tensor, sh])
+        node.attr["T"].CopyFrom(_attr_type(dtype))
+        node.attr["Tshape"].CopyFrom(_attr_type(tf.int32))
+        self.out_nodes.append(node)
+        return name
 
     def _clone(self, p: str, rng: Range, dev: int, consumer: str) -> _Inst:
         """An extra instance of P computed on RNG at DEV (for a consumer that needs exactly that)."""

@@ -318,9 +318,12 @@ def test_uneven_batch_slices_and_seed_scaling():
     assert tiles == {UNEVEN.tf_device(0): [6], UNEVEN.tf_device(1): [2]}
 
 
-def test_allreduce_collectives_keys():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_allreduce_collectives_keys(fuse):
     gd, ir = mlp()
-    res = rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1, 2), "allreduce")]), THREE)
+    grouping = group_ops(ir, 6)
+    st = Strategy(grouping, [Action((0, 1, 2), "allreduce")] * grouping.num_groups)
+    res = rewrite(gd, ir, st, THREE, fuse_allreduce=fuse)
     nodes = _nodes(res)
     value = lambda n: int(tf.make_ndarray(nodes[n].attr["value"].tensor))  # noqa: E731
     by_instance = {}
@@ -330,12 +333,19 @@ def test_allreduce_collectives_keys():
             assert size == 3 and group == collective_group_key(THREE.tf_device(d) for d in range(3))
             assert n.attr["merge_op"].s == b"Add" and n.attr["final_op"].s == b"Id"
             by_instance.setdefault(inst, []).append(n.device)
-    n_trainable = len(trainables(ir))
-    assert len(by_instance) == n_trainable        # one all-reduce per trainable variable ...
-    assert all(sorted(d) == sorted(THREE.tf_device(i) for i in range(3)) for d in by_instance.values())  # ... over 3
+    # every collective runs once on each of the 3 replicas, with its own instance key
+    assert all(sorted(d) == sorted(THREE.tf_device(i) for i in range(3)) for d in by_instance.values())
+    vs = trainables(ir)
+    if fuse:   # one collective per op group holding optimizer updates (as the simulator models it)
+        groups = {int(grouping.group_of_op[ir.op_index[v.apply_op]]) for v in vs}
+        assert len(by_instance) == len(groups) < len(vs)
+        fused = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2" and nodes[n.input[0]].op == "ConcatV2"]
+        assert fused
+    else:      # one per trainable variable
+        assert len(by_instance) == len(vs)
     # every replica applies the update to its own copies
     applies = [n for n in res.graph_def.node if n.op == "ResourceApplyAdam"]
-    assert len(applies) == 3 * n_trainable
+    assert len(applies) == 3 * len(vs)
     for a in applies:
         assert all(nodes[i.split(":")[0]].device == a.device for i in a.input[:3])
 
@@ -615,12 +625,12 @@ def test_sufficient_factor_broadcasting(cluster):
     st = Strategy(one_group(ir), [Action((0, 1, 2), "allreduce")], sfb=kernels)
     res = rewrite(gd, ir, st, topo)
     collectives = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2"]
-    assert len(collectives) == 3 * (len(trainables(ir)) - len(kernels))      # biases only
+    assert len(collectives) == 3                   # the biases, fused into one buffer, on each replica
     nodes = _nodes(res)
     for v in trainables(ir):
         for d in range(3):
             grad = nodes[nodes[f"{v.apply_op}/replica_{d}"].input[-1].split(":")[0]]
-            assert (grad.op == "CollectiveReduceV2") == (v.name not in kernels), v.name
+            assert (grad.op in ("CollectiveReduceV2", "Reshape")) == (v.name not in kernels), v.name
             if v.name in kernels:                      # recomputed from the gathered batch
                 matmul = nodes[grad.input[0].split(":")[0]]
                 assert matmul.op == "MatMul" and matmul.device == topo.tf_device(d)
