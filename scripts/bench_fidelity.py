@@ -34,6 +34,7 @@ from tag import zoo  # noqa: E402
 from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy  # noqa: E402
 from tag.cost import CostModel, Profile  # noqa: E402
 from tag.graph import analyze  # noqa: E402
+from tag.profile import profile_network  # noqa: E402
 from tag.grouping import group_ops  # noqa: E402
 from tag.rewrite import rewrite  # noqa: E402
 from tag.runtime import run_steps  # noqa: E402
@@ -62,14 +63,21 @@ def two_host_topology(bandwidth_gbps: float, latency_us: float) -> str:
 
 
 def calibrate(workdir: str) -> Profile:
-    """Profile the calibration graph on one core (as a worker runs) and load the profile."""
+    """Profile the calibration graph on one core (as a worker runs), then TF's runtime between two local
+    one-thread workers (tag.profile.profile_network); one profile for every case."""
     out = os.path.join(workdir, "profile.json")
     cmd = [sys.executable, "-m", "tag.profile", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
            "--out", out]
     if os.path.exists("/usr/bin/taskset"):
         cmd = ["taskset", "-c", "0"] + cmd
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return Profile.load(out)
+    profile = Profile.load(out)
+    profile.network = profile_network()
+    n, d = profile.network, profile.devices["CPU"]
+    print(f"calibration: CPU peak {d.peak_flops / 1e9:.1f} GFLOP/s, launch {d.launch_overhead_s * 1e6:.0f} us; "
+          f"runtime step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency {n.transfer_latency_s * 1e6:.0f} us, "
+          f"throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s", flush=True)
+    return profile
 
 
 def run_case_set(profile: Profile, bandwidth: float, models, strategies, steps: int, latency_us: float) -> list[dict]:
@@ -102,8 +110,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one model, two bandwidths (8 cases)")
     p.add_argument("--steps", type=int, default=12, help="steps per case (the first 3 are warm-up)")
-    p.add_argument("--latency-us", type=float, default=100.0,
-                   help="declared one-way link latency (gRPC hop on this machine; default 100)")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="declared one-way link latency (default 50; this kernel's testbed cannot add it)")
     p.add_argument("--json", help="write the figures as JSON to this file")
     args = p.parse_args(argv)
     ok, why = testbed_available()

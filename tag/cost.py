@@ -33,6 +33,7 @@ for the group's TF device type (GPU or CPU) are used.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -89,17 +90,59 @@ class DeviceProfile:
 
 
 @dataclass
+class NetworkProfile:
+    """Measured costs of TensorFlow's distributed runtime between hosts (``python -m tag.profile --network``).
+
+    ``step_overhead_s``: fixed cost of one ``session.run`` of a step that spans several tasks (client RPC,
+    per-task graph launch). ``transfer_latency_s`` / ``transfer_bytes_per_s``: a tensor sent between two
+    tasks costs ``transfer_latency_s + bytes / transfer_bytes_per_s`` of runtime work (gRPC serialisation and
+    copies) on top of the link itself, so an inter-host link of bandwidth ``b`` is used at
+    ``1 / (1/b + 1/transfer_bytes_per_s)`` with ``transfer_latency_s`` added to its latency.
+    """
+
+    step_overhead_s: float = 0.0
+    transfer_latency_s: float = 0.0
+    transfer_bytes_per_s: float = math.inf
+
+    def to_dict(self) -> dict:
+        return {"step_overhead_s": float(self.step_overhead_s), "transfer_latency_s": float(self.transfer_latency_s),
+                "transfer_bytes_per_s": float(self.transfer_bytes_per_s) if math.isfinite(self.transfer_bytes_per_s)
+                else None}
+
+    def calibrate(self, topology: Topology) -> Topology:
+        """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs."""
+        host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
+        inter_dev = host[:, None] != host[None, :]
+        inter_host = ~np.eye(len(topology.hosts), dtype=bool)
+
+        def slowed(bw: np.ndarray, lat: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            bw, lat = bw.copy(), lat.copy()
+            bw[mask] = 1.0 / (1.0 / bw[mask] + 1.0 / self.transfer_bytes_per_s)
+            lat[mask] = lat[mask] + self.transfer_latency_s
+            return bw, lat
+
+        bw, lat = slowed(topology.bandwidth, topology.latency, inter_dev)
+        hbw, hlat = slowed(topology.host_bandwidth, topology.host_latency, inter_host)
+        return dataclasses.replace(topology, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat)
+
+
+@dataclass
 class Profile:
-    """Per-device-type calibration of the compute model (see the module docstring for the JSON format)."""
+    """Per-device-type calibration of the compute model (see the module docstring for the JSON format),
+    and optionally of the distributed runtime (``network``)."""
 
     devices: dict[str, DeviceProfile] = field(default_factory=dict)
     source: str = ""
     version: int = PROFILE_VERSION
+    network: NetworkProfile | None = None
 
     def to_dict(self) -> dict:
-        return {"version": int(self.version),
-                "devices": {k: v.to_dict() for k, v in sorted(self.devices.items())},
-                "source": self.source}
+        d = {"version": int(self.version),
+             "devices": {k: v.to_dict() for k, v in sorted(self.devices.items())},
+             "source": self.source}
+        if self.network is not None:
+            d["network"] = self.network.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, data: object, where: str = "profile") -> "Profile":
@@ -143,7 +186,24 @@ class Profile:
                 effs[str(op_type)] = float(e)
             out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
                                             nums.get("launch_overhead_s"), effs)
-        return cls(out, source, PROFILE_VERSION)
+        network = None
+        if data.get("network") is not None:
+            net = data["network"]
+            if not isinstance(net, dict):
+                raise bad("'network' must be an object")
+            unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s"}
+            if unknown:
+                raise bad(f"network: unknown field {sorted(unknown)[0]!r}")
+            vals = {}
+            for key, v in net.items():
+                if v is None and key == "transfer_bytes_per_s":
+                    continue
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+                        key == "transfer_bytes_per_s" and v == 0):
+                    raise bad(f"network.{key} must be a finite number >= 0 (> 0 for a rate), got {v!r}")
+                vals[key] = float(v)
+            network = NetworkProfile(**vals)
+        return cls(out, source, PROFILE_VERSION, network)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
@@ -200,8 +260,9 @@ class CostModel:
 
     def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None):
         self.graph = graph
-        self.topology = topology
         self.profile = profile if profile is not None else Profile()
+        # with a network calibration, inter-host links carry the runtime's measured transfer costs
+        self.topology = self.profile.network.calibrate(topology) if self.profile.network else topology
         self.arrays = graph.arrays()
         types = [op.type for op in graph.ops]
         self._type_names = sorted(set(types))

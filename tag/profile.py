@@ -12,6 +12,7 @@ Usage::
 
     python -m tag.profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
     python -m tag.profile --model zoo:mlp                         # writes default_profile_path()
+    python -m tag.profile --model zoo:mlp --network               # + TF runtime costs between two workers
 
     from tag.profile import profile_graph
     prof = profile_graph(graph_def, tag.analyze(graph_def), steps=10)
@@ -58,7 +59,7 @@ import tensorflow as tf  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.cost import Profile
+    from tag.cost import NetworkProfile, Profile
     from tag.ir import TrainingGraph
 
 v1 = tf.compat.v1
@@ -424,6 +425,77 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
 
 
 # --------------------------------------------------------------------------------------------
+# The distributed runtime between hosts
+# --------------------------------------------------------------------------------------------
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in socks:
+            sock.close()
+    return ports
+
+
+def _read_graph(nbytes: int, reader: str, holder: str) -> "v1.GraphDef":
+    """A step in which REHOLDER's variable of NBYTES is read and summed on READER (a device string)."""
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device(holder):
+            var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name="payload")
+        with tf.device(reader):
+            total = tf.reduce_sum(var.read_value())
+            tf.group(total, name="step")
+        v1.variables_initializer([var], name="init")
+    return g.as_graph_def()
+
+
+def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
+                    steps: int = 12) -> "NetworkProfile":
+    """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
+
+    NEAR and FAR are device strings of two tasks. For each size, a variable on FAR (remote) or on NEAR
+    (local) is read and summed on NEAR; the remote-minus-local step time is the transfer, fitted as
+    ``latency + bytes / rate``. The step overhead is the local step of the smallest size.
+    """
+    from tag.cost import NetworkProfile
+    from tag.runtime import run_steps
+
+    def step_time(nbytes: int, holder: str) -> float:
+        r = run_steps(_read_graph(nbytes, near, holder), target, train_op="step", loss=None, init="init",
+                      steps=steps, warmup=2)
+        return float(np.median(r.step_times[2:]))
+
+    sizes = np.array(sorted(sizes_bytes), dtype=np.float64)
+    local = np.array([step_time(int(n), near) for n in sizes])
+    remote = np.array([step_time(int(n), far) for n in sizes])
+    extra = np.maximum(remote - local, 0.0)
+    slope, intercept = np.polyfit(sizes, extra, 1)
+    rate = 1.0 / slope if slope > 0 else float("inf")
+    return NetworkProfile(step_overhead_s=float(local[0]), transfer_latency_s=float(max(intercept, 0.0)),
+                          transfer_bytes_per_s=rate)
+
+
+def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
+    """Start two local TF servers (one ``threads_per_worker``-thread worker each) and measure_network()."""
+    from tag.runtime import LocalCluster
+    from tag.topology import parse_topology
+    ports = _free_ports(2)
+    text = "\n".join(f'host {{ name: "net{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
+                     f'count: 1 memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
+                     for i, p in enumerate(ports)) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
+    topo = parse_topology(text, path="<network profile>")
+    with LocalCluster(topo, threads_per_worker=threads_per_worker) as cluster:
+        return measure_network(cluster.target, topo.tf_device(0), topo.tf_device(1), steps=steps)
+
+
+# --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
 
@@ -435,6 +507,9 @@ def _body(argv: Sequence[str]) -> int:
     p.add_argument("--steps", type=int, default=10, help="traced steps (default 10)")
     p.add_argument("--device-type", default="CPU", help="device type the profile describes (default CPU)")
     p.add_argument("--out", default=None, help=f"output JSON (default: ${PROFILE_ENV} or the user cache)")
+    p.add_argument("--network", action="store_true",
+                   help="also measure TF's distributed runtime between two local one-thread workers "
+                        "(step overhead, transfer latency and throughput)")
     args = p.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         raise TagError(f"--batch must be positive, got {args.batch}")
@@ -445,6 +520,9 @@ def _body(argv: Sequence[str]) -> int:
     name, gd = zoo.resolve_model(args.model, args.batch)
     graph = analyze(gd, batch_size=args.batch)
     prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
+    if args.network:
+        prof.network = profile_network()
+        prof.source += "; network: two local one-thread TF workers over gRPC"
     out = args.out or default_profile_path()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}"
@@ -456,6 +534,10 @@ def _body(argv: Sequence[str]) -> int:
             os.remove(tmp)
     d = prof.to_dict()["devices"][args.device_type]
     print(f"wrote {out}")
+    if prof.network is not None:
+        n = prof.network
+        print(f"  runtime: step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency "
+              f"{n.transfer_latency_s * 1e6:.0f} us, transfer throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s")
     print(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
           f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
     for t, e in sorted(d["efficiency"].items()):

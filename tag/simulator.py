@@ -455,8 +455,10 @@ class Simulator:
         self._dev_dg = [d.group for d in topology.devices]
         self._dev_mem = np.array([d.memory_bytes for d in topology.devices], dtype=np.float64)
         self._dev_speed = [d.peak_flops for d in topology.devices]
-        self._bw = topology.bandwidth
-        self._lat = topology.latency
+        self._bw = self.cost.topology.bandwidth      # with the profile's network calibration, if any
+        self._lat = self.cost.topology.latency
+        net = self.cost.profile.network
+        self._step_overhead = net.step_overhead_s if net is not None else 0.0
         self._res_names = [f"{h.name} interconnect" for h in topology.hosts] + \
                           [f"{h.name} network" for h in topology.hosts]
 
@@ -1299,7 +1301,7 @@ class Simulator:
         oom = np.flatnonzero(peak > self._dev_mem)
 
         features = partial(self._features, lod, step, coll_end, mask, S, F, ndev)
-        return SimResult(float(step), peak, len(oom) == 0, [int(d) for d in oom], float(comm), static, activation,
+        return SimResult(float(step) + self._step_overhead, peak, len(oom) == 0, [int(d) for d in oom], float(comm), static, activation,
                          B, features)
 
     def _features(self, lod, step, coll_end, mask, S, F, ndev) -> dict:

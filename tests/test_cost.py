@@ -149,3 +149,29 @@ def test_cost_model_on_a_real_graph_is_positive_and_scales_with_batch():
     t8, t64 = cm.compute_time(0, 8), cm.compute_time(0, 64)
     assert 0 < t8 < t64
     assert np.all(cm.op_times(0, 64) >= cm.op_times(0, 8))
+
+
+def test_network_calibration_slows_inter_host_links_only(tmp_path):
+    from tag.cost import NetworkProfile
+    net = NetworkProfile(step_overhead_s=1e-3, transfer_latency_s=1e-4, transfer_bytes_per_s=1.25e9)
+    prof = Profile({}, network=net)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    loaded = Profile.load(path)
+    assert loaded.network == net
+    topo = _topo()                                 # h0: devices 0,1; h1: devices 2,3 (+4): 1.25e9 B/s, 20 us
+    cm = CostModel(_graph(), topo, loaded)
+    # inter-host: 1 / (1/1.25e9 + 1/1.25e9) = 0.625e9 B/s, latency 20 us + 100 us
+    assert cm.transfer_time(1.25e9, 0, 2) == pytest.approx(120e-6 + 2.0)
+    assert cm.transfer_time(1e9, 0, 1) == pytest.approx(2e-6 + 1e9 / 100e9)       # intra-host untouched
+    assert topo.bandwidth[0, 2] == pytest.approx(1.25e9)                          # the input is not modified
+
+
+def test_network_profile_rejects_bad_values(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "devices": {}, "network": {"transfer_bytes_per_s": 0}}))
+    with pytest.raises(TagError, match="network.transfer_bytes_per_s"):
+        Profile.load(path)
+    path.write_text(json.dumps({"version": 1, "devices": {}, "network": {"bogus": 1}}))
+    with pytest.raises(TagError, match="unknown field 'bogus'"):
+        Profile.load(path)

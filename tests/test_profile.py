@@ -197,3 +197,13 @@ def test_profile_of_a_users_raw_tf_graph():
     d = prof.devices["CPU"]
     assert d.launch_overhead_s > 0 and "default" in d.efficiency
     assert all(0 < e <= 1 for e in d.efficiency.values())
+
+
+@pytest.mark.slow
+def test_profile_network_measures_the_runtime_between_two_workers():
+    """Two real local TF servers: a remote read costs more than a local one, at a finite positive rate."""
+    from tag.profile import profile_network
+    net = profile_network(steps=6)
+    assert 0 < net.step_overhead_s < 1.0
+    assert net.transfer_latency_s >= 0
+    assert 1e6 < net.transfer_bytes_per_s < 1e12

@@ -335,3 +335,12 @@ def test_zoo_slow_link_hurts_data_parallelism(resnet50):
     # leaving the host behind the slow link out is better than including it
     no_t4 = Action(tuple(g.index for g in slow.groups if g.host != "t4-remote"), "allreduce")
     assert Simulator(graph, slow, gr).evaluate(_all(gr, no_t4)).step_time < t_slow
+
+
+def test_network_profile_adds_step_overhead():
+    from tag.cost import NetworkProfile
+    tg = chain_graph([1e9, 2e9, 3e9])
+    topo = _hosts(1)
+    prof = dataclasses.replace(EXACT, network=NetworkProfile(step_overhead_s=0.5e-3))
+    sim, gr = _sim(tg, topo, prof)
+    assert sim.evaluate(_all(gr, Action((0,), "allreduce"))).step_time == pytest.approx(6.5e-3)
