@@ -1099,7 +1099,9 @@ class _Rewriter:
         node.attr["T"].CopyFrom(_attr_type(dtype))
         node.attr["merge_op"].s = b"Add"
         node.attr["final_op"].s = b"Id"
-        node.attr["communication_hint"].s = b"ring"
+        # ring on CPUs (what FACTS.md verified); on GPUs TF's "auto" picks NCCL where it can
+        cpu_only = all(self.topo.devices[d].tf_device_type == "CPU" for d in devs)
+        node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
         self.out_nodes.append(_fill_defaults(node))
         return name
 
