@@ -463,6 +463,7 @@ def bn_cnn_graph():
     return g.as_graph_def()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allreduce", "ps", "mixed"])
 def test_function_library_batchnorm_unknown_batch(cluster, mode):
     """StatelessIf/If BatchNorm in a [None, ...] graph, shares 6:2: same training as the original graph run
@@ -527,6 +528,7 @@ def embedding_graph(use_resource: bool):
     return g.as_graph_def()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allreduce", "ps"])
 @pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
 def test_sparse_gradients_and_ref_variables(cluster, mode, use_resource):
@@ -588,6 +590,7 @@ def small_mlp(loss_kind: str):
     return g.as_graph_def()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_kind", ["mean+l2", "sum", "sum/8"])
 def test_mean_and_sum_losses(cluster, loss_kind):
     """Seeds and loss weights follow the loss's batch reduction: s/B for a mean (batch-independent terms
@@ -615,6 +618,7 @@ def test_sum_loss_with_constant_term_is_refused():
 LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e-4, "bert_base": 1e-4}
 
 
+@pytest.mark.slow
 def test_sufficient_factor_broadcasting(cluster):
     """Kernels in strategy.sfb: no all-reduce of their gradient; every replica gathers the layer's input
     and output gradient (batch slices) and recomputes the whole-batch gradient; same training."""
