@@ -686,6 +686,36 @@ def _cached_reference(name):
     return _REFS[name]
 
 
+def random_strategy(ir, seed: int) -> Strategy:
+    """Any action per op group: a random subset of the 3 device groups, a random mode, a random PS
+    device, random devices for partitioned ops (the kind of strategies a search visits)."""
+    rng = np.random.RandomState(seed)
+    grouping = group_ops(ir, int(rng.choice([4, 8, 16])))
+    actions, partition = [], {}
+    for g in range(grouping.num_groups):
+        placement = tuple(sorted(rng.choice(3, rng.randint(1, 4), replace=False).tolist()))
+        mode = ("allreduce", "ps", "partition")[rng.randint(3)]
+        actions.append(Action(placement, mode, ps_device=int(rng.randint(3)) if mode == "ps" else None))
+        if mode == "partition":
+            partition.update({int(i): int(rng.choice(placement)) for i in grouping.members(g)})
+    return Strategy(grouping, actions, partition)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,seeds", [("mlp", range(8)), ("transformer", range(3)), ("bert_base", range(3))])
+def test_random_strategies(cluster, name, seeds):
+    """Random mixed strategies (seeded) train exactly like the original graph (2 steps)."""
+    ports, target = cluster
+    gd, ir = model(name)
+    topo = topology(ports, [0.1, 0.05, 0.05])
+    ref, grads0 = _cached_reference(name)
+    batches = feeds_for(gd, ir, STEPS)
+    for seed in seeds:
+        res = rewrite(gd, ir, random_strategy(ir, seed), topo)
+        got = run_rewritten(res, target, ir, batches[:2])
+        assert_same_training(got, ref[:2], grads0, ir, LEARNING_RATE[name])
+
+
 @pytest.mark.slow
 def test_runtime_worker_processes():
     """End to end on separate tag-worker processes (tag.runtime.LocalCluster + run_steps): the built-in
