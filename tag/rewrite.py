@@ -117,7 +117,7 @@ _SHAPE_OPERAND = {
 # ops a loss may pass through between its batch reduction and the loss tensor
 _LOSS_PASSTHROUGH = frozenset({"Identity", "AddV2", "Add", "AddN", "Sub", "Mul", "RealDiv", "Div", "Cast", "Neg",
                                "Reshape", "Squeeze"})
-_SEED_RE = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
+_SEED_RE = re.compile(r"(^|/)grad_ys_\d+$")   # tf.gradients' default grad_ys: Fill(shape(loss), 1)
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
 _FLOAT_TYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
@@ -130,6 +130,7 @@ class RewriteResult:
     ``train_op`` / ``loss`` / ``init``: op names to run (the loss is the global-batch mean).
     ``variables``: original variable name -> names of its copies in ``graph_def``.
     ``devices``: TF device string of every device that runs something.
+    ``replicas``: replicated op group -> [(device index, first example, end example), ...].
     """
 
     graph_def: "tf.compat.v1.GraphDef"
@@ -141,6 +142,7 @@ class RewriteResult:
     variables: dict[str, list[str]] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    replicas: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     def copies(self, variable: str) -> list[str]:
         """Names of the copies of VARIABLE (one per replica for allreduce groups)."""
@@ -308,8 +310,13 @@ class _Rewriter:
             self._validate(out)
         devices = sorted({n.device for n in out.node if n.device})
         variables = {v: [i.name for i in self.insts[v]] for v in self.var_copies}
+        replicas = {}
+        for g, a in enumerate(self.st.actions):
+            if a.mode != "partition":
+                devs, ranges = self._replicas(g)
+                replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges)]
         return RewriteResult(out, fetch_train, fetch_loss, fetch_init, list(self.inputs), self.B,
-                             variables, devices, self.notes)
+                             variables, devices, self.notes, replicas)
 
     # -------------------------------------------------------------------------------- structure
     def _prune_and_order(self) -> None:
@@ -612,9 +619,14 @@ class _Rewriter:
             node = self.nodes[n]
             if node.op in _VAR_OPS:
                 self.keys[n] = [(self.FULL, c) for c in self.var_copies[n]]
-            elif node.op in _PLACEHOLDERS:
+            elif node.op in _PLACEHOLDERS or n in self.inputs:
+                # batch sources run once, whole batch (an iterator must not be read once per replica)
                 if n in self.ir_index:
                     self.keys[n] = [(self.FULL, self._placeholder_home(n))]
+            elif n in self.ir_index and self.consumers[n] and all(
+                    c in self.inputs and c in self.ir_index for c, _, _ in self.consumers[n]):
+                # what feeds a batch source (the iterator resource) goes with it
+                self.keys[n] = [(self.FULL, self._placeholder_home(self.consumers[n][0][0]))]
             elif n in self.ir_index:
                 self.keys[n] = self._ir_keys(n)
             elif self._vars_of_inputs(n) and node.op not in _FUNCTION_CALLS:

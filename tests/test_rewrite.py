@@ -287,6 +287,7 @@ def test_every_op_on_a_topology_device_and_names_kept():
     for name in ("input", "labels"):               # original placeholders, full batch, one copy
         assert nodes[name].op == "Placeholder" and [d.size for d in nodes[name].attr["shape"].shape.dim][0] == 8
     assert res.inputs == ["input", "labels"] and res.batch_size == 8
+    assert res.replicas == {0: [(0, 0, 6), (1, 6, 8)]}
     assert nodes[res.train_op].op == "NoOp" and res.loss == "loss" and nodes["loss"].op == "AddN"
     kernel = "mlp/dense_0/kernel"
     assert res.variables[kernel] == [f"{kernel}/replica_0", f"{kernel}/replica_1"]
@@ -684,6 +685,36 @@ def _cached_reference(name):
         gd, ir = model(name)
         _REFS[name] = reference(gd, ir, feeds_for(gd, ir, STEPS))
     return _REFS[name]
+
+
+@pytest.mark.slow
+def test_dataset_iterator_input(cluster):
+    """A tf.data iterator feeds the step: it is read once per step (whole batch) and sliced."""
+    ports, target = cluster
+    B = 8
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(0)
+        data = (rng.randn(64, 10).astype(np.float32), rng.randint(0, 3, 64).astype(np.int32))
+        ds = tf.data.Dataset.from_tensor_slices(data).batch(B, drop_remainder=True).repeat()
+        x, y = tf1.data.make_one_shot_iterator(ds).get_next()
+        w = tf1.get_variable("w", [10, 3], initializer=tf1.glorot_uniform_initializer(seed=1))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=x @ w)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.identity(tf.reduce_mean(xent), name="loss"),
+                                                        name="train_op")
+        tf1.variables_initializer(tf1.global_variables(), name="init")
+    gd = g.as_graph_def()
+    ir = tag.analyze(gd)
+    topo = topology(ports[:2], [0.15, 0.05])
+    res = rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1), "allreduce")]), topo)
+    assert [n.name for n in res.graph_def.node if "Iterator" in n.op] == ["OneShotIterator", "IteratorGetNext"]
+    with tf1.Session(graph=_import(gd), config=local_config()) as s:
+        s.run("init")
+        ref = [s.run(["loss:0", "train_op"])[0] for _ in range(STEPS)]
+    with tf1.Session(target, graph=_import(res.graph_def), config=cluster_config()) as s:
+        s.run(res.init)
+        got = [s.run([res.loss + ":0", res.train_op])[0] for _ in range(STEPS)]
+    np.testing.assert_allclose(got, ref, rtol=RTOL)
 
 
 def random_strategy(ir, seed: int) -> Strategy:
