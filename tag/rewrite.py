@@ -78,7 +78,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_pb2, tensor_shape_pb2  # noqa: E402
+from tensorflow.core.framework import (  # noqa: E402
+    attr_value_pb2, graph_pb2, node_def_pb2, tensor_pb2, tensor_shape_pb2)
 from tensorflow.python.client import pywrap_tf_session as c_api  # noqa: E402
 from tensorflow.python.framework import c_api_util  # noqa: E402
 from tensorflow.python.framework import op_def_registry  # noqa: E402
@@ -279,13 +280,15 @@ class _Rewriter:
                 raise StrategyError(f"op {i} is partitioned onto device {d}, the topology has {topo.num_devices}")
         groups = np.asarray(st.grouping.group_of_op)
         if len(groups) and (groups.min() < 0 or groups.max() >= len(st.actions)):
-            raise StrategyError(f"grouping names op group {int(groups.max())}, the strategy has {len(st.actions)} actions")
+            raise StrategyError(f"grouping names op group {int(groups.max())}, "
+                                f"the strategy has {len(st.actions)} actions")
         for i, op in enumerate(ir.ops):
             a = st.actions[int(st.grouping.group_of_op[i])]
             if a.mode == "partition":
                 d = st.partition.get(i)
                 if d is None:
-                    raise StrategyError(f"op {op.name!r} is in a partition group but has no device in strategy.partition")
+                    raise StrategyError(f"op {op.name!r} is in a partition group but has no device in "
+                                        f"strategy.partition")
                 if topo.devices[int(d)].group not in a.placement:
                     raise StrategyError(f"op {op.name!r} is partitioned onto device {d}, outside its group's placement")
 
@@ -337,11 +340,13 @@ class _Rewriter:
         names = sorted(keep, key=pos.__getitem__)
         indeg = {n: 0 for n in names}
         succ: dict[str, list[str]] = {n: [] for n in names}
-        self.consumers: dict[str, list[tuple[str, int, int]]] = {n: [] for n in names}  # op -> (consumer, out idx, in slot)
+        # op -> [(consumer, output index, input slot)]
+        self.consumers: dict[str, list[tuple[str, int, int]]] = {n: [] for n in names}
         for n in names:
             node = self.nodes[n]
             if node.op in _UNSUPPORTED:
-                raise RewriteError(f"op {n!r}: TF1 while loops ({node.op}) cannot be rewritten; use tf.while_loop in a function")
+                raise RewriteError(f"op {n!r}: TF1 while-loop frames ({node.op}) cannot be split between devices; "
+                                   f"build the loop with control flow v2 (a While op)")
             seen = set()
             for slot, i in enumerate(node.input):
                 p, k = _split(i.lstrip("^"))
@@ -366,7 +371,6 @@ class _Rewriter:
             stuck = next(n for n in names if indeg[n] > 0)
             raise RewriteError(f"op {stuck!r} is on a cycle; the training step must be acyclic")
         self.order = order
-        self.keep = keep
 
     @property
     def tfg(self) -> "tf.Graph":

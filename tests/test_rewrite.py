@@ -499,7 +499,8 @@ def test_function_library_batchnorm_unknown_batch(cluster, mode):
         for fd in batches:
             total, loss, lo = None, 0.0, 0
             for s_d in shares:
-                l_d, g_d = s.run(["loss:0", [v.gradient for v in vs]], {k + ":0": v[lo:lo + s_d] for k, v in fd.items()})
+                part = {k + ":0": v[lo:lo + s_d] for k, v in fd.items()}
+                l_d, g_d = s.run(["loss:0", [v.gradient for v in vs]], part)
                 total = [s_d / B * x for x in g_d] if total is None else [t + s_d / B * x for t, x in zip(total, g_d)]
                 loss += s_d / B * float(l_d)
                 lo += s_d
