@@ -428,23 +428,8 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
 # The distributed runtime between hosts
 # --------------------------------------------------------------------------------------------
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
-        for sock in socks:
-            sock.close()
-    return ports
-
-
 def _read_graph(nbytes: int, reader: str, holder: str) -> "v1.GraphDef":
-    """A step in which REHOLDER's variable of NBYTES is read and summed on READER (a device string)."""
+    """A step in which HOLDER's variable of NBYTES is read and summed on READER (a device string)."""
     g = tf.Graph()
     with g.as_default():
         with tf.device(holder):
@@ -484,9 +469,9 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
     """Start two local TF servers (one ``threads_per_worker``-thread worker each) and measure_network()."""
-    from tag.runtime import LocalCluster
+    from tag.runtime import LocalCluster, free_ports
     from tag.topology import parse_topology
-    ports = _free_ports(2)
+    ports = free_ports(2)
     text = "\n".join(f'host {{ name: "net{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                      f'count: 1 memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(ports)) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"

@@ -253,6 +253,21 @@ def _stop_all_live() -> None:
 atexit.register(_stop_all_live)
 
 
+def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
+    """N TCP ports on ADDRESS that nothing listens on right now (the OS picks them)."""
+    import socket
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind((address, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _is_loopback(address: str) -> bool:
     if address in ("localhost", "ip6-localhost"):
         return True

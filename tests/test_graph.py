@@ -18,6 +18,7 @@ import tensorflow as tf  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.graph import analyze  # noqa: E402
 from tag.ir import Linear, TrainingGraph  # noqa: E402
+from tiny import TINY_ZOO_OPTIONS  # noqa: E402
 
 v1 = tf.compat.v1
 IN, HID, OUT = 784, 256, 10
@@ -490,20 +491,9 @@ def test_functional_ops_from_keras_batchnorm():
 # The zoo
 # ---------------------------------------------------------------------------------------------------------
 
-zoo = pytest.importorskip("tag.zoo")
+from tag import zoo  # noqa: E402
 
-SMALL = {   # small versions of every zoo model (the same configurations tests/test_zoo.py builds)
-    "mlp": dict(input_dim=20, hidden=(32, 16), num_classes=5),
-    "vgg19": dict(image_size=32, num_classes=10),
-    "resnet50": dict(image_size=32),
-    "inception_v3": dict(image_size=75),
-    "mobilenet_v2": dict(image_size=32),
-    "transformer": dict(seq_len=8, vocab_size=50, num_layers=2, d_model=16, d_ff=32, num_heads=4),
-    "bert_base": dict(seq_len=8, vocab_size=50, num_layers=2, hidden_size=16, num_heads=4,
-                      intermediate_size=32, max_position=16),
-    "bert_large": dict(seq_len=8, vocab_size=50, num_layers=1, hidden_size=16, num_heads=2,
-                       intermediate_size=24, max_position=16, num_classes=3),
-}
+SMALL = TINY_ZOO_OPTIONS   # small versions of every zoo model (shared with tests/test_zoo.py)
 SLOTS = {"mlp": 2, "transformer": 2, "bert_base": 2, "bert_large": 2}   # Adam; the CNNs use Momentum: 1
 CNNS = ("vgg19", "resnet50", "inception_v3", "mobilenet_v2")
 SMALL_BATCH = 2

@@ -8,7 +8,6 @@ updated weights with the original graph on one device over 3 steps (``test_same_
 from __future__ import annotations
 
 import os
-import socket
 from functools import lru_cache
 
 import numpy as np
@@ -23,7 +22,7 @@ from tag.baselines import builtin_strategy  # noqa: E402
 from tag.errors import RewriteError, StrategyError  # noqa: E402
 from tag.grouping import group_ops  # noqa: E402
 from tag.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
-from tag.runtime import session_config  # noqa: E402
+from tag.runtime import free_ports, session_config  # noqa: E402
 from tag.strategy import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.topology import parse_topology  # noqa: E402
 
@@ -47,18 +46,6 @@ BATCHNORM = {"resnet50"}   # models whose replicas compute their own batch stati
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
 
 def topology(ports, tflops):
     """A loopback topology: one CPU host per port, peak TFLOP/s as given (shares follow them)."""

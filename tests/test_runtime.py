@@ -21,6 +21,7 @@ from tag.runtime import (  # noqa: E402
     ClusterError,
     LocalCluster,
     cluster_spec_from,
+    free_ports,
     fresh_collective_keys,
     run_steps,
     session_config,
@@ -30,19 +31,6 @@ from tag.topology import parse_topology  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
-
-
-def free_ports(n: int) -> list[int]:
-    """N ports that nothing listens on right now (the OS picks them)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def topo_text(ports, address="127.0.0.1", name="loop") -> str:

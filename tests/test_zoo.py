@@ -18,20 +18,10 @@ import tensorflow as tf  # noqa: E402
 from tag import zoo  # noqa: E402
 from tag.errors import GraphError  # noqa: E402
 
+from tiny import TINY_ZOO_OPTIONS
+
 BATCH = 2
-TINY = {
-    "mlp": dict(input_dim=20, hidden=(32, 16), num_classes=5),
-    "vgg19": dict(image_size=32, num_classes=10),
-    # 1000 classes and global pooling: the parameter count equals the full-size model's.
-    "resnet50": dict(image_size=32),
-    "inception_v3": dict(image_size=75),
-    "mobilenet_v2": dict(image_size=32),
-    "transformer": dict(seq_len=8, vocab_size=50, num_layers=2, d_model=16, d_ff=32, num_heads=4),
-    "bert_base": dict(seq_len=8, vocab_size=50, num_layers=2, hidden_size=16, num_heads=4,
-                      intermediate_size=32, max_position=16),
-    "bert_large": dict(seq_len=8, vocab_size=50, num_layers=1, hidden_size=16, num_heads=2,
-                       intermediate_size=24, max_position=16, num_classes=3),
-}
+TINY = TINY_ZOO_OPTIONS
 
 
 @functools.lru_cache(maxsize=None)

@@ -166,3 +166,19 @@ def mlp_graph(batch: int = 8, widths: tuple[int, ...] = (16, 32, 4), optimizer: 
         b.colocation.append([f"dense_{i}/kernel", reads[i], ap])
     b.op("train_op", "NoOp", "update", control=tuple(applies))
     return b.build()
+
+
+# Small options for every zoo model: graphs that build and run in seconds (tests of the zoo and the IR).
+TINY_ZOO_OPTIONS = {
+    "mlp": dict(input_dim=20, hidden=(32, 16), num_classes=5),
+    "vgg19": dict(image_size=32, num_classes=10),
+    # 1000 classes and global pooling: the parameter count equals the full-size model's.
+    "resnet50": dict(image_size=32),
+    "inception_v3": dict(image_size=75),
+    "mobilenet_v2": dict(image_size=32),
+    "transformer": dict(seq_len=8, vocab_size=50, num_layers=2, d_model=16, d_ff=32, num_heads=4),
+    "bert_base": dict(seq_len=8, vocab_size=50, num_layers=2, hidden_size=16, num_heads=4,
+                      intermediate_size=32, max_position=16),
+    "bert_large": dict(seq_len=8, vocab_size=50, num_layers=1, hidden_size=16, num_heads=2,
+                       intermediate_size=24, max_position=16, num_classes=3),
+}
