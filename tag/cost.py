@@ -103,11 +103,24 @@ class NetworkProfile:
     step_overhead_s: float = 0.0
     transfer_latency_s: float = 0.0
     transfer_bytes_per_s: float = math.inf
+    collective_latency_s: float = 0.0
+    collective_bytes_per_s: float = math.inf
 
     def to_dict(self) -> dict:
+        def rate(x: float):
+            return float(x) if math.isfinite(x) else None
         return {"step_overhead_s": float(self.step_overhead_s), "transfer_latency_s": float(self.transfer_latency_s),
-                "transfer_bytes_per_s": float(self.transfer_bytes_per_s) if math.isfinite(self.transfer_bytes_per_s)
-                else None}
+                "transfer_bytes_per_s": rate(self.transfer_bytes_per_s),
+                "collective_latency_s": float(self.collective_latency_s),
+                "collective_bytes_per_s": rate(self.collective_bytes_per_s)}
+
+    def collective_extra(self) -> tuple[float, float]:
+        """(seconds per ring step, seconds per byte) that TF's collective all-reduce costs beyond plain transfers
+        over the calibrated links (both measured between the same two tasks)."""
+        per_byte = max(1.0 / self.collective_bytes_per_s - 1.0 / self.transfer_bytes_per_s, 0.0)
+        # a two-device ring has 2 steps: spread the measured fixed cost over them
+        per_step = max(self.collective_latency_s - 2 * self.transfer_latency_s, 0.0) / 2
+        return per_step, per_byte
 
     def calibrate(self, topology: Topology) -> Topology:
         """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs."""
@@ -191,15 +204,17 @@ class Profile:
             net = data["network"]
             if not isinstance(net, dict):
                 raise bad("'network' must be an object")
-            unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s"}
+            unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s",
+                                  "collective_latency_s", "collective_bytes_per_s"}
             if unknown:
                 raise bad(f"network: unknown field {sorted(unknown)[0]!r}")
             vals = {}
             for key, v in net.items():
-                if v is None and key == "transfer_bytes_per_s":
+                is_rate = key.endswith("_bytes_per_s")
+                if v is None and is_rate:
                     continue
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
-                        key == "transfer_bytes_per_s" and v == 0):
+                        is_rate and v == 0):
                     raise bad(f"network.{key} must be a finite number >= 0 (> 0 for a rate), got {v!r}")
                 vals[key] = float(v)
             network = NetworkProfile(**vals)
@@ -361,10 +376,13 @@ class CostModel:
         if n <= 1:
             return (0.0, 0.0), (0.0, 0.0)
         bw, lat, _ = self._ring_coeffs(devices)
-        ring = (2 * (n - 1) * lat, 2 * (n - 1) / n / bw)
         hosts: dict[int, list[int]] = {}
         for d in devices:
             hosts.setdefault(int(self._dev_host[d]), []).append(d)
+        # TF's collective runtime between hosts costs more than plain transfers (network calibration)
+        step_x, byte_x = self.profile.network.collective_extra() if (
+            self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
+        ring = (2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
         if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):
             return ring, ring
         # inside hosts: (k-1)/k of the bytes twice (reduce-scatter + all-gather), slowest host dominates
@@ -377,7 +395,7 @@ class CostModel:
                 intra_per_byte = max(intra_per_byte, 2 * (k - 1) / k / bw_h)
         leaders = [devs[0] for _, devs in sorted(hosts.items())]
         hb, hl, m = self._ring_coeffs(leaders)
-        hier = (intra_fixed + 2 * (m - 1) * hl, intra_per_byte + 2 * (m - 1) / m / hb)
+        hier = (intra_fixed + 2 * (m - 1) * (hl + step_x), intra_per_byte + 2 * (m - 1) / m * (1.0 / hb + byte_x))
         return ring, hier
 
     def allreduce_time(self, nbytes: float, devices: Sequence[int]) -> float:

@@ -441,30 +441,59 @@ def _read_graph(nbytes: int, reader: str, holder: str) -> "v1.GraphDef":
     return g.as_graph_def()
 
 
+def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.GraphDef":
+    """A step in which every device sums its own variable of NBYTES, all-reduced first when REDUCE."""
+    g = tf.Graph()
+    with g.as_default():
+        sums, variables = [], []
+        for i, dev in enumerate(devices):
+            with tf.device(dev):
+                var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}")
+                variables.append(var)
+                x = var.read_value()
+                if reduce:
+                    x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1, instance_key=1,
+                                                      ordering_token=[], merge_op="Add", final_op="Id",
+                                                      communication_hint="ring")
+                sums.append(tf.reduce_sum(x))
+        with tf.device(devices[0]):
+            tf.group(*sums, name="step")
+        v1.variables_initializer(variables, name="init")
+    return g.as_graph_def()
+
+
+def _fit_line(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """(fixed seconds >= 0, bytes per second) of ``seconds = fixed + sizes / rate``."""
+    slope, intercept = np.polyfit(sizes, np.maximum(seconds, 0.0), 1)
+    return float(max(intercept, 0.0)), (1.0 / slope if slope > 0 else float("inf"))
+
+
 def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
                     steps: int = 12) -> "NetworkProfile":
     """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
 
-    NEAR and FAR are device strings of two tasks. For each size, a variable on FAR (remote) or on NEAR
-    (local) is read and summed on NEAR; the remote-minus-local step time is the transfer, fitted as
-    ``latency + bytes / rate``. The step overhead is the local step of the smallest size.
+    NEAR and FAR are device strings of two tasks. Transfers: for each size, a variable on FAR (remote)
+    or on NEAR (local) is read and summed on NEAR; the remote-minus-local step time is the transfer,
+    fitted as ``latency + bytes / rate``. Collectives: a ring all-reduce (CollectiveReduceV2) of each
+    size between the two tasks, minus the same step without it, fitted likewise (for two devices a ring
+    all-reduce moves the full size each way). The step overhead is the local step of the smallest size.
     """
     from tag.cost import NetworkProfile
     from tag.runtime import run_steps
 
-    def step_time(nbytes: int, holder: str) -> float:
-        r = run_steps(_read_graph(nbytes, near, holder), target, train_op="step", loss=None, init="init",
-                      steps=steps, warmup=2)
+    def step_time(graph_def) -> float:
+        r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps, warmup=2)
         return float(np.median(r.step_times[2:]))
 
     sizes = np.array(sorted(sizes_bytes), dtype=np.float64)
-    local = np.array([step_time(int(n), near) for n in sizes])
-    remote = np.array([step_time(int(n), far) for n in sizes])
-    extra = np.maximum(remote - local, 0.0)
-    slope, intercept = np.polyfit(sizes, extra, 1)
-    rate = 1.0 / slope if slope > 0 else float("inf")
-    return NetworkProfile(step_overhead_s=float(local[0]), transfer_latency_s=float(max(intercept, 0.0)),
-                          transfer_bytes_per_s=rate)
+    local = np.array([step_time(_read_graph(int(n), near, near)) for n in sizes])
+    remote = np.array([step_time(_read_graph(int(n), near, far)) for n in sizes])
+    apart = np.array([step_time(_collective_graph(int(n), (near, far), reduce=False)) for n in sizes])
+    reduced = np.array([step_time(_collective_graph(int(n), (near, far), reduce=True)) for n in sizes])
+    t_lat, t_rate = _fit_line(sizes, remote - local)
+    c_lat, c_rate = _fit_line(sizes, reduced - apart)
+    return NetworkProfile(step_overhead_s=float(local[0]), transfer_latency_s=t_lat, transfer_bytes_per_s=t_rate,
+                          collective_latency_s=c_lat, collective_bytes_per_s=c_rate)
 
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
@@ -522,7 +551,9 @@ def _body(argv: Sequence[str]) -> int:
     if prof.network is not None:
         n = prof.network
         print(f"  runtime: step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency "
-              f"{n.transfer_latency_s * 1e6:.0f} us, transfer throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s")
+              f"{n.transfer_latency_s * 1e6:.0f} us, transfer throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s, "
+              f"all-reduce latency {n.collective_latency_s * 1e6:.0f} us, throughput "
+              f"{n.collective_bytes_per_s / 1e9:.2f} GB/s")
     print(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
           f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
     for t, e in sorted(d["efficiency"].items()):

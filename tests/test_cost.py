@@ -175,3 +175,15 @@ def test_network_profile_rejects_bad_values(tmp_path):
     path.write_text(json.dumps({"version": 1, "devices": {}, "network": {"bogus": 1}}))
     with pytest.raises(TagError, match="unknown field 'bogus'"):
         Profile.load(path)
+
+
+def test_collective_calibration_charges_cross_host_all_reduce_only():
+    from tag.cost import NetworkProfile
+    net = NetworkProfile(transfer_bytes_per_s=1e9, collective_bytes_per_s=0.5e9, transfer_latency_s=0.0,
+                         collective_latency_s=2e-3)
+    plain, calibrated = CostModel(_graph(), _topo()), CostModel(_graph(), _topo(), Profile({}, network=net))
+    # two devices on two hosts: ring of 2 steps; extra = 1e6 bytes * (1/0.5e9 - 1/1e9) + 2 steps * 1 ms
+    # on top of the link slowed by the transfer calibration: 1 / (1/1.25e9 + 1/1e9)
+    expected = 2 * 20e-6 + 2 * 1e-3 + 1e6 * (1 / 1.25e9 + 1 / 1e9 + (1 / 0.5e9 - 1 / 1e9))
+    assert calibrated.allreduce_time(1e6, [0, 2]) == pytest.approx(expected)
+    assert calibrated.allreduce_time(1e6, [0, 1]) == pytest.approx(plain.allreduce_time(1e6, [0, 1]))  # one host
