@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load_topology": ("tag.topology", "load_topology"),
+    "parse_topology": ("tag.topology", "parse_topology"),
     "Topology": ("tag.topology", "Topology"),
     "analyze": ("tag.graph", "analyze"),
     "TrainingGraph": ("tag.ir", "TrainingGraph"),
