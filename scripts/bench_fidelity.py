@@ -48,7 +48,7 @@ MODELS = [
     ("mlp-1024x3", "zoo:mlp,hidden=1024x1024x1024", 64),
 ]
 BANDWIDTHS_GBPS = [0.15, 0.5, 2.0]
-CALIBRATION_MODEL = "zoo:mlp,hidden=1536x768"  # not one of the measured cases; a mix of layer sizes
+CALIBRATION_MODEL = "zoo:mlp,hidden=512x1024x1536x768"  # not one of the measured cases; a sweep of layer widths
 CALIBRATION_BATCH = 64
 
 
@@ -67,12 +67,12 @@ def calibrate(workdir: str) -> Profile:
     one-thread workers (tag.profile.profile_network); one profile for every case."""
     out = os.path.join(workdir, "profile.json")
     cmd = [sys.executable, "-m", "tag.profile", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
-           "--out", out]
+           "--steps", "20", "--out", out]
     if os.path.exists("/usr/bin/taskset"):
         cmd = ["taskset", "-c", "0"] + cmd
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     profile = Profile.load(out)
-    profile.network = profile_network()
+    profile.network = profile_network(steps=30)
     n, d = profile.network, profile.devices["CPU"]
     print(f"calibration: CPU peak {d.peak_flops / 1e9:.1f} GFLOP/s, launch {d.launch_overhead_s * 1e6:.0f} us; "
           f"runtime step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency {n.transfer_latency_s * 1e6:.0f} us, "
