@@ -17,8 +17,10 @@ Conventions every zoo graph follows (other stages rely on them):
 
 * Built in its own ``tf.Graph()`` (``with g.as_default():``); eager execution is never switched off
   globally. ``tf.compat.v1.set_random_seed(seed)`` (option ``seed``, default 0) is called first, and
-  tf_keras' own initializer seeds are drawn from ``seed`` too, so the same options give the same
-  GraphDef and the same initial weights on every build (the caller's random state is left alone).
+  tf_keras' own initializer seeds are drawn from ``seed`` too, so the same options and batch size give
+  the same GraphDef and the same initial weights on every build (the caller's random state is left
+  alone). Builds at another batch size may initialise the Keras CNNs differently; to compare runs
+  across batch sizes, assign the weights explicitly.
 * Inputs are Placeholders with a concrete batch dimension ``batch_size``: ``input`` (images
   ``[B, H, W, 3]`` float32, MLP features ``[B, input_dim]`` float32, or token ids ``[B, S]`` int32),
   BERT also ``input_mask`` and ``segment_ids`` (``[B, S]`` int32), the Transformer also
