@@ -35,7 +35,6 @@ The four strategies:
 """
 from __future__ import annotations
 
-import heapq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,33 +99,11 @@ def fastest_device(topology: "Topology") -> int:
 
 
 def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
-    """Position of each op in a deterministic topological order (data and control edges).
-
-    Kahn's algorithm, always taking the lowest-index ready op; ops on a cycle (which a training
-    step should not have) go last, in index order.
-    """
-    n = len(graph.ops)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = np.zeros(n, dtype=np.int64)
-    for src, dst in [(e.src, e.dst) for e in graph.edges] + [tuple(c) for c in graph.control_edges]:
-        if src != dst:
-            succ[src].append(dst)
-            indeg[dst] += 1
-    ready = [i for i in range(n) if indeg[i] == 0]
-    heapq.heapify(ready)
-    pos = np.full(n, -1, dtype=np.int64)
-    k = 0
-    while ready:
-        i = heapq.heappop(ready)
-        pos[i] = k
-        k += 1
-        for j in succ[i]:
-            indeg[j] -= 1
-            if indeg[j] == 0:
-                heapq.heappush(ready, j)
-    for i in np.flatnonzero(pos < 0):
-        pos[i] = k
-        k += 1
+    """Position of each op in ``tag.grouping.topological_order`` (deterministic; data and control edges)."""
+    from tag.grouping import topological_order
+    order = topological_order(graph)
+    pos = np.empty(len(order), dtype=np.int64)
+    pos[order] = np.arange(len(order))
     return pos
 
 
@@ -138,8 +115,8 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
     topological order may list first, and they must not pull their layer to the front (ops of
     ``tag.cost.ZERO_COST_TYPES`` count only for a group that has nothing else).
     """
-    from tag.grouping import op_levels, op_stages
-    order = np.argsort(topological_op_order(graph), kind="stable")
+    from tag.grouping import op_levels, op_stages, topological_order
+    order = topological_order(graph)
     stage = np.asarray(op_stages(graph, order), dtype=np.int64)
     level = np.asarray(op_levels(graph, order), dtype=np.int64)
     gof = np.asarray(grouping.group_of_op, dtype=np.int64)

@@ -18,6 +18,20 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write TEXT to PATH through a temporary file in the same directory and a rename, so a failure
+    never leaves a half-written file (the temporary file is removed)."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
     """Run BODY(argv) and turn exceptions into tag's exit codes and one-line messages."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

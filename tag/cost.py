@@ -243,12 +243,8 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON (to a temporary file first, then renamed into place)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        from tag.cli import write_text_atomic
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
 
     def entry_for(self, device_type: str) -> tuple[DeviceProfile | None, bool]:
         """(entry, exact): the profile entry for DEVICE_TYPE, else the "default" entry, else None."""

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from tag.cli import run_cli
+from tag.cli import run_cli, write_text_atomic
 from tag.errors import StrategyError, TagError
 
 DEFAULT_GROUPS = 64
@@ -98,18 +98,6 @@ def _load_profile(path: str | None):
         raise TagError(f"{path}: not a tag cost profile ({type(err).__name__}: {err})") from None
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Write TEXT to PATH through a temporary file in the same directory and a rename."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _finite(obj: Any) -> Any:
     """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
     if isinstance(obj, dict):
@@ -146,7 +134,7 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
     servers must already be running. Inputs are synthetic batches stored on the devices.
     """
     from tag.rewrite import rewrite
-    from tag.runtime import LocalCluster, _is_loopback, run_steps
+    from tag.runtime import LocalCluster, is_loopback, run_steps
 
     topology, strategies = context["topology"], context["strategies"]
     warmup = min(3, args.steps - 1)
@@ -161,7 +149,7 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
         base = mine if args.strategy == "dp_allreduce" else measure(target, "dp_allreduce")
         return mine, base
 
-    if all(_is_loopback(h.address) for h in topology.hosts):
+    if all(is_loopback(h.address) for h in topology.hosts):
         with LocalCluster(topology) as cluster:
             mine, base = measure_both(cluster.target)
     else:
@@ -304,9 +292,9 @@ def _body(argv: Sequence[str]) -> int:
     report_text = json.dumps(_finite(report), indent=2) + "\n" if args.report else None
     # write only once everything has been computed: an error above leaves no file behind
     if trace_text is not None:
-        _write_atomic(args.trace, trace_text)
+        write_text_atomic(args.trace, trace_text)
     if report_text is not None:
-        _write_atomic(args.report, report_text)
+        write_text_atomic(args.report, report_text)
     print(format_table(report, args.model))
     for flag, path in (("report", args.report), ("trace", args.trace)):
         if path:

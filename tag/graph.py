@@ -356,7 +356,6 @@ def _build_flop_rules() -> dict[str, FlopRule]:
     r["BatchMatMul"] = r["BatchMatMulV2"] = r["BatchMatMulV3"] = _r_batch_matmul
     r["Einsum"] = _r_einsum
     out0 = lambda ins, outs: _in(outs, 0)  # noqa: E731
-    in0 = lambda ins, outs: _in(ins, 0)  # noqa: E731
     in1 = lambda ins, outs: _in(ins, 1)  # noqa: E731
     in2 = lambda ins, outs: _in(ins, 2)  # noqa: E731
     r["Conv2D"] = r["Conv3D"] = _conv_rule(out0, in1, None)

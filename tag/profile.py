@@ -539,13 +539,7 @@ def _body(argv: Sequence[str]) -> int:
         prof.source += "; network: two local one-thread TF workers over gRPC"
     out = args.out or default_profile_path()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
-    try:
-        prof.save(tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    prof.save(out)              # atomic: temporary file + rename
     d = prof.to_dict()["devices"][args.device_type]
     print(f"wrote {out}")
     if prof.network is not None:

@@ -268,7 +268,7 @@ def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
     if address in ("localhost", "ip6-localhost"):
         return True
     try:
@@ -337,7 +337,7 @@ class LocalCluster:
         if not topology.hosts:
             raise ClusterError(f"topology {topology.name!r} has no hosts")
         if not allow_remote:
-            remote = [f"{h.name} ({h.address})" for h in topology.hosts if not _is_loopback(h.address)]
+            remote = [f"{h.name} ({h.address})" for h in topology.hosts if not is_loopback(h.address)]
             if remote:
                 raise ClusterError("LocalCluster starts workers on this machine only, but these hosts are not "
                                    f"loopback addresses: {', '.join(remote)}; run tag-worker on them instead")
