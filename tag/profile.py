@@ -158,6 +158,7 @@ def _init_ops(graph_def, graph: "TrainingGraph") -> list[str]:
 def _random_feeds(g: tf.Graph, graph: "TrainingGraph", rng: np.random.Generator) -> dict:
     """Random values for every Placeholder of the step: floats ~ N(0, 1), integers in {0, 1}
     (valid class ids and token ids for any model), the batch axis at the graph's batch size."""
+    from tag.runtime import random_input
     feeds = {}
     for op in graph.ops:
         if op.type != "Placeholder":
@@ -171,16 +172,7 @@ def _random_feeds(g: tf.Graph, graph: "TrainingGraph", rng: np.random.Generator)
         for ax, d in enumerate(dims):
             if d is None or d < 0:
                 dims[ax] = int(graph.batch_size) if (batch_axis is None or ax == batch_axis) else 1
-        dtype = t.dtype.base_dtype
-        if dtype.is_floating:
-            val = rng.standard_normal(dims).astype(dtype.as_numpy_dtype)
-        elif dtype.is_integer:
-            val = rng.integers(0, 2, size=dims).astype(dtype.as_numpy_dtype)
-        elif dtype == tf.bool:
-            val = np.zeros(dims, dtype=bool)
-        else:
-            raise GraphError(f"placeholder {op.name} has dtype {dtype.name}; cannot make a random input for it")
-        feeds[t] = val
+        feeds[t] = random_input(op.name, dims, t.dtype.base_dtype, rng, hint="cannot profile this graph")
     return feeds
 
 

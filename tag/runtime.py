@@ -627,22 +627,27 @@ def fresh_collective_keys(graph_def: Any) -> Any:
     return out
 
 
+def random_input(name: str, dims: Sequence[int], dtype: Any, rng: np.random.Generator,
+                 hint: str = "pass feeds= or input_fn= for it") -> np.ndarray:
+    """A random batch for input NAME: floats ~ N(0, 1), integers and booleans in {0, 1} (valid class ids
+    and token ids for any model). DTYPE is a tf.DType; HINT ends the error for an unsupported dtype."""
+    np_dtype = dtype.as_numpy_dtype
+    if dtype.is_floating:
+        return rng.standard_normal(list(dims)).astype(np_dtype)
+    if dtype.is_integer:
+        return rng.integers(0, 2, size=list(dims)).astype(np_dtype)
+    if dtype.is_bool:
+        return rng.integers(0, 2, size=list(dims)).astype(bool)
+    raise GraphError(f"placeholder {name!r} has dtype {dtype.name}, which tag cannot fill with random data; {hint}")
+
+
 def _random_feed(op, rng: np.random.Generator) -> np.ndarray:
-    dtype = op.get_attr("dtype")
     shape = op.get_attr("shape")
     dims = None if shape.unknown_rank else [d.size for d in shape.dim]
     if dims is None or any(d < 0 for d in dims):
         raise GraphError(f"placeholder {op.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
                          "pass feeds= or input_fn= for it")
-    np_dtype = dtype.as_numpy_dtype
-    if dtype.is_floating:
-        return rng.standard_normal(dims).astype(np_dtype)
-    if dtype.is_integer:
-        return rng.integers(0, 2, size=dims).astype(np_dtype)
-    if dtype.is_bool:
-        return rng.integers(0, 2, size=dims).astype(bool)
-    raise GraphError(f"placeholder {op.name!r} has dtype {dtype.name}, which tag cannot fill with random data; "
-                     "pass feeds= or input_fn= for it")
+    return random_input(op.name, dims, op.get_attr("dtype"), rng)
 
 
 def _synthetic_input(node) -> tuple[Any, Any]:
