@@ -65,9 +65,10 @@ setup(
     extras_require={"test": ["pytest>=8", "hypothesis", "grpcio-tools==1.85.1"]},
     entry_points={
         "console_scripts": [
-            "tag-topo=tag.topo_cli:main",
-            "tag-deploy=tag.deploy_cli:main",
-            "tag-worker=tag.runtime:worker_main",
+            "tag-topo=tag.cli.topo:main",
+            "tag-deploy=tag.cli.deploy:main",
+            "tag-worker=tag.backend.runtime:worker_main",
+            "tag-profile=tag.cost.calibration:main",
         ]
     },
     package_data={"tag": ["_proto/*.py"]},

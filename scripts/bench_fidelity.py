@@ -2,7 +2,7 @@
 
 For every (model, strategy, link bandwidth) case the script
   1. predicts one training step with the simulator (cost model calibrated once for this machine by
-     ``python -m tag.profile`` on a calibration graph, pinned to one core as each worker is),
+     ``tag-profile`` on a calibration graph, pinned to one core as each worker is),
   2. rewrites the graph for the strategy (``tag.rewrite``) and runs it on TF servers inside network
      namespaces whose links are shaped to the declared bandwidth (``tag.testbed``), one core-sized
      worker per host,
@@ -31,16 +31,16 @@ import numpy as np  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 from tag import zoo  # noqa: E402
-from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy  # noqa: E402
-from tag.cost import CostModel, Profile  # noqa: E402
-from tag.graph import analyze  # noqa: E402
-from tag.profile import profile_network  # noqa: E402
-from tag.grouping import group_ops  # noqa: E402
-from tag.rewrite import rewrite  # noqa: E402
-from tag.runtime import run_steps  # noqa: E402
-from tag.simulator import Simulator  # noqa: E402
-from tag.testbed import Testbed, testbed_available  # noqa: E402
-from tag.topology import parse_topology  # noqa: E402
+from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy  # noqa: E402
+from tag.cost.model import CostModel, Profile  # noqa: E402
+from tag.frontend.analyze import analyze  # noqa: E402
+from tag.cost.calibration import profile_network  # noqa: E402
+from tag.strategy.grouping import group_ops  # noqa: E402
+from tag.backend.rewrite import rewrite  # noqa: E402
+from tag.backend.runtime import run_steps  # noqa: E402
+from tag.sim.simulator import Simulator  # noqa: E402
+from tag.backend.testbed import Testbed, testbed_available  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
 
 # (label, model spec, global batch)
 MODELS = [
@@ -66,7 +66,7 @@ def calibrate(workdir: str) -> Profile:
     """Profile the calibration graph on one core (as a worker runs), then TF's runtime between two local
     one-thread workers (tag.profile.profile_network); one profile for every case."""
     out = os.path.join(workdir, "profile.json")
-    cmd = [sys.executable, "-m", "tag.profile", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
+    cmd = [sys.executable, "-m", "tag.cost.calibration", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
            "--steps", "20", "--out", out]
     if os.path.exists("/usr/bin/taskset"):
         cmd = ["taskset", "-c", "0"] + cmd

@@ -30,7 +30,7 @@ QUICK = ["mlp", "resnet50"]
 
 def bench(name: str, batch_size: int) -> dict:
     from tag import zoo
-    from tag.graph import analyze
+    from tag.frontend.analyze import analyze
 
     t0 = time.perf_counter()
     gd = zoo.training_graph(name, batch_size=batch_size, cache=False)
@@ -63,7 +63,7 @@ def bench(name: str, batch_size: int) -> dict:
 def _warm_up() -> None:
     """Load TensorFlow and run analyze once on a tiny graph, so one-time import costs stay out."""
     from tag import zoo
-    from tag.graph import analyze
+    from tag.frontend.analyze import analyze
 
     analyze(zoo.training_graph("mlp", batch_size=2, hidden=(8,), cache=False))
 

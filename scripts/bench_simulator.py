@@ -38,7 +38,7 @@ MODELS = {
 
 def search_like(graph, topo, grouping, dp, n: int, seed: int = 0):
     """N strategies: dp_allreduce with 1-10 op groups given a random action."""
-    from tag.strategy import Action, Strategy
+    from tag.strategy.types import Action, Strategy
 
     rng = random.Random(seed)
     ng = len(topo.groups)
@@ -89,9 +89,9 @@ def rate(sim, strategies, seconds: float) -> dict:
 
 def bench_model(name: str, topo, seconds: float, groups: int) -> dict:
     import tag
-    from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
-    from tag.grouping import group_ops
-    from tag.simulator import Simulator
+    from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
+    from tag.strategy.grouping import group_ops
+    from tag.sim.simulator import Simulator
 
     t0 = time.perf_counter()
     gd = tag.zoo.training_graph(name, **MODELS[name])

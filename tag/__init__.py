@@ -18,14 +18,14 @@ from tag.errors import GraphError, MemoryBudgetError, RewriteError, StrategyErro
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_topology": ("tag.topology", "load_topology"),
-    "parse_topology": ("tag.topology", "parse_topology"),
-    "Topology": ("tag.topology", "Topology"),
-    "analyze": ("tag.graph", "analyze"),
-    "TrainingGraph": ("tag.ir", "TrainingGraph"),
-    "zoo": ("tag.zoo", None),
-    "Strategy": ("tag.strategy", "Strategy"),
-    "Action": ("tag.strategy", "Action"),
+    "load_topology": ("tag.cluster.topology", "load_topology"),
+    "parse_topology": ("tag.cluster.topology", "parse_topology"),
+    "Topology": ("tag.cluster.topology", "Topology"),
+    "analyze": ("tag.frontend.analyze", "analyze"),
+    "TrainingGraph": ("tag.ir.types", "TrainingGraph"),
+    "zoo": ("tag.frontend.zoo", None),
+    "Strategy": ("tag.strategy.types", "Strategy"),
+    "Action": ("tag.strategy.types", "Action"),
 }
 
 __all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",

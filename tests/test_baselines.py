@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from tag.baselines import (BUILTIN_STRATEGIES, best_connected_device, builtin_strategy, fastest_device,
+from tag.strategy.baselines import (BUILTIN_STRATEGIES, best_connected_device, builtin_strategy, fastest_device,
                            group_order, topological_op_order)
 from tag.errors import StrategyError
-from tag.ir import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
-from tag.strategy import Action, Grouping, Strategy
-from tag.topology import Device, DeviceGroup, Host, Topology
+from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
+from tag.strategy.types import Action, Grouping, Strategy
+from tag.cluster.topology import Device, DeviceGroup, Host, Topology
 
 GB = 1e9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,8 +234,8 @@ def test_generated_strategy_module_matches_the_proto(tmp_path):
 @pytest.fixture(scope="module", params=["zoo:mlp", "zoo:bert_base,num_layers=2,seq_len=16"])
 def zoo_case(request):
     from tag import zoo
-    from tag.graph import analyze
-    from tag.grouping import group_ops
+    from tag.frontend.analyze import analyze
+    from tag.strategy.grouping import group_ops
     _, gd = zoo.resolve_model(request.param, 16)
     tg = analyze(gd)
     return tg, group_ops(tg, target_groups=16)
@@ -243,8 +243,8 @@ def zoo_case(request):
 
 @pytest.mark.parametrize("topo_file", ["lab-v100-1080ti.pbtxt", "fabric-64x8.pbtxt"])
 def test_builtins_on_zoo_graphs(zoo_case, topo_file):
-    from tag.cost import CostModel
-    from tag.topology import load_topology
+    from tag.cost.model import CostModel
+    from tag.cluster.topology import load_topology
     tg, grouping = zoo_case
     topo = load_topology(os.path.join(ROOT, "topologies", topo_file))
     cm = CostModel(tg, topo)
@@ -272,7 +272,7 @@ def test_builtins_on_zoo_graphs(zoo_case, topo_file):
             # stages follow the groups' step order: the device of a layer (the group's forward compute
             # ops) never goes back. (Small update-only groups can be pulled to device 0 by colocation:
             # Adam's beta powers are colocated with the first variable.)
-            from tag.cost import ZERO_COST_TYPES
+            from tag.cost.model import ZERO_COST_TYPES
             layer_devs = []
             for g in group_order(tg, grouping):
                 fwd = [i for i in grouping.members(g)

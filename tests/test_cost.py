@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from tag.cost import CostModel, DeviceProfile, Profile
+from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.errors import TagError
 
 from tiny import DeviceSpec, GraphBuilder, make_topology
@@ -152,7 +152,7 @@ def test_cost_model_on_a_real_graph_is_positive_and_scales_with_batch():
 
 
 def test_network_calibration_slows_inter_host_links_only(tmp_path):
-    from tag.cost import NetworkProfile
+    from tag.cost.model import NetworkProfile
     net = NetworkProfile(step_overhead_s=1e-3, transfer_latency_s=1e-4, transfer_bytes_per_s=1.25e9)
     prof = Profile({}, network=net)
     path = tmp_path / "p.json"
@@ -178,7 +178,7 @@ def test_network_profile_rejects_bad_values(tmp_path):
 
 
 def test_collective_calibration_charges_cross_host_all_reduce_only():
-    from tag.cost import NetworkProfile
+    from tag.cost.model import NetworkProfile
     net = NetworkProfile(transfer_bytes_per_s=1e9, collective_bytes_per_s=0.5e9, transfer_latency_s=0.0,
                          collective_latency_s=2e-3)
     plain, calibrated = CostModel(_graph(), _topo()), CostModel(_graph(), _topo(), Profile({}, network=net))

@@ -1,5 +1,5 @@
 """The CLI plumbing: bad input is one line and exit 2; anything else exit 1."""
-from tag.cli import run_cli
+from tag.cli.common import run_cli
 from tag.errors import TopologyError
 
 

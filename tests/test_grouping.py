@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tag.errors import TagError
-from tag.grouping import op_levels, op_stages, topological_order, group_ops
+from tag.ir.algorithms import op_levels, op_stages, topological_order
+from tag.strategy.grouping import group_ops
 
 from tiny import GraphBuilder, mlp_graph
 

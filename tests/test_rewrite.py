@@ -18,13 +18,13 @@ import tensorflow as tf  # noqa: E402
 
 import tag  # noqa: E402
 from tag import zoo  # noqa: E402
-from tag.baselines import builtin_strategy  # noqa: E402
+from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.errors import RewriteError, StrategyError  # noqa: E402
-from tag.grouping import group_ops  # noqa: E402
-from tag.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
-from tag.runtime import free_ports, session_config  # noqa: E402
-from tag.strategy import Action, Grouping, Strategy, batch_shares  # noqa: E402
-from tag.topology import parse_topology  # noqa: E402
+from tag.strategy.grouping import group_ops  # noqa: E402
+from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
+from tag.backend.runtime import free_ports, session_config  # noqa: E402
+from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -740,7 +740,7 @@ def test_runtime_worker_processes():
     """End to end on separate tag-worker processes (tag.runtime.LocalCluster + run_steps): the built-in
     strategies of an MLP, with uneven shares, train like the original graph, one after another on
     the same cluster."""
-    from tag.runtime import LocalCluster, run_steps
+    from tag.backend.runtime import LocalCluster, run_steps
 
     gd, ir = model("mlp")
     topo = topology(free_ports(3), [0.1, 0.05, 0.05])

@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from tag.errors import GraphError, TagError  # noqa: E402
-from tag.runtime import (  # noqa: E402
+from tag.backend.runtime import (  # noqa: E402
     COLLECTIVE_LEADER,
     ClusterError,
     LocalCluster,
@@ -27,7 +27,7 @@ from tag.runtime import (  # noqa: E402
     session_config,
     worker_main,
 )
-from tag.topology import parse_topology  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
@@ -145,19 +145,19 @@ def test_worker_unknown_host_exit_2_lists_known_hosts(tmp_path, capsys):
 
 
 def test_worker_cli_bad_input_is_one_line_exit_2(tmp_path):
-    """As a process (python -m tag.runtime): no traceback, exit 2, before TensorFlow is even loaded."""
+    """As a process (python -m tag.backend.runtime): no traceback, exit 2, before TensorFlow is even loaded."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["PYTHONPATH"] = REPO
-    missing = subprocess.run([sys.executable, "-m", "tag.runtime", "--topo", str(tmp_path / "none.pbtxt"),
+    missing = subprocess.run([sys.executable, "-m", "tag.backend.runtime", "--topo", str(tmp_path / "none.pbtxt"),
                               "--host", "h0"], capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().count("\n") == 0 and "none.pbtxt" in missing.stderr
-    nothing = subprocess.run([sys.executable, "-m", "tag.runtime"], capture_output=True, text=True, env=env,
+    nothing = subprocess.run([sys.executable, "-m", "tag.backend.runtime"], capture_output=True, text=True, env=env,
                              timeout=60)
     assert nothing.returncode == 2 and "TF_CONFIG" in nothing.stderr and "Traceback" not in nothing.stderr
     f = tmp_path / "c.pbtxt"
     f.write_text(topo_text([23021]))
-    no_host = subprocess.run([sys.executable, "-m", "tag.runtime", "--topo", str(f)], capture_output=True,
+    no_host = subprocess.run([sys.executable, "-m", "tag.backend.runtime", "--topo", str(f)], capture_output=True,
                              text=True, env=env, timeout=60)
     assert no_host.returncode == 2 and "--host" in no_host.stderr
 
@@ -381,7 +381,7 @@ def test_tag_worker_process_serves_and_stops_on_sigterm(tmp_path):
     f = tmp_path / "one.pbtxt"
     f.write_text(topo_text([port]))
     env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen([sys.executable, "-m", "tag.runtime", "--topo", str(f), "--host", "h0", "--threads", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "tag.backend.runtime", "--topo", str(f), "--host", "h0", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
     try:
@@ -407,8 +407,8 @@ def test_worker_exits_when_its_parent_dies():
     topo = loopback_topology(1)
     code = (
         "import sys, time\n"
-        "from tag.topology import parse_topology\n"
-        "from tag.runtime import LocalCluster\n"
+        "from tag.cluster.topology import parse_topology\n"
+        "from tag.backend.runtime import LocalCluster\n"
         f"c = LocalCluster(parse_topology({topo_text([topo.hosts[0].port])!r})).start()\n"
         "print(c.pids[0], flush=True)\n"
         "time.sleep(600)\n"
@@ -439,8 +439,8 @@ def test_ctrl_c_stops_the_workers():
     topo = loopback_topology(1)
     code = (
         "import os, time\n"
-        "from tag.topology import parse_topology\n"
-        "from tag.runtime import LocalCluster\n"
+        "from tag.cluster.topology import parse_topology\n"
+        "from tag.backend.runtime import LocalCluster\n"
         "def alive(p):\n"
         "    try:\n"
         "        return open(f'/proc/{p}/stat').read().split(')')[-1].split()[0] != 'Z'\n"

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from tag.cost import CostModel, DeviceProfile, Profile
+from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.errors import StrategyError
-from tag.grouping import group_ops
-from tag.simulator import SimResult, Simulator
-from tag.strategy import Action, Grouping, Strategy
+from tag.strategy.grouping import group_ops
+from tag.sim.simulator import SimResult, Simulator
+from tag.strategy.types import Action, Grouping, Strategy
 
 from tiny import DeviceSpec, GraphBuilder, chain_graph, make_topology, mlp_graph
 
@@ -293,7 +293,7 @@ def resnet50():
 @pytest.mark.slow
 def test_zoo_resnet50_grouping(resnet50):
     import networkx as nx
-    from tag.grouping import nominal_op_cost, op_stages
+    from tag.strategy.grouping import nominal_op_cost, op_stages
     graph, gr = resnet50
     assert 80 <= gr.num_groups <= 100
     cost = nominal_op_cost(graph)
@@ -338,7 +338,7 @@ def test_zoo_slow_link_hurts_data_parallelism(resnet50):
 
 
 def test_network_profile_adds_step_overhead():
-    from tag.cost import NetworkProfile
+    from tag.cost.model import NetworkProfile
     tg = chain_graph([1e9, 2e9, 3e9])
     topo = _hosts(1)
     prof = dataclasses.replace(EXACT, network=NetworkProfile(step_overhead_s=0.5e-3))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tag.errors import StrategyError
-from tag.strategy import Action, Grouping, Strategy, batch_shares
+from tag.strategy.types import Action, Grouping, Strategy, batch_shares
 
 
 def test_batch_shares_proportional_and_exact():

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from tag.topology import parse_topology
-from tag.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from tag.cluster.topology import parse_topology
+from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
@@ -75,8 +75,8 @@ def test_teardown_after_an_error_inside_the_block():
 @pytest.mark.slow
 def test_cleanup_stale_removes_what_a_killed_run_left():
     code = ("import os, sys\n"
-            "from tag.topology import parse_topology\n"
-            "from tag.testbed import Testbed\n"
+            "from tag.cluster.topology import parse_topology\n"
+            "from tag.backend.testbed import Testbed\n"
             f"tb = Testbed(parse_topology({topo_text_for_child()!r})).setup()\n"
             "print(tb.namespace(0), tb.bridge, flush=True)\n"
             "os._exit(0)  # dies without tearing down\n")
@@ -149,7 +149,7 @@ def test_tf_cluster_inside_the_testbed_runs_a_two_task_graph():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    from tag.runtime import run_steps, session_config
+    from tag.backend.runtime import run_steps, session_config
     from test_runtime import learnable_input, mlp_graph, pid_alive
 
     with Testbed(topo(2, fabric_gbps=0.5), cpu_shares={"h0": 1024, "h1": 512}) as tb:

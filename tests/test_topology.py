@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import tag
 from tag.errors import TopologyError
-from tag.topology import MAX_FILE_BYTES, Topology, load_topology, parse_topology
+from tag.cluster.topology import MAX_FILE_BYTES, Topology, load_topology, parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGIES = os.path.join(ROOT, "topologies")

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tag.deploy_cli import main
+from tag.cli.deploy import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCALHOST = os.path.join(ROOT, "topologies", "localhost.pbtxt")
@@ -150,7 +150,7 @@ def test_profile_changes_the_prediction(tmp_path, capsys):
 
 def test_console_script(tmp_path):
     exe = shutil.which("tag-deploy")
-    cmd = [exe] if exe else [sys.executable, "-m", "tag.deploy_cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "tag.cli.deploy"]
     report = tmp_path / "r.json"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("TAG_PROFILE", None)

@@ -24,8 +24,8 @@ after an error; ``cleanup_stale()`` removes what a killed run left behind (names
 Example::
 
     import tag
-    from tag.testbed import Testbed
-    from tag.runtime import run_steps
+    from tag.backend.testbed import Testbed
+    from tag.backend.runtime import run_steps
 
     topo = tag.load_topology("topologies/localhost.pbtxt")
     with Testbed(topo) as tb:                     # namespaces, bridge, shaped veths
@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.runtime import LocalCluster
-    from tag.topology import Host, Topology
+    from tag.backend.runtime import LocalCluster
+    from tag.cluster.topology import Host, Topology
 
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range
 BLOCK_PREFIX = 24
@@ -430,7 +430,7 @@ class Testbed:
             raise TestbedError("set up the testbed first (use it as a context manager)")
         if self.cluster is not None:
             raise TestbedError("workers already running; stop_workers() first")
-        from tag.runtime import LocalCluster
+        from tag.backend.runtime import LocalCluster
 
         index = {h.name: i for i, h in enumerate(self.topology.hosts)}
 

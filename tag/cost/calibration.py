@@ -10,11 +10,11 @@ efficiencies with their own spec-sheet peak and bandwidth (the cost model does t
 
 Usage::
 
-    python -m tag.profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
-    python -m tag.profile --model zoo:mlp                         # writes default_profile_path()
-    python -m tag.profile --model zoo:mlp --network               # + TF runtime costs between two workers
+    tag-profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
+    tag-profile --model zoo:mlp                         # writes default_profile_path()
+    tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
 
-    from tag.profile import profile_graph
+    from tag.cost.calibration import profile_graph
     prof = profile_graph(graph_def, tag.analyze(graph_def), steps=10)
     prof.save("profile.json")
 
@@ -57,16 +57,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tag.errors import GraphError, TagError  # noqa: E402
+from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.cost import NetworkProfile, Profile
-    from tag.ir import TrainingGraph
+    from tag.cost.model import NetworkProfile, Profile
+    from tag.ir.types import TrainingGraph
 
 v1 = tf.compat.v1
 
 PROFILE_ENV = "TAG_PROFILE"
-_VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
-_INIT_OPS = {"Assign", "AssignVariableOp"}
 _STEP_STATS_RESOLUTION_S = 1e-6      # step stats count whole microseconds
 _MIN_WALL_SAMPLES = 20
 _MIN_FIT_S = 20e-6                   # ops faster than this even at the roofline: fixed costs, not efficiency
@@ -88,7 +87,7 @@ def load_default_profile() -> "Profile | None":
     ``$TAG_PROFILE`` naming a missing or bad file is an error (the user asked for it); a missing
     file at the cache location just means "not profiled yet".
     """
-    from tag.cost import Profile
+    from tag.cost.model import Profile
     path = default_profile_path()
     if not os.path.exists(path):
         if os.environ.get(PROFILE_ENV):
@@ -148,9 +147,9 @@ def _init_ops(graph_def, graph: "TrainingGraph") -> list[str]:
     step = set(graph.op_index)
     out = []
     for n in graph_def.node:
-        if n.op in _INIT_OPS and n.name not in step and n.input:
+        if n.op in INITIALIZER_TYPES and n.name not in step and n.input:
             src = n.input[0].lstrip("^").split(":")[0]
-            if src in names and names[src].op in _VARIABLE_OPS:
+            if src in names and names[src].op in VARIABLE_TYPES:
                 out.append(n.name)
     return out
 
@@ -158,7 +157,7 @@ def _init_ops(graph_def, graph: "TrainingGraph") -> list[str]:
 def _random_feeds(g: tf.Graph, graph: "TrainingGraph", rng: np.random.Generator) -> dict:
     """Random values for every Placeholder of the step: floats ~ N(0, 1), integers in {0, 1}
     (valid class ids and token ids for any model), the batch axis at the graph's batch size."""
-    from tag.runtime import random_input
+    from tag.backend.runtime import random_input
     feeds = {}
     for op in graph.ops:
         if op.type != "Placeholder":
@@ -350,7 +349,7 @@ def fit_profile(graph: "TrainingGraph", m: StepMeasurement, peak: float, bw: flo
     Matches ``tag.cost.CostModel.op_times``: ops of ``tag.cost.ZERO_COST_TYPES`` cost nothing there,
     so their measured time is folded into the launch overhead of the others.
     """
-    from tag.cost import ZERO_COST_TYPES
+    from tag.cost.model import ZERO_COST_TYPES
     batch = float(graph.batch_size)
     flops = np.array([op.flops.at(batch) for op in graph.ops], dtype=np.float64)
     mem = np.array([op.mem_bytes.at(batch) for op in graph.ops], dtype=np.float64)
@@ -399,7 +398,7 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
     topology's device type for this machine, "CPU" on a CPU host); ``steps`` traced steps are taken
     after a short warm-up; each op's fastest time is used. ``model`` names the graph in the profile's source.
     """
-    from tag.cost import Profile
+    from tag.cost.model import Profile
     m = measure_step(graph_def, graph, steps=steps, device_type=device_type, seed=seed)
     peak = measure_peak_flops(device_type)
     bw = measure_memory_bandwidth(device_type)
@@ -470,8 +469,8 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     size between the two tasks, minus the same step without it, fitted likewise (for two devices a ring
     all-reduce moves the full size each way). The step overhead is the local step of the smallest size.
     """
-    from tag.cost import NetworkProfile
-    from tag.runtime import run_steps
+    from tag.cost.model import NetworkProfile
+    from tag.backend.runtime import run_steps
 
     def step_time(graph_def) -> float:
         r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps, warmup=2)
@@ -490,8 +489,8 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
     """Start two local TF servers (one ``threads_per_worker``-thread worker each) and measure_network()."""
-    from tag.runtime import LocalCluster, free_ports
-    from tag.topology import parse_topology
+    from tag.backend.runtime import LocalCluster, free_ports
+    from tag.cluster.topology import parse_topology
     ports = free_ports(2)
     text = "\n".join(f'host {{ name: "net{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                      f'count: 1 memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
@@ -506,7 +505,7 @@ def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "Network
 # --------------------------------------------------------------------------------------------
 
 def _body(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tag.profile",
+    p = argparse.ArgumentParser(prog="tag-profile",
                                 description="Profile a training step on this machine and write a cost profile.")
     p.add_argument("--model", required=True, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
     p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
@@ -522,7 +521,7 @@ def _body(argv: Sequence[str]) -> int:
     if args.steps < 1:
         raise TagError(f"--steps must be positive, got {args.steps}")
     from tag import zoo
-    from tag.graph import analyze
+    from tag.frontend.analyze import analyze
     name, gd = zoo.resolve_model(args.model, args.batch)
     graph = analyze(gd, batch_size=args.batch)
     prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
@@ -548,9 +547,9 @@ def _body(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tag.profile``: exit 0, or 2 with one line on bad input."""
-    from tag.cli import run_cli
-    return run_cli("tag.profile", _body, argv)
+    """``tag-profile``: exit 0, or 2 with one line on bad input."""
+    from tag.cli.common import run_cli
+    return run_cli("tag-profile", _body, argv)
 
 
 if __name__ == "__main__":

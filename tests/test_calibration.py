@@ -10,10 +10,10 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tag.cost import CostModel, Profile  # noqa: E402
+from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
-from tag.ir import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa: E402
-from tag.profile import (StepMeasurement, default_profile_path, fit_profile, load_default_profile,  # noqa: E402
+from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa: E402
+from tag.cost.calibration import (StepMeasurement, default_profile_path, fit_profile, load_default_profile,  # noqa: E402
                          main, profile_graph)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ def test_default_profile_path_and_env(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def mlp():
     from tag import zoo
-    from tag.graph import analyze
+    from tag.frontend.analyze import analyze
     name, gd = zoo.resolve_model(MLP_SPEC, MLP_BATCH)
     tg = analyze(gd)
     return gd, tg
@@ -138,7 +138,7 @@ def test_profile_json_round_trip(mlp_profile, tmp_path):
 
 
 def test_calibrated_cost_model_predicts_measured_step(mlp, mlp_profile_and_step):
-    from tag.topology import load_topology
+    from tag.cluster.topology import load_topology
     gd, tg = mlp
     mlp_profile, measured = mlp_profile_and_step
     topo = load_topology(LOCALHOST)
@@ -170,7 +170,7 @@ def test_cli_bad_model_exits_2_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["--model", "zoo:no_such_model", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tag.profile: error:") and len(err.strip().splitlines()) == 1
+    assert err.startswith("tag-profile: error:") and len(err.strip().splitlines()) == 1
     assert not out.exists()
     assert main(["--model", "zoo:mlp", "--steps", "0", "--out", str(out)]) == 2
     assert not out.exists()
@@ -179,8 +179,8 @@ def test_cli_bad_model_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_profile_of_a_users_raw_tf_graph():
     """Ref variables, no ``init`` op, a None batch dimension: the initialisers are found and the step runs."""
     import tensorflow as tf
-    from tag.graph import analyze
-    from tag.profile import _init_ops
+    from tag.frontend.analyze import analyze
+    from tag.cost.calibration import _init_ops
     v1 = tf.compat.v1
     g = tf.Graph()
     with g.as_default():
@@ -202,7 +202,7 @@ def test_profile_of_a_users_raw_tf_graph():
 @pytest.mark.slow
 def test_profile_network_measures_the_runtime_between_two_workers():
     """Two real local TF servers: a remote read costs more than a local one, at a finite positive rate."""
-    from tag.profile import profile_network
+    from tag.cost.calibration import profile_network
     net = profile_network(steps=6)
     assert 0 < net.step_overhead_s < 1.0
     assert net.transfer_latency_s >= 0

@@ -3,7 +3,7 @@
 Example::
 
     import tag
-    from tag.graph import analyze
+    from tag.frontend.analyze import analyze
 
     tg = analyze(tag.zoo.training_graph("resnet50", batch_size=32))
     print(len(tg.ops), tg.num_parameters, tg.total_flops(batch=8, phases=("forward", "backward")))
@@ -77,7 +77,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tag.errors import GraphError  # noqa: E402
-from tag.ir import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo  # noqa: E402
+from tag.ir.op_types import (CALL_TYPES, CASE_TYPES, FUNCTION_CALL_TYPES, IF_TYPES, ITERATOR_TYPES,  # noqa: E402
+                              PLACEHOLDER_TYPES, VARIABLE_TYPES, WHILE_TYPES)
+from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo  # noqa: E402
 
 __all__ = ["analyze", "is_apply_op", "FLOP_RULE_TYPES", "ZERO_FLOP_TYPES"]
 
@@ -87,15 +89,7 @@ Shape = tuple  # tuple[int | None, ...]
 
 _APPLY_RE = re.compile(r"^(Resource)?(Sparse)?Apply[A-Z]")
 _GRAD_SCOPE_RE = re.compile(r"^gradients(_\d+)?$")
-_VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 _READ_TYPES = frozenset({"ReadVariableOp", "Identity"})
-_INPUT_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
-_ITERATOR_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync"})
-_IF_TYPES = frozenset({"If", "StatelessIf"})
-_CASE_TYPES = frozenset({"Case", "StatelessCase"})
-_CALL_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-_WHILE_TYPES = frozenset({"While", "StatelessWhile"})
-_FUNCTIONAL_TYPES = _IF_TYPES | _CASE_TYPES | _CALL_TYPES | _WHILE_TYPES
 
 
 def is_apply_op(op_type: str) -> bool:
@@ -396,7 +390,7 @@ def _build_flop_rules() -> dict[str, FlopRule]:
 
 
 _FLOP_RULES = _build_flop_rules()
-FLOP_RULE_TYPES = frozenset(_FLOP_RULES) | _FUNCTIONAL_TYPES
+FLOP_RULE_TYPES = frozenset(_FLOP_RULES) | FUNCTION_CALL_TYPES
 
 
 def _flops_of(op_type: str, attrs, ins: list, outs: list, out_dtypes: list, extra: dict) -> tuple[float, bool]:
@@ -474,7 +468,7 @@ class _FunctionCoster:
             nd = op.node_def
             ins = [_to_shape(t.shape) for t in op.inputs]
             outs = [_to_shape(t.shape) for t in op.outputs]
-            if op.type in _FUNCTIONAL_TYPES:
+            if op.type in FUNCTION_CALL_TYPES:
                 f, unk = self.cost_functional(op.type, nd.attr, ins, depth + 1)
                 total += f
                 unknown.update(unk)
@@ -493,21 +487,21 @@ class _FunctionCoster:
     def cost_functional(self, op_type: str, attrs, in_shapes: list, depth: int = 0,
                         const_cond: Any = None) -> tuple[float, Counter]:
         """Cost of a functional op: the dearer branch of If/Case, one trip of While, the callee of a call."""
-        if op_type in _IF_TYPES:
+        if op_type in IF_TYPES:
             args = in_shapes[1:]
             names = [attrs["then_branch"].func.name, attrs["else_branch"].func.name]
             if const_cond is not None:
                 names = [names[0] if const_cond else names[1]]
             return self._max(names, args, depth)
-        if op_type in _CASE_TYPES:
+        if op_type in CASE_TYPES:
             args = in_shapes[1:]
             names = [f.name for f in attrs["branches"].list.func]
             if const_cond is not None and 0 <= int(const_cond) < len(names):
                 names = [names[int(const_cond)]]
             return self._max(names, args, depth)
-        if op_type in _CALL_TYPES:
+        if op_type in CALL_TYPES:
             return self.cost(attrs["f"].func.name, in_shapes, depth)
-        if op_type in _WHILE_TYPES:
+        if op_type in WHILE_TYPES:
             fb, ub = self.cost(attrs["body"].func.name, in_shapes, depth)
             fc, uc = self.cost(attrs["cond"].func.name, in_shapes, depth)
             return fb + fc, ub + uc
@@ -764,11 +758,11 @@ def _batch_inputs(nodes: dict[str, _Node], step: set[str]) -> list[tuple[str, in
     cands = []
     for name in step:
         n = nodes[name]
-        if n.type in _INPUT_TYPES:
+        if n.type in PLACEHOLDER_TYPES:
             sh = n.nd.attr["shape"].shape
             if not sh.unknown_rank and len(sh.dim) >= 1:
                 cands.append((name, 0, [d.size for d in sh.dim]))
-        elif n.type in _ITERATOR_TYPES:
+        elif n.type in ITERATOR_TYPES:
             for i, sh in enumerate(n.nd.attr["output_shapes"].list.shape):
                 if not sh.unknown_rank and len(sh.dim) >= 1:
                     cands.append((name, i, [d.size for d in sh.dim]))
@@ -782,7 +776,7 @@ def _set_batch_dims(gd, targets: dict[str, set[int]], value: int) -> None:
         idxs = targets.get(nd.name)
         if not idxs:
             continue
-        if nd.op in _INPUT_TYPES:
+        if nd.op in PLACEHOLDER_TYPES:
             nd.attr["shape"].shape.dim[0].size = value
         else:
             shapes = nd.attr["output_shapes"].list.shape
@@ -795,8 +789,8 @@ def _calls_instead_of_ifs(gd) -> int:
     inference runs through the function (If ops otherwise trust their stored output_shapes)."""
     n_rewritten = 0
     for nd in gd.node:
-        if nd.op in _IF_TYPES or nd.op in _CASE_TYPES:
-            if nd.op in _IF_TYPES:
+        if nd.op in IF_TYPES or nd.op in CASE_TYPES:
+            if nd.op in IF_TYPES:
                 f = nd.attr["then_branch"].func
             else:
                 fl = nd.attr["branches"].list.func
@@ -1056,10 +1050,10 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         for nm in order:
             n = nodes[nm]
             ss = shapes.get(nm, [])
-            if n.type in _INPUT_TYPES or n.type in _ITERATOR_TYPES:
+            if n.type in PLACEHOLDER_TYPES or n.type in ITERATOR_TYPES:
                 axes[nm] = [0 if (nm, i) in input_tensors and ss[i] else None for i in range(len(ss))]
                 continue
-            if n.type in _VARIABLE_TYPES or (n.type == "Const" and not second):
+            if n.type in VARIABLE_TYPES or (n.type == "Const" and not second):
                 axes[nm] = [None] * len(ss)
                 continue
             res = list(axes[nm]) if second else list(trick_axes.get(nm, [None] * len(ss)))
@@ -1068,7 +1062,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
                 continue
             ins = [(shapes[s][i] if i < len(shapes[s]) else None,
                     axes[s][i] if s in axes and i < len(axes[s]) else None) for s, i in n.data_in]
-            if any(a is not None for _, a in ins) and n.type in _FUNCTIONAL_TYPES:
+            if any(a is not None for _, a in ins) and n.type in FUNCTION_CALL_TYPES:
                 rule = _same_shape_axes(ins, ss)   # opaque bodies: only an input's exact shape tells
             elif any(a is not None for _, a in ins):
                 rule = _rule_axes(n.type, n.nd.attr, ins, ss, lambda k, _n=n: const_node(_n, k))
@@ -1108,7 +1102,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     # --- 9. variables --------------------------------------------------------------------------------------
     def source_var(src: str, depth: int = 0) -> str | None:
         n = nodes[src]
-        if n.type in _VARIABLE_TYPES:
+        if n.type in VARIABLE_TYPES:
             return src
         if n.type in ("Identity", "Enter", "RefEnter", "RefIdentity") and n.data_in and depth < 8:
             return source_var(n.data_in[0][0], depth + 1)
@@ -1127,7 +1121,7 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
                 return tuple(s)
         return None
 
-    var_names = [nm for nm in order if nodes[nm].type in _VARIABLE_TYPES]
+    var_names = [nm for nm in order if nodes[nm].type in VARIABLE_TYPES]
     var_kind: dict[str, str] = {v: "state" for v in var_names}
     var_apply: dict[str, str] = {}
     var_grad: dict[str, str] = {}
@@ -1242,9 +1236,9 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
         out_shapes = shapes[nm]
         touches_batch = any(t.batch_axis is not None for t in in_infos) or any(
             t.batch_axis is not None for t in outs)
-        if n.type in _FUNCTIONAL_TYPES:
+        if n.type in FUNCTION_CALL_TYPES:
             const_cond = None
-            if n.type in _IF_TYPES or n.type in _CASE_TYPES:
+            if n.type in IF_TYPES or n.type in CASE_TYPES:
                 c = _const_ints(nodes[n.data_in[0][0]].nd) if n.data_in else None
                 const_cond = c[0] if c else None
             f, unk = coster.cost_functional(n.type, n.nd.attr, in_shapes, const_cond=const_cond)

@@ -8,7 +8,7 @@ whose ops carry ``/job:worker/task:T/device:TYPE:I`` device strings.
 Example::
 
     import tag
-    from tag.runtime import LocalCluster, run_steps
+    from tag.backend.runtime import LocalCluster, run_steps
 
     topo = tag.load_topology("topologies/localhost.pbtxt")
     with LocalCluster(topo) as cluster:          # one tag-worker process per host, stopped on exit
@@ -16,7 +16,7 @@ Example::
     print(result.mean_step_time_s, result.losses[-1])
 
 From a shell, one host's server: ``tag-worker --topo cluster.pbtxt --host gpu-node-2`` (or
-``python -m tag.runtime ...``); with ``TF_CONFIG`` set and no ``--topo``, the cluster and this
+``python -m tag.backend.runtime ...``); with ``TF_CONFIG`` set and no ``--topo``, the cluster and this
 task come from ``TF_CONFIG``.
 
 Note: TensorFlow's gRPC server listens on every interface of its network namespace at the port the
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tag.cli import run_cli
+from tag.cli.common import run_cli
 from tag.errors import GraphError, TagError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import tensorflow as tf
 
-    from tag.topology import Host, Topology
+    from tag.cluster.topology import Host, Topology
 
 JOB = "worker"
 COLLECTIVE_LEADER = "/job:worker/replica:0/task:0"
@@ -151,7 +151,7 @@ def _resolve_worker(args: argparse.Namespace) -> tuple[dict[str, list[str]], str
     if args.topo:
         if not args.host:
             raise TagError("--topo needs --host NAME (which host this process serves)")
-        from tag.topology import load_topology
+        from tag.cluster.topology import load_topology
 
         topo = load_topology(args.topo)
         by_name = {h.name: h for h in topo.hosts}
@@ -320,7 +320,7 @@ class LocalCluster:
     """One ``tag-worker`` process per host of a topology, started together and stopped together.
 
     ``with LocalCluster(topo) as c: run_steps(gd, c.target)``. Workers run
-    ``sys.executable -m tag.runtime`` with ``TF_CONFIG`` naming their task, each in its own process
+    ``sys.executable -m tag.backend.runtime`` with ``TF_CONFIG`` naming their task, each in its own process
     group; they are stopped (SIGTERM, then SIGKILL) on exit from the block, on errors, on Ctrl-C, at
     interpreter exit, and they stop themselves if this process disappears.
 
@@ -400,7 +400,7 @@ class LocalCluster:
         # Make the child import this same tag package even when it is not installed.
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "tag.runtime", "--threads", str(self.threads_per_worker),
+        cmd = [sys.executable, "-m", "tag.backend.runtime", "--threads", str(self.threads_per_worker),
                "--parent-pid", str(os.getpid())]
         if self.launcher is not None:
             cmd = list(self.launcher(host)) + cmd

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tag.topo_cli import format_topology, main
-from tag.topology import load_topology
+from tag.cli.topo import format_topology, main
+from tag.cluster.topology import load_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY = sorted(glob.glob(os.path.join(ROOT, "topologies", "*.pbtxt")))
@@ -23,7 +23,7 @@ host { name: "a" address: "127.0.0.1" port: 1
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tag.topo_cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tag.cli.topo", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -47,9 +47,9 @@ devices) and caches what depends on placements and batch shares across calls. De
 Example::
 
     import json, tag
-    from tag.grouping import group_ops
-    from tag.simulator import Simulator
-    from tag.strategy import Action, Strategy
+    from tag.strategy.grouping import group_ops
+    from tag.sim.simulator import Simulator
+    from tag.strategy.types import Action, Strategy
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     topo = tag.load_topology("topologies/a100-8x-nvlink.pbtxt")
     grouping = group_ops(tg, target_groups=100)
@@ -67,12 +67,12 @@ from functools import partial
 
 import numpy as np
 
-from tag.cost import CostModel
+from tag.cost.model import CostModel
 from tag.errors import StrategyError
-from tag.grouping import op_stages, topological_order
-from tag.ir import TrainingGraph
-from tag.strategy import Action, Grouping, Strategy, batch_shares
-from tag.topology import Topology
+from tag.ir.algorithms import op_stages, topological_order
+from tag.ir.types import TrainingGraph
+from tag.strategy.types import Action, Grouping, Strategy, batch_shares
+from tag.cluster.topology import Topology
 
 STAGE_NAMES = ("forward", "backward", "update")
 _VECTOR_MIN = 8      # runs of at least this many task instances are simulated with numpy

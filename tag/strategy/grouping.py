@@ -20,14 +20,13 @@ Group names are the layer scope of the group's costliest part, with ``(+k)`` whe
 Example::
 
     import tag
-    from tag.grouping import group_ops
+    from tag.strategy.grouping import group_ops
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=32))
     grouping = group_ops(tg, target_groups=100)
     grouping.num_groups, grouping.names[:3]      # 100, ['conv1_pad', 'conv1_conv(+1)', 'pool1_pad(+1)']
 """
 from __future__ import annotations
 
-import heapq
 import re
 
 import numpy as np
@@ -35,97 +34,18 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
 from tag.errors import TagError
-from tag.ir import PHASES, TrainingGraph
-from tag.strategy import Grouping
+from tag.ir.algorithms import UnionFind, dependency_arrays, op_levels, op_stages, topological_order
+from tag.ir.types import TrainingGraph
+from tag.strategy.types import Grouping
 
 _GRAD_PREFIX = re.compile(r"^gradients(?:_\d+)?/(.+)$")
 # nominal device for the grouping's cost proxy (roughly one V100): FLOP/s, bytes/s, seconds per op
 _NOMINAL_FLOPS, _NOMINAL_BW, _NOMINAL_OVERHEAD = 1e13, 9e11, 5e-6
 
 
-def dependency_arrays(graph: TrainingGraph) -> tuple[np.ndarray, np.ndarray]:
-    """(src, dst) op-index arrays of every data and control dependency."""
-    src = [e.src for e in graph.edges] + [c[0] for c in graph.control_edges]
-    dst = [e.dst for e in graph.edges] + [c[1] for c in graph.control_edges]
-    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-
-
-def topological_order(graph: TrainingGraph) -> np.ndarray:
-    """Op indices in a topological order (ties: lower index first). Ops on a cycle come last, by index."""
-    n = len(graph.ops)
-    src, dst = dependency_arrays(graph)
-    indeg = np.bincount(dst, minlength=n).astype(np.int64)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
-        succ[s].append(d)
-    heap = [i for i in range(n) if indeg[i] == 0]
-    heapq.heapify(heap)
-    order, seen = [], np.zeros(n, dtype=bool)
-    indeg = indeg.tolist()
-    while heap:
-        i = heapq.heappop(heap)
-        order.append(i)
-        seen[i] = True
-        for j in succ[i]:
-            indeg[j] -= 1
-            if indeg[j] == 0:
-                heapq.heappush(heap, j)
-    if len(order) < n:  # a cycle (should not happen in a training step): append the rest by index
-        order.extend(np.flatnonzero(~seen).tolist())
-    return np.asarray(order, dtype=np.int64)
-
-
-def op_stages(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarray:
-    """Per op: 0 forward, 1 backward, 2 update -- its phase raised to the latest stage of its ancestors.
-
-    Stages never decrease along a dependency, so (group, stage) tasks form an acyclic graph whenever the
-    groups of each stage do.
-    """
-    n = len(graph.ops)
-    stage = np.array([PHASES.index(op.phase) for op in graph.ops], dtype=np.int64)
-    if order is None:
-        order = topological_order(graph)
-    src, dst = dependency_arrays(graph)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
-        preds[d].append(s)
-    st = stage.tolist()
-    for i in order.tolist():
-        for p in preds[i]:
-            if st[p] > st[i]:
-                st[i] = st[p]
-    return np.asarray(st, dtype=np.int8)
-
-
-def op_levels(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarray:
-    """Longest-path depth of each op below the batch inputs (``graph.inputs``; all sources if none).
-
-    Ops that no input reaches (variables, constants and what only they feed) get -1, so parameters do
-    not pull a layer to the front of the step.
-    """
-    n = len(graph.ops)
-    if order is None:
-        order = topological_order(graph)
-    src, dst = dependency_arrays(graph)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
-        preds[d].append(s)
-    starts = {graph.op_index[nm] for nm in graph.inputs if nm in graph.op_index}
-    if not starts:
-        starts = {i for i in range(n) if not preds[i]}
-    lv = [-1] * n
-    for i in order.tolist():
-        if i in starts:
-            lv[i] = max(lv[i], 0)
-        for p in preds[i]:
-            if lv[p] >= 0 and lv[p] + 1 > lv[i]:
-                lv[i] = lv[p] + 1
-    return np.asarray(lv, dtype=np.int64)
-
-
 def nominal_op_cost(graph: TrainingGraph, batch: float | None = None) -> np.ndarray:
     """A device-independent cost per op (seconds on a nominal GPU), used to balance groups."""
-    from tag.cost import ZERO_COST_TYPES  # numpy-only module
+    from tag.cost.model import ZERO_COST_TYPES  # numpy-only module
 
     a = graph.arrays()
     b = graph.batch_size if batch is None else batch
@@ -133,29 +53,6 @@ def nominal_op_cost(graph: TrainingGraph, batch: float | None = None) -> np.ndar
     zero = np.array([op.type in ZERO_COST_TYPES for op in graph.ops], dtype=bool)
     t[zero] = 0.0
     return t
-
-
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        p = self.parent
-        root = x
-        while p[root] != root:
-            root = p[root]
-        while p[x] != root:
-            p[x], x = root, p[x]
-        return root
-
-    def union(self, a: int, b: int) -> int:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return ra
-        if rb < ra:
-            ra, rb = rb, ra
-        self.parent[rb] = ra  # the lower index stays the root: deterministic
-        return ra
 
 
 def _scope(name: str) -> str:
@@ -246,7 +143,7 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     # leaves it and comes back): a transformer layer's scope holding the residual adds around its
     # sub-layers is not. Such a scope splits into its directly connected parts, and parts that are
     # still not contiguous into single ops.
-    hard = _UnionFind(n)
+    hard = UnionFind(n)
     for x, y in pairs:
         hard.union(x, y)
     hard_root = [hard.find(i) for i in range(n)]
@@ -277,7 +174,7 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
                 pairs.extend((comp[0], j) for j in comp[1:])
 
     cyc = _Cycles(graph, stage)
-    uf = _UnionFind(n)
+    uf = UnionFind(n)
     for x, y in pairs:
         uf.union(x, y)
     # backward ops without a forward op: join the first consumer, else the first producer, else stay alone
@@ -298,7 +195,7 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     # colocation sets: all at once if that stays acyclic, else the harmless ones at once and the rest
     # one by one, each only if it keeps the group graph acyclic
     def with_sets(r: np.ndarray, sets: list[list[int]]) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        u = _UnionFind(n)
+        u = UnionFind(n)
         links = []
         for idx in sets:
             for j in idx[1:]:
@@ -394,7 +291,7 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     return Grouping(group_of_op, names)
 
 
-def _relabel(roots: np.ndarray, uf: _UnionFind) -> np.ndarray:
+def _relabel(roots: np.ndarray, uf: UnionFind) -> np.ndarray:
     """ROOTS with every set id replaced by its current union-find root."""
     uniq, inv = np.unique(roots, return_inverse=True)
     return np.array([uf.find(int(x)) for x in uniq], dtype=np.int64)[inv]
@@ -496,7 +393,7 @@ class _Cycles:
         return out
 
 
-def _make_acyclic(cyc: _Cycles, roots: np.ndarray, uf: _UnionFind) -> np.ndarray:
+def _make_acyclic(cyc: _Cycles, roots: np.ndarray, uf: UnionFind) -> np.ndarray:
     """Merge sets until the (set, stage) task graph has no cycle."""
     while True:
         sccs = cyc.sccs(roots)
@@ -509,7 +406,7 @@ def _make_acyclic(cyc: _Cycles, roots: np.ndarray, uf: _UnionFind) -> np.ndarray
 
 
 def _merge_to_target(cyc: _Cycles, roots: np.ndarray, stage: np.ndarray, levels: np.ndarray,
-                     cost: np.ndarray, target: int, uf: _UnionFind) -> np.ndarray:
+                     cost: np.ndarray, target: int, uf: UnionFind) -> np.ndarray:
     """Merge the cheapest adjacent pair of sets (in topological order) until at most TARGET sets remain.
 
     A merge that would close a cycle of (set, stage) tasks is skipped (that pair stays apart for good:

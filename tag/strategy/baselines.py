@@ -2,9 +2,9 @@
 
 Example::
 
-    from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
-    from tag.grouping import group_ops
-    from tag.simulator import Simulator
+    from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
+    from tag.strategy.grouping import group_ops
+    from tag.sim.simulator import Simulator
     grouping = group_ops(tg, target_groups=64)
     for name in BUILTIN_STRATEGIES:
         s = builtin_strategy(name, tg, topo, grouping)
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tag.errors import StrategyError
-from tag.strategy import Action, Grouping, Strategy
+from tag.strategy.types import Action, Grouping, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.ir import TrainingGraph
-    from tag.topology import Topology
+    from tag.ir.types import TrainingGraph
+    from tag.cluster.topology import Topology
 
 BUILTIN_STRATEGIES: tuple[str, ...] = ("dp_allreduce", "ps", "single", "partition")
 
@@ -75,7 +75,7 @@ def builtin_strategy(name: str, graph: "TrainingGraph", topology: "Topology", gr
         return Strategy(grouping, [Action((group,), "partition")] * n_groups,
                         partition={i: dev for i in range(len(graph.ops))}, name=name)
     if cost_model is None:
-        from tag.cost import CostModel
+        from tag.cost.model import CostModel
         cost_model = CostModel(graph, topology)
     device_of_op = balanced_partition(graph, topology, grouping, cost_model)
     return Strategy(grouping, [Action(all_groups, "partition")] * n_groups,
@@ -100,7 +100,7 @@ def fastest_device(topology: "Topology") -> int:
 
 def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
     """Position of each op in ``tag.grouping.topological_order`` (deterministic; data and control edges)."""
-    from tag.grouping import topological_order
+    from tag.ir.algorithms import topological_order
     order = topological_order(graph)
     pos = np.empty(len(order), dtype=np.int64)
     pos[order] = np.arange(len(order))
@@ -115,7 +115,7 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
     topological order may list first, and they must not pull their layer to the front (ops of
     ``tag.cost.ZERO_COST_TYPES`` count only for a group that has nothing else).
     """
-    from tag.grouping import op_levels, op_stages, topological_order
+    from tag.ir.algorithms import op_levels, op_stages, topological_order
     order = topological_order(graph)
     stage = np.asarray(op_stages(graph, order), dtype=np.int64)
     level = np.asarray(op_levels(graph, order), dtype=np.int64)
@@ -125,7 +125,7 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
     first_stage = np.full(k, big, dtype=np.int64)
     np.minimum.at(first_stage, gof, stage)
     in_first = stage == first_stage[gof]
-    from tag.cost import ZERO_COST_TYPES
+    from tag.cost.model import ZERO_COST_TYPES
     working = np.array([op.type not in ZERO_COST_TYPES for op in graph.ops], dtype=bool)
     depth = np.full(k, big, dtype=np.int64)          # ops that do work decide ...
     reached = in_first & (level >= 0) & working

@@ -18,9 +18,9 @@ import os
 import sys
 from typing import Sequence
 
-from tag.cli import EXIT_BAD_INPUT, EXIT_OK, one_line, run_cli
+from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, one_line, run_cli
 from tag.errors import TopologyError
-from tag.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
+from tag.cluster.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
 
 PROG = "tag-topo"
 

@@ -114,6 +114,13 @@ class Topology:
         d = self.devices[device_index]
         return f"/job:worker/task:{self.hosts[d.host_index].task_index}/device:{d.tf_device_type}:{d.tf_local_index}"
 
+    def devices_by_host(self, devices=None) -> dict[int, list[int]]:
+        """Host index -> the given global device indices on that host (all devices when None), in order."""
+        by_host: dict[int, list[int]] = {}
+        for d in (range(len(self.devices)) if devices is None else devices):
+            by_host.setdefault(self.devices[int(d)].host_index, []).append(int(d))
+        return by_host
+
     def cluster_spec(self) -> dict[str, list[str]]:
         """``{"worker": ["addr:port", ...]}`` in task order, for tf.train.ClusterSpec."""
         return {"worker": [f"{h.address}:{h.port}" for h in sorted(self.hosts, key=lambda h: h.task_index)]}

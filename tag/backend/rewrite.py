@@ -52,9 +52,9 @@ Rules (documented choices):
 Example::
 
     import tag
-    from tag.grouping import group_ops
-    from tag.baselines import builtin_strategy
-    from tag.rewrite import rewrite
+    from tag.strategy.grouping import group_ops
+    from tag.strategy.baselines import builtin_strategy
+    from tag.backend.rewrite import rewrite
 
     topo = tag.load_topology("topologies/localhost.pbtxt")
     gd = tag.zoo.training_graph("mlp", batch_size=32)
@@ -85,28 +85,22 @@ from tensorflow.python.framework import c_api_util  # noqa: E402
 from tensorflow.python.framework import op_def_registry  # noqa: E402
 
 from tag.errors import RewriteError, StrategyError  # noqa: E402
-from tag.strategy import Strategy, batch_shares  # noqa: E402
+from tag.ir.op_types import FUNCTION_CALL_TYPES, PLACEHOLDER_TYPES, TF1_LOOP_TYPES, VARIABLE_TYPES  # noqa: E402
+from tag.strategy.types import Strategy, batch_shares  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.ir import TensorInfo, TrainingGraph
-    from tag.topology import Topology
+    from tag.ir.types import TensorInfo, TrainingGraph
+    from tag.cluster.topology import Topology
 
 __all__ = ["RewriteResult", "rewrite", "collective_group_key"]
 
 Range = tuple[int, int]
 
-_VAR_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
-_PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # Ops that take a variable (resource or ref) without changing it.
 _VAR_READERS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized", "ResourceGather",
                           "ResourceGatherNd", "VariableShape", "Identity", "Snapshot", "Shape", "Size", "Rank"})
 # Stateful ops that may nevertheless be recomputed (they only read).
 _CLONABLE_STATEFUL = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"})
-# Function-call ops: TF lowers or partitions them itself, placing a body's variable ops with the
-# variables, so they may take variable handles from any device.
-_FUNCTION_CALLS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile",
-                             "PartitionedCall", "StatefulPartitionedCall"})
-_UNSUPPORTED = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"})
 # op type -> input index that is a shape whose entries follow the op's output shape
 _SHAPE_OPERAND = {
     "Reshape": 1, "Fill": 0, "BroadcastTo": 1, "StridedSliceGrad": 0, "Slice": 2, "RandomUniform": 0,
@@ -344,7 +338,7 @@ class _Rewriter:
         self.consumers: dict[str, list[tuple[str, int, int]]] = {n: [] for n in names}
         for n in names:
             node = self.nodes[n]
-            if node.op in _UNSUPPORTED:
+            if node.op in TF1_LOOP_TYPES:
                 raise RewriteError(f"op {n!r}: TF1 while-loop frames ({node.op}) cannot be split between devices; "
                                    f"build the loop with control flow v2 (a While op)")
             seen = set()
@@ -507,7 +501,7 @@ class _Rewriter:
         while seen < 64:
             op, k = _split(t)
             node = self.nodes[op]
-            if node.op in _VAR_OPS:
+            if node.op in VARIABLE_TYPES:
                 return op
             if node.op == "Identity" and node.input and node.attr["T"].type == tf.resource.as_datatype_enum:
                 t = node.input[0]
@@ -535,13 +529,13 @@ class _Rewriter:
     def _writes(self, op: str) -> bool:
         """Does OP (not a function call) update a variable it takes?"""
         node = self.nodes[op]
-        if node.op in _VAR_READERS or node.op in _VAR_OPS or node.op in _FUNCTION_CALLS:
+        if node.op in _VAR_READERS or node.op in VARIABLE_TYPES or node.op in FUNCTION_CALL_TYPES:
             return False
         return bool(self._vars_of_inputs(op))
 
     def _may_write(self, op: str) -> bool:
         """Like _writes, counting function calls that take variables (their bodies may assign)."""
-        return self._writes(op) or (self.nodes[op].op in _FUNCTION_CALLS and bool(self._vars_of_inputs(op)))
+        return self._writes(op) or (self.nodes[op].op in FUNCTION_CALL_TYPES and bool(self._vars_of_inputs(op)))
 
     def _variables(self) -> None:
         info = {v.name: v for v in self.ir.variables}
@@ -556,7 +550,7 @@ class _Rewriter:
             if n in self.ir_index and self._may_write(n):
                 for v in self._vars_of_inputs(n):
                     writers.setdefault(v, []).append(n)
-        var_order = [n for n in self.order if self.nodes[n].op in _VAR_OPS]
+        var_order = [n for n in self.order if self.nodes[n].op in VARIABLE_TYPES]
         # trainable variables before slots: a slot lives where its variable lives
         var_order.sort(key=lambda n: n in slot_owner and slot_owner[n] in self.nodes)
         for n in var_order:
@@ -603,7 +597,7 @@ class _Rewriter:
 
     def _device_for(self, op: str, key: int) -> int:
         vs = self._vars_of_inputs(op)
-        if not vs or self.nodes[op].op in _FUNCTION_CALLS:
+        if not vs or self.nodes[op].op in FUNCTION_CALL_TYPES:
             return key
         cand = [d for d in self.var_copies[vs[0]] if all(d in self.var_copies[v] for v in vs[1:])]
         if not cand:
@@ -621,9 +615,9 @@ class _Rewriter:
         self.keys: dict[str, list[tuple[Range, int]]] = {}
         for n in self.order:
             node = self.nodes[n]
-            if node.op in _VAR_OPS:
+            if node.op in VARIABLE_TYPES:
                 self.keys[n] = [(self.FULL, c) for c in self.var_copies[n]]
-            elif node.op in _PLACEHOLDERS or n in self.inputs:
+            elif node.op in PLACEHOLDER_TYPES or n in self.inputs:
                 # batch sources run once, whole batch (an iterator must not be read once per replica)
                 if n in self.ir_index:
                     self.keys[n] = [(self.FULL, self._placeholder_home(n))]
@@ -633,7 +627,7 @@ class _Rewriter:
                 self.keys[n] = [(self.FULL, self._placeholder_home(self.consumers[n][0][0]))]
             elif n in self.ir_index:
                 self.keys[n] = self._ir_keys(n)
-            elif self._vars_of_inputs(n) and node.op not in _FUNCTION_CALLS:
+            elif self._vars_of_inputs(n) and node.op not in FUNCTION_CALL_TYPES:
                 self.keys[n] = [(self.FULL, c) for c in self.var_copies[self._vars_of_inputs(n)[0]]]
             elif self.bd[n]:
                 for i in self.nodes[n].input:
@@ -848,9 +842,9 @@ class _Rewriter:
             if a in node.attr:
                 del node.attr[a]
         size = rng[1] - rng[0]
-        if orig.op in _VAR_OPS and orig.op == "VarHandleOp" and name != n:
+        if orig.op in VARIABLE_TYPES and orig.op == "VarHandleOp" and name != n:
             node.attr["shared_name"].s = name.encode()
-        if orig.op in _PLACEHOLDERS and self.B != self.B_ref and "shape" in node.attr:
+        if orig.op in PLACEHOLDER_TYPES and self.B != self.B_ref and "shape" in node.attr:
             ax = self._batch_axis(n)
             dims = node.attr["shape"].shape.dim
             if ax is not None and ax < len(dims) and dims[ax].size > 0:
@@ -904,9 +898,9 @@ class _Rewriter:
         """Name of the tensor that gives instance (RNG, DEV) of CONSUMER the value of T."""
         p, k = _split(t)
         insts = self.insts[p]
-        if self.nodes[p].op in _VAR_OPS or self._var_of(t) is not None:
+        if self.nodes[p].op in VARIABLE_TYPES or self._var_of(t) is not None:
             same = [i for i in insts if i.dev == dev]
-            if not same and self.nodes[consumer].op in _FUNCTION_CALLS:
+            if not same and self.nodes[consumer].op in FUNCTION_CALL_TYPES:
                 same = insts[:1]
             if not same:
                 raise RewriteError(f"op {consumer!r} needs variable {p!r} on {self.topo.tf_device(dev)}, "
@@ -1219,7 +1213,7 @@ class _Rewriter:
             return inst
         node = self.nodes[p]
         op_def = op_def_registry.get(node.op)
-        if node.op in _PLACEHOLDERS or node.op in _VAR_OPS or self._writes(p) or (
+        if node.op in PLACEHOLDER_TYPES or node.op in VARIABLE_TYPES or self._writes(p) or (
                 op_def is not None and op_def.is_stateful and node.op not in _CLONABLE_STATEFUL):
             raise RewriteError(f"op {consumer!r} needs {p!r} ({node.op}) for examples {rng[0]}..{rng[1] - 1}, "
                                f"which only its own instances compute, and {node.op} cannot be recomputed")

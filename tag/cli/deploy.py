@@ -5,7 +5,7 @@ Usage::
     tag-deploy --topo topologies/lab-v100-1080ti.pbtxt --model zoo:resnet50 --strategy dp_allreduce \\
                --batch 64 --report report.json --trace trace.json
 
-    from tag.deploy_cli import main
+    from tag.cli.deploy import main
     main(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp", "--report", "r.json"])
 
 No search here: ``--strategy`` names one of the built-in strategies (tag.baselines), which is
@@ -14,7 +14,7 @@ used against its capacity and the utilisation, the bytes communicated, and every
 predicted step time. ``--report`` writes DESIGN.md's report keys as JSON; ``--trace`` writes the
 simulated step as a Chrome trace (chrome://tracing, Perfetto). Files are written to a temporary
 name and renamed, so an error never leaves a half-written file. ``--profile`` (else
-``$TAG_PROFILE`` or the default profile of ``python -m tag.profile``, when present) calibrates the
+``$TAG_PROFILE`` or the default profile of ``tag-profile``, when present) calibrates the
 cost model. ``--run --steps N`` rewrites the graph for the strategy, runs it on TensorFlow's distributed
 runtime (local workers started for a loopback topology) beside the dp_allreduce baseline, and adds the
 measured step times to the report.
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from tag.cli import run_cli, write_text_atomic
+from tag.cli.common import run_cli, write_text_atomic
 from tag.errors import StrategyError, TagError
 
 DEFAULT_GROUPS = 64
@@ -43,7 +43,7 @@ RUN_AVAILABLE = True
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tag.baselines import BUILTIN_STRATEGIES
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
     p = argparse.ArgumentParser(prog=PROG, description="Predict (and later run) one training step of a "
                                 "distributed strategy on a cluster.")
     p.add_argument("--topo", required=True, metavar="FILE", help="cluster topology (.pbtxt)")
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, metavar="N", help="global batch size (default: the model's)")
     p.add_argument("--groups", type=int, default=DEFAULT_GROUPS, metavar="N",
                    help=f"target number of op groups (default {DEFAULT_GROUPS})")
-    p.add_argument("--profile", default=None, metavar="P.json", help="cost profile from python -m tag.profile")
+    p.add_argument("--profile", default=None, metavar="P.json", help="cost profile from tag-profile")
     p.add_argument("--report", default=None, metavar="R.json", help="write the report as JSON")
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
     p.add_argument("--run", action="store_true", help="also deploy the plan on TensorFlow and measure it")
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Cheap checks before anything heavy is built."""
-    from tag.baselines import BUILTIN_STRATEGIES
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
     if args.strategy not in BUILTIN_STRATEGIES:
         raise StrategyError(f"unknown strategy {args.strategy!r} (known: {', '.join(BUILTIN_STRATEGIES)})")
     if args.batch is not None and args.batch < 1:
@@ -85,11 +85,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _load_profile(path: str | None):
     """(profile or None, where it came from or None)."""
-    from tag.profile import default_profile_path, load_default_profile
+    from tag.cost.calibration import default_profile_path, load_default_profile
     if path is None:
         prof = load_default_profile()
         return prof, (default_profile_path() if prof is not None else None)
-    from tag.cost import Profile
+    from tag.cost.model import Profile
     try:
         return Profile.load(path), path
     except TagError:
@@ -133,8 +133,8 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
     its workers started here (and stopped on exit, error or Ctrl-C); otherwise the hosts' ``tag-worker``
     servers must already be running. Inputs are synthetic batches stored on the devices.
     """
-    from tag.rewrite import rewrite
-    from tag.runtime import LocalCluster, is_loopback, run_steps
+    from tag.backend.rewrite import rewrite
+    from tag.backend.runtime import LocalCluster, is_loopback, run_steps
 
     topology, strategies = context["topology"], context["strategies"]
     warmup = min(3, args.steps - 1)
@@ -165,8 +165,8 @@ def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, An
 def predict(topology, graph, grouping, strategy_name: str, cost_model, batch: int) -> dict[str, Any]:
     """Simulate every built-in strategy; returns {"strategies": {name: Strategy}, "results": {name: SimResult},
     "simulator": Simulator}."""
-    from tag.baselines import BUILTIN_STRATEGIES, builtin_strategy
-    from tag.simulator import Simulator
+    from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
+    from tag.sim.simulator import Simulator
     sim = Simulator(graph, topology, grouping, cost_model)
     strategies, results = {}, {}
     for name in BUILTIN_STRATEGIES:
@@ -214,7 +214,7 @@ def format_table(report: dict, model_spec: str) -> str:
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
              f"communication        {_fmt_bytes(report['communication_bytes'])} per step",
              "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
-                                           "built-in defaults (calibrate: python -m tag.profile --model ...)"),
+                                           "built-in defaults (calibrate: tag-profile --model ...)"),
              ""]
     width = max([len("device")] + [len(n) for n in report["peak_memory_bytes"]])
     lines.append(f"{'device':<{width}}  {'memory used / capacity':>28}  {'util':>6}")
@@ -248,7 +248,7 @@ def _body(argv: Sequence[str]) -> int:
     _check_args(args)
     if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
         raise TagError("--run is not available yet")
-    from tag.topology import load_topology
+    from tag.cluster.topology import load_topology
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
         raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
@@ -260,7 +260,7 @@ def _body(argv: Sequence[str]) -> int:
     with tqdm(total=4, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
         bar.set_postfix_str("building the model")
         from tag import zoo
-        from tag.graph import analyze
+        from tag.frontend.analyze import analyze
         model_name, graph_def = zoo.resolve_model(args.model, args.batch)
         bar.update()
         bar.set_postfix_str("analysing the graph")
@@ -271,8 +271,8 @@ def _body(argv: Sequence[str]) -> int:
                            f"{args.topo}; pass a larger --batch")
         bar.update()
         bar.set_postfix_str("grouping ops")
-        from tag.cost import CostModel
-        from tag.grouping import group_ops
+        from tag.cost.model import CostModel
+        from tag.strategy.grouping import group_ops
         grouping = group_ops(graph, target_groups=args.groups)
         cost_model = CostModel(graph, topology, profile)
         bar.update()

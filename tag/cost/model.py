@@ -9,7 +9,7 @@ No TensorFlow here: numpy only, so the simulator can call it thousands of times 
 Example::
 
     import tag
-    from tag.cost import CostModel, Profile
+    from tag.cost.model import CostModel, Profile
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     cm = CostModel(tg, topo, Profile.load("profile.json"))
@@ -43,8 +43,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tag.errors import TagError
-from tag.ir import TrainingGraph
-from tag.topology import Topology
+from tag.ir.types import TrainingGraph
+from tag.cluster.topology import Topology
 
 PROFILE_VERSION = 1
 
@@ -91,7 +91,7 @@ class DeviceProfile:
 
 @dataclass
 class NetworkProfile:
-    """Measured costs of TensorFlow's distributed runtime between hosts (``python -m tag.profile --network``).
+    """Measured costs of TensorFlow's distributed runtime between hosts (``tag-profile --network``).
 
     ``step_overhead_s``: fixed cost of one ``session.run`` of a step that spans several tasks (client RPC,
     per-task graph launch). ``transfer_latency_s`` / ``transfer_bytes_per_s``: a tensor sent between two
@@ -243,7 +243,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON (to a temporary file first, then renamed into place)."""
-        from tag.cli import write_text_atomic
+        from tag.cli.common import write_text_atomic
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
 
     def entry_for(self, device_type: str) -> tuple[DeviceProfile | None, bool]:

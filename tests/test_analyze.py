@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tag.errors import GraphError, TagError  # noqa: E402
-from tag.graph import analyze  # noqa: E402
-from tag.ir import Linear, TrainingGraph  # noqa: E402
+from tag.frontend.analyze import analyze  # noqa: E402
+from tag.ir.types import Linear, TrainingGraph  # noqa: E402
 from tiny import TINY_ZOO_OPTIONS  # noqa: E402
 
 v1 = tf.compat.v1
@@ -356,7 +356,7 @@ def test_iterator_outputs_carry_the_batch():
 
 def test_user_graph_file_round_trip(tmp_path):
     """A user's GraphDef written as .pbtxt and read back with tag.zoo.load_graph_def analyses the same."""
-    load = pytest.importorskip("tag.zoo").load_graph_def
+    load = pytest.importorskip("tag.frontend.zoo").load_graph_def
     tf.io.write_graph(mlp_graph(8), str(tmp_path), "mlp.pbtxt", as_text=True)
     tg = analyze(load(tmp_path / "mlp.pbtxt"))
     assert tg.num_parameters == mlp_ir().num_parameters and len(tg.ops) == len(mlp_ir().ops)

@@ -1,0 +1,28 @@
+"""Named sets of TensorFlow op types, defined once for every stage (frontend, calibration, rewriter).
+
+Plain frozensets of op-type strings; no TensorFlow import.
+
+Example::
+
+    from tag.ir.op_types import VARIABLE_TYPES
+    "VarHandleOp" in VARIABLE_TYPES     # True
+"""
+from __future__ import annotations
+
+#: ops that create a variable (resource handle or TF1 ref variable)
+VARIABLE_TYPES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+#: ops through which a batch is fed
+PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+#: tf.data iterator outputs (another batch source)
+ITERATOR_TYPES = frozenset({"IteratorGetNext", "IteratorGetNextSync"})
+#: ops that assign a variable its initial value
+INITIALIZER_TYPES = frozenset({"Assign", "AssignVariableOp"})
+#: functional control flow and function calls (bodies are FunctionDefs in the graph's library)
+IF_TYPES = frozenset({"If", "StatelessIf"})
+CASE_TYPES = frozenset({"Case", "StatelessCase"})
+CALL_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+WHILE_TYPES = frozenset({"While", "StatelessWhile"})
+FUNCTION_CALL_TYPES = IF_TYPES | CASE_TYPES | CALL_TYPES | WHILE_TYPES
+#: TF1 dataflow loops (Enter/Exit frames), which the rewriter does not handle
+TF1_LOOP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+                            "LoopCond"})
