@@ -183,9 +183,9 @@ def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: G
     devices = list(range(topology.num_devices))
     if k_groups == 0:
         return np.zeros(n_ops, dtype=np.int64)
-    device_of_pos = _linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, True)
+    device_of_pos = linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, True)
     if device_of_pos is None:     # no split fits in memory: balance time alone
-        device_of_pos = _linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, False)
+        device_of_pos = linear_partition(topology, devices, k_groups, prefix, cut_bytes, held_prefix, False)
     device_of_op = device_of_pos[pos_of_group[gof]]
 
     # Colocation sets stay together: a set the grouping split goes to its first op's device.
@@ -198,7 +198,7 @@ def balanced_partition(graph: "TrainingGraph", topology: "Topology", grouping: G
     return device_of_op
 
 
-def _linear_partition(topology: "Topology", devices: list[int], k_groups: int, prefix: dict,
+def linear_partition(topology: "Topology", devices: list[int], k_groups: int, prefix: dict,
                       cut_bytes: np.ndarray, held_prefix: np.ndarray, fit_memory: bool) -> np.ndarray | None:
     """Minimax linear partition of K positions over the first devices (see balanced_partition)."""
     n_use = min(len(devices), k_groups)              # every stage holds at least one group
