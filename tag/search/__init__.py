@@ -1,4 +1,16 @@
 """Search over strategies: candidate actions per op group, cached evaluation, MCTS, decision orders, PaSE DP.
 
-Every search scores strategies with the simulator (``tag.sim``) and returns the best one it saw.
+Every search scores strategies with the simulator (``tag.sim``) through one ``SearchEnv`` and the best
+strategy seen is kept. ``search(env, ...)`` runs the whole portfolio and returns a ``SearchResult``.
+
+Example::
+
+    from tag.search import SearchEnv, search
+    env = SearchEnv(tg, topo, grouping, cost_model=cm)
+    found = search(env, budget_s=30, seed=0)
+    found.strategy, found.step_time, found.baselines      # baselines: name -> predicted seconds
 """
+from tag.search.driver import SearchProgress, SearchResult, search
+from tag.search.env import Outcome, SearchEnv
+
+__all__ = ["Outcome", "SearchEnv", "SearchProgress", "SearchResult", "search"]

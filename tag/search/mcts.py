@@ -1,0 +1,162 @@
+"""Monte Carlo tree search over per-group actions, as TAG does it.
+
+The problem: choose one candidate (``SearchEnv.candidates``) per op group to maximise the simulated speedup
+over the reference strategy. The tree has one level per op group, in a decision order
+(``tag.search.orders``): a node at depth d has decided groups order[0..d-1]; its children are the allowed
+candidates of order[d]. A node is scored by completing its partial choice -- every undecided group follows
+the *first* decision (where that candidate is not allowed for a group, the group's first allowed one) --
+and simulating it. So the root's children are the uniform strategies, and deeper levels refine the
+costliest groups (in TAG's cost-descending order) one at a time.
+
+One playout: from the root, descend by PUCT,
+
+    score(child) = Q(child) + c_puct * P(child) * sqrt(N(node)) / (1 + N(child)),
+
+where Q is the child's mean value (values normalised by the best value seen, so Q <= 1 for feasible
+strategies; negative for strategies that run out of memory), P the prior over the group's candidates and N
+visit counts; unvisited children take Q = the parent's mean minus ``fpu_reduction``. The first unvisited
+child reached is expanded, its completion simulated, and the value backed up the path. Ties are broken by
+a seeded random jitter, so a run is deterministic for a seed (with a playout budget; a seconds budget stops
+wherever the clock says). The best strategy seen at any node is kept by the environment.
+
+Prior: a callable ``prior(env, group, allowed) -> probabilities over allowed`` (the GNN of ``tag.gnn`` plugs
+in here). Without one, ``uniform_value_prior`` is used: a softmax over the speedups of the uniform
+strategies, which the search has already simulated (so it costs nothing).
+
+Example::
+
+    from tag.search.env import SearchEnv
+    from tag.search.mcts import mcts
+    env = SearchEnv(tg, topo, grouping)
+    tree = mcts(env, order="cost_descending", playouts=500, seed=0)
+    tree.choice, tree.outcome.step_time, tree.playouts
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tag.search.env import Choice, Outcome, SearchEnv
+
+C_PUCT = 1.5
+FPU_REDUCTION = 0.2
+PriorFn = Callable[[SearchEnv, int, Sequence[int]], np.ndarray]
+
+
+@dataclass
+class TreeResult:
+    choice: Choice                  # the best completed choice seen during the search
+    outcome: Outcome
+    playouts: int
+    seconds: float
+    order: list[int]
+    depth_reached: int              # deepest level expanded
+
+
+@dataclass
+class _Node:
+    depth: int                                  # number of decided groups
+    prefix: tuple[int, ...]                     # candidate per decided group, in decision order
+    allowed: list[int]                          # candidate indices for the group decided here
+    prior: np.ndarray                           # prior over allowed
+    visits: np.ndarray                          # per child
+    value_sum: np.ndarray                       # per child
+    children: dict[int, "_Node"] = field(default_factory=dict)   # position in allowed -> child node
+    total_visits: int = 0
+
+
+def uniform_value_prior(env: SearchEnv, group: int, allowed: Sequence[int], temperature: float = 0.25) -> np.ndarray:
+    """Softmax of the uniform strategies' values (simulated, cached) over ALLOWED."""
+    values = np.array([env.evaluate(env.uniform_choice(k)).value for k in allowed], dtype=np.float64)
+    best = max(values.max(), 1e-9)
+    z = (values / best) / temperature
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+def complete(env: SearchEnv, order: Sequence[int], prefix: Sequence[int]) -> Choice:
+    """The full choice of a partial one: undecided groups follow the first decision."""
+    first = prefix[0]
+    choice = list(env.uniform_choice(first))
+    for g, k in zip(order, prefix):
+        choice[g] = k
+    return tuple(choice)
+
+
+def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int | None = None,
+         budget_s: float | None = None, seed: int = 0, prior: PriorFn | None = None,
+         progress: Callable | None = None, start: Choice | None = None,
+         c_puct: float = C_PUCT) -> TreeResult:
+    """Run the tree search on ENV (module docstring); stops after PLAYOUTS or BUDGET_S, whichever first.
+
+    ``order``: a decision-order name (``tag.search.orders``) or an explicit list of group indices.
+    ``start``: a choice already known to be good (for example the best uniform one), evaluated first so
+    that the best seen is never worse than it.
+    """
+    from tag.search.orders import decision_order
+    if isinstance(order, str):
+        order = decision_order(order, env.graph, env.topology, env.grouping, env.cost_model, env.batch_size)
+    order = [int(g) for g in order]
+    if playouts is None and budget_s is None:
+        playouts = 400
+    prior = prior or uniform_value_prior
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    best_choice, best_outcome = None, None
+
+    def consider(choice: Choice) -> Outcome:
+        nonlocal best_choice, best_outcome
+        out = env.evaluate(choice)
+        if best_outcome is None or (out.value, -out.step_time) > (best_outcome.value, -best_outcome.step_time):
+            best_choice, best_outcome = choice, out
+        return out
+
+    if start is not None:
+        consider(tuple(start))
+
+    def new_node(depth: int, prefix: tuple[int, ...]) -> _Node:
+        group = order[depth]
+        allowed = env.allowed[group]
+        p = np.asarray(prior(env, group, allowed), dtype=np.float64)
+        p = p / p.sum() if p.sum() > 0 else np.full(len(allowed), 1.0 / len(allowed))
+        return _Node(depth, prefix, allowed, p, np.zeros(len(allowed)), np.zeros(len(allowed)))
+
+    root = new_node(0, ())
+    done, deepest = 0, 0
+    n_groups = len(order)
+    while True:
+        if playouts is not None and done >= playouts:
+            break
+        if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+            break
+        scale = max(best_outcome.value, 1e-9) if best_outcome is not None and best_outcome.value > 0 else 1.0
+        node, path = root, []
+        while True:
+            parent_q = (node.value_sum.sum() / node.visits.sum()) if node.visits.sum() > 0 else 0.0
+            q = np.where(node.visits > 0, node.value_sum / np.maximum(node.visits, 1), parent_q - FPU_REDUCTION)
+            u = c_puct * node.prior * math.sqrt(node.total_visits + 1) / (1.0 + node.visits)
+            score = q + u + rng.random(len(q)) * 1e-9
+            pick = int(np.argmax(score))
+            path.append((node, pick))
+            child = node.children.get(pick)
+            prefix = node.prefix + (node.allowed[pick],)
+            if child is None or node.visits[pick] == 0 or len(prefix) == n_groups:
+                break
+            node = child
+        out = consider(complete(env, order, prefix))
+        value = out.value / scale if out.value > 0 else out.value
+        if len(prefix) < n_groups and pick not in node.children:
+            node.children[pick] = new_node(len(prefix), prefix)
+            deepest = max(deepest, len(prefix))
+        for n, k in path:
+            n.visits[k] += 1
+            n.value_sum[k] += value
+            n.total_visits += 1
+        done += 1
+        if progress is not None:
+            progress(done, playouts, time.perf_counter() - t0, best_outcome)
+    return TreeResult(best_choice, best_outcome, done, time.perf_counter() - t0, order, deepest)
