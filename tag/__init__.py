@@ -3,6 +3,8 @@
 Example::
 
     import tag
+    plan = tag.optimize(graph_def, "topologies/lab-v100-1080ti.pbtxt")   # search + rewrite: a tag.Plan
+    plan.report(); plan.save("plan/")
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     print(tg.num_parameters, topo.num_devices)
@@ -26,6 +28,10 @@ _LAZY = {
     "zoo": ("tag.frontend.zoo", None),
     "Strategy": ("tag.strategy.types", "Strategy"),
     "Action": ("tag.strategy.types", "Action"),
+    "optimize": ("tag.api", "optimize"),
+    "Plan": ("tag.api", "Plan"),
+    "rewrite": ("tag.api", "rewrite"),
+    "find_entry_points": ("tag.frontend.entry_points", "find_entry_points"),
 }
 
 __all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",

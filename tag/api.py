@@ -1,1 +1,451 @@
-"""The user-facing entry point: ``tag.optimize(graph_def, topology) -> Plan`` (IR -> groups -> search -> rewrite)."""
+"""The user-facing entry point: ``tag.optimize(graph_def, topology) -> Plan``.
+
+A training script builds its step as usual, hands the GraphDef and a cluster file to ``tag.optimize``
+and gets back a ``Plan``: the graph rewritten for the fastest strategy the search found (replicas,
+collectives, parameter servers, partitions, device strings), the strategy itself, and a report that
+compares it with every built-in strategy. Example::
+
+    import tensorflow as tf
+    import tag
+
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [64, 784], name="x")
+        y = v1.placeholder(tf.int32, [64], name="y")
+        h = v1.layers.dense(x, 512, activation=tf.nn.relu)
+        logits = v1.layers.dense(h, 10)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.AdamOptimizer(1e-3).minimize(loss)
+        v1.global_variables_initializer()
+
+    plan = tag.optimize(g.as_graph_def(), "topologies/lab-v100-1080ti.pbtxt", budget_s=30)
+    print(plan.report()["speedup_vs_dp"], plan.train_op, plan.loss)
+    plan.save("plan/")                       # graph.pb, strategy.pb, report.json, plan.json
+    plan = tag.Plan.load("plan/")            # later, or on the cluster's first host
+    # sess.run(plan.init); sess.run([plan.train_op, plan.loss], {"x:0": xs, "y:0": ys})
+
+What ``optimize`` does: find the entry points (``tag.frontend.entry_points``: the step op, the loss and
+the initialiser of any TF1 training graph), analyse the graph (``tag.analyze``), group its ops
+(``group_ops``), build the cost model (a ``Profile``, a path to one, or None for the built-in
+defaults), search (``tag.search.search``: built-ins, best uniform action, tree search) and rewrite the
+graph for the winner (``tag.backend.rewrite``). The plan is never predicted slower than the best
+feasible baseline; when nothing evaluated fits in memory, ``tag.MemoryBudgetError`` names the smallest
+shortfall. ``tag.rewrite`` rewrites a graph for a given strategy (a built-in name, a ``Strategy``, a
+saved ``strategy.pb`` or a plan directory).
+
+A saved plan is a directory of plain files (no pickle): ``graph.pb`` (the rewritten GraphDef, binary
+protobuf), ``strategy.pb`` (``Strategy.to_proto()``), ``report.json`` and ``plan.json`` (format
+version, entry-point names, batch size, topology name).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from tag.errors import GraphError, MemoryBudgetError, StrategyError, TagError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.backend.rewrite import RewriteResult
+    from tag.cluster.topology import Topology
+    from tag.cost.model import CostModel, Profile
+    from tag.ir.types import TrainingGraph
+    from tag.search.driver import SearchProgress, SearchResult
+    from tag.search.env import SearchEnv
+    from tag.strategy.types import Strategy
+
+__all__ = ["Plan", "optimize", "rewrite", "PLAN_FORMAT", "PLAN_VERSION"]
+
+PLAN_FORMAT = "tag-plan"
+PLAN_VERSION = 1
+GRAPH_FILE, STRATEGY_FILE, REPORT_FILE, PLAN_FILE = "graph.pb", "strategy.pb", "report.json", "plan.json"
+DEFAULT_GROUPS = 64
+_MAX_FILE_BYTES = 2 << 30
+_TIME_SLACK = 1e-9   # relative: a plan may equal, never exceed, the best feasible baseline
+
+
+@dataclass
+class Plan:
+    """A rewritten training step and how it was chosen (module docstring).
+
+    ``graph_def``: the rewritten GraphDef (every node on a ``/job:worker/task:T/device:...`` device).
+    ``strategy``: the chosen ``Strategy``. ``predicted_step_time``: seconds. ``baselines``: name ->
+    predicted seconds of every built-in strategy and of each search step (``best_uniform``, ``mcts``).
+    ``train_op`` / ``loss`` / ``init``: names to run in ``graph_def``. ``inputs``: the batch inputs to
+    feed (full global batches). ``method``: which step found the strategy.
+    """
+
+    graph_def: Any
+    strategy: "Strategy"
+    predicted_step_time: float
+    baselines: dict[str, float]
+    train_op: str
+    loss: str | None
+    init: str | None
+    batch_size: int
+    topology: str
+    inputs: list[str] = field(default_factory=list)
+    method: str = ""
+    notes: list[str] = field(default_factory=list)
+    _report: dict = field(default_factory=dict, repr=False)
+
+    def report(self) -> dict:
+        """The plan's report: a JSON-serialisable dict (keys in ``tag.report``; a copy)."""
+        return copy.deepcopy(self._report)
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write the plan's four files into DIRECTORY (created if needed); returns its path."""
+        directory = os.fspath(directory)
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise TagError(f"{directory}: exists and is not a directory")
+        os.makedirs(directory, exist_ok=True)
+        meta = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "train_op": self.train_op, "loss": self.loss,
+                "init": self.init, "inputs": list(self.inputs), "batch_size": int(self.batch_size),
+                "topology": self.topology, "method": self.method, "model": self._report.get("model", ""),
+                "predicted_step_time_s": float(self.predicted_step_time), "notes": list(self.notes)}
+        files = {GRAPH_FILE: self.graph_def.SerializeToString(deterministic=True),
+                 STRATEGY_FILE: self.strategy.to_proto().SerializeToString(deterministic=True),
+                 REPORT_FILE: _json_text(self._report).encode(),
+                 PLAN_FILE: _json_text(meta).encode()}
+        for name, data in files.items():
+            _write_atomic(os.path.join(directory, name), data)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Plan":
+        """Read a plan written by ``save``; TagError naming the file that is missing or bad."""
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise TagError(f"{directory}: not a plan directory (expected {PLAN_FILE}, {GRAPH_FILE}, ...)")
+        meta = _read_plan_json(os.path.join(directory, PLAN_FILE))
+        report = _read_json(os.path.join(directory, REPORT_FILE), "plan report")
+        if not isinstance(report, dict):
+            raise TagError(f"{os.path.join(directory, REPORT_FILE)}: expected a JSON object")
+        strategy = _read_strategy(os.path.join(directory, STRATEGY_FILE))
+        graph_def = _read_graph_def(os.path.join(directory, GRAPH_FILE))
+        nodes = {n.name for n in graph_def.node}
+        for key in ("train_op", "loss", "init"):
+            if meta[key] is not None and meta[key] not in nodes:
+                raise TagError(f"{os.path.join(directory, PLAN_FILE)}: {key} {meta[key]!r} is not in {GRAPH_FILE}")
+        baselines = report.get("baselines") or {}
+        return cls(graph_def, strategy, float(meta["predicted_step_time_s"]),
+                   {str(k): (float(v) if v is not None else float("inf")) for k, v in baselines.items()},
+                   meta["train_op"], meta["loss"], meta["init"], int(meta["batch_size"]), meta["topology"],
+                   list(meta.get("inputs", [])), str(meta.get("method", "")), list(meta.get("notes", [])), report)
+
+
+# ------------------------------------------------------------------------------------------------ optimize
+def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,
+             budget_s: float | None = None, playouts: int | None = None, order: str = "auto", seed: int = 0,
+             profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
+             train_op: str | None = None, loss: str | None = None, init: str | None = None,
+             progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None) -> Plan:
+    """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
+    (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
+
+    ``batch_size``: the global batch (default: the graph's). ``budget_s`` / ``playouts``: how long the
+    tree search runs (seconds / simulated playouts; neither: the search's default playouts). ``order``:
+    decision order (``tag.search.orders``) or "auto"; ``seed`` makes the search repeatable. ``profile``:
+    a cost ``Profile``, a path to one, or None (built-in defaults). ``groups``: target number of op
+    groups. ``train_op`` / ``loss`` / ``init``: op names, found automatically when None. ``progress``:
+    called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
+
+    Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
+    strategy evaluated fits the devices' memory.
+    """
+    from tag.search import SearchEnv, search
+    ctx = _prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
+                   train_op=train_op, loss=loss, init=init, name=name)
+    env = SearchEnv(ctx.graph, ctx.topology, ctx.grouping, cost_model=ctx.cost_model, batch_size=ctx.batch)
+    found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
+    if not found.outcome.feasible:
+        raise _memory_error(env, found)
+    _check_not_slower(found)
+    from tag.backend.rewrite import rewrite as rewrite_graph
+    rr = rewrite_graph(ctx.graph_def, ctx.graph, found.strategy, ctx.topology, batch_size=ctx.batch,
+                       train_op=ctx.entry.train_op, loss=ctx.entry.loss, init=ctx.entry.init)
+    report = search_report(ctx, env, found, rewritten=rr)
+    notes = list(found.notes) + list(rr.notes)
+    return Plan(rr.graph_def, found.strategy, float(found.step_time), dict(found.baselines), rr.train_op, rr.loss,
+                rr.init, ctx.batch, ctx.topology.name, list(rr.inputs), found.method, notes, report)
+
+
+@dataclass
+class _Context:
+    """What every entry point builds before searching or rewriting."""
+
+    model: str
+    graph_def: Any             # with the entry points' made-up nodes
+    entry: Any                 # EntryPoints
+    graph: "TrainingGraph"
+    topology: "Topology"
+    grouping: Any
+    cost_model: "CostModel"
+    batch: int
+    profile_source: str | None
+
+
+def _prepare(graph_def: Any, topology: Any, *, batch_size: int | None, profile: Any, groups: int,
+             train_op: str | None, loss: str | None, init: str | None, name: str | None) -> _Context:
+    """Entry points, IR, topology, grouping and cost model of one call (checks the inputs first)."""
+    from tag.cost.model import CostModel
+    from tag.frontend.analyze import analyze
+    from tag.frontend.entry_points import find_entry_points
+    from tag.strategy.grouping import group_ops
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise TagError(f"groups must be a positive integer, got {groups!r}")
+    topo = _topology(topology)
+    prof, prof_source = _profile(profile)
+    gd = _as_graph_def(graph_def)
+    entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
+    gd = entry.apply(gd)
+    graph = analyze(gd, batch_size=batch_size, name=name or "")
+    batch = int(batch_size if batch_size is not None else graph.batch_size)
+    if batch < topo.num_devices:
+        raise TagError(f"the global batch {batch} is smaller than the {topo.num_devices} devices of "
+                       f"{topo.name}; data parallelism needs at least one example per device (pass batch_size=)")
+    grouping = group_ops(graph, target_groups=int(groups))
+    model = name or graph.name or "model"
+    return _Context(model, gd, entry, graph, topo, grouping, CostModel(graph, topo, prof), batch, prof_source)
+
+
+def _topology(topology: Any) -> "Topology":
+    from tag.cluster.topology import Topology, load_topology
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, bytes, os.PathLike)):
+        return load_topology(topology)
+    raise TagError(f"topology must be a tag.Topology or a path to a .pbtxt file, got {type(topology).__name__}")
+
+
+def _profile(profile: Any) -> tuple["Profile | None", str | None]:
+    from tag.cost.model import Profile
+    if profile is None or isinstance(profile, Profile):
+        return profile, (profile.source or "given") if profile is not None else None
+    if isinstance(profile, (str, os.PathLike)):
+        return Profile.load(profile), os.fspath(profile)
+    raise TagError(f"profile must be a tag Profile, a path to a profile JSON file or None, "
+                   f"got {type(profile).__name__}")
+
+
+def _as_graph_def(graph_def: Any) -> Any:
+    """A GraphDef from a GraphDef, a tf.Graph or serialised bytes (GraphError otherwise)."""
+    import tensorflow as tf
+    if isinstance(graph_def, tf.compat.v1.GraphDef):
+        return graph_def
+    if isinstance(graph_def, tf.Graph):
+        return graph_def.as_graph_def()
+    if isinstance(graph_def, (bytes, bytearray)):
+        gd = tf.compat.v1.GraphDef()
+        try:
+            gd.ParseFromString(bytes(graph_def))
+        except Exception as err:  # noqa: BLE001 - protobuf's DecodeError
+            raise GraphError(f"cannot parse the GraphDef bytes: {err}") from None
+        return gd
+    raise GraphError(f"expected a tf.compat.v1.GraphDef, tf.Graph or its bytes, got {type(graph_def).__name__}")
+
+
+def _check_not_slower(found: "SearchResult") -> None:
+    """The search's guarantee, checked: the plan is at least as fast as every feasible baseline."""
+    feasible = [t for n, t in found.baselines.items() if found.baselines_feasible.get(n)]
+    if feasible and found.step_time > min(feasible) * (1 + _TIME_SLACK):
+        raise AssertionError(f"search returned {found.method!r} at {found.step_time:.6g} s, slower than the "
+                             f"best feasible baseline ({min(feasible):.6g} s)")
+
+
+def _memory_error(env: "SearchEnv", found: "SearchResult") -> MemoryBudgetError:
+    """MemoryBudgetError naming the smallest shortfall among the strategies evaluated."""
+    from tag.report import format_bytes
+    candidates = dict(env.builtin_results)
+    candidates[found.method] = found.result
+    if env.best_choice is not None:
+        candidates.setdefault("searched", env.result(env.best_choice))
+    capacity = np.array([d.memory_bytes for d in env.topology.devices], dtype=np.float64)
+    best = None
+    for strategy_name, r in candidates.items():
+        over = np.asarray(r.peak_memory, dtype=np.float64) - capacity
+        worst = int(np.argmax(over))
+        if best is None or over[worst] < best[0]:
+            best = (float(over[worst]), worst, strategy_name, float(r.peak_memory[worst]))
+    over, dev, strategy_name, peak = best
+    device = env.topology.devices[dev]
+    err = MemoryBudgetError(
+        f"no strategy fits in memory ({env.evaluations + len(env.builtin_results)} evaluated); the closest, "
+        f"{strategy_name}, needs {format_bytes(peak)} on {device.name}, {format_bytes(over)} over its "
+        f"{format_bytes(capacity[dev])}: use devices with more memory, more devices or a smaller batch")
+    err.shortfall_bytes, err.device, err.strategy = int(round(over)), device.name, strategy_name
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ report
+def search_report(ctx: _Context, env: "SearchEnv", found: "SearchResult", rewritten: "RewriteResult | None" = None,
+                  ) -> dict:
+    """The report of a searched plan: tag.report's keys for the winner plus the search's figures."""
+    from tag.report import build_report, finite
+    results = dict(env.builtin_results)
+    results.setdefault(found.method, found.result)
+    report = build_report(ctx.model, ctx.topology, ctx.grouping, found.method, results, ctx.batch)
+    dp = float(env.builtin_results["dp_allreduce"].step_time)
+    report.update({
+        "predicted_step_time_s": float(found.step_time),
+        "baselines": {n: float(t) for n, t in found.baselines.items()},
+        "baselines_feasible": {n: bool(f) for n, f in found.baselines_feasible.items()},
+        "speedup_vs_dp": dp / found.step_time if found.step_time > 0 else None,
+        "search_seconds": float(found.search_seconds),
+        "evaluations": int(found.evaluations),
+        "feasible": bool(found.outcome.feasible),
+        "sfb_gradients": list(found.strategy.sfb),
+        "sfb_bytes_saved": 0,
+        "method": found.method,
+        "reference": found.reference,
+        "notes": list(found.notes),
+        "profile": ctx.profile_source,
+        "entry_points": {"train_op": ctx.entry.train_op, "loss": ctx.entry.loss, "init": ctx.entry.init,
+                         "found": list(ctx.entry.notes)},
+    })
+    if rewritten is not None:
+        report["rewritten"] = {"train_op": rewritten.train_op, "loss": rewritten.loss, "init": rewritten.init,
+                               "inputs": list(rewritten.inputs), "nodes": len(rewritten.graph_def.node)}
+    return finite(report)
+
+
+# ------------------------------------------------------------------------------------------------ rewrite
+def rewrite(graph_def: Any, topology: "Topology | str | os.PathLike", strategy: "Strategy | str | os.PathLike", *,
+            batch_size: int | None = None, groups: int = DEFAULT_GROUPS,
+            profile: "Profile | str | os.PathLike | None" = None, train_op: str | None = None,
+            loss: str | None = None, init: str | None = None) -> "RewriteResult":
+    """Rewrite GRAPH_DEF to run STRATEGY on TOPOLOGY; returns ``tag.backend.rewrite.RewriteResult``.
+
+    STRATEGY: a built-in name (``dp_allreduce``, ``ps``, ``single``, ``partition``; grouped with
+    ``groups`` and the cost model of ``profile``), a ``Strategy``, or a path to a saved ``strategy.pb``
+    or plan directory (whose batch size is the default). Entry points are found as in ``optimize``.
+    """
+    from tag.backend.rewrite import rewrite as rewrite_graph
+    strategy, saved_batch = _strategy_arg(strategy)
+    if batch_size is None:
+        batch_size = saved_batch
+    ctx = _prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
+                   train_op=train_op, loss=loss, init=init, name=None)
+    if isinstance(strategy, str):
+        from tag.strategy.baselines import builtin_strategy
+        strategy = builtin_strategy(strategy, ctx.graph, ctx.topology, ctx.grouping, ctx.cost_model)
+    return rewrite_graph(ctx.graph_def, ctx.graph, strategy, ctx.topology, batch_size=ctx.batch,
+                         train_op=ctx.entry.train_op, loss=ctx.entry.loss, init=ctx.entry.init)
+
+
+def _strategy_arg(strategy: Any) -> tuple["Strategy | str", int | None]:
+    """(a Strategy or a built-in name, the saved plan's batch size or None)."""
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    from tag.strategy.types import Strategy
+    if isinstance(strategy, Strategy):
+        return strategy, None
+    if isinstance(strategy, str) and strategy in BUILTIN_STRATEGIES:
+        return strategy, None
+    if isinstance(strategy, (str, os.PathLike)):
+        path = os.fspath(strategy)
+        if os.path.isdir(path):
+            meta = _read_plan_json(os.path.join(path, PLAN_FILE))
+            return _read_strategy(os.path.join(path, STRATEGY_FILE)), int(meta["batch_size"])
+        if os.path.exists(path):
+            return _read_strategy(path), None
+        raise StrategyError(f"unknown strategy {path!r}: not a built-in ({', '.join(BUILTIN_STRATEGIES)}) "
+                            f"and no such file or plan directory")
+    raise StrategyError(f"strategy must be a built-in name, a Strategy or a path, got {type(strategy).__name__}")
+
+
+def load_strategy(path: str | os.PathLike) -> "Strategy":
+    """The Strategy saved at PATH: a ``strategy.pb`` file or a plan directory."""
+    strategy, _ = _strategy_arg(os.fspath(path))
+    if isinstance(strategy, str):
+        raise StrategyError(f"{path}: no such file or plan directory")
+    return strategy
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _json_text(obj: Any) -> str:
+    from tag.report import finite
+    return json.dumps(finite(obj), indent=2) + "\n"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write DATA to PATH through a temporary file and a rename (no half-written file on failure)."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise TagError(f"{path}: missing ({what})") from None
+    except IsADirectoryError:
+        raise TagError(f"{path}: is a directory, expected the {what}") from None
+    except OSError as err:
+        raise TagError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
+    if len(data) > _MAX_FILE_BYTES:
+        raise TagError(f"{path}: larger than {_MAX_FILE_BYTES >> 30} GiB, not a {what}")
+    return data
+
+
+def _read_json(path: str, what: str) -> Any:
+    data = _read_bytes(path, what)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TagError(f"{path}: not UTF-8 text ({what})") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+        raise TagError(f"{path}: not valid JSON ({where})") from None
+
+
+def _read_plan_json(path: str) -> dict:
+    meta = _read_json(path, "plan description")
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        raise TagError(f"{path}: not a tag plan description (no \"format\": \"{PLAN_FORMAT}\")")
+    if meta.get("version") != PLAN_VERSION:
+        raise TagError(f"{path}: unsupported plan version {meta.get('version')!r} (this tag reads {PLAN_VERSION})")
+    for key, types in (("train_op", (str,)), ("loss", (str, type(None))), ("init", (str, type(None))),
+                       ("batch_size", (int,)), ("topology", (str,)), ("predicted_step_time_s", (int, float))):
+        if not isinstance(meta.get(key), types) or isinstance(meta.get(key), bool):
+            raise TagError(f"{path}: {key!r} is missing or has the wrong type")
+    if meta["batch_size"] < 1:
+        raise TagError(f"{path}: batch_size must be positive, got {meta['batch_size']}")
+    return meta
+
+
+def _read_strategy(path: str) -> "Strategy":
+    from tag.strategy.types import Strategy
+    data = _read_bytes(path, "saved strategy")
+    try:
+        strategy = Strategy.from_proto(data)
+    except TagError as err:
+        raise StrategyError(f"{path}: {err}") from None
+    if not strategy.actions:
+        raise StrategyError(f"{path}: not a saved tag strategy (no actions)")
+    return strategy
+
+
+def _read_graph_def(path: str) -> Any:
+    import tensorflow as tf
+    gd = tf.compat.v1.GraphDef()
+    try:
+        gd.ParseFromString(_read_bytes(path, "rewritten GraphDef"))
+    except TagError:
+        raise
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError
+        raise GraphError(f"{path}: not a binary GraphDef ({err})") from None
+    if not gd.node:
+        raise GraphError(f"{path}: the GraphDef has no nodes")
+    return gd
