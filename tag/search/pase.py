@@ -40,8 +40,8 @@ class PaseResult:
     additive_cost: float           # the additive objective (seconds) at choice
     seconds: float                 # wall-clock time of cost tables + order + DP + the one simulation
     order: list[int]               # the vertex (op group) order of the DP
-    max_dependent_set: int         # largest dependent set along the order (before the cap)
-    dependent_sizes: list[int]     # |D_i| after each prefix of the order (before the cap)
+    max_dependent_set: int         # largest dependent set along the order (DP's graph, before the cap)
+    dependent_sizes: list[int]     # |D_i| after each prefix of the order (DP's graph, before the cap)
     dropped: int                   # vertices pinned because a dependent set exceeded the cap
     ignored_edges: int             # negligible edges left out of the DP (still in additive_cost)
     ignored_bound: float           # their summed worst cases: the most they can cost the DP (seconds)
