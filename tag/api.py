@@ -57,9 +57,11 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.ir.types import TrainingGraph
     from tag.search.driver import SearchProgress, SearchResult
     from tag.search.env import SearchEnv
-    from tag.strategy.types import Strategy
+    from tag.sim import Simulator
+    from tag.strategy.types import Grouping, Strategy
 
-__all__ = ["Plan", "optimize", "rewrite", "PLAN_FORMAT", "PLAN_VERSION"]
+__all__ = ["Analysis", "Plan", "optimize", "plan_for", "prepare", "rewrite", "search_plan", "load_strategy",
+           "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
 PLAN_VERSION = 1
@@ -93,10 +95,18 @@ class Plan:
     method: str = ""
     notes: list[str] = field(default_factory=list)
     _report: dict = field(default_factory=dict, repr=False)
+    analysis: "Analysis | None" = field(default=None, repr=False, compare=False)   # not saved
 
     def report(self) -> dict:
         """The plan's report: a JSON-serialisable dict (keys in ``tag.report``; a copy)."""
         return copy.deepcopy(self._report)
+
+    def trace(self) -> dict:
+        """The simulated step as a Chrome trace (chrome://tracing, Perfetto); needs ``analysis`` (a plan
+        made in this process, not a loaded one)."""
+        if self.analysis is None:
+            raise TagError("a loaded plan has no analysis to simulate; run tag.optimize again for a trace")
+        return self.analysis.simulator().trace(self.strategy, batch_size=self.batch_size)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plan's four files into DIRECTORY (created if needed); returns its path."""
@@ -158,41 +168,52 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory.
     """
-    from tag.search import SearchEnv, search
-    ctx = _prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
-                   train_op=train_op, loss=loss, init=init, name=name)
-    env = SearchEnv(ctx.graph, ctx.topology, ctx.grouping, cost_model=ctx.cost_model, batch_size=ctx.batch)
-    found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
-    if not found.outcome.feasible:
-        raise _memory_error(env, found)
-    _check_not_slower(found)
-    from tag.backend.rewrite import rewrite as rewrite_graph
-    rr = rewrite_graph(ctx.graph_def, ctx.graph, found.strategy, ctx.topology, batch_size=ctx.batch,
-                       train_op=ctx.entry.train_op, loss=ctx.entry.loss, init=ctx.entry.init)
-    report = search_report(ctx, env, found, rewritten=rr)
-    notes = list(found.notes) + list(rr.notes)
-    return Plan(rr.graph_def, found.strategy, float(found.step_time), dict(found.baselines), rr.train_op, rr.loss,
-                rr.init, ctx.batch, ctx.topology.name, list(rr.inputs), found.method, notes, report)
+    analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
+                       train_op=train_op, loss=loss, init=init, name=name)
+    return search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
 
 
 @dataclass
-class _Context:
-    """What every entry point builds before searching or rewriting."""
+class Analysis:
+    """Everything a search or a rewrite needs, built once (``prepare``); a Plan made in this process keeps
+    it as ``plan.analysis`` (a loaded plan has none)."""
 
     model: str
-    graph_def: Any             # with the entry points' made-up nodes
-    entry: Any                 # EntryPoints
+    graph_def: Any             # the user's graph plus the entry points' made-up nodes
+    entry: Any                 # tag.frontend.entry_points.EntryPoints
     graph: "TrainingGraph"
     topology: "Topology"
-    grouping: Any
+    grouping: "Grouping"
     cost_model: "CostModel"
     batch: int
     profile_source: str | None
+    _simulator: Any = field(default=None, repr=False)
+
+    def simulator(self) -> "Simulator":
+        """The step simulator of this graph, grouping and topology (built on first use)."""
+        if self._simulator is None:
+            from tag.sim import Simulator
+            self._simulator = Simulator(self.graph, self.topology, self.grouping, self.cost_model)
+        return self._simulator
+
+    def builtin(self, name: str) -> "Strategy":
+        """The built-in strategy NAME for this graph and topology."""
+        from tag.strategy.baselines import builtin_strategy
+        return builtin_strategy(name, self.graph, self.topology, self.grouping, self.cost_model)
+
+    def rewrite(self, strategy: "Strategy") -> "RewriteResult":
+        """The graph rewritten for STRATEGY (entry points as found or given)."""
+        from tag.backend.rewrite import rewrite as rewrite_graph
+        return rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
+                             train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
 
 
-def _prepare(graph_def: Any, topology: Any, *, batch_size: int | None, profile: Any, groups: int,
-             train_op: str | None, loss: str | None, init: str | None, name: str | None) -> _Context:
-    """Entry points, IR, topology, grouping and cost model of one call (checks the inputs first)."""
+def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,
+            profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
+            grouping: "Grouping | None" = None, train_op: str | None = None, loss: str | None = None,
+            init: str | None = None, name: str | None = None) -> Analysis:
+    """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
+    and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``optimize``."""
     from tag.cost.model import CostModel
     from tag.frontend.analyze import analyze
     from tag.frontend.entry_points import find_entry_points
@@ -209,9 +230,62 @@ def _prepare(graph_def: Any, topology: Any, *, batch_size: int | None, profile: 
     if batch < topo.num_devices:
         raise TagError(f"the global batch {batch} is smaller than the {topo.num_devices} devices of "
                        f"{topo.name}; data parallelism needs at least one example per device (pass batch_size=)")
-    grouping = group_ops(graph, target_groups=int(groups))
+    if grouping is None:
+        grouping = group_ops(graph, target_groups=int(groups))
+    elif len(grouping.group_of_op) != len(graph.ops):
+        raise StrategyError(f"the strategy was made for a graph of {len(grouping.group_of_op)} ops; this graph "
+                            f"has {len(graph.ops)} (another model, or another batch size?)")
     model = name or graph.name or "model"
-    return _Context(model, gd, entry, graph, topo, grouping, CostModel(graph, topo, prof), batch, prof_source)
+    return Analysis(model, gd, entry, graph, topo, grouping, CostModel(graph, topo, prof), batch, prof_source)
+
+
+def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
+                order: str = "auto", seed: int = 0,
+                progress: "Callable[[SearchProgress], None] | None" = None) -> Plan:
+    """Search ANALYSIS's graph (``tag.search.search``) and return the rewritten winner as a Plan."""
+    from tag.search import SearchEnv, search
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch, simulator=analysis.simulator())
+    found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
+    if not found.outcome.feasible:
+        raise _memory_error(env, found)
+    _check_not_slower(found)
+    results = dict(env.builtin_results)
+    results.setdefault(found.method, found.result)
+    report = _plan_report(analysis, found.method, results, found.baselines, found.baselines_feasible, {
+        "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
+        "method": found.method, "reference": found.reference, "notes": list(found.notes),
+        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}})
+    return _make_plan(analysis, found.strategy, report)
+
+
+def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None) -> Plan:
+    """A Plan for a given STRATEGY (a Strategy or a built-in name), without search: simulated beside the
+    built-ins and rewritten. NAME labels it in the report (default: the strategy's name, or "given")."""
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    if isinstance(strategy, str):
+        name, strategy = strategy, analysis.builtin(strategy)
+    name = name or strategy.name or "given"
+    sim = analysis.simulator()
+    results = {n: sim.evaluate(analysis.builtin(n), batch_size=analysis.batch) for n in BUILTIN_STRATEGIES}
+    results.setdefault(name, sim.evaluate(strategy, batch_size=analysis.batch))
+    report = _plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
+                          {n: bool(r.feasible) for n, r in results.items()},
+                          {"search_seconds": 0.0, "evaluations": len(results), "method": name,
+                           "reference": "dp_allreduce", "notes": [f"strategy {name!r} given, not searched"]})
+    return _make_plan(analysis, strategy, report)
+
+
+def _make_plan(analysis: Analysis, strategy: "Strategy", report: dict) -> Plan:
+    rr = analysis.rewrite(strategy)
+    report["rewritten"] = {"train_op": rr.train_op, "loss": rr.loss, "init": rr.init, "inputs": list(rr.inputs),
+                           "nodes": len(rr.graph_def.node)}
+    notes = list(report["notes"]) + list(rr.notes)
+    plan = Plan(rr.graph_def, strategy, float(report["predicted_step_time_s"]), dict(report["baselines"]),
+                rr.train_op, rr.loss, rr.init, analysis.batch, analysis.topology.name, list(rr.inputs),
+                report["method"], notes, report)
+    plan.analysis = analysis
+    return plan
 
 
 def _topology(topology: Any) -> "Topology":
@@ -283,34 +357,20 @@ def _memory_error(env: "SearchEnv", found: "SearchResult") -> MemoryBudgetError:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def search_report(ctx: _Context, env: "SearchEnv", found: "SearchResult", rewritten: "RewriteResult | None" = None,
-                  ) -> dict:
-    """The report of a searched plan: tag.report's keys for the winner plus the search's figures."""
+def _plan_report(analysis: Analysis, name: str, results: dict, baselines: dict, feasible: dict,
+                 extra: dict) -> dict:
+    """tag.report's keys for strategy NAME (RESULTS: name -> SimResult, with NAME and the built-ins),
+    every compared strategy's time (BASELINES, FEASIBLE) and what EXTRA adds."""
     from tag.report import build_report, finite
-    results = dict(env.builtin_results)
-    results.setdefault(found.method, found.result)
-    report = build_report(ctx.model, ctx.topology, ctx.grouping, found.method, results, ctx.batch)
-    dp = float(env.builtin_results["dp_allreduce"].step_time)
+    report = build_report(analysis.model, analysis.topology, analysis.grouping, name, results, analysis.batch)
     report.update({
-        "predicted_step_time_s": float(found.step_time),
-        "baselines": {n: float(t) for n, t in found.baselines.items()},
-        "baselines_feasible": {n: bool(f) for n, f in found.baselines_feasible.items()},
-        "speedup_vs_dp": dp / found.step_time if found.step_time > 0 else None,
-        "search_seconds": float(found.search_seconds),
-        "evaluations": int(found.evaluations),
-        "feasible": bool(found.outcome.feasible),
-        "sfb_gradients": list(found.strategy.sfb),
+        "baselines": {n: float(t) for n, t in baselines.items()},
+        "baselines_feasible": {n: bool(f) for n, f in feasible.items()},
         "sfb_bytes_saved": 0,
-        "method": found.method,
-        "reference": found.reference,
-        "notes": list(found.notes),
-        "profile": ctx.profile_source,
-        "entry_points": {"train_op": ctx.entry.train_op, "loss": ctx.entry.loss, "init": ctx.entry.init,
-                         "found": list(ctx.entry.notes)},
-    })
-    if rewritten is not None:
-        report["rewritten"] = {"train_op": rewritten.train_op, "loss": rewritten.loss, "init": rewritten.init,
-                               "inputs": list(rewritten.inputs), "nodes": len(rewritten.graph_def.node)}
+        "profile": analysis.profile_source,
+        "entry_points": {"train_op": analysis.entry.train_op, "loss": analysis.entry.loss,
+                         "init": analysis.entry.init, "found": list(analysis.entry.notes)},
+        **extra})
     return finite(report)
 
 
@@ -325,17 +385,11 @@ def rewrite(graph_def: Any, topology: "Topology | str | os.PathLike", strategy: 
     ``groups`` and the cost model of ``profile``), a ``Strategy``, or a path to a saved ``strategy.pb``
     or plan directory (whose batch size is the default). Entry points are found as in ``optimize``.
     """
-    from tag.backend.rewrite import rewrite as rewrite_graph
     strategy, saved_batch = _strategy_arg(strategy)
-    if batch_size is None:
-        batch_size = saved_batch
-    ctx = _prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
-                   train_op=train_op, loss=loss, init=init, name=None)
-    if isinstance(strategy, str):
-        from tag.strategy.baselines import builtin_strategy
-        strategy = builtin_strategy(strategy, ctx.graph, ctx.topology, ctx.grouping, ctx.cost_model)
-    return rewrite_graph(ctx.graph_def, ctx.graph, strategy, ctx.topology, batch_size=ctx.batch,
-                         train_op=ctx.entry.train_op, loss=ctx.entry.loss, init=ctx.entry.init)
+    analysis = prepare(graph_def, topology, batch_size=saved_batch if batch_size is None else batch_size,
+                       profile=profile, groups=groups, train_op=train_op, loss=loss, init=init,
+                       grouping=None if isinstance(strategy, str) else strategy.grouping)
+    return analysis.rewrite(analysis.builtin(strategy) if isinstance(strategy, str) else strategy)
 
 
 def _strategy_arg(strategy: Any) -> tuple["Strategy | str", int | None]:

@@ -129,6 +129,21 @@ def test_load_names_the_bad_file(plan, tmp_path, damage, message):
         tag.Plan.load(d)
 
 
+def test_trace_and_plans_for_given_strategies(plan, tmp_path):
+    from tag.api import plan_for, prepare
+    trace = plan.trace()
+    assert trace and json.dumps(trace)
+    with pytest.raises(TagError, match="loaded plan"):
+        tag.Plan.load(plan.save(tmp_path / "p")).trace()
+    analysis = prepare(mlp(), LOCALHOST, name="mlp")
+    ps = plan_for(analysis, "ps")
+    assert ps.method == "ps" and ps.predicted_step_time == pytest.approx(ps.baselines["ps"])
+    assert set(ps.baselines) == BUILTINS and any("not searched" in n for n in ps.notes)
+    again = plan_for(analysis, plan.strategy, name="saved")
+    assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
+    assert again.report()["strategy"] == "saved" and "saved" in again.baselines
+
+
 def test_one_device_returns_the_best_baseline_and_says_so():
     one = tag.parse_topology('name: "one"\nhost { name: "solo" address: "127.0.0.1" port: 23999 '
                              'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 '
