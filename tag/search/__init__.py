@@ -10,7 +10,12 @@ Example::
     found = search(env, budget_s=30, seed=0)
     found.strategy, found.step_time, found.baselines      # baselines: name -> predicted seconds
 """
-from tag.search.driver import SearchProgress, SearchResult, search
+from tag.search.driver import SearchProgress, SearchResult, best_uniform, search
 from tag.search.env import Outcome, SearchEnv
+from tag.search.local import refine
+from tag.search.mcts import mcts
+from tag.search.pase import pase_dp
+from tag.search.random_search import random_search
 
-__all__ = ["Outcome", "SearchEnv", "SearchProgress", "SearchResult", "search"]
+__all__ = ["Outcome", "SearchEnv", "SearchProgress", "SearchResult", "best_uniform", "mcts", "pase_dp",
+           "random_search", "refine", "search"]

@@ -1,13 +1,21 @@
-"""The search portfolio behind ``tag.optimize``: built-ins, the best uniform action, then the tree search.
+"""The search portfolio behind ``tag.optimize``: built-ins, best uniform action, PaSE DP, MCTS, refinement.
 
 Steps, all scored by the same simulator through one ``SearchEnv``:
 
 1. the built-in strategies (``dp_allreduce``, ``ps``, ``single``, ``partition``), simulated once;
 2. ``best_uniform``: every candidate action applied to every op group, the best kept;
-3. the tree search (``tag.search.mcts``) in the chosen decision order, for the remaining budget.
+3. ``pase_dp``: PaSE-style dynamic programming on an additive cost model (``tag.search.pase``);
+4. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
+5. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
 
 The answer is the best strategy any step found; it is never predicted slower than the best feasible
-built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` says so).
+built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so).
+``SearchResult.baselines`` holds each step's own best (the ``refine`` entry is the final answer when
+refinement found the winner).
+
+Budgets: with ``budget_s`` the tree search gets half of what is left after steps 1-3 and refinement
+the rest; with ``playouts`` (and no seconds) the tree search runs that many playouts and refinement at
+most ``REFINE_EVALUATIONS_PER_PLAYOUT`` simulator runs per playout (at least ``MIN_REFINE_EVALUATIONS``).
 
 Example::
 
@@ -26,6 +34,8 @@ from tag.sim.simulator import SimResult
 from tag.strategy.types import Strategy
 
 DEFAULT_PLAYOUTS = 400
+REFINE_EVALUATIONS_PER_PLAYOUT = 8
+MIN_REFINE_EVALUATIONS = 2000
 
 
 @dataclass
@@ -70,49 +80,59 @@ def best_uniform(env: SearchEnv) -> tuple[tuple[int, ...], Outcome]:
 
 
 def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | None = None, order: str = "auto",
-           seed: int = 0, prior=None, progress: Callable[[SearchProgress], None] | None = None) -> SearchResult:
+           seed: int = 0, prior=None, progress: Callable[[SearchProgress], None] | None = None,
+           use_pase: bool = True, use_refine: bool = True) -> SearchResult:
     """Run the portfolio (module docstring) on ENV and return the best strategy found.
 
-    ``playouts`` bounds the tree search by simulated playouts, ``budget_s`` by wall-clock seconds (both:
-    whichever ends first; neither: ``DEFAULT_PLAYOUTS``). ``order`` is a decision order name of
-    ``tag.search.orders`` or ``"auto"``; ``prior`` a callable giving the tree search a prior over a group's
-    candidates (uniform when None); ``seed`` makes the search deterministic.
+    ``playouts`` bounds the tree search by simulated playouts, ``budget_s`` the whole search by wall-clock
+    seconds (both: whichever ends first; neither: ``DEFAULT_PLAYOUTS``). ``order`` is a decision order
+    name of ``tag.search.orders`` or ``"auto"``; ``prior`` a callable giving the tree search a prior over a
+    group's candidates (``tag.search.mcts.uniform_value_prior`` when None); ``seed`` makes the search
+    deterministic (under a playout budget).
     """
+    from tag.search.local import refine
+    from tag.search.mcts import mcts
+    from tag.search.pase import pase_dp
+
     t0 = time.perf_counter()
-    baselines = {n: float(r.step_time) for n, r in env.builtin_results.items()}
-    feasible = {n: bool(r.feasible) for n, r in env.builtin_results.items()}
     found: dict[str, tuple[tuple[int, ...] | None, Outcome]] = {}
     for name, r in env.builtin_results.items():
         found[name] = (None, env.outcome_of(r))
-    uniform_choice, uniform_outcome = best_uniform(env)
-    found["best_uniform"] = (uniform_choice, uniform_outcome)
-    baselines["best_uniform"] = uniform_outcome.step_time
-    feasible["best_uniform"] = uniform_outcome.feasible
+    found["best_uniform"] = best_uniform(env)
+    if use_pase:
+        dp = pase_dp(env)
+        found["pase_dp"] = (dp.choice, dp.outcome)
+
+    def best_so_far() -> tuple[tuple[int, ...], Outcome]:
+        searched = {n: v for n, v in found.items() if v[0] is not None}
+        name = max(searched, key=lambda n: (searched[n][1].value, -searched[n][1].step_time))
+        return searched[name]
 
     if playouts is None and budget_s is None:
         playouts = DEFAULT_PLAYOUTS
-    remaining = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
-    from tag.search.mcts import mcts
+    left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
     report = None
     if progress is not None:
         def report(done: int, total: int | None, seconds: float, best: Outcome) -> None:
-            progress(SearchProgress(done, total, seconds, best.value if best.feasible else 0.0))
-    tree = mcts(env, order=order, playouts=playouts, budget_s=remaining, seed=seed, prior=prior,
-                progress=report, start=uniform_choice)
+            progress(SearchProgress(done, total, time.perf_counter() - t0, best.value if best.feasible else 0.0))
+    tree = mcts(env, order=order, playouts=playouts, budget_s=None if left is None else left / 2, seed=seed,
+                prior=prior, progress=report, start=best_so_far()[0])
     found["mcts"] = (tree.choice, tree.outcome)
-    baselines["mcts"] = tree.outcome.step_time
-    feasible["mcts"] = tree.outcome.feasible
+    if use_refine:
+        left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
+        cap = None if playouts is None else max(MIN_REFINE_EVALUATIONS, REFINE_EVALUATIONS_PER_PLAYOUT * playouts)
+        refined = refine(env, best_so_far()[0], order=tree.order, budget_s=left, max_evaluations=cap)
+        found["refine"] = (refined.choice, refined.outcome)
 
     method = max(found, key=lambda n: (found[n][1].value, -found[n][1].step_time))
     choice, outcome = found[method]
-    if choice is None:
-        strategy = env.builtin_strategies[method]
-        result = env.builtin_results[method]
-    else:
-        strategy = env.strategy(choice, name=method)
-        result = env.result(choice)
     notes = []
     if choice is None:
+        strategy, result = env.builtin_strategies[method], env.builtin_results[method]
         notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
+    else:
+        strategy, result = env.strategy(choice, name=method), env.result(choice)
+    baselines = {n: float(v[1].step_time) for n, v in found.items()}
+    feasible = {n: bool(v[1].feasible) for n, v in found.items()}
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
                         time.perf_counter() - t0, env.evaluations, notes)

@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tag.cost.model import CostModel
-from tag.ir.algorithms import topological_order
 from tag.search.candidates import DEFAULT_MAX_ACTIONS, Candidate, candidate_actions, device_speeds
 from tag.sim.simulator import SimResult, Simulator
 from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
-from tag.strategy.partition import partition_group
+from tag.strategy.partition import GroupPartitioner
 from tag.strategy.types import Grouping, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,9 +67,8 @@ class SearchEnv:
         self.candidates: list[Candidate] = candidate_actions(topology, self.speeds, max_actions)
         self.group_ops: list[np.ndarray] = [grouping.members(g) for g in range(self.num_groups)]
         self.allowed: list[list[int]] = [self._allowed_for(g) for g in range(self.num_groups)]
-        order = topological_order(graph)
-        self._op_position = np.empty(len(order), dtype=np.int64)
-        self._op_position[order] = np.arange(len(order))
+        self.allowed_sets: list[frozenset[int]] = [frozenset(a) for a in self.allowed]
+        self.partitioner = GroupPartitioner(graph, topology, self.cost_model, grouping.group_of_op, self.batch_size)
         self._partition_maps: dict[tuple[int, int], dict[int, int]] = {}   # (group, candidate) -> op -> device
         self._outcomes: dict[Choice, Outcome] = {}                           # choice -> its outcome
         self.evaluations = 0          # simulator runs
@@ -115,7 +113,7 @@ class SearchEnv:
     # ------------------------------------------------------------------ strategies
     def uniform_choice(self, candidate: int) -> Choice:
         """Candidate CANDIDATE for every op group (where it is not allowed, the group's first allowed one)."""
-        return tuple(candidate if candidate in self.allowed[g] else self.allowed[g][0]
+        return tuple(candidate if candidate in self.allowed_sets[g] else self.allowed[g][0]
                      for g in range(self.num_groups))
 
     def partition_map(self, group: int, candidate: int) -> dict[int, int]:
@@ -124,8 +122,7 @@ class SearchEnv:
         m = self._partition_maps.get(key)
         if m is None:
             c = self.candidates[candidate]
-            m = partition_group(self.graph, self.topology, self.cost_model, self.group_ops[group],
-                                c.partition_devices, self.batch_size, self._op_position)
+            m = self.partitioner.split(group, c.partition_devices)
             self._partition_maps[key] = m
         return m
 
