@@ -82,8 +82,8 @@ class Plan:
     feed (full global batches). ``method``: which step found the strategy.
     """
 
-    graph_def: Any
-    strategy: "Strategy"
+    graph_def: Any = field(repr=False)
+    strategy: "Strategy" = field(repr=False)
     predicted_step_time: float
     baselines: dict[str, float]
     train_op: str
