@@ -1,0 +1,188 @@
+"""The report of a plan: simulate the built-in strategies, collect DESIGN.md's report keys, print a table.
+
+``tag-deploy`` builds its ``--report`` JSON and its printed summary here, and ``tag.optimize``'s
+``Plan.report()`` can reuse the same functions. numpy only (strategy and simulator stages); no
+TensorFlow import.
+
+Example::
+
+    import tag
+    from tag.cost import CostModel
+    from tag.report import build_report, format_table, predict, report_json
+    from tag.strategy import group_ops
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    graph = tag.analyze(tag.zoo.training_graph("mlp", batch_size=64))
+    grouping = group_ops(graph, target_groups=64)
+    pred = predict(topo, graph, grouping, CostModel(graph, topo), batch=64)
+    report = build_report("mlp", topo, grouping, "dp_allreduce", pred["results"], batch=64)
+    print(format_table(report, "zoo:mlp"))
+    text = report_json(report)          # strict JSON: inf/nan become null
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tag.sim import Simulator
+from tag.strategy import BUILTIN_STRATEGIES, builtin_strategy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.backend.runtime import RunResult
+    from tag.cluster.topology import Topology
+    from tag.cost.model import CostModel
+    from tag.ir.types import TrainingGraph
+    from tag.strategy.types import Grouping
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers for people and for strict JSON
+# ----------------------------------------------------------------------------------------------
+
+def finite(obj: Any) -> Any:
+    """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def report_json(report: dict) -> str:
+    """REPORT as indented strict JSON text, ending in a newline."""
+    return json.dumps(finite(report), indent=2) + "\n"
+
+
+def format_time(s: float) -> str:
+    """Seconds as "12.34 ms" (below 10 s), "12.34 s", or "inf"."""
+    if not np.isfinite(s):
+        return "inf"
+    return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def format_bytes(b: float) -> str:
+    """Bytes in the largest binary unit it reaches: "1.5 GiB", "12.0 KiB", "512 B"."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= k:
+            return f"{b / k:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction and the report dict
+# ----------------------------------------------------------------------------------------------
+
+def predict(topology: "Topology", graph: "TrainingGraph", grouping: "Grouping", cost_model: "CostModel",
+            batch: int) -> dict[str, Any]:
+    """Simulate every built-in strategy; returns {"strategies": {name: Strategy}, "results": {name: SimResult},
+    "simulator": Simulator}."""
+    sim = Simulator(graph, topology, grouping, cost_model)
+    strategies, results = {}, {}
+    for name in BUILTIN_STRATEGIES:
+        s = builtin_strategy(name, graph, topology, grouping, cost_model)
+        strategies[name] = s
+        results[name] = sim.evaluate(s, batch_size=batch)
+    return {"strategies": strategies, "results": results, "simulator": sim}
+
+
+def build_report(model: str, topology: "Topology", grouping: "Grouping", strategy_name: str, results: dict,
+                 batch: int) -> dict:
+    """The report dict (DESIGN.md's keys plus the strategy and per-device details).
+
+    RESULTS is {strategy name: SimResult} and must hold STRATEGY_NAME and "dp_allreduce".
+    """
+    r = results[strategy_name]
+    names = [d.name for d in topology.devices]
+    step = float(r.step_time)
+    dp = float(results["dp_allreduce"].step_time)
+    peak = np.asarray(r.peak_memory, dtype=np.float64)
+    util = np.asarray(r.utilisation, dtype=np.float64)
+    return {
+        "model": model,
+        "topology": topology.name,
+        "strategy": strategy_name,
+        "batch_size": int(batch),
+        "devices": topology.num_devices,
+        "groups": grouping.num_groups,
+        "predicted_step_time_s": step,
+        "baselines": {n: float(res.step_time) for n, res in results.items()},
+        "baselines_feasible": {n: bool(res.feasible) for n, res in results.items()},
+        "speedup_vs_dp": (dp / step) if step > 0 else None,
+        "search_seconds": 0.0,
+        "peak_memory_bytes": {n: int(round(float(b))) for n, b in zip(names, peak)},
+        "memory_capacity_bytes": {d.name: int(d.memory_bytes) for d in topology.devices},
+        "utilisation": {n: float(u) for n, u in zip(names, util)},
+        "communication_bytes": float(r.comm_bytes),
+        "feasible": bool(r.feasible),
+        "oom_devices": [names[int(d)] if not isinstance(d, str) else d for d in r.oom_devices],
+        "sfb_gradients": [],
+    }
+
+
+def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup: int) -> dict[str, Any]:
+    """The report keys of a measured run: the plan (MINE) beside the dp_allreduce BASELINE on TensorFlow."""
+    return {"measured_step_time_s": mine.mean_step_time_s,
+            "measured_baseline_step_time_s": baseline.mean_step_time_s,
+            "measured_speedup_vs_dp": baseline.mean_step_time_s / mine.mean_step_time_s,
+            "measured_steps": steps, "measured_warmup_steps": warmup,
+            "measured_losses": [float(x) for x in mine.losses]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The printed table
+# ----------------------------------------------------------------------------------------------
+
+def _device_lines(report: dict) -> list[str]:
+    """One line per device: memory used / capacity, utilisation, OOM flag."""
+    width = max([len("device")] + [len(n) for n in report["peak_memory_bytes"]])
+    lines = [f"{'device':<{width}}  {'memory used / capacity':>28}  {'util':>6}"]
+    for name, used in report["peak_memory_bytes"].items():
+        cap = report["memory_capacity_bytes"][name]
+        flag = "  OOM" if name in report["oom_devices"] else ""
+        mem = f"{format_bytes(used)} / {format_bytes(cap)}"
+        lines.append(f"{name:<{width}}  {mem:>28}  {report['utilisation'][name] * 100:5.1f}%{flag}")
+    return lines
+
+
+def _measured_lines(report: dict) -> list[str]:
+    """The measured-on-TensorFlow block (empty when the report has no measurement)."""
+    if "measured_step_time_s" not in report:
+        return []
+    lines = ["", f"measured on TensorFlow ({report['measured_steps']} steps, "
+                 f"{report['measured_warmup_steps']} warm-up):",
+             f"  {report['strategy']:<14} {format_time(report['measured_step_time_s']):>12}"]
+    if report["strategy"] != "dp_allreduce":
+        lines.append(f"  {'dp_allreduce':<14} {format_time(report['measured_baseline_step_time_s']):>12}")
+    lines.append(f"measured speedup vs dp_allreduce: {report['measured_speedup_vs_dp']:.3g}x")
+    return lines
+
+
+def format_table(report: dict, model_spec: str) -> str:
+    """The human-readable summary tag-deploy prints."""
+    lines = [f"{report['model']} ({model_spec}) on {report['topology']}: {report['devices']} devices, "
+             f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}",
+             f"predicted step time  {format_time(report['predicted_step_time_s'])}"
+             f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
+             f"communication        {format_bytes(report['communication_bytes'])} per step",
+             "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
+                                           "built-in defaults (calibrate: tag-profile --model ...)"),
+             ""]
+    lines += _device_lines(report)
+    lines += ["", "built-in strategies (predicted step time):"]
+    for name, t in report["baselines"].items():
+        notes = []
+        if name == report["strategy"]:
+            notes.append("this plan")
+        if not report["baselines_feasible"][name]:
+            notes.append("out of memory")
+        lines.append(f"  {name:<14} {format_time(t):>12}{'   (' + ', '.join(notes) + ')' if notes else ''}")
+    sp = report["speedup_vs_dp"]
+    lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
+    lines += _measured_lines(report)
+    return "\n".join(lines)
