@@ -67,8 +67,8 @@ setup(
         "console_scripts": [
             "tag-topo=tag.cli.topo:main",
             "tag-deploy=tag.cli.deploy:main",
-            "tag-worker=tag.backend.runtime:worker_main",
-            "tag-profile=tag.cost.calibration:main",
+            "tag-worker=tag.cli.worker:main",
+            "tag-profile=tag.cli.profile:main",
         ]
     },
     package_data={"tag": ["_proto/*.py"]},

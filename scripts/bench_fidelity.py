@@ -66,7 +66,7 @@ def calibrate(workdir: str) -> Profile:
     """Profile the calibration graph on one core (as a worker runs), then TF's runtime between two local
     one-thread workers (tag.profile.profile_network); one profile for every case."""
     out = os.path.join(workdir, "profile.json")
-    cmd = [sys.executable, "-m", "tag.cost.calibration", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
+    cmd = [sys.executable, "-m", "tag.cli.profile", "--model", CALIBRATION_MODEL, "--batch", str(CALIBRATION_BATCH),
            "--steps", "20", "--out", out]
     if os.path.exists("/usr/bin/taskset"):
         cmd = ["taskset", "-c", "0"] + cmd

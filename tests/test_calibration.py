@@ -1,4 +1,5 @@
-"""tag.profile: fitting on hand-made measurements, and profiling a real small MLP on this CPU."""
+"""tag.cost.calibration, tag.cost.fitting and tag-profile: fitting on hand-made measurements, and profiling
+a real small MLP on this CPU."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa: E402
-from tag.cost.calibration import (StepMeasurement, default_profile_path, fit_profile, load_default_profile,  # noqa: E402
-                         main, profile_graph)
+from tag.cli.profile import main  # noqa: E402
+from tag.cost.calibration import profile_graph  # noqa: E402
+from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
+from tag.cost.profile_store import default_profile_path, load_default_profile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCALHOST = os.path.join(ROOT, "topologies", "localhost.pbtxt")

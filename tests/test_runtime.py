@@ -1,4 +1,4 @@
-"""tag.runtime: cluster specs, tag-worker, LocalCluster and run_steps on real TF servers."""
+"""tag.backend.runtime: cluster specs, tag-worker, LocalCluster and run_steps on real TF servers."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,8 @@ from tag.backend.runtime import (  # noqa: E402
     fresh_collective_keys,
     run_steps,
     session_config,
-    worker_main,
 )
+from tag.cli.worker import main as worker_main  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,19 +145,19 @@ def test_worker_unknown_host_exit_2_lists_known_hosts(tmp_path, capsys):
 
 
 def test_worker_cli_bad_input_is_one_line_exit_2(tmp_path):
-    """As a process (python -m tag.backend.runtime): no traceback, exit 2, before TensorFlow is even loaded."""
+    """As a process (python -m tag.cli.worker): no traceback, exit 2, before TensorFlow is even loaded."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["PYTHONPATH"] = REPO
-    missing = subprocess.run([sys.executable, "-m", "tag.backend.runtime", "--topo", str(tmp_path / "none.pbtxt"),
+    missing = subprocess.run([sys.executable, "-m", "tag.cli.worker", "--topo", str(tmp_path / "none.pbtxt"),
                               "--host", "h0"], capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().count("\n") == 0 and "none.pbtxt" in missing.stderr
-    nothing = subprocess.run([sys.executable, "-m", "tag.backend.runtime"], capture_output=True, text=True, env=env,
+    nothing = subprocess.run([sys.executable, "-m", "tag.cli.worker"], capture_output=True, text=True, env=env,
                              timeout=60)
     assert nothing.returncode == 2 and "TF_CONFIG" in nothing.stderr and "Traceback" not in nothing.stderr
     f = tmp_path / "c.pbtxt"
     f.write_text(topo_text([23021]))
-    no_host = subprocess.run([sys.executable, "-m", "tag.backend.runtime", "--topo", str(f)], capture_output=True,
+    no_host = subprocess.run([sys.executable, "-m", "tag.cli.worker", "--topo", str(f)], capture_output=True,
                              text=True, env=env, timeout=60)
     assert no_host.returncode == 2 and "--host" in no_host.stderr
 
@@ -381,7 +381,7 @@ def test_tag_worker_process_serves_and_stops_on_sigterm(tmp_path):
     f = tmp_path / "one.pbtxt"
     f.write_text(topo_text([port]))
     env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen([sys.executable, "-m", "tag.backend.runtime", "--topo", str(f), "--host", "h0", "--threads", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "tag.cli.worker", "--topo", str(f), "--host", "h0", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
     try:

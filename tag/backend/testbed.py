@@ -46,12 +46,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
-import atexit
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from tag.backend.runtime.live import LiveRegistry
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -223,22 +222,8 @@ print(statistics.median(times[2:]))
 # Testbed
 # ----------------------------------------------------------------------------------------------
 
-_LIVE: "set[Testbed]" = set()
-_LIVE_LOCK = threading.Lock()
-_COUNTER = 0
-
-
-def _teardown_all() -> None:
-    with _LIVE_LOCK:
-        beds = list(_LIVE)
-    for tb in beds:
-        try:
-            tb.close()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            pass
-
-
-atexit.register(_teardown_all)
+_LIVE = LiveRegistry("close")   # testbeds set up and not yet closed; closed at interpreter exit
+_COUNTER = 0                     # testbeds set up so far in this process (names their interfaces)
 
 
 class Testbed:
@@ -318,7 +303,7 @@ class Testbed:
         if self._token is not None:
             raise TestbedError("this testbed is already set up")
         global _COUNTER
-        with _LIVE_LOCK:
+        with _LIVE.lock:
             self._token = f"{os.getpid()}t{_COUNTER}"
             _COUNTER += 1
             _LIVE.add(self)
@@ -539,8 +524,7 @@ class Testbed:
                     _rmdir_cgroup(name)
             except Exception as err:  # noqa: BLE001
                 errors.append(str(err))
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        _LIVE.discard(self)
         self.topology = None
         if errors:
             warnings.warn(f"testbed teardown left something behind: {'; '.join(errors)}", RuntimeWarning,

@@ -31,11 +31,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-import numpy as np
 from tqdm import tqdm
 
 from tag.cli.common import run_cli, write_text_atomic
 from tag.errors import StrategyError, TagError
+from tag.report import build_report, finite, format_table, measured_fields, predict, report_json
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
@@ -85,7 +85,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _load_profile(path: str | None):
     """(profile or None, where it came from or None)."""
-    from tag.cost.calibration import default_profile_path, load_default_profile
+    from tag.cost.profile_store import default_profile_path, load_default_profile
     if path is None:
         prof = load_default_profile()
         return prof, (default_profile_path() if prof is not None else None)
@@ -98,163 +98,30 @@ def _load_profile(path: str | None):
         raise TagError(f"{path}: not a tag cost profile ({type(err).__name__}: {err})") from None
 
 
-def _finite(obj: Any) -> Any:
-    """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
-
-
-def _fmt_time(s: float) -> str:
-    if not np.isfinite(s):
-        return "inf"
-    return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
-
-
-def _fmt_bytes(b: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= k:
-            return f"{b / k:.1f} {unit}"
-    return f"{b:.0f} B"
-
-
 def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, Any]:
     """``--run --steps N``: deploy the plan and the dp_allreduce baseline and measure them.
 
-    Returns the report's ``measured_step_time_s``, ``measured_baseline_step_time_s`` and
-    ``measured_speedup_vs_dp``. CONTEXT holds what the prediction used (graph_def, graph, topology,
-    grouping, strategies by name, cost model, batch). A topology whose hosts are all on loopback gets
-    its workers started here (and stopped on exit, error or Ctrl-C); otherwise the hosts' ``tag-worker``
-    servers must already be running. Inputs are synthetic batches stored on the devices.
+    Returns the report's ``measured_*`` keys (``tag.report.measured_fields``). CONTEXT holds what the
+    prediction used (``_predict_stages``: graph_def, graph, topology, strategies, batch). A topology whose hosts are
+    all on loopback gets its workers started (and stopped on exit, error or Ctrl-C); otherwise the hosts'
+    ``tag-worker`` servers must already be running (``tag.backend.runtime.measure_strategies``).
     """
-    from tag.backend.rewrite import rewrite
-    from tag.backend.runtime import LocalCluster, is_loopback, run_steps
+    from tag.backend.runtime.measure import measure_strategies
 
-    topology, strategies = context["topology"], context["strategies"]
+    strategies = context["strategies"]
     warmup = min(3, args.steps - 1)
-
-    def measure(target: str, name: str):
-        plan = rewrite(context["graph_def"], context["graph"], strategies[name], topology, batch_size=context["batch"])
-        return run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
-                         steps=args.steps, warmup=warmup, synthetic=True)
-
-    def measure_both(target: str):
-        mine = measure(target, args.strategy)
-        base = mine if args.strategy == "dp_allreduce" else measure(target, "dp_allreduce")
-        return mine, base
-
-    if all(is_loopback(h.address) for h in topology.hosts):
-        with LocalCluster(topology) as cluster:
-            mine, base = measure_both(cluster.target)
-    else:
-        first = min(topology.hosts, key=lambda h: h.task_index)
-        mine, base = measure_both(f"grpc://{first.address}:{first.port}")
-    return {"measured_step_time_s": mine.mean_step_time_s,
-            "measured_baseline_step_time_s": base.mean_step_time_s,
-            "measured_speedup_vs_dp": base.mean_step_time_s / mine.mean_step_time_s,
-            "measured_steps": args.steps, "measured_warmup_steps": warmup,
-            "measured_losses": [float(x) for x in mine.losses]}
+    wanted = {name: strategies[name] for name in dict.fromkeys([args.strategy, "dp_allreduce"])}
+    runs = measure_strategies(context["graph_def"], context["graph"], context["topology"], wanted,
+                              batch_size=context["batch"], steps=args.steps, warmup=warmup)
+    return measured_fields(runs[args.strategy], runs["dp_allreduce"], args.steps, warmup)
 
 
-def predict(topology, graph, grouping, strategy_name: str, cost_model, batch: int) -> dict[str, Any]:
-    """Simulate every built-in strategy; returns {"strategies": {name: Strategy}, "results": {name: SimResult},
-    "simulator": Simulator}."""
-    from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
-    from tag.sim.simulator import Simulator
-    sim = Simulator(graph, topology, grouping, cost_model)
-    strategies, results = {}, {}
-    for name in BUILTIN_STRATEGIES:
-        s = builtin_strategy(name, graph, topology, grouping, cost_model)
-        strategies[name] = s
-        results[name] = sim.evaluate(s, batch_size=batch)
-    return {"strategies": strategies, "results": results, "simulator": sim}
+def _predict_stages(args: argparse.Namespace, topology, profile) -> dict[str, Any]:
+    """Build the model, analyse it, group ops and simulate every built-in strategy (a progress bar on a tty).
 
-
-def build_report(model: str, topology, graph, grouping, strategy_name: str, results: dict, batch: int) -> dict:
-    """The report dict (DESIGN.md's keys plus the strategy and per-device details)."""
-    r = results[strategy_name]
-    names = [d.name for d in topology.devices]
-    step = float(r.step_time)
-    dp = float(results["dp_allreduce"].step_time)
-    peak = np.asarray(r.peak_memory, dtype=np.float64)
-    util = np.asarray(r.utilisation, dtype=np.float64)
-    return {
-        "model": model,
-        "topology": topology.name,
-        "strategy": strategy_name,
-        "batch_size": int(batch),
-        "devices": topology.num_devices,
-        "groups": grouping.num_groups,
-        "predicted_step_time_s": step,
-        "baselines": {n: float(res.step_time) for n, res in results.items()},
-        "baselines_feasible": {n: bool(res.feasible) for n, res in results.items()},
-        "speedup_vs_dp": (dp / step) if step > 0 else None,
-        "search_seconds": 0.0,
-        "peak_memory_bytes": {n: int(round(float(b))) for n, b in zip(names, peak)},
-        "memory_capacity_bytes": {d.name: int(d.memory_bytes) for d in topology.devices},
-        "utilisation": {n: float(u) for n, u in zip(names, util)},
-        "communication_bytes": float(r.comm_bytes),
-        "feasible": bool(r.feasible),
-        "oom_devices": [names[int(d)] if not isinstance(d, str) else d for d in r.oom_devices],
-        "sfb_gradients": [],
-    }
-
-
-def format_table(report: dict, model_spec: str) -> str:
-    """The human-readable summary tag-deploy prints."""
-    lines = [f"{report['model']} ({model_spec}) on {report['topology']}: {report['devices']} devices, "
-             f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}",
-             f"predicted step time  {_fmt_time(report['predicted_step_time_s'])}"
-             f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
-             f"communication        {_fmt_bytes(report['communication_bytes'])} per step",
-             "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
-                                           "built-in defaults (calibrate: tag-profile --model ...)"),
-             ""]
-    width = max([len("device")] + [len(n) for n in report["peak_memory_bytes"]])
-    lines.append(f"{'device':<{width}}  {'memory used / capacity':>28}  {'util':>6}")
-    for name, used in report["peak_memory_bytes"].items():
-        cap = report["memory_capacity_bytes"][name]
-        flag = "  OOM" if name in report["oom_devices"] else ""
-        mem = f"{_fmt_bytes(used)} / {_fmt_bytes(cap)}"
-        lines.append(f"{name:<{width}}  {mem:>28}  {report['utilisation'][name] * 100:5.1f}%{flag}")
-    lines += ["", "built-in strategies (predicted step time):"]
-    for name, t in report["baselines"].items():
-        notes = []
-        if name == report["strategy"]:
-            notes.append("this plan")
-        if not report["baselines_feasible"][name]:
-            notes.append("out of memory")
-        lines.append(f"  {name:<14} {_fmt_time(t):>12}{'   (' + ', '.join(notes) + ')' if notes else ''}")
-    sp = report["speedup_vs_dp"]
-    lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
-    if "measured_step_time_s" in report:
-        lines += ["", f"measured on TensorFlow ({report['measured_steps']} steps, "
-                      f"{report['measured_warmup_steps']} warm-up):",
-                  f"  {report['strategy']:<14} {_fmt_time(report['measured_step_time_s']):>12}"]
-        if report["strategy"] != "dp_allreduce":
-            lines.append(f"  {'dp_allreduce':<14} {_fmt_time(report['measured_baseline_step_time_s']):>12}")
-        lines.append(f"measured speedup vs dp_allreduce: {report['measured_speedup_vs_dp']:.3g}x")
-    return "\n".join(lines)
-
-
-def _body(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(argv)
-    _check_args(args)
-    if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
-        raise TagError("--run is not available yet")
-    from tag.cluster.topology import load_topology
-    topology = load_topology(args.topo)
-    if args.batch is not None and args.batch < topology.num_devices:
-        raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
-                       f"{args.topo}; data parallelism needs at least one example per device")
-    profile, profile_path = _load_profile(args.profile)
-    t0 = time.perf_counter()
+    Returns the context later steps need: model_name, graph_def, graph, topology, batch, grouping,
+    cost_model, and ``tag.report.predict``'s strategies, results and simulator.
+    """
     # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     with tqdm(total=4, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
@@ -277,19 +144,35 @@ def _body(argv: Sequence[str]) -> int:
         cost_model = CostModel(graph, topology, profile)
         bar.update()
         bar.set_postfix_str("simulating the built-in strategies")
-        pred = predict(topology, graph, grouping, args.strategy, cost_model, batch)
+        pred = predict(topology, graph, grouping, cost_model, batch)
         bar.update()
-    report = build_report(model_name, topology, graph, grouping, args.strategy, pred["results"], batch)
+    return {"model_name": model_name, "graph_def": graph_def, "graph": graph, "topology": topology, "batch": batch,
+            "grouping": grouping, "cost_model": cost_model, **pred}
+
+
+def _body(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(argv)
+    _check_args(args)
+    if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
+        raise TagError("--run is not available yet")
+    from tag.cluster.topology import load_topology
+    topology = load_topology(args.topo)
+    if args.batch is not None and args.batch < topology.num_devices:
+        raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
+                       f"{args.topo}; data parallelism needs at least one example per device")
+    profile, profile_path = _load_profile(args.profile)
+    t0 = time.perf_counter()
+    ctx = _predict_stages(args, topology, profile)
+    report = build_report(ctx["model_name"], topology, ctx["grouping"], args.strategy, ctx["results"], ctx["batch"])
     report["profile"] = profile_path
     report["predict_seconds"] = time.perf_counter() - t0
     if args.run:
-        report.update(_run_hook(args, {"graph_def": graph_def, "graph": graph, "topology": topology,
-                                       "grouping": grouping, "strategies": pred["strategies"],
-                                       "cost_model": cost_model, "batch": batch}))
+        report.update(_run_hook(args, ctx))
     trace_text = None
     if args.trace:
-        trace_text = json.dumps(_finite(pred["simulator"].trace(pred["strategies"][args.strategy], batch_size=batch)))
-    report_text = json.dumps(_finite(report), indent=2) + "\n" if args.report else None
+        trace = ctx["simulator"].trace(ctx["strategies"][args.strategy], batch_size=ctx["batch"])
+        trace_text = json.dumps(finite(trace))
+    report_text = report_json(report) if args.report else None
     # write only once everything has been computed: an error above leaves no file behind
     if trace_text is not None:
         write_text_atomic(args.trace, trace_text)

@@ -1,0 +1,160 @@
+"""Benchmark the strategy search: every zoo model x every ready topology x a small and a large global batch.
+
+For each case it prints the predicted step time of every built-in strategy, of the best uniform action
+(one candidate for every op group), of PaSE DP, of random search (at the tree search's evaluation
+count), of MCTS alone and of the full search (``tag.search.search``: all of them plus refinement), the
+speedups of the full search over data parallelism and over the best uniform action, and the search
+seconds (IR building excluded). The small batch is 4 examples per device; the large one 64 per device
+for CNNs and MLPs, 16 sequences per device for transformers, halved until some strategy fits in memory.
+
+Heterogeneous topologies (more than one device type, or unequal links between hosts) make the headline
+figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_uniform_heterogeneous``, and
+``cases_below_a_baseline`` (cases where the search's answer is slower than a feasible built-in or the
+best uniform action; must be 0).
+
+Usage::
+
+    python scripts/bench_search.py --quick --json search.json      # CI-sized subset
+    python scripts/bench_search.py --json search.json               # everything (hours on 2 cores)
+    python scripts/bench_search.py --models resnet50 --topologies lab-v100-1080ti --batches large
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import tag  # noqa: E402
+from tag.search import SearchEnv, random_search, search  # noqa: E402
+from tag.search.mcts import mcts  # noqa: E402
+from tag.search.orders import model_family  # noqa: E402
+from tag.strategy.grouping import group_ops  # noqa: E402
+
+TOPOLOGIES = ["lab-v100-1080ti", "a100-8x-nvlink", "h100-2x8-infiniband", "cloud-slow-link",
+              "consumer-lab-4host", "fabric-64x8", "localhost"]
+QUICK_MODELS = ["mlp", "resnet50", "bert_base"]
+QUICK_TOPOLOGIES = ["lab-v100-1080ti", "cloud-slow-link", "consumer-lab-4host"]
+GROUPS = 64
+
+
+def heterogeneous(topo) -> bool:
+    """More than one device type, or links between hosts of unequal bandwidth."""
+    if len({g.device_type for g in topo.groups}) > 1:
+        return True
+    hb = np.asarray(topo.host_bandwidth, dtype=np.float64)
+    off = hb[~np.eye(len(hb), dtype=bool)]
+    return len(off) > 0 and float(off.max()) > float(off.min()) * 1.01
+
+
+def batches(tg, topo, which: list[str]) -> dict[str, int]:
+    n = topo.num_devices
+    family = model_family(tg)
+    large_per_device = 16 if family == "transformer" else 64
+    out = {}
+    if "small" in which:
+        out["small"] = 4 * n
+    if "large" in which:
+        out["large"] = large_per_device * n
+    return out
+
+
+def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | None, seed: int) -> dict:
+    env = SearchEnv(tg, topo, grouping, batch_size=batch)
+    while not any(r.feasible for r in env.builtin_results.values()) and batch > topo.num_devices:
+        batch //= 2                                       # lower the batch until something fits
+        env = SearchEnv(tg, topo, grouping, batch_size=batch)
+    t0 = time.perf_counter()
+    found = search(env, playouts=playouts, budget_s=budget_s, seed=seed)
+    search_s = time.perf_counter() - t0
+    evals = env.evaluations
+    # MCTS alone and random search, each on a fresh environment, at the same number of simulator runs
+    tree_env = SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator)
+    tree = mcts(tree_env, playouts=playouts, seed=seed)
+    rnd_env = SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator)
+    rnd = random_search(rnd_env, evaluations=max(1, tree_env.evaluations), seed=seed)
+    base = found.baselines
+    feas = found.baselines_feasible
+    ref_time = env.reference_time
+    simple = [base[n] for n in ("dp_allreduce", "ps", "single", "partition", "best_uniform") if feas[n]]
+    row = {"batch": batch, "devices": topo.num_devices, "heterogeneous": heterogeneous(topo),
+           "reference": env.reference_name, "method": found.method,
+           **{f"{n}_s": base[n] for n in base}, "random_s": rnd.outcome.step_time,
+           "mcts_alone_s": tree.outcome.step_time, "search_s": found.step_time, "feasible": found.outcome.feasible,
+           "speedup_vs_dp": base["dp_allreduce"] / found.step_time if feas["dp_allreduce"] else ref_time / found.step_time,
+           "speedup_vs_best_uniform": base["best_uniform"] / found.step_time,
+           "below_a_baseline": bool(simple) and found.step_time > min(simple) * (1 + 1e-9),
+           "search_seconds": search_s, "evaluations": evals, "mcts_alone_evaluations": tree_env.evaluations,
+           "load_average": os.getloadavg()[0]}
+    return row
+
+
+def geomean(xs: list[float]) -> float:
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else float("nan")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_TOPOLOGIES}")
+    p.add_argument("--models", nargs="*", default=None)
+    p.add_argument("--topologies", nargs="*", default=None)
+    p.add_argument("--batches", nargs="*", default=["small", "large"], choices=["small", "large"])
+    p.add_argument("--playouts", type=int, default=200)
+    p.add_argument("--budget", type=float, default=None, help="seconds per search (default: playouts only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    models = args.models or (QUICK_MODELS if args.quick else list(tag.zoo.names()))
+    topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
+    rows = []
+    header = (f"{'model':<13} {'topology':<20} {'batch':>6} {'dp':>9} {'ps':>9} {'single':>9} {'partition':>9} "
+              f"{'uniform':>9} {'pase':>9} {'random':>9} {'mcts':>9} {'search':>9} {'x dp':>6} {'x unif':>6} "
+              f"{'secs':>6} {'load':>5}  method")
+    print(header)
+    for model in models:
+        t0 = time.perf_counter()
+        tg = tag.analyze(tag.zoo.training_graph(model, batch_size=32))
+        grouping = group_ops(tg, target_groups=GROUPS)
+        print(f"# {model}: IR and grouping in {time.perf_counter() - t0:.1f} s ({len(tg.ops)} ops, "
+              f"{grouping.num_groups} groups)", flush=True)
+        for name in topologies:
+            topo = tag.load_topology(os.path.join(ROOT, "topologies", f"{name}.pbtxt"))
+            for label, batch in batches(tg, topo, args.batches).items():
+                row = {"model": model, "topology": name, "batch_kind": label,
+                       **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed)}
+                rows.append(row)
+
+                def ms(key: str) -> str:
+                    return f"{row[key] * 1e3:9.1f}"
+                print(f"{model:<13} {name:<20} {row['batch']:>6} {ms('dp_allreduce_s')} {ms('ps_s')} "
+                      f"{ms('single_s')} {ms('partition_s')} {ms('best_uniform_s')} {ms('pase_dp_s')} "
+                      f"{ms('random_s')} {ms('mcts_alone_s')} {ms('search_s')} {row['speedup_vs_dp']:6.2f} "
+                      f"{row['speedup_vs_best_uniform']:6.2f} {row['search_seconds']:6.1f} "
+                      f"{row['load_average']:5.1f}  {row['method']}{'' if row['feasible'] else ' (OOM)'}",
+                      flush=True)
+    het = [r for r in rows if r["heterogeneous"]]
+    summary = {"rows": rows,
+               "geomean_speedup_vs_dp_heterogeneous": geomean([r["speedup_vs_dp"] for r in het]),
+               "geomean_speedup_vs_best_uniform_heterogeneous": geomean([r["speedup_vs_best_uniform"] for r in het]),
+               "cases_below_a_baseline": sum(1 for r in rows if r["below_a_baseline"]),
+               "cases": len(rows), "heterogeneous_cases": len(het), "playouts": args.playouts,
+               "budget_s": args.budget}
+    print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
+          f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
+          f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
+          f"{summary['cases_below_a_baseline']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

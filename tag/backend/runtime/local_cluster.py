@@ -1,0 +1,227 @@
+"""LocalCluster: one ``tag-worker`` process per host of a topology, started and stopped together.
+
+Each worker runs ``python -m tag.cli.worker`` with ``TF_CONFIG`` naming its task, in its own process
+group, with stdout/stderr in a temporary directory; start-up waits for every worker's ``ready``
+line and open port. Workers are stopped on exit from the ``with`` block, on errors, on Ctrl-C, at
+interpreter exit (``LIVE_CLUSTERS``), and stop themselves when this process disappears.
+
+Example::
+
+    import tag
+    from tag.backend.runtime.local_cluster import LocalCluster
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
+        print(cluster.target, cluster.pids)        # grpc://127.0.0.1:PORT of task 0, worker pids
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import tag
+from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, host_has_gpu
+from tag.backend.runtime.live import LiveRegistry
+from tag.backend.runtime.ports import is_loopback, port_bindable, port_listening
+from tag.backend.runtime.server import READY_WORD
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.cluster.topology import Host, Topology
+
+WORKER_MODULE = "tag.cli.worker"          # run as ``sys.executable -m WORKER_MODULE``
+LIVE_CLUSTERS = LiveRegistry("stop")      # clusters started and not yet stopped; stopped at exit
+
+
+@dataclass
+class _Worker:
+    """One started worker process and the files its stdout and stderr go to."""
+
+    host: "Host"
+    proc: subprocess.Popen
+    stdout_path: str
+    stderr_path: str
+
+
+class LocalCluster:
+    """One ``tag-worker`` process per host of a topology, started together and stopped together.
+
+    ``with LocalCluster(topo) as c: run_steps(gd, c.target)``. Workers run
+    ``sys.executable -m tag.cli.worker`` with ``TF_CONFIG`` naming their task, each in its own process
+    group; they are stopped (SIGTERM, then SIGKILL) on exit from the block, on errors, on Ctrl-C, at
+    interpreter exit, and they stop themselves if this process disappears.
+
+    Only loopback hosts are allowed unless ``allow_remote=True`` (the testbed uses that, together
+    with ``launcher`` to start each worker inside its host's network namespace).
+    ``threads_per_worker`` defaults to the CPU count divided by the number of hosts (at least 1),
+    so co-located servers do not oversubscribe the cores.
+    """
+
+    def __init__(self, topology: "Topology", *, threads_per_worker: int | None = None,
+                 startup_timeout_s: float = 60.0, allow_remote: bool = False,
+                 launcher: Callable[["Host"], list[str]] | None = None,
+                 env: Mapping[str, str] | None = None):
+        if not topology.hosts:
+            raise ClusterError(f"topology {topology.name!r} has no hosts")
+        if not allow_remote:
+            remote = [f"{h.name} ({h.address})" for h in topology.hosts if not is_loopback(h.address)]
+            if remote:
+                raise ClusterError("LocalCluster starts workers on this machine only, but these hosts are not "
+                                   f"loopback addresses: {', '.join(remote)}; run tag-worker on them instead")
+        self.topology = topology
+        n = len(topology.hosts)
+        self.threads_per_worker = int(threads_per_worker or max(1, (os.cpu_count() or 1) // n))
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.launcher = launcher
+        self.extra_env = dict(env or {})
+        self.cluster = cluster_dict(topology)
+        task0 = min(topology.hosts, key=lambda h: h.task_index)
+        self.target = f"grpc://{task0.address}:{task0.port}"
+        self._workers: list[_Worker] = []
+        self._logdir: tempfile.TemporaryDirectory | None = None
+        self._stop_lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def start(self) -> "LocalCluster":
+        """Start every worker and wait until all print ``ready`` and accept connections."""
+        if self._workers:
+            raise ClusterError("this LocalCluster is already running")
+        if self.launcher is None:
+            busy = [f"{h.name} {h.address}:{h.port}" for h in self.topology.hosts
+                    if port_listening(h.address, h.port) or not port_bindable(h.port)]
+            if busy:
+                raise ClusterError(f"port already in use for {', '.join(busy)} (a leftover tag-worker or another "
+                                   "program?); stop it or change the ports in the topology")
+        self._logdir = tempfile.TemporaryDirectory(prefix="tag-workers-")
+        LIVE_CLUSTERS.add(self)
+        try:
+            for host in sorted(self.topology.hosts, key=lambda h: h.task_index):
+                self._workers.append(self._spawn(host))
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, host: "Host") -> _Worker:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": JOB, "index": host.task_index}})
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env["PYTHONUNBUFFERED"] = "1"
+        if not host_has_gpu(self.topology, host.name):
+            env.setdefault("CUDA_VISIBLE_DEVICES", "")
+        # Make the child import this same tag package even when it is not installed.
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(tag.__file__)))
+        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", WORKER_MODULE, "--threads", str(self.threads_per_worker),
+               "--parent-pid", str(os.getpid())]
+        if self.launcher is not None:
+            cmd = list(self.launcher(host)) + cmd
+        assert self._logdir is not None
+        out_path = os.path.join(self._logdir.name, f"task{host.task_index}.out")
+        err_path = os.path.join(self._logdir.name, f"task{host.task_index}.err")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                    start_new_session=True)
+        return _Worker(host, proc, out_path, err_path)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = list(self._workers)
+        while pending:
+            for w in list(pending):
+                rc = w.proc.poll()
+                if rc is not None:
+                    raise ClusterError(f"worker for host {w.host.name} ({w.host.address}:{w.host.port}) exited "
+                                       f"with code {rc} during start-up: {self._tail(w.stderr_path)}")
+                with open(w.stdout_path, "rb") as f:
+                    ready = any(line.startswith(READY_WORD.encode()) for line in f)
+                if ready and (self.launcher is not None or port_listening(w.host.address, w.host.port)):
+                    pending.remove(w)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(w.host.name for w in pending)
+                raise ClusterError(f"workers not ready after {self.startup_timeout_s:.0f} s: {names}")
+            time.sleep(0.1)
+        if self.launcher is not None:  # reachable from here? (testbed: across the bridge)
+            while True:
+                waiting = [w for w in self._workers if not port_listening(w.host.address, w.host.port, 0.5)]
+                if not waiting:
+                    break
+                if time.monotonic() > deadline:
+                    names = ", ".join(f"{w.host.name} {w.host.address}:{w.host.port}" for w in waiting)
+                    raise ClusterError(f"workers started but not reachable from here: {names}")
+                time.sleep(0.1)
+
+    @staticmethod
+    def _tail(path: str) -> str:
+        try:
+            with open(path, "rb") as f:
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no output)"
+        useful = [ln for ln in lines if "cuInit" not in ln and "cuda_" not in ln]
+        return (useful or lines or ["(no output)"])[-1]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (SIGTERM to its process group, SIGKILL after TIMEOUT_S). Idempotent."""
+        with self._stop_lock:
+            workers, self._workers = self._workers, []
+            for w in workers:
+                if w.proc.poll() is None:
+                    _signal_group(w.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for w in workers:
+                try:
+                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            for w in workers:
+                if w.proc.poll() is None:
+                    _signal_group(w.proc.pid, signal.SIGKILL)
+                    try:
+                        w.proc.wait(timeout=5.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+            LIVE_CLUSTERS.discard(self)
+            if self._logdir is not None:
+                self._logdir.cleanup()
+                self._logdir = None
+
+    def logs(self) -> dict[str, str]:
+        """Host name -> the worker's stderr so far (for diagnosing a failed run)."""
+        out = {}
+        for w in self._workers:
+            try:
+                with open(w.stderr_path, "rb") as f:
+                    out[w.host.name] = f.read().decode(errors="replace")
+            except OSError:
+                out[w.host.name] = ""
+        return out
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

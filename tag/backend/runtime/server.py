@@ -1,0 +1,62 @@
+"""One host's TensorFlow server: start it, say ``ready``, serve until SIGTERM/SIGINT or the parent is gone.
+
+This is what ``tag-worker`` (``tag.cli.worker``) runs once it knows the cluster and its task. The
+``ready NAME ADDR:PORT grpc://...`` line on stdout is how ``LocalCluster`` learns that a worker is up.
+
+Example::
+
+    from tag.backend.runtime.server import serve
+
+    # blocks until SIGTERM/SIGINT; prints "ready h0 127.0.0.1:2222 grpc://localhost:2222"
+    serve({"worker": ["127.0.0.1:2222"]}, "worker", 0, label="h0 127.0.0.1:2222", threads=1)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from tag.backend.runtime.cluster_spec import ClusterError, import_tf, session_config
+
+READY_WORD = "ready"
+
+
+def serve(cluster: dict[str, list[str]], job: str, index: int, *, label: str, threads: int = 0,
+          inter_threads: int | None = None, has_gpu: bool = True, parent_pid: int | None = None) -> int:
+    """Run task INDEX of JOB in CLUSTER until SIGTERM/SIGINT (or until PARENT_PID is no longer our parent).
+
+    THREADS intra-op threads (0: TensorFlow's default), INTER_THREADS inter-op threads (None: same as
+    THREADS). HAS_GPU=False hides GPUs from TensorFlow when it is not loaded yet (a CPU-only host).
+    Returns 0; a port in use is a ClusterError.
+    """
+    if not has_gpu and "tensorflow" not in sys.modules:
+        # A CPU-only host: keep TF from probing (and reserving) GPUs that the topology does not declare.
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    tf = import_tf()
+    inter = threads if inter_threads is None else inter_threads
+    config = session_config(intra_op_threads=threads, inter_op_threads=inter)
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index,
+                                          protocol="grpc", config=config, start=True)
+        except Exception as err:  # noqa: BLE001 - TF raises assorted types for bind failures
+            text = str(err)
+            if "address already in use" in text.lower() or "failed to start server" in text.lower() \
+                    or "could not start" in text.lower():
+                raise ClusterError(f"{label}: cannot start the TF server (port in use?): {text}") from None
+            raise
+        print(f"{READY_WORD} {label} {server.target}", flush=True)
+        while not stop.wait(0.5):
+            if parent_pid is not None and os.getppid() != parent_pid:
+                break  # whoever started us is gone: do not linger as an orphan server
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0

@@ -1,0 +1,181 @@
+"""Timed training steps of a (rewritten) GraphDef on a TF cluster or in process: ``run_steps``.
+
+Imports the graph into a fresh ``tf.Graph``, opens a session on the target with ``session_config()``,
+runs the initializer, then times ``session.run([train_op, loss])`` step by step. Inputs are random
+batches fed each step, caller-given feeds, or on-device synthetic batches (``synthetic=True``).
+
+Example::
+
+    import tag
+    from tag.backend.runtime import LocalCluster, run_steps
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    with LocalCluster(topo) as cluster:          # one tag-worker process per host, stopped on exit
+        result = run_steps(graph_def, cluster.target, steps=20, warmup=3)
+    print(result.mean_step_time_s, result.losses[-1])
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from tag.backend.runtime.cluster_spec import import_tf, session_config
+from tag.backend.runtime.collective_keys import fresh_collective_keys
+from tag.backend.runtime.inputs import random_feed, synthetic_input
+from tag.errors import GraphError, TagError
+
+
+@dataclass
+class RunResult:
+    """Timed training steps. ``mean_step_time_s`` is the mean of ``step_times[warmup:]``."""
+
+    mean_step_time_s: float
+    step_times: list[float]
+    losses: list[float]
+    warmup: int
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # fetched after the last step
+
+    def to_dict(self) -> dict:
+        return {"mean_step_time_s": self.mean_step_time_s, "step_times": list(self.step_times),
+                "losses": list(self.losses), "warmup": self.warmup}
+
+
+def _op_and_tensor(graph, name: str, what: str):
+    """Resolve NAME ("loss", "loss:0" or an op name) in GRAPH to (op, tensor-or-None)."""
+    op_name, _, idx = name.partition(":")
+    try:
+        op = graph.get_operation_by_name(op_name)
+    except KeyError:
+        raise GraphError(f"the graph has no op named {op_name!r} (the {what})") from None
+    if idx:
+        return op, graph.get_tensor_by_name(name)
+    return op, (op.outputs[0] if op.outputs else None)
+
+
+def _readable(graph, tensor):
+    """A tensor whose value can be fetched: resource-variable handles get a ReadVariableOp beside them."""
+    tf = import_tf()
+    if tensor is None or tensor.dtype != tf.resource:
+        return tensor
+    with graph.as_default(), tf.device(tensor.op.device):
+        return tf.raw_ops.ReadVariableOp(resource=tensor, dtype=tensor.op.get_attr("dtype"))
+
+
+def _import_graph(graph_def: Any, *, synthetic: bool, fed_names: set[str], seed: int) -> tuple[Any, dict, list]:
+    """(tf.Graph, input_map, synthetic initializers): GRAPH_DEF imported into a fresh graph.
+
+    With SYNTHETIC, every Placeholder not in FED_NAMES is replaced (through ``input_map``, name ->
+    tensor) by an on-device variable whose initializer is in the returned list.
+    """
+    tf = import_tf()
+    graph = tf.Graph()
+    input_map: dict[str, Any] = {}      # "placeholder:0" -> the synthetic batch standing in for it
+    synthetic_init: list[Any] = []
+    if synthetic:
+        with graph.as_default():
+            tf.compat.v1.set_random_seed(seed)
+            for node in graph_def.node:
+                if node.op == "Placeholder" and node.name not in fed_names:
+                    var_init, value = synthetic_input(node)
+                    input_map[f"{node.name}:0"] = value
+                    synthetic_init.append(var_init)
+    with graph.as_default():
+        try:
+            tf.compat.v1.import_graph_def(graph_def, input_map=input_map or None, name="")
+        except (ValueError, TypeError) as err:
+            raise GraphError(f"cannot import the graph: {err}") from None
+    return graph, input_map, synthetic_init
+
+
+def _feeder(graph: Any, input_map: Mapping[str, Any], feeds: Mapping[str, Any] | None,
+            input_fn: Callable[[int], Mapping[str, Any]] | None, seed: int) -> Callable[[int], dict]:
+    """step -> feed_dict: FEEDS every step, INPUT_FN(step) on top, random batches for the other placeholders."""
+    def to_tensor(name):
+        if not isinstance(name, str):
+            return name
+        return _op_and_tensor(graph, name, "fed tensor")[1]
+
+    fixed = {to_tensor(k): v for k, v in (feeds or {}).items()}
+    placeholders = [op for op in graph.get_operations()
+                    if op.type == "Placeholder" and f"{op.name}:0" not in input_map]
+    rng = np.random.default_rng(seed)
+
+    def feed_for(step: int) -> dict:
+        fd = dict(fixed)
+        if input_fn is not None:
+            fd.update({to_tensor(k): v for k, v in input_fn(step).items()})
+        for op in placeholders:
+            if op.outputs[0] not in fd:
+                fd[op.outputs[0]] = random_feed(op, rng)
+        return fd
+
+    return feed_for
+
+
+def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: str | None = "loss",
+              init: str | None = "init", steps: int = 20, warmup: int = 3,
+              feeds: Mapping[str, Any] | None = None,
+              input_fn: Callable[[int], Mapping[str, Any]] | None = None,
+              config: Any = None, seed: int = 0, fetch_after: Sequence[str] = (),
+              renumber_collectives: bool = True, synthetic: bool = False) -> RunResult:
+    """Run STEPS training steps of GRAPH_DEF on TARGET ("grpc://host:port", or "" for in-process).
+
+    Imports the graph into a fresh ``tf.Graph``, opens ``Session(target, config=session_config())``,
+    runs INIT, then STEPS times ``[train_op, loss]``. Placeholders get fresh random batches each step
+    (floats: standard normal; integers: values in [0, 2) so labels and token ids are valid), drawn
+    from ``numpy.random.default_rng(seed)``, unless FEEDS (name -> value, every step) or
+    ``INPUT_FN(step) -> {name: value}`` supply them. Only ``session.run`` is timed; the mean skips the
+    first WARMUP steps. FETCH_AFTER names tensors (e.g. variables) read once after the last step
+    into ``RunResult.values``. Collective keys are renumbered first (``fresh_collective_keys``) so
+    that graphs run one after another on one cluster never clash; pass RENUMBER_COLLECTIVES=False to
+    keep them.
+
+    SYNTHETIC=True: instead of feeding, each placeholder (not in FEEDS) becomes a variable on the
+    placeholder's own device holding one random batch of the same distribution, made at start-up and
+    reused every step -- as synthetic-data benchmarks do, no input crosses the client connection or
+    the network, so the step time is the training step alone.
+    """
+    if steps < 1:
+        raise TagError(f"steps must be >= 1, got {steps}")
+    if not 0 <= warmup < steps:
+        raise TagError(f"warmup must be in [0, steps) = [0, {steps}), got {warmup}")
+    tf = import_tf()
+    if isinstance(graph_def, (bytes, bytearray)):
+        gd = tf.compat.v1.GraphDef()
+        gd.ParseFromString(bytes(graph_def))
+        graph_def = gd
+    if renumber_collectives:
+        graph_def = fresh_collective_keys(graph_def)
+    if synthetic and input_fn is not None:
+        raise TagError("synthetic=True and input_fn= exclude each other")
+    fed_names = {k.split(":")[0] for k in (feeds or {}) if isinstance(k, str)}
+    graph, input_map, synthetic_init = _import_graph(graph_def, synthetic=synthetic, fed_names=fed_names, seed=seed)
+    train = _op_and_tensor(graph, train_op, "training op")[0]
+    loss_t = _op_and_tensor(graph, loss, "loss")[1] if loss else None
+    init_op = _op_and_tensor(graph, init, "initializer")[0] if init else None
+    after = [_readable(graph, _op_and_tensor(graph, n, "value to fetch")[1]) for n in fetch_after]
+    feed_for = _feeder(graph, input_map, feeds, input_fn, seed)
+
+    cfg = config if config is not None else session_config()
+    fetches = [train] + ([loss_t] if loss_t is not None else [])
+    times: list[float] = []
+    losses: list[float] = []
+    values: dict[str, np.ndarray] = {}
+    with tf.compat.v1.Session(target, graph=graph, config=cfg) as sess:
+        if synthetic_init:
+            sess.run(synthetic_init)
+        if init_op is not None:
+            sess.run(init_op)
+        for step in range(steps):
+            fd = feed_for(step)
+            t0 = time.perf_counter()
+            out = sess.run(fetches, feed_dict=fd)
+            times.append(time.perf_counter() - t0)
+            if loss_t is not None:
+                losses.append(float(np.mean(out[1])))
+        if after:
+            values = dict(zip(fetch_after, sess.run(after)))
+    return RunResult(float(np.mean(times[warmup:])), times, losses, warmup, values)

@@ -1,0 +1,94 @@
+"""``tag-profile``: profile a training step on this machine and write a cost profile (JSON).
+
+Measures with ``tag.cost.calibration`` (TensorFlow), fits with ``tag.cost.fitting``; the profile
+goes to ``--out``, else to ``tag.cost.profile_store.default_profile_path()`` where ``tag-deploy``
+finds it.
+
+Usage::
+
+    tag-profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
+    tag-profile --model zoo:mlp                         # writes default_profile_path()
+    tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
+
+    from tag.cli.profile import main
+    main(["--model", "zoo:mlp,input_dim=64,hidden=128", "--batch", "16", "--steps", "2", "--out", "p.json"])
+
+Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Sequence
+
+from tag.cli.common import run_cli
+from tag.cost.profile_store import PROFILE_ENV, default_profile_path
+from tag.errors import TagError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.cost.model import Profile
+
+PROG = "tag-profile"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG,
+                                description="Profile a training step on this machine and write a cost profile.")
+    p.add_argument("--model", required=True, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
+    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    p.add_argument("--steps", type=int, default=10, help="traced steps (default 10)")
+    p.add_argument("--device-type", default="CPU", help="device type the profile describes (default CPU)")
+    p.add_argument("--out", default=None, help=f"output JSON (default: ${PROFILE_ENV} or the user cache)")
+    p.add_argument("--network", action="store_true",
+                   help="also measure TF's distributed runtime between two local one-thread workers "
+                        "(step overhead, transfer latency and throughput)")
+    return p
+
+
+def _summary(prof: "Profile", device_type: str) -> list[str]:
+    """The lines printed after the profile is written: runtime costs, peak, bandwidth, efficiencies."""
+    d = prof.to_dict()["devices"][device_type]
+    lines = []
+    if prof.network is not None:
+        n = prof.network
+        lines.append(f"  runtime: step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency "
+                     f"{n.transfer_latency_s * 1e6:.0f} us, transfer throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s, "
+                     f"all-reduce latency {n.collective_latency_s * 1e6:.0f} us, throughput "
+                     f"{n.collective_bytes_per_s / 1e9:.2f} GB/s")
+    lines.append(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
+                 f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
+    for t, e in sorted(d["efficiency"].items()):
+        lines.append(f"  {t:<36} efficiency {e:.3g}")
+    return lines
+
+
+def _body(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        raise TagError(f"--batch must be positive, got {args.batch}")
+    if args.steps < 1:
+        raise TagError(f"--steps must be positive, got {args.steps}")
+    from tag import zoo
+    from tag.cost.calibration import profile_graph, profile_network
+    from tag.frontend.analyze import analyze
+    name, gd = zoo.resolve_model(args.model, args.batch)
+    graph = analyze(gd, batch_size=args.batch)
+    prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
+    if args.network:
+        prof.network = profile_network()
+        prof.source += "; network: two local one-thread TF workers over gRPC"
+    out = args.out or default_profile_path()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    prof.save(out)              # atomic: temporary file + rename
+    print(f"wrote {out}")
+    print("\n".join(_summary(prof, args.device_type)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tag-profile``: exit 0, or 2 with one line on bad input."""
+    return run_cli(PROG, _body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
