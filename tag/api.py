@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.strategy.types import Grouping, Strategy
 
 __all__ = ["Analysis", "Plan", "optimize", "plan_for", "prepare", "rewrite", "search_plan", "load_strategy",
+           "strategy_report",
            "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
@@ -259,9 +260,11 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     return _make_plan(analysis, found.strategy, report)
 
 
-def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None) -> Plan:
-    """A Plan for a given STRATEGY (a Strategy or a built-in name), without search: simulated beside the
-    built-ins and rewritten. NAME labels it in the report (default: the strategy's name, or "given")."""
+def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,
+                    ) -> tuple[str, "Strategy", dict]:
+    """Simulate a given STRATEGY (a Strategy or a built-in name) beside the built-ins, without search or
+    rewrite: (its name in the report, the Strategy, the report). NAME labels it (default: the strategy's
+    name, or "given")."""
     from tag.strategy.baselines import BUILTIN_STRATEGIES
     if isinstance(strategy, str):
         name, strategy = strategy, analysis.builtin(strategy)
@@ -272,7 +275,13 @@ def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None
     report = _plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
                           {n: bool(r.feasible) for n, r in results.items()},
                           {"search_seconds": 0.0, "evaluations": len(results), "method": name,
-                           "reference": "dp_allreduce", "notes": [f"strategy {name!r} given, not searched"]})
+                           "reference": "dp_allreduce", "notes": []})
+    return name, strategy, report
+
+
+def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None) -> Plan:
+    """A Plan for a given STRATEGY (``strategy_report``, then the graph rewritten for it)."""
+    _, strategy, report = strategy_report(analysis, strategy, name=name)
     return _make_plan(analysis, strategy, report)
 
 
@@ -401,23 +410,23 @@ def _strategy_arg(strategy: Any) -> tuple["Strategy | str", int | None]:
     if isinstance(strategy, str) and strategy in BUILTIN_STRATEGIES:
         return strategy, None
     if isinstance(strategy, (str, os.PathLike)):
-        path = os.fspath(strategy)
-        if os.path.isdir(path):
-            meta = _read_plan_json(os.path.join(path, PLAN_FILE))
-            return _read_strategy(os.path.join(path, STRATEGY_FILE)), int(meta["batch_size"])
-        if os.path.exists(path):
-            return _read_strategy(path), None
-        raise StrategyError(f"unknown strategy {path!r}: not a built-in ({', '.join(BUILTIN_STRATEGIES)}) "
-                            f"and no such file or plan directory")
+        if os.path.exists(strategy):
+            return load_strategy(strategy)
+        raise StrategyError(f"unknown strategy {os.fspath(strategy)!r}: not a built-in "
+                            f"({', '.join(BUILTIN_STRATEGIES)}) and no such file or plan directory")
     raise StrategyError(f"strategy must be a built-in name, a Strategy or a path, got {type(strategy).__name__}")
 
 
-def load_strategy(path: str | os.PathLike) -> "Strategy":
-    """The Strategy saved at PATH: a ``strategy.pb`` file or a plan directory."""
-    strategy, _ = _strategy_arg(os.fspath(path))
-    if isinstance(strategy, str):
+def load_strategy(path: str | os.PathLike) -> tuple["Strategy", int | None]:
+    """The Strategy saved at PATH (a ``strategy.pb`` file or a plan directory) and, for a plan directory,
+    the batch size it was planned for (None for a bare strategy file). TagError names a bad file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        meta = _read_plan_json(os.path.join(path, PLAN_FILE))
+        return _read_strategy(os.path.join(path, STRATEGY_FILE)), int(meta["batch_size"])
+    if not os.path.exists(path):
         raise StrategyError(f"{path}: no such file or plan directory")
-    return strategy
+    return _read_strategy(path), None
 
 
 # ------------------------------------------------------------------------------------------------ files

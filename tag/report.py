@@ -163,25 +163,45 @@ def _measured_lines(report: dict) -> list[str]:
     return lines
 
 
+def _search_lines(report: dict) -> list[str]:
+    """How the plan was found: the search's figures and notes, or the file a saved strategy came from."""
+    lines = []
+    if report.get("search_seconds"):
+        lines.append(f"search               {report.get('evaluations', 0)} strategies simulated in "
+                     f"{report['search_seconds']:.2f} s; the plan is {report.get('method', report['strategy'])!r}")
+    if report.get("strategy_file"):
+        lines.append(f"strategy file        {report['strategy_file']}")
+    return lines + [f"  note: {n}" for n in report.get("notes", [])]
+
+
+def _strategy_lines(report: dict) -> list[str]:
+    """Every strategy compared: predicted step time, speedup over dp_allreduce, this plan, out of memory."""
+    dp = report["baselines"].get("dp_allreduce")
+    lines = ["strategies (predicted step time, speedup vs dp_allreduce):"]
+    width = max([14] + [len(n) for n in report["baselines"]])
+    for name, t in report["baselines"].items():
+        notes = []
+        if name == report["strategy"]:
+            notes.append("this plan")
+        if not report["baselines_feasible"].get(name, True):
+            notes.append("out of memory")
+        fast = f"{dp / t:7.3g}x" if dp is not None and t and np.isfinite(t) and np.isfinite(dp) else "    n/a"
+        lines.append(f"  {name:<{width}} {format_time(t):>12} {fast}{'   (' + ', '.join(notes) + ')' if notes else ''}")
+    return lines
+
+
 def format_table(report: dict, model_spec: str) -> str:
-    """The human-readable summary tag-deploy prints."""
+    """The human-readable summary tag-deploy prints (a prediction, a given strategy or a searched plan)."""
     lines = [f"{report['model']} ({model_spec}) on {report['topology']}: {report['devices']} devices, "
              f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}",
              f"predicted step time  {format_time(report['predicted_step_time_s'])}"
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
              f"communication        {format_bytes(report['communication_bytes'])} per step",
              "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
-                                           "built-in defaults (calibrate: tag-profile --model ...)"),
-             ""]
+                                           "built-in defaults (calibrate: tag-profile --model ...)")]
+    lines += _search_lines(report) + [""]
     lines += _device_lines(report)
-    lines += ["", "built-in strategies (predicted step time):"]
-    for name, t in report["baselines"].items():
-        notes = []
-        if name == report["strategy"]:
-            notes.append("this plan")
-        if not report["baselines_feasible"][name]:
-            notes.append("out of memory")
-        lines.append(f"  {name:<14} {format_time(t):>12}{'   (' + ', '.join(notes) + ')' if notes else ''}")
+    lines += [""] + _strategy_lines(report)
     sp = report["speedup_vs_dp"]
     lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
     lines += _measured_lines(report)

@@ -176,3 +176,144 @@ def test_run_measures_plan_and_baseline_on_local_workers(tmp_path, capsys):
     assert r["measured_speedup_vs_dp"] == pytest.approx(r["measured_baseline_step_time_s"] / r["measured_step_time_s"])
     assert len(r["measured_losses"]) == 4 and all(np.isfinite(r["measured_losses"]))
     assert "measured speedup vs dp_allreduce" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# the search: tag-deploy without --strategy
+# ------------------------------------------------------------------------------------------------
+
+TINY_MLP = "zoo:mlp,input_dim=20,hidden=32x16,num_classes=5"
+SEARCH = ["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--playouts", "20"]
+PLAN_FILES = ["graph.pb", "plan.json", "report.json", "strategy.pb"]
+
+
+def test_search_report_table_and_saved_plan(tmp_path, capsys):
+    import tag
+    report, plan_dir = tmp_path / "r.json", tmp_path / "plan"
+    rc, out, err = _run(SEARCH + ["--report", str(report), "--save", str(plan_dir)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert REPORT_KEYS | {"method", "reference", "sfb_bytes_saved", "entry_points"} <= set(r)
+    assert BUILTINS | {"best_uniform", "mcts"} <= set(r["baselines"])
+    assert r["search_seconds"] > 0 and r["strategy"] == r["method"]
+    for name, t in r["baselines"].items():
+        if r["baselines_feasible"][name]:
+            assert r["predicted_step_time_s"] <= t * (1 + 1e-9), name
+    assert sorted(os.listdir(plan_dir)) == PLAN_FILES
+    plan = tag.Plan.load(plan_dir)
+    assert plan.report() == r and plan.method == r["method"]
+    assert "strategies simulated" in out and "this plan" in out and "mcts" in out and f"plan: {plan_dir}" in out
+
+
+def test_search_is_repeatable_for_a_seed(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        rc, out, err = _run(SEARCH + ["--seed", "3", "--order", "topological", "--save", str(d)], capsys)
+        assert rc == 0, err
+    assert (a / "strategy.pb").read_bytes() == (b / "strategy.pb").read_bytes()
+    assert (a / "graph.pb").read_bytes() == (b / "graph.pb").read_bytes()
+
+
+def test_strategy_file_predicts_a_saved_plan(tmp_path, capsys):
+    plan_dir, r1, r2 = tmp_path / "plan", tmp_path / "r1.json", tmp_path / "r2.json"
+    assert _run(SEARCH + ["--save", str(plan_dir), "--report", str(r1)], capsys)[0] == 0
+    searched = json.loads(r1.read_text())
+    # the plan directory knows its batch; a bare strategy.pb needs --batch
+    for args in (["--strategy-file", str(plan_dir)],
+                 ["--strategy-file", str(plan_dir / "strategy.pb"), "--batch", "12"]):
+        rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, *args, "--report", str(r2)], capsys)
+        assert rc == 0, err
+        r = json.loads(r2.read_text())
+        assert r["strategy"] == "saved" and r["search_seconds"] == 0 and r["batch_size"] == 12
+        assert r["predicted_step_time_s"] == pytest.approx(searched["predicted_step_time_s"])
+        assert "strategy file" in out
+
+
+def test_builtin_strategy_can_be_saved(tmp_path, capsys):
+    import tag
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
+                         "--save", str(tmp_path / "ps")], capsys)
+    assert rc == 0, err
+    plan = tag.Plan.load(tmp_path / "ps")
+    assert plan.method == "ps" and plan.report()["strategy"] == "ps"
+
+
+def test_user_graph_without_names_is_searched(tmp_path, capsys):
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [12, 8], name="x")
+        y = v1.placeholder(tf.int32, [12], name="y")
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, v1.get_variable("w1", [8, 16]))), v1.get_variable("w2", [16, 3]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.AdamOptimizer(1e-3).minimize(loss)
+        v1.global_variables_initializer()
+    path = tmp_path / "step.pb"
+    path.write_bytes(g.as_graph_def().SerializeToString())
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", str(path), "--playouts", "5", "--report", str(report)],
+                        capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["model"] == "step" and r["entry_points"]["train_op"] == "Adam" and r["entry_points"]["loss"] == "Mean"
+
+
+def test_progress_bar_on_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, out, err = _run(SEARCH, capsys)
+    assert rc == 0
+    assert "playout/s" in err and "/20" in err and "best" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--strategy", "ps", "--strategy-file", "x"], "exclude each other"),
+    (["--strategy", "ps", "--budget", "3"], "--budget"),
+    (["--strategy-file", "x", "--seed", "1"], "--seed"),
+    (["--budget", "0"], "--budget"),
+    (["--playouts", "0"], "--playouts"),
+    (["--order", "sideways"], "sideways"),
+    (["--strategy-file", "no/such/plan"], "no/such/plan"),
+    (["--save", "no/such/dir/plan"], "does not exist"),
+    (["--train-op", "no_such_op"], "no_such_op"),
+])
+def test_search_flags_bad_input_exit_2_nothing_written(tmp_path, capsys, extra, message):
+    report, plan_dir = tmp_path / "r.json", tmp_path / "plan"
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", *extra,
+                         "--report", str(report), "--save", str(plan_dir)] if "--save" not in extra else
+                        ["--topo", LOCALHOST, "--model", TINY_MLP, *extra, "--report", str(report)], capsys)
+    assert rc == 2, err
+    assert err.startswith("tag-deploy: error:") and len(err.strip().splitlines()) == 1 and message in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_strategy_files_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.pb"
+    bad.write_bytes(b"\xff\xfe not a strategy")
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--strategy-file", str(bad)], capsys)
+    assert rc == 2 and "bad.pb" in err and len(err.strip().splitlines()) == 1
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    rc, out, err = _run(SEARCH + ["--save", str(not_a_dir)], capsys)
+    assert rc == 2 and "not a directory" in err
+
+
+def test_nothing_fits_is_bad_input_when_searching(tmp_path, capsys):
+    text = open(LOCALHOST).read().replace("memory_gib: 2", "memory_gib: 0.001")
+    topo = tmp_path / "tiny-memory.pbtxt"
+    topo.write_text(text)
+    rc, out, err = _run(["--topo", str(topo), "--model", "zoo:mlp,input_dim=512,hidden=512x512", "--batch", "12",
+                         "--playouts", "5", "--report", str(tmp_path / "r.json")], capsys)
+    assert rc == 2 and "no strategy fits in memory" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["tiny-memory.pbtxt"]
+
+
+@pytest.mark.slow
+def test_run_deploys_the_searched_plan(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    rc, out, err = _run(SEARCH + ["--run", "--steps", "4", "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["measured_step_time_s"] > 0 and r["measured_baseline_step_time_s"] > 0
+    assert len(r["measured_losses"]) == 4 and all(np.isfinite(r["measured_losses"]))
+    assert "measured speedup vs dp_allreduce" in out

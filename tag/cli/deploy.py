@@ -1,29 +1,41 @@
-"""``tag-deploy``: predict one training step of a strategy on a cluster, print it, write a report.
+"""``tag-deploy``: search a strategy for a training step on a cluster (or predict a given one), print it,
+write a report, save the plan, and optionally run it.
 
 Usage::
 
-    tag-deploy --topo topologies/lab-v100-1080ti.pbtxt --model zoo:resnet50 --strategy dp_allreduce \\
-               --batch 64 --report report.json --trace trace.json
+    tag-deploy --topo topologies/lab-v100-1080ti.pbtxt --model zoo:resnet50 --batch 64 --budget 60 \\
+               --save plan/ --report report.json --trace trace.json
+    tag-deploy --topo topologies/localhost.pbtxt --model my_step.pb --playouts 200 --run --steps 20
+    tag-deploy --topo ... --model ... --strategy dp_allreduce          # predict a built-in, no search
+    tag-deploy --topo ... --model ... --strategy-file plan/ --run      # deploy a saved strategy or plan
 
     from tag.cli.deploy import main
-    main(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp", "--report", "r.json"])
+    main(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp", "--playouts", "50"])
 
-No search here: ``--strategy`` names one of the built-in strategies (tag.baselines), which is
-simulated beside all the others. The table shows the predicted step time, per device the memory
-used against its capacity and the utilisation, the bytes communicated, and every built-in's
-predicted step time. ``--report`` writes DESIGN.md's report keys as JSON; ``--trace`` writes the
-simulated step as a Chrome trace (chrome://tracing, Perfetto). Files are written to a temporary
-name and renamed, so an error never leaves a half-written file. ``--profile`` (else
-``$TAG_PROFILE`` or the default profile of ``tag-profile``, when present) calibrates the
-cost model. ``--run --steps N`` rewrites the graph for the strategy, runs it on TensorFlow's distributed
-runtime (local workers started for a loopback topology) beside the dp_allreduce baseline, and adds the
-measured step times to the report.
+Without ``--strategy`` it searches (``tag.optimize``'s portfolio: built-ins, best uniform action, PaSE
+DP, tree search, refinement) for ``--budget`` seconds or ``--playouts`` tree-search playouts, in
+decision order ``--order`` with ``--seed``; a progress bar on stderr (a terminal only) shows the
+playouts, their rate and the best speedup so far. ``--strategy NAME`` predicts one of the built-in
+strategies instead; ``--strategy-file F`` predicts a saved strategy (``strategy.pb``) or plan directory.
+The entry points (step op, loss, initialiser) are found in any training graph; ``--train-op``,
+``--loss`` and ``--init`` name them where that is ambiguous.
+
+The table shows the predicted step time, per device the memory used against its capacity and the
+utilisation, the bytes communicated, and every strategy compared (built-ins and search steps) with
+its speedup over dp_allreduce. ``--report`` writes the report keys (``tag.report``, ``Plan.report``)
+as JSON; ``--trace`` writes the simulated step as a Chrome trace; ``--save DIR`` writes the plan
+(``tag.Plan.save``: rewritten graph, strategy, report). Files are written only once everything has been
+computed, through a temporary name, so an error never leaves a half-written file. ``--profile`` (else
+``$TAG_PROFILE`` or the default profile of ``tag-profile``, when present) calibrates the cost model.
+``--run --steps N`` deploys the plan on TensorFlow's distributed runtime (local workers started for a
+loopback topology) beside the dp_allreduce baseline and adds the measured step times to the report.
 
 Exit codes: 0 success, 2 bad input (one line on stderr; no file written), 1 anything else.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,21 +47,35 @@ from tqdm import tqdm
 
 from tag.cli.common import run_cli, write_text_atomic
 from tag.errors import StrategyError, TagError
-from tag.report import build_report, finite, format_table, measured_fields, predict, report_json
+from tag.report import finite, format_table, measured_fields, report_json
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
 RUN_AVAILABLE = True
+SAVED = "saved"          # the report's name for a strategy read with --strategy-file
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tag.search.orders import ORDERS
     from tag.strategy.baselines import BUILTIN_STRATEGIES
-    p = argparse.ArgumentParser(prog=PROG, description="Predict (and later run) one training step of a "
-                                "distributed strategy on a cluster.")
+    p = argparse.ArgumentParser(prog=PROG, description="Search a distributed strategy for a training step on a "
+                                "cluster (or predict a given one), save the plan and run it.")
     p.add_argument("--topo", required=True, metavar="FILE", help="cluster topology (.pbtxt)")
     p.add_argument("--model", required=True, metavar="SPEC", help="zoo:NAME[,key=value...] or a .pb/.pbtxt GraphDef")
-    p.add_argument("--strategy", default="dp_allreduce", metavar="NAME",
-                   help=f"built-in strategy: {', '.join(BUILTIN_STRATEGIES)} (default dp_allreduce)")
+    p.add_argument("--strategy", default=None, metavar="NAME",
+                   help=f"predict a built-in strategy instead of searching: {', '.join(BUILTIN_STRATEGIES)}")
+    p.add_argument("--strategy-file", default=None, metavar="F",
+                   help="predict (and --run) a saved strategy.pb or plan directory instead of searching")
+    p.add_argument("--budget", type=float, default=None, metavar="S", help="search for S seconds")
+    p.add_argument("--playouts", type=int, default=None, metavar="N",
+                   help="tree-search playouts (default: the search's own when no --budget)")
+    p.add_argument("--order", default=None, metavar="NAME",
+                   help=f"search decision order: auto (default), {', '.join(ORDERS)}")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="search seed (default 0)")
+    p.add_argument("--save", default=None, metavar="DIR", help="write the plan (graph, strategy, report) to DIR")
+    p.add_argument("--train-op", default=None, metavar="OP", help="the op that runs one training step (default: found)")
+    p.add_argument("--loss", default=None, metavar="OP", help="the loss op (default: found)")
+    p.add_argument("--init", default=None, metavar="OP", help="the variables' initialiser op (default: found)")
     p.add_argument("--batch", type=int, default=None, metavar="N", help="global batch size (default: the model's)")
     p.add_argument("--groups", type=int, default=DEFAULT_GROUPS, metavar="N",
                    help=f"target number of op groups (default {DEFAULT_GROUPS})")
@@ -61,26 +87,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _searching(args: argparse.Namespace) -> bool:
+    return args.strategy is None and args.strategy_file is None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Cheap checks before anything heavy is built."""
+    from tag.search.orders import ORDERS
     from tag.strategy.baselines import BUILTIN_STRATEGIES
-    if args.strategy not in BUILTIN_STRATEGIES:
-        raise StrategyError(f"unknown strategy {args.strategy!r} (known: {', '.join(BUILTIN_STRATEGIES)})")
-    if args.batch is not None and args.batch < 1:
-        raise TagError(f"--batch must be positive, got {args.batch}")
-    if args.groups < 1:
-        raise TagError(f"--groups must be positive, got {args.groups}")
-    if args.steps < 1:
-        raise TagError(f"--steps must be positive, got {args.steps}")
-    for flag, path in (("--report", args.report), ("--trace", args.trace)):
+    if args.strategy is not None and args.strategy not in BUILTIN_STRATEGIES:
+        raise StrategyError(f"unknown strategy {args.strategy!r} (known: {', '.join(BUILTIN_STRATEGIES)}; "
+                            f"--strategy-file for a saved one, neither to search)")
+    if args.strategy is not None and args.strategy_file is not None:
+        raise TagError("--strategy and --strategy-file exclude each other")
+    search_flags = [f for f, v in (("--budget", args.budget), ("--playouts", args.playouts), ("--order", args.order),
+                                   ("--seed", args.seed)) if v is not None]
+    if search_flags and not _searching(args):
+        raise TagError(f"{', '.join(search_flags)}: search options, but --strategy/--strategy-file turn the "
+                       f"search off")
+    if args.budget is not None and not args.budget > 0:
+        raise TagError(f"--budget must be a positive number of seconds, got {args.budget:g}")
+    if args.playouts is not None and args.playouts < 1:
+        raise TagError(f"--playouts must be positive, got {args.playouts}")
+    if args.order is not None and args.order not in ("auto", *ORDERS):
+        raise TagError(f"unknown --order {args.order!r} (known: auto, {', '.join(ORDERS)})")
+    for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise TagError(f"{flag} must be positive, got {value}")
+    for flag, path in (("--report", args.report), ("--trace", args.trace), ("--save", args.save)):
         if path is not None:
             parent = os.path.dirname(os.path.abspath(path))
-            if os.path.isdir(path):
+            if flag != "--save" and os.path.isdir(path):
                 raise TagError(f"{flag} {path}: is a directory")
+            if flag == "--save" and os.path.exists(path) and not os.path.isdir(path):
+                raise TagError(f"--save {path}: exists and is not a directory")
             if not os.path.isdir(parent):
                 raise TagError(f"{flag} {path}: directory {parent} does not exist")
     if args.profile is not None and not os.path.isfile(args.profile):
         raise TagError(f"--profile {args.profile}: no such file")
+    if args.strategy_file is not None and not os.path.exists(args.strategy_file):
+        raise TagError(f"--strategy-file {args.strategy_file}: no such file or plan directory")
 
 
 def _load_profile(path: str | None):
@@ -98,56 +144,54 @@ def _load_profile(path: str | None):
         raise TagError(f"{path}: not a tag cost profile ({type(err).__name__}: {err})") from None
 
 
-def _run_hook(args: argparse.Namespace, context: dict[str, Any]) -> dict[str, Any]:
-    """``--run --steps N``: deploy the plan and the dp_allreduce baseline and measure them.
+def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
+    """Build the model and prepare it (``tag.api.prepare``: entry points, IR, op groups, cost model)."""
+    from tag.api import prepare
+    # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    with tqdm(total=2, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
+        bar.set_postfix_str("building the model")
+        from tag import zoo
+        model_name, graph_def = zoo.resolve_model(args.model, args.batch)
+        bar.update()
+        bar.set_postfix_str("analysing the graph")
+        analysis = prepare(graph_def, topology, batch_size=args.batch, profile=profile, groups=args.groups,
+                           grouping=saved.grouping if saved is not None else None, train_op=args.train_op,
+                           loss=args.loss, init=args.init, name=model_name)
+        bar.update()
+    return analysis
 
-    Returns the report's ``measured_*`` keys (``tag.report.measured_fields``). CONTEXT holds what the
-    prediction used (``_predict_stages``: graph_def, graph, topology, strategies, batch). A topology whose hosts are
+
+def _search(args: argparse.Namespace, analysis) -> Any:
+    """``tag.api.search_plan`` with a progress bar: playouts, playouts/s, best speedup so far."""
+    from tag.api import search_plan
+    with tqdm(total=args.playouts, desc="search", unit="playout", disable=not sys.stderr.isatty(),
+              leave=False) as bar:
+        def progress(p) -> None:
+            bar.set_postfix_str(f"best speedup {p.best_speedup:.3g}x", refresh=False)
+            bar.update(p.playouts - bar.n)
+
+        return search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
+                           seed=args.seed or 0, progress=progress)
+
+
+def _run_hook(args: argparse.Namespace, analysis, name: str, strategy) -> dict[str, Any]:
+    """``--run --steps N``: deploy strategy NAME and the dp_allreduce baseline and measure them.
+
+    Returns the report's ``measured_*`` keys (``tag.report.measured_fields``). A topology whose hosts are
     all on loopback gets its workers started (and stopped on exit, error or Ctrl-C); otherwise the hosts'
     ``tag-worker`` servers must already be running (``tag.backend.runtime.measure_strategies``).
     """
     from tag.backend.runtime.measure import measure_strategies
 
-    strategies = context["strategies"]
     warmup = min(3, args.steps - 1)
-    wanted = {name: strategies[name] for name in dict.fromkeys([args.strategy, "dp_allreduce"])}
-    runs = measure_strategies(context["graph_def"], context["graph"], context["topology"], wanted,
-                              batch_size=context["batch"], steps=args.steps, warmup=warmup)
-    return measured_fields(runs[args.strategy], runs["dp_allreduce"], args.steps, warmup)
-
-
-def _predict_stages(args: argparse.Namespace, topology, profile) -> dict[str, Any]:
-    """Build the model, analyse it, group ops and simulate every built-in strategy (a progress bar on a tty).
-
-    Returns the context later steps need: model_name, graph_def, graph, topology, batch, grouping,
-    cost_model, and ``tag.report.predict``'s strategies, results and simulator.
-    """
-    # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
-    logging.getLogger("tensorflow").setLevel(logging.ERROR)
-    with tqdm(total=4, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
-        bar.set_postfix_str("building the model")
-        from tag import zoo
-        from tag.frontend.analyze import analyze
-        model_name, graph_def = zoo.resolve_model(args.model, args.batch)
-        bar.update()
-        bar.set_postfix_str("analysing the graph")
-        graph = analyze(graph_def, batch_size=args.batch)
-        batch = int(args.batch if args.batch is not None else graph.batch_size)
-        if batch < topology.num_devices:
-            raise TagError(f"the model's batch {batch} is smaller than the {topology.num_devices} devices of "
-                           f"{args.topo}; pass a larger --batch")
-        bar.update()
-        bar.set_postfix_str("grouping ops")
-        from tag.cost.model import CostModel
-        from tag.strategy.grouping import group_ops
-        grouping = group_ops(graph, target_groups=args.groups)
-        cost_model = CostModel(graph, topology, profile)
-        bar.update()
-        bar.set_postfix_str("simulating the built-in strategies")
-        pred = predict(topology, graph, grouping, cost_model, batch)
-        bar.update()
-    return {"model_name": model_name, "graph_def": graph_def, "graph": graph, "topology": topology, "batch": batch,
-            "grouping": grouping, "cost_model": cost_model, **pred}
+    wanted = {name: strategy}
+    wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
+    entry = analysis.entry
+    runs = measure_strategies(analysis.graph_def, analysis.graph, analysis.topology, wanted,
+                              batch_size=analysis.batch, steps=args.steps, warmup=warmup,
+                              train_op=entry.train_op, loss=entry.loss, init=entry.init)
+    return measured_fields(runs[name], runs["dp_allreduce"], args.steps, warmup)
 
 
 def _body(argv: Sequence[str]) -> int:
@@ -155,31 +199,48 @@ def _body(argv: Sequence[str]) -> int:
     _check_args(args)
     if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
         raise TagError("--run is not available yet")
+    from tag.api import load_strategy, plan_for, strategy_report
     from tag.cluster.topology import load_topology
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
         raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
                        f"{args.topo}; data parallelism needs at least one example per device")
     profile, profile_path = _load_profile(args.profile)
+    saved = None
+    if args.strategy_file is not None:
+        saved, planned_batch = load_strategy(args.strategy_file)
+        if args.batch is None:          # a plan directory knows the batch it was planned for
+            args.batch = planned_batch
     t0 = time.perf_counter()
-    ctx = _predict_stages(args, topology, profile)
-    report = build_report(ctx["model_name"], topology, ctx["grouping"], args.strategy, ctx["results"], ctx["batch"])
+    analysis = _analysis(args, topology, profile, saved)
+    plan = None
+    if _searching(args):
+        plan = _search(args, analysis)
+        report, name, strategy = plan.report(), plan.method, plan.strategy
+    else:
+        name, strategy, report = strategy_report(analysis, args.strategy or saved,
+                                                 name=SAVED if saved is not None else None)
+        if saved is not None:
+            report["strategy_file"] = args.strategy_file
     report["profile"] = profile_path
     report["predict_seconds"] = time.perf_counter() - t0
     if args.run:
-        report.update(_run_hook(args, ctx))
+        report.update(_run_hook(args, analysis, name, strategy))
     trace_text = None
     if args.trace:
-        trace = ctx["simulator"].trace(ctx["strategies"][args.strategy], batch_size=ctx["batch"])
-        trace_text = json.dumps(finite(trace))
+        trace_text = json.dumps(finite(analysis.simulator().trace(strategy, batch_size=analysis.batch)))
     report_text = report_json(report) if args.report else None
+    if args.save:   # the plan's files carry this report (profile, timings, measurements)
+        plan = dataclasses.replace(plan or plan_for(analysis, strategy, name=name), _report=report)
     # write only once everything has been computed: an error above leaves no file behind
+    if plan is not None and args.save:
+        plan.save(args.save)
     if trace_text is not None:
         write_text_atomic(args.trace, trace_text)
     if report_text is not None:
         write_text_atomic(args.report, report_text)
     print(format_table(report, args.model))
-    for flag, path in (("report", args.report), ("trace", args.trace)):
+    for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace)):
         if path:
             print(f"{flag}: {path}")
     sys.stdout.flush()

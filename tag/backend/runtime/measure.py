@@ -29,14 +29,19 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topology",
                        strategies: Mapping[str, "Strategy"], *, batch_size: int, steps: int,
-                       warmup: int) -> dict[str, RunResult]:
-    """{name: RunResult} for each strategy of STRATEGIES, in order, all on one cluster of TOPOLOGY."""
+                       warmup: int, train_op: str = "train_op", loss: str | None = "loss",
+                       init: str | None = "init") -> dict[str, RunResult]:
+    """{name: RunResult} for each strategy of STRATEGIES, in order, all on one cluster of TOPOLOGY.
+
+    ``train_op`` / ``loss`` / ``init`` name GRAPH_DEF's entry points (``tag.frontend.entry_points``
+    finds them in any training graph)."""
     from tag.backend.rewrite import rewrite
 
     def measure_all(target: str) -> dict[str, RunResult]:
         out = {}
         for name, strategy in strategies.items():
-            plan = rewrite(graph_def, graph, strategy, topology, batch_size=batch_size)
+            plan = rewrite(graph_def, graph, strategy, topology, batch_size=batch_size, train_op=train_op, loss=loss,
+                           init=init)
             out[name] = run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
                                   steps=steps, warmup=warmup, synthetic=True)
         return out
