@@ -13,8 +13,8 @@ compares it with every built-in strategy. Example::
     with g.as_default():
         x = v1.placeholder(tf.float32, [64, 784], name="x")
         y = v1.placeholder(tf.int32, [64], name="y")
-        h = v1.layers.dense(x, 512, activation=tf.nn.relu)
-        logits = v1.layers.dense(h, 10)
+        h = tf.nn.relu(tf.matmul(x, v1.get_variable("w1", [784, 512])))
+        logits = tf.matmul(h, v1.get_variable("w2", [512, 10]))
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
         v1.train.AdamOptimizer(1e-3).minimize(loss)
         v1.global_variables_initializer()
@@ -25,13 +25,14 @@ compares it with every built-in strategy. Example::
     plan = tag.Plan.load("plan/")            # later, or on the cluster's first host
     # sess.run(plan.init); sess.run([plan.train_op, plan.loss], {"x:0": xs, "y:0": ys})
 
-What ``optimize`` does: find the entry points (``tag.frontend.entry_points``: the step op, the loss and
-the initialiser of any TF1 training graph), analyse the graph (``tag.analyze``), group its ops
-(``group_ops``), build the cost model (a ``Profile``, a path to one, or None for the built-in
-defaults), search (``tag.search.search``: built-ins, best uniform action, tree search) and rewrite the
-graph for the winner (``tag.backend.rewrite``). The plan is never predicted slower than the best
-feasible baseline; when nothing evaluated fits in memory, ``tag.MemoryBudgetError`` names the smallest
-shortfall. ``tag.rewrite`` rewrites a graph for a given strategy (a built-in name, a ``Strategy``, a
+What ``optimize`` does (``prepare`` then ``search_plan``): find the entry points
+(``tag.frontend.entry_points``: the step op, the loss and the initialiser of any TF1 training graph),
+analyse the graph (``tag.analyze``), group its ops (``group_ops``), build the cost model (a
+``Profile``, a path to one, or None for the built-in defaults), search (``tag.search.search``:
+built-ins, best uniform action, PaSE DP, tree search, local refinement) and rewrite the graph for the
+winner (``tag.backend.rewrite``); ``plan_for`` makes a Plan of a given strategy instead. The plan is
+never predicted slower than the best feasible baseline; when nothing evaluated fits in memory,
+``tag.MemoryBudgetError`` names the smallest shortfall. ``tag.rewrite`` rewrites a graph for a given strategy (a built-in name, a ``Strategy``, a
 saved ``strategy.pb`` or a plan directory).
 
 A saved plan is a directory of plain files (no pickle): ``graph.pb`` (the rewritten GraphDef, binary
@@ -357,12 +358,11 @@ def _memory_error(env: "SearchEnv", found: "SearchResult") -> MemoryBudgetError:
             best = (float(over[worst]), worst, strategy_name, float(r.peak_memory[worst]))
     over, dev, strategy_name, peak = best
     device = env.topology.devices[dev]
-    err = MemoryBudgetError(
+    return MemoryBudgetError(
         f"no strategy fits in memory ({env.evaluations + len(env.builtin_results)} evaluated); the closest, "
         f"{strategy_name}, needs {format_bytes(peak)} on {device.name}, {format_bytes(over)} over its "
-        f"{format_bytes(capacity[dev])}: use devices with more memory, more devices or a smaller batch")
-    err.shortfall_bytes, err.device, err.strategy = int(round(over)), device.name, strategy_name
-    return err
+        f"{format_bytes(capacity[dev])}: use devices with more memory, more devices or a smaller batch",
+        shortfall_bytes=int(round(over)), device=device.name, strategy=strategy_name)
 
 
 # ------------------------------------------------------------------------------------------------ report

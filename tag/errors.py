@@ -1,4 +1,5 @@
 """Errors that mean "bad input": the CLIs print them as one line and exit with code 2."""
+from __future__ import annotations
 
 
 class TagError(Exception):
@@ -22,4 +23,13 @@ class RewriteError(TagError):
 
 
 class MemoryBudgetError(TagError):
-    """No strategy fits the devices' memory."""
+    """No strategy fits the devices' memory.
+
+    ``shortfall_bytes``, ``device`` and ``strategy``: the smallest shortfall found (bytes over the
+    capacity of that device under that strategy), when known.
+    """
+
+    def __init__(self, message: str, *, shortfall_bytes: int | None = None, device: str | None = None,
+                 strategy: str | None = None):
+        super().__init__(message)
+        self.shortfall_bytes, self.device, self.strategy = shortfall_bytes, device, strategy

@@ -59,6 +59,10 @@ def plan():
     return tag.optimize(mlp(), LOCALHOST, playouts=20, seed=0, name="mlp")
 
 
+def _bytes(graph_def) -> bytes:
+    return graph_def.SerializeToString(deterministic=True)
+
+
 def _best_feasible(p):
     r = p.report()
     return min(t for n, t in r["baselines"].items() if r["baselines_feasible"][n])
@@ -103,7 +107,7 @@ def test_save_load_round_trip(plan, tmp_path):
     assert meta["topology"] == "localhost" and meta["train_op"] == plan.train_op
     back = tag.Plan.load(d)
     assert back.strategy.to_dict() == plan.strategy.to_dict()
-    assert back.graph_def.SerializeToString(deterministic=True) == plan.graph_def.SerializeToString(deterministic=True)
+    assert _bytes(back.graph_def) == _bytes(plan.graph_def)
     assert (back.train_op, back.loss, back.init, back.inputs) == (plan.train_op, plan.loss, plan.init, plan.inputs)
     assert back.report() == plan.report() and back.baselines == plan.baselines
     assert back.predicted_step_time == plan.predicted_step_time and back.method == plan.method
@@ -180,12 +184,10 @@ def test_rewrite_accepts_names_strategies_and_saved_files(plan, tmp_path):
     by_name = tag.rewrite(gd, topo, "dp_allreduce")
     assert by_name.train_op == "train_op" and len(by_name.devices) == 3
     d = plan.save(tmp_path / "plan")
-    from_dir = tag.rewrite(gd, LOCALHOST, d)
-    assert from_dir.graph_def.SerializeToString(deterministic=True) == plan.graph_def.SerializeToString(deterministic=True)
-    from_file = tag.rewrite(gd, LOCALHOST, os.path.join(d, "strategy.pb"), batch_size=BATCH)
-    assert from_file.graph_def.SerializeToString(deterministic=True) == plan.graph_def.SerializeToString(deterministic=True)
-    from_object = tag.rewrite(gd, LOCALHOST, plan.strategy, batch_size=BATCH)
-    assert from_object.graph_def.SerializeToString(deterministic=True) == plan.graph_def.SerializeToString(deterministic=True)
+    want = _bytes(plan.graph_def)
+    assert _bytes(tag.rewrite(gd, LOCALHOST, d).graph_def) == want                 # batch from plan.json
+    assert _bytes(tag.rewrite(gd, LOCALHOST, os.path.join(d, "strategy.pb"), batch_size=BATCH).graph_def) == want
+    assert _bytes(tag.rewrite(gd, LOCALHOST, plan.strategy, batch_size=BATCH).graph_def) == want
     with pytest.raises(StrategyError, match="horovod"):
         tag.rewrite(gd, LOCALHOST, "horovod")
     with pytest.raises(StrategyError, match="ops"):      # made for another graph
