@@ -194,6 +194,24 @@ def test_rewrite_accepts_names_strategies_and_saved_files(plan, tmp_path):
         tag.rewrite(user_graph(), LOCALHOST, plan.strategy)
 
 
+def test_rewrite_of_a_graph_whose_updates_nothing_groups():
+    """The made-up step and init NoOps (tag.frontend.entry_points) reach the rewritten graph."""
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [BATCH, 4], name="x")
+        y = v1.placeholder(tf.int32, [BATCH], name="y")
+        w1, w2 = v1.get_variable("w1", [4, 6]), v1.get_variable("w2", [6, 3])
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        g1, g2 = tf.gradients(loss, [w1, w2])
+        tf.raw_ops.ResourceApplyGradientDescent(var=w1.handle, alpha=0.1, delta=g1, name="upd1")
+        tf.raw_ops.ResourceApplyGradientDescent(var=w2.handle, alpha=0.1, delta=g2, name="upd2")
+    res = tag.rewrite(g.as_graph_def(), LOCALHOST, "dp_allreduce")
+    assert (res.train_op, res.init) == ("tag_train_op", "tag_init") and res.loss == loss.op.name
+    assert {res.train_op, res.init, res.loss} <= {n.name for n in res.graph_def.node}
+
+
 def test_bad_arguments():
     with pytest.raises(TagError, match="topology"):
         tag.optimize(mlp(), 42, playouts=1)
