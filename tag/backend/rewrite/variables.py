@@ -1,16 +1,12 @@
 """Variables: where their copies live, and where the ops that read or update them run.
 
-Rules (documented choices):
-
-* A variable belongs to the op group of its optimizer apply op (slots follow their variable; other
-  variables follow their own op's group). ``allreduce``: one copy per replica device, every copy
-  initialised from the same initial value (computed once). ``ps``: one copy on ``ps_device`` (state
-  that replicas update with their own batch, BatchNorm moving statistics, stays per replica).
-  ``partition``: one copy on the device of the variable's op.
-* An op that reads or updates a variable runs where the variable's copy lives (TF colocates resource
-  ops with their resource); ops of other groups read the copy on their device or the first one.
-  Function-call ops (``If``/``StatelessIf`` of tf_keras BatchNorm, ``PartitionedCall``) stay on their
-  group's device and may take handles from elsewhere.
+The rules are the package's (see ``tag.backend.rewrite``): the owner of a variable is the op group of
+its optimizer apply op, else of the variable's own op; slots share their variable's copies. An
+``allreduce`` owner keeps a copy per replica device, a ``ps`` owner one on ``ps_device`` (per-replica
+state aside, see ``parameter_server``), a ``partition`` owner one on the partition device. Readers and
+updaters move to a device holding a copy of every variable they take (TF colocates resource ops with
+their resource), except function calls, which may take handles from another device; an updater gets
+one instance per copy.
 
 Example::
 
