@@ -11,7 +11,7 @@ Example::
     from tag.frontend.function_cost import FunctionCoster
     gd = tag.zoo.training_graph("mlp", batch_size=8)
     coster = FunctionCoster({f.signature.name: f for f in gd.library.function})
-    flops, unknown_types = coster.cost_functional("PartitionedCall", {}, [])   # no callee: (0.0, Counter())
+    flops, unknown_types = coster.cost("no_such_function", [(8, 784)])   # not in the library: 0.0, Counter()
 """
 from __future__ import annotations
 

@@ -187,26 +187,14 @@ def _r_pool(big_of: Callable) -> FlopRule:
     return rule
 
 
-def _r_fused_bn(a, ins, outs, ex):
-    n = numel(_in(ins, 0))
-    if n is None:
-        return None
-    training = a["is_training"].b if "is_training" in a else True
-    return (8.0 if training else 2.0) * n
-
-
-def _r_fused_bn_grad(a, ins, outs, ex):
-    n = numel(_in(ins, 0))
-    if n is None:
-        return None
-    training = a["is_training"].b if "is_training" in a else True
-    return (10.0 if training else 3.0) * n
-
-
-def _r_softmax(factor: float) -> FlopRule:
+def _r_fused_bn(training_factor: float, inference_factor: float) -> FlopRule:
+    """Batch norm (or its gradient): FLOPs per input element, more when it computes batch statistics."""
     def rule(a, ins, outs, ex):
         n = numel(_in(ins, 0))
-        return None if n is None else factor * n
+        if n is None:
+            return None
+        training = a["is_training"].b if "is_training" in a else True
+        return (training_factor if training else inference_factor) * n
     return rule
 
 
@@ -287,11 +275,11 @@ def _build_flop_rules() -> dict[str, FlopRule]:
     r["MaxPoolV2"] = _r_elementwise(9.0)
     r["MaxPoolGradV2"] = _r_by_input(2, 9.0)
     for t in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
-        r[t] = _r_fused_bn
+        r[t] = _r_fused_bn(8.0, 2.0)
     for t in ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"):
-        r[t] = _r_fused_bn_grad
-    r["Softmax"] = r["LogSoftmax"] = _r_softmax(5.0)
-    r["SoftmaxCrossEntropyWithLogits"] = r["SparseSoftmaxCrossEntropyWithLogits"] = _r_softmax(8.0)
+        r[t] = _r_fused_bn(10.0, 3.0)
+    r["Softmax"] = r["LogSoftmax"] = _r_by_input(0, 5.0)
+    r["SoftmaxCrossEntropyWithLogits"] = r["SparseSoftmaxCrossEntropyWithLogits"] = _r_by_input(0, 8.0)
     r["L2Loss"] = _r_by_input(0, 2.0)
     r["InTopKV2"] = r["InTopK"] = _r_by_input(0, 1.0)
     for t in ("AssignAddVariableOp", "AssignSubVariableOp"):

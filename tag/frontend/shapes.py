@@ -14,7 +14,7 @@ Example::
     sg = step_graph(tag.zoo.training_graph("mlp", batch_size=8))
     spec = find_batch(sg.nodes, sg.step, batch_size=None)       # spec.batch == 8
     inferred = infer_shapes(pruned_graph_def(sg.graph_def, sg.step), spec)
-    inferred.shapes["x"], inferred.probe_axes["x"]              # [(8, 784)], [0]
+    inferred.shapes["input"], inferred.probe_axes["input"]      # [(8, 784)], [0]
 """
 from __future__ import annotations
 
