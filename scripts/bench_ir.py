@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark the training-graph IR builder (tag.graph.analyze) on every zoo model.
+"""Benchmark the training-graph IR builder (tag.frontend.analyze) on every zoo model.
 
 Prints one row per model: ops and variables in the IR, trainable parameters, forward+backward
 FLOPs per example (the per-example FLOPs of the forward and backward ops), the seconds to build the

@@ -1,4 +1,4 @@
-"""tag.graph.analyze: the training-graph IR of hand-written TF1 graphs and of every zoo model.
+"""tag.frontend.analyze: the training-graph IR of hand-written TF1 graphs and of every zoo model.
 
 The hand-written graphs are built from raw TF ops here, so every expected number (parameters,
 FLOPs, bytes, batch axes) is worked out by hand from the shapes below.

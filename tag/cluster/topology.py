@@ -427,6 +427,7 @@ class _Checker:
 
 
 def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
+    """Validate a parsed cluster message and build the Topology (hosts, then links, then the matrices)."""
     from tag._proto import topology_pb2
 
     check = _Checker(path, where)
@@ -436,26 +437,57 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
     if len(name) > 200 or not name.isprintable():
         raise check.fail(("name",), "cluster name must be printable text of at most 200 characters")
 
-    hosts: list[Host] = []
-    groups: list[DeviceGroup] = []
-    devices: list[Device] = []
-    host_line: dict[str, int | None] = {}
-    endpoints: dict[tuple[str, int], str] = {}
-    interconnect_kinds: dict[str, str] = {}
-
+    hosts = _HostBuilder(check, topology_pb2)
     for hi, h in enumerate(cluster.host):
+        hosts.add(hi, h)
+    host_bw, host_lat, links = _host_links(cluster, hosts.hosts, check)
+    fabric = _fabric(cluster, hosts.hosts, host_bw, host_lat, check)
+    bandwidth, latency = _device_matrices(hosts.hosts, hosts.devices, host_bw, host_lat)
+    return Topology(
+        name=name, path=path, hosts=hosts.hosts, groups=hosts.groups, devices=hosts.devices,
+        bandwidth=bandwidth, latency=latency, host_bandwidth=host_bw, host_latency=host_lat,
+        comment=_leading_comment(text),
+        extra={"interconnect": hosts.interconnect_kinds, "links": links, "fabric": fabric})
+
+
+class _HostBuilder:
+    """Validates the host { ... } entries one by one and collects hosts, device groups and devices
+    (numbered in file order)."""
+
+    def __init__(self, check: _Checker, pb2: Any):
+        self.check = check
+        self.pb2 = pb2                                        # the topology_pb2 module (enum names)
+        self.hosts: list[Host] = []
+        self.groups: list[DeviceGroup] = []
+        self.devices: list[Device] = []
+        self.host_line: dict[str, int | None] = {}            # host name -> its line in the file
+        self.endpoints: dict[tuple[str, int], str] = {}       # (address, port) -> host name
+        self.interconnect_kinds: dict[str, str] = {}          # host name -> interconnect kind name
+
+    def add(self, hi: int, h: Any) -> None:
+        """Check host #HI (message H), then its devices and its interconnect; append it."""
         loc = ("host", hi)
+        what, address = self._identity(hi, h, loc)
+        host_first_device = len(self.devices)
+        self._add_devices(hi, h, loc, what)
+        intra_bw, intra_lat = self._interconnect(h, loc, what, len(self.devices) - host_first_device)
+        self.hosts.append(Host(name=h.name, address=address, port=int(h.port), task_index=hi,
+                               intra_bandwidth=intra_bw, intra_latency=intra_lat))
+
+    def _identity(self, hi: int, h: Any, loc: tuple) -> tuple[str, str]:
+        """(how messages name the host, its normalised address) after checking name, address and port."""
+        check = self.check
         if not h.name:
             raise check.fail(loc, f"host #{hi + 1} has no name")
         if not _HOST_NAME.fullmatch(h.name):
             raise check.fail(loc + ("name",), f"host name {_q(h.name)} may use only letters, digits, "
                                               "'_', '.', '-' (at most 128)")
         what = f"host {_q(h.name)}"
-        if h.name in host_line:
-            first = host_line[h.name]
+        if h.name in self.host_line:
+            first = self.host_line[h.name]
             raise check.fail(loc + ("name",), f"duplicate host name {_q(h.name)}"
                                               + (f" (first on line {first})" if first else ""))
-        host_line[h.name] = where("host", hi)
+        self.host_line[h.name] = check.where("host", hi)
         if not h.address:
             raise check.fail(loc, f"{what}: missing address (hostname or IP address of its TF server)")
         address = _normalise_address(h.address)
@@ -470,85 +502,100 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
         if not 1 <= h.port <= 65535:
             raise check.fail(loc + ("port",), f"{what}: port must be in 1..65535, got {h.port}")
         endpoint = (address, int(h.port))
-        if endpoint in endpoints:
+        if endpoint in self.endpoints:
             raise check.fail(loc + ("port",), f"{what}: {address}:{h.port} is already the address of "
-                                              f"host {_q(endpoints[endpoint])}")
-        endpoints[endpoint] = h.name
+                                              f"host {_q(self.endpoints[endpoint])}")
+        self.endpoints[endpoint] = h.name
         if not h.device:
             raise check.fail(loc, f"{what} has no devices (add device {{ type: ... kind: GPU ... }})")
+        return what, address
 
-        seen_types: dict[str, int] = {}
-        tf_counts: dict[str, int] = {}
-        host_first_device = len(devices)
+    def _add_devices(self, hi: int, h: Any, loc: tuple, what: str) -> None:
+        """One DeviceGroup per device entry of host #HI, and its devices."""
+        seen_types: dict[str, int] = {}    # device type -> its entry index on this host
+        tf_counts: dict[str, int] = {}     # TF device type ("GPU"/"CPU") -> devices of it so far on this host
         for di, d in enumerate(h.device):
             dloc = loc + ("device", di)
             if not d.type:
-                raise check.fail(dloc, f"{what}: device entry #{di + 1} has no type")
+                raise self.check.fail(dloc, f"{what}: device entry #{di + 1} has no type")
             if not _TYPE_NAME.fullmatch(d.type):
-                raise check.fail(dloc + ("type",), f"{what}: device type {_q(d.type)} may use only letters, "
-                                                   "digits, '_', '.', '+', '-' (at most 64)")
-            dwhat = f"{what} device {_q(d.type)}"
+                raise self.check.fail(dloc + ("type",), f"{what}: device type {_q(d.type)} may use only "
+                                                        "letters, digits, '_', '.', '+', '-' (at most 64)")
             if d.type in seen_types:
-                raise check.fail(dloc + ("type",), f"{what} lists device type {_q(d.type)} twice (entries "
-                                                   f"#{seen_types[d.type] + 1} and #{di + 1}); give one entry "
-                                                   "with its count, or name different models differently")
+                raise self.check.fail(dloc + ("type",), f"{what} lists device type {_q(d.type)} twice "
+                                                        f"(entries #{seen_types[d.type] + 1} and #{di + 1}); "
+                                                        "give one entry with its count, or name different "
+                                                        "models differently")
             seen_types[d.type] = di
-            if d.kind == topology_pb2.DeviceGroup.KIND_UNSPECIFIED:
-                raise check.fail(dloc, f"{dwhat}: missing kind (GPU or CPU)")
-            if d.kind not in (topology_pb2.DeviceGroup.GPU, topology_pb2.DeviceGroup.CPU):
-                raise check.fail(dloc + ("kind",), f"{dwhat}: unknown kind {d.kind} (GPU or CPU)")
-            tf_type = topology_pb2.DeviceGroup.Kind.Name(d.kind)
-            count = int(d.count) if d.HasField("count") else 1
-            if count <= 0:
-                raise check.fail(dloc + ("count",), f"{dwhat}: count must be positive, got {count}")
-            if count > MAX_GROUP_COUNT:
-                raise check.fail(dloc + ("count",), f"{dwhat}: count {count} is over the limit of "
-                                                    f"{MAX_GROUP_COUNT}")
-            memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20, low=1e-3)
-            tflops = check.positive(d, "peak_tflops", dloc, dwhat, 1e6)
-            membw = check.positive(d, "memory_bandwidth_gbs", dloc, dwhat, 1e7)
-            if len(devices) + count > MAX_DEVICES:
-                raise check.fail(dloc + ("count",), f"the cluster has more than {MAX_DEVICES} devices, "
-                                                    "tag's limit")
-            group = DeviceGroup(
-                index=len(groups), name=f"{h.name}/{d.type}", host=h.name, device_type=d.type,
-                tf_device_type=tf_type, devices=tuple(range(len(devices), len(devices) + count)),
-                memory_bytes=int(round(memory * GIB)), peak_flops=tflops * TFLOPS,
-                memory_bandwidth=membw * GBYTES_PER_S)
-            groups.append(group)
-            for local in range(count):
-                devices.append(Device(
-                    index=len(devices), name=f"{group.name}:{local}", host=h.name, host_index=hi,
+            group = self._group(h, d, dloc, f"{what} device {_q(d.type)}")
+            self.groups.append(group)
+            for local in range(len(group.devices)):
+                tf_type = group.tf_device_type
+                self.devices.append(Device(
+                    index=len(self.devices), name=f"{group.name}:{local}", host=h.name, host_index=hi,
                     group=group.index, tf_device_type=tf_type, tf_local_index=tf_counts.get(tf_type, 0),
                     device_type=d.type, memory_bytes=group.memory_bytes, peak_flops=group.peak_flops,
                     memory_bandwidth=group.memory_bandwidth))
                 tf_counts[tf_type] = tf_counts.get(tf_type, 0) + 1
 
-        n_host_devices = len(devices) - host_first_device
+    def _group(self, h: Any, d: Any, dloc: tuple, dwhat: str) -> DeviceGroup:
+        """The checked DeviceGroup of device entry D of host H (its devices numbered after those so far)."""
+        check, kinds = self.check, self.pb2.DeviceGroup
+        if d.kind == kinds.KIND_UNSPECIFIED:
+            raise check.fail(dloc, f"{dwhat}: missing kind (GPU or CPU)")
+        if d.kind not in (kinds.GPU, kinds.CPU):
+            raise check.fail(dloc + ("kind",), f"{dwhat}: unknown kind {d.kind} (GPU or CPU)")
+        tf_type = kinds.Kind.Name(d.kind)
+        count = int(d.count) if d.HasField("count") else 1
+        if count <= 0:
+            raise check.fail(dloc + ("count",), f"{dwhat}: count must be positive, got {count}")
+        if count > MAX_GROUP_COUNT:
+            raise check.fail(dloc + ("count",), f"{dwhat}: count {count} is over the limit of "
+                                                f"{MAX_GROUP_COUNT}")
+        memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20, low=1e-3)
+        tflops = check.positive(d, "peak_tflops", dloc, dwhat, 1e6)
+        membw = check.positive(d, "memory_bandwidth_gbs", dloc, dwhat, 1e7)
+        first = len(self.devices)
+        if first + count > MAX_DEVICES:
+            raise check.fail(dloc + ("count",), f"the cluster has more than {MAX_DEVICES} devices, "
+                                                "tag's limit")
+        return DeviceGroup(
+            index=len(self.groups), name=f"{h.name}/{d.type}", host=h.name, device_type=d.type,
+            tf_device_type=tf_type, devices=tuple(range(first, first + count)),
+            memory_bytes=int(round(memory * GIB)), peak_flops=tflops * TFLOPS,
+            memory_bandwidth=membw * GBYTES_PER_S)
+
+    def _interconnect(self, h: Any, loc: tuple, what: str, n_host_devices: int) -> tuple[float, float]:
+        """(bytes/s, seconds) between devices of host H; records its interconnect kind."""
+        check = self.check
         if h.HasField("interconnect"):
             iloc = loc + ("interconnect", 0)
             iwhat = f"{what} interconnect"
             intra_bw = check.positive(h.interconnect, "bandwidth_gbs", iloc, iwhat, 1e7) * GBYTES_PER_S
             intra_lat = check.latency(h.interconnect, iloc, iwhat)
             kind = h.interconnect.kind
-            if kind not in topology_pb2.Interconnect.Kind.values():
-                names = ", ".join(n for n in topology_pb2.Interconnect.Kind.keys() if n != "INTERCONNECT_UNSPECIFIED")
+            kinds = self.pb2.Interconnect.Kind
+            if kind not in kinds.values():
+                names = ", ".join(n for n in kinds.keys() if n != "INTERCONNECT_UNSPECIFIED")
                 raise check.fail(iloc + ("kind",), f"{iwhat}: unknown kind {kind} ({names})")
-            interconnect_kinds[h.name] = topology_pb2.Interconnect.Kind.Name(kind)
-        elif n_host_devices > 1:
+            self.interconnect_kinds[h.name] = kinds.Name(kind)
+            return intra_bw, intra_lat
+        if n_host_devices > 1:
             raise check.fail(loc, f"{what} has {n_host_devices} devices but no interconnect "
                                   "{ kind: ... bandwidth_gbs: ... }")
-        else:
-            intra_bw, intra_lat = math.inf, 0.0   # a single device: no transfers inside the host
-        hosts.append(Host(name=h.name, address=address, port=int(h.port), task_index=hi,
-                          intra_bandwidth=intra_bw, intra_latency=intra_lat))
+        return math.inf, 0.0   # a single device: no transfers inside the host
 
+
+def _host_links(cluster: Any, hosts: list[Host],
+                check: _Checker) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """(host x host bytes/s, host x host seconds, one dict per link) from the link { ... } entries;
+    pairs without a link are NaN."""
     index = {h.name: i for i, h in enumerate(hosts)}
     n = len(hosts)
     host_bw = np.full((n, n), np.nan)
     host_lat = np.full((n, n), np.nan)
     links = []
-    link_line: dict[tuple[int, int], int | None] = {}
+    link_line: dict[tuple[int, int], int | None] = {}   # (host i, host j), i < j -> line of their link
     for li, link in enumerate(cluster.link):
         loc = ("link", li)
         for end in ("a", "b"):
@@ -565,13 +612,18 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
             first = link_line[(i, j)]
             raise check.fail(loc, f"duplicate link between {_q(link.a)} and {_q(link.b)}"
                                   + (f" (first on line {first})" if first else ""))
-        link_line[(i, j)] = where(*loc)
+        link_line[(i, j)] = check.where(*loc)
         bw = check.positive(link, "bandwidth_gbps", loc, what, 1e9) * GBITS_PER_S
         lat = check.latency(link, loc, what)
         host_bw[i, j] = host_bw[j, i] = bw
         host_lat[i, j] = host_lat[j, i] = lat
         links.append({"a": link.a, "b": link.b, "bandwidth": bw, "latency": lat})
+    return host_bw, host_lat, links
 
+
+def _fabric(cluster: Any, hosts: list[Host], host_bw: np.ndarray, host_lat: np.ndarray,
+            check: _Checker) -> dict[str, float] | None:
+    """The fabric { ... } (bandwidth, latency), if any; fills the host pairs without a link with it, in place."""
     fabric = None
     if cluster.HasField("fabric"):
         loc = ("fabric", 0)
@@ -587,9 +639,15 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
                                           "there is no fabric { bandwidth_gbps: ... } to connect them")
         host_bw[missing] = fabric["bandwidth"]
         host_lat[missing] = fabric["latency"]
+    return fabric
 
-    # Device x device matrices by indexing a host x host table whose diagonal holds each host's
-    # interconnect (no loops over device pairs: a 512-device cluster loads in milliseconds).
+
+def _device_matrices(hosts: list[Host], devices: list[Device], host_bw: np.ndarray,
+                     host_lat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Device x device (bytes/s, seconds); sets the host matrices' diagonals (inf, 0) in place.
+
+    Indexes a host x host table whose diagonal holds each host's interconnect (no loops over device
+    pairs: a 512-device cluster loads in milliseconds)."""
     intra_bw = np.array([h.intra_bandwidth for h in hosts], dtype=float)
     intra_lat = np.array([h.intra_latency for h in hosts], dtype=float)
     table_bw, table_lat = host_bw.copy(), host_lat.copy()
@@ -602,12 +660,7 @@ def _build(cluster: Any, text: str, path: str, where: _Lines) -> Topology:
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(host_bw, np.inf)
     np.fill_diagonal(host_lat, 0.0)
-
-    return Topology(
-        name=name, path=path, hosts=hosts, groups=groups, devices=devices,
-        bandwidth=bandwidth, latency=latency, host_bandwidth=host_bw, host_latency=host_lat,
-        comment=_leading_comment(text),
-        extra={"interconnect": interconnect_kinds, "links": links, "fabric": fabric})
+    return bandwidth, latency
 
 
 def _leading_comment(text: str) -> str:

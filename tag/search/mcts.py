@@ -19,8 +19,9 @@ child reached is expanded, its completion simulated, and the value backed up the
 a seeded random jitter, so a run is deterministic for a seed (with a playout budget; a seconds budget stops
 wherever the clock says). The best strategy seen at any node is kept by the environment.
 
-Prior: a callable ``prior(env, group, allowed) -> probabilities over allowed`` (the GNN of ``tag.gnn`` plugs
-in here). Without one, ``uniform_value_prior`` is used: a softmax over the speedups of the uniform
+Prior: a callable ``prior(env, order, prefix, allowed) -> probabilities over allowed`` for the group
+``order[len(prefix)]`` given the decisions so far (the GNN of ``tag.gnn`` plugs in here; ``uniform_prior`` is
+the blind one). Without one, ``uniform_value_prior`` is used: a softmax over the speedups of the uniform
 strategies, which the search has already simulated (so it costs nothing).
 
 Example::
@@ -44,7 +45,9 @@ from tag.search.env import Choice, Outcome, SearchEnv
 
 C_PUCT = 1.5
 FPU_REDUCTION = 0.2
-PriorFn = Callable[[SearchEnv, int, Sequence[int]], np.ndarray]
+# prior(env, order, prefix, allowed) -> probabilities over ALLOWED (candidate indices) for group order[len(prefix)],
+# given the decision order and the candidates already chosen for order[:len(prefix)]
+PriorFn = Callable[[SearchEnv, Sequence[int], tuple[int, ...], Sequence[int]], np.ndarray]
 
 
 @dataclass
@@ -69,7 +72,13 @@ class _Node:
     total_visits: int = 0
 
 
-def uniform_value_prior(env: SearchEnv, group: int, allowed: Sequence[int], temperature: float = 0.25) -> np.ndarray:
+def uniform_prior(env: SearchEnv, order: Sequence[int], prefix: tuple[int, ...], allowed: Sequence[int]) -> np.ndarray:
+    """Equal probability for every allowed candidate."""
+    return np.full(len(allowed), 1.0 / len(allowed))
+
+
+def uniform_value_prior(env: SearchEnv, order: Sequence[int], prefix: tuple[int, ...], allowed: Sequence[int],
+                        temperature: float = 0.25) -> np.ndarray:
     """Softmax of the uniform strategies' values (simulated, cached) over ALLOWED."""
     values = np.array([env.evaluate(env.uniform_choice(k)).value for k in allowed], dtype=np.float64)
     best = max(values.max(), 1e-9)
@@ -121,7 +130,7 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     def new_node(depth: int, prefix: tuple[int, ...]) -> _Node:
         group = order[depth]
         allowed = env.allowed[group]
-        p = np.asarray(prior(env, group, allowed), dtype=np.float64)
+        p = np.asarray(prior(env, order, prefix, allowed), dtype=np.float64)
         p = p / p.sum() if p.sum() > 0 else np.full(len(allowed), 1.0 / len(allowed))
         return _Node(depth, prefix, allowed, p, np.zeros(len(allowed)), np.zeros(len(allowed)))
 

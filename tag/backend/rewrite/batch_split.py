@@ -1,0 +1,264 @@
+"""Batch split: tensors with a batch axis move between instances as slices and concatenations, and
+constants that hold the batch size follow each instance's share.
+
+A tensor with a batch axis (IR ``TensorInfo.batch_axis``) crossing between instances whose ranges
+differ is sliced where it is produced and concatenated where it is consumed -- only the examples that
+change device move. Graphs built with a concrete batch dimension (``Placeholder [32, 784]``) carry
+that number in constants (``Reshape`` shapes, ``Tile`` multiples, a mean gradient's divisor, ...);
+those constants are found from the IR's batch axes and rescaled for each instance's share (and for
+``batch_size=``).
+
+Example::
+
+    import tag
+    from tag.strategy.types import Action, Grouping, Strategy
+    from tag.backend.rewrite import rewrite
+    import numpy as np
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    gd = tag.zoo.training_graph("mlp", batch_size=32)
+    tg = tag.analyze(gd)
+    one = Strategy(Grouping(np.zeros(len(tg.ops), np.int64), ["all"]), [Action((0,), "partition")],
+                   partition={i: 0 for i in range(len(tg.ops))})
+    res = rewrite(gd, tg, one, topo, batch_size=64)   # constants rescaled as if built at 64
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
+
+from tag.errors import RewriteError
+
+from .context import RewriteContext
+from .graph_edit import FLOAT_TYPES, Instance, Range, attr_type, fill_defaults, split_tensor, tensor_name
+
+# op type -> input index that is a shape whose entries follow the op's output shape
+_SHAPE_OPERAND = {
+    "Reshape": 1, "Fill": 0, "BroadcastTo": 1, "StridedSliceGrad": 0, "Slice": 2, "RandomUniform": 0,
+    "RandomStandardNormal": 0, "TruncatedNormal": 0, "StatelessRandomUniformV2": 0,
+    "StatelessRandomNormalV2": 0, "Conv2DBackpropInput": 0, "Conv3DBackpropInputV2": 0,
+    "DepthwiseConv2dNativeBackpropInput": 0, "AvgPoolGrad": 0, "AvgPool3DGrad": 0, "Empty": 0,
+    "ScatterNd": 2,
+}
+_GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
+
+
+def _is_scalar(node: node_def_pb2.NodeDef) -> bool:
+    return len(node.attr["value"].tensor.tensor_shape.dim) == 0
+
+
+class BatchSplitMixin(RewriteContext):
+    """Batch-following constants (``const_scale``) and re-splitting of batch-axis tensors."""
+
+    # -------------------------------------------------------------------------------- constants
+    def _const_rules(self) -> None:
+        """For each batch-dependent constant: the flat positions that scale with the batch."""
+        self.const_scale = {}
+        for n in self.order:
+            node = self.nodes[n]
+            if node.op != "Const":
+                continue
+            dtype = tf.as_dtype(node.attr["dtype"].type)
+            if dtype not in (tf.int32, tf.int64) and not (dtype in FLOAT_TYPES and _is_scalar(node)):
+                continue
+            value = tf.make_ndarray(node.attr["value"].tensor)
+            if value.ndim > 1 or value.size > 16:
+                continue
+            pos = self._scaled_positions(n, value.reshape(-1), dtype)
+            if pos:
+                self.const_scale[n] = sorted(pos)
+
+    def _scaled_positions(self, n: str, v: np.ndarray, dtype: "tf.DType") -> set[int]:
+        """Positions of the flat value V of Const N that hold (a multiple of) the reference batch."""
+        is_int = dtype in (tf.int32, tf.int64)
+        pos = self._shape_operand_positions(n, v, is_int)
+        m = _GRAD_SCOPE_RE.search(n)
+        if m:
+            fwd = self._forward_op(m.group(1))
+            if fwd is not None:
+                pos |= self._gradient_constant_positions(n, v, is_int, fwd)
+        return pos
+
+    def _shape_operand_positions(self, n: str, v: np.ndarray, is_int: bool) -> set[int]:
+        """R1: the batch entry of a shape operand of an op whose output has a batch axis, and the batch
+        entry of the multiples of a Tile that broadcasts a batch-free tensor over the batch."""
+        pos: set[int] = set()
+        ref_batch = self.ref_batch
+        for c, _, slot in self.consumers[n]:
+            cop = self.nodes[c].op
+            if _SHAPE_OPERAND.get(cop) != slot or not is_int or v.size == 0:
+                continue
+            if cop == "Tile":
+                continue
+            ax = self._batch_axis(c)
+            shape = self._ref_shape(c) if ax is not None else None
+            if ax is not None and shape is not None and ax < v.size and shape[ax] is not None \
+                    and v[ax] == shape[ax] and v[ax] % ref_batch == 0:
+                pos.add(ax)
+        for c, _, slot in self.consumers[n]:
+            if self.nodes[c].op == "Tile" and slot == 1 and is_int:
+                ax = self._batch_axis(c)
+                src = self.nodes[c].input[0]
+                if ax is not None and ax < v.size and self._batch_axis(src) is None and v[ax] % ref_batch == 0 \
+                        and v[ax] > 0:
+                    pos.add(ax)
+        return pos
+
+    def _gradient_constant_positions(self, n: str, v: np.ndarray, is_int: bool, fwd: str) -> set[int]:
+        """R2/R3: a constant made by the gradient function of forward op FWD from FWD's static shapes
+        (a shape, an element count, a mean's divisor)."""
+        pos: set[int] = set()
+        ref_batch = self.ref_batch
+        scalar = _is_scalar(self.nodes[n])
+        tensors = [i for i in self.nodes[fwd].input if not i.startswith("^")]
+        if fwd in self.ir_index:
+            tensors += [t.name for t in self.ir.ops[self.ir_index[fwd]].outputs]
+        for t in tensors:
+            ax = self._batch_axis(t)
+            shape = self._ref_shape(t) if ax is not None else None
+            if shape is None or any(s is None for s in shape):
+                continue
+            numel = int(np.prod(shape)) if shape else 1
+            if is_int and v.size == len(shape) and v.size > 0 and list(v) == list(shape):
+                pos.add(ax)
+            elif v.size == 1 and scalar and numel % ref_batch == 0 and v[0] == numel and (
+                    # the element count of a batch tensor (tf.size folded), or a mean's divisor
+                    (is_int and n.rsplit("/", 1)[-1].startswith("Size"))
+                    or (not is_int and self.nodes[fwd].op == "Mean")):
+                pos.add(0)
+        if self.nodes[fwd].op == "Mean" and v.size == 1 and scalar:
+            tin, tout = self.nodes[fwd].input[0], tensor_name(fwd, 0)
+            ok = self._batch_axis(tin) is not None and tout in self.tensor_info and self._batch_axis(tout) is None
+            sin, sout = (self._ref_shape(tin), self._ref_shape(tout)) if ok else (None, None)
+            if ok and sin and sout is not None and None not in sin and None not in sout:
+                factor = int(np.prod(sin)) // max(int(np.prod(sout)) if sout else 1, 1)
+                if v[0] == factor and factor % ref_batch == 0:
+                    pos.add(0)
+        return pos
+
+    def _forward_op(self, scoped: str) -> str | None:
+        """The forward op whose gradient scope is SCOPED ('a/b' for 'gradients/a/b_grad/...')."""
+        cand = scoped
+        while True:
+            if cand in self.nodes:
+                return cand
+            m = _GRAD_SCOPE_RE.search(cand + "/")
+            if not m:
+                return None
+            cand = m.group(1)
+
+    def _const_value(self, n: str, size: int) -> node_def_pb2.NodeDef | None:
+        """A copy of Const N rescaled for an instance on SIZE examples (None: unchanged)."""
+        pos = self.const_scale.get(n)
+        if not pos or size == self.ref_batch:
+            return None
+        node = self.nodes[n]
+        value = tf.make_ndarray(node.attr["value"].tensor)
+        flat = value.reshape(-1).copy()
+        for p in pos:
+            if np.issubdtype(flat.dtype, np.integer):
+                if (int(flat[p]) * size) % self.ref_batch:
+                    raise RewriteError(f"constant {n!r} ({flat[p]}) cannot be split to {size} of "
+                                       f"{self.ref_batch} examples")
+                flat[p] = int(flat[p]) * size // self.ref_batch
+            else:
+                flat[p] = flat[p] * size / self.ref_batch
+        new = node_def_pb2.NodeDef()
+        new.CopyFrom(node)
+        new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.reshape(value.shape)))
+        return new
+
+    def _rescale_placeholder(self, n: str, node: node_def_pb2.NodeDef) -> None:
+        """Set the batch dimension of placeholder NODE (a copy of N) to the batch to run."""
+        if self.batch != self.ref_batch and "shape" in node.attr:
+            ax = self._batch_axis(n)
+            dims = node.attr["shape"].shape.dim
+            if ax is not None and ax < len(dims) and dims[ax].size > 0:
+                dims[ax].size = dims[ax].size // self.ref_batch * self.batch
+
+    # -------------------------------------------------------------------------------- re-splitting
+    def _rows_per_example(self, t: str) -> int:
+        ax = self._batch_axis(t)
+        shape = self._ref_shape(t)
+        if shape is None or ax is None or ax >= len(shape) or shape[ax] is None or shape[ax] % self.ref_batch:
+            raise RewriteError(f"tensor {t!r}: its batch axis {ax} has no static size that is a multiple of "
+                               f"the batch {self.ref_batch}, so it cannot be split between devices")
+        return shape[ax] // self.ref_batch
+
+    def _cover(self, p: str, rng: Range, dev: int) -> list[Instance]:
+        """Instances of P covering RNG: one that contains it (prefer DEV) or the primary tiling."""
+        containing = [i for i in self.instances[p] if i.rng[0] <= rng[0] and rng[1] <= i.rng[1]]
+        if containing:
+            return [self._pick(containing, dev)]
+        prim = sorted((i for i in self.instances[p] if i.primary), key=lambda i: i.rng)
+        chosen: dict[Range, Instance] = {}
+        for i in prim:
+            if i.rng not in chosen or i.dev == dev:
+                chosen[i.rng] = i
+        out = [chosen[r] for r in sorted(chosen) if r[0] < rng[1] and rng[0] < r[1]]
+        at = rng[0]
+        for i in out:
+            if i.rng[0] > at:
+                break
+            at = max(at, i.rng[1])
+        if at < rng[1]:
+            raise RewriteError(f"op {p!r}: its instances do not cover examples {rng[0]}..{rng[1] - 1}")
+        return out
+
+    def _resplit(self, t: str, rng: Range, dev: int) -> str:
+        """Batch-axis tensor T for examples RNG on DEV, sliced from and concatenated over its instances."""
+        memo_key = ("resplit", t, rng, dev)
+        if memo_key in self.memo:
+            return self.memo[memo_key]
+        p, k = split_tensor(t)
+        ax = self._batch_axis(t)
+        rows = self._rows_per_example(t)
+        parts = []
+        for inst in self._cover(p, rng, dev):
+            lo, hi = max(rng[0], inst.rng[0]), min(rng[1], inst.rng[1])
+            if (lo, hi) == inst.rng:
+                parts.append(tensor_name(inst.name, k))
+            else:
+                parts.append(self._slice(t, inst, (lo - inst.rng[0]) * rows, (hi - inst.rng[0]) * rows, ax))
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = self._concat(t, parts, ax, dev, rng)
+        self.memo[memo_key] = out
+        return out
+
+    def _slice(self, t: str, inst: Instance, begin: int, end: int, ax: int) -> str:
+        """Rows BEGIN..END (axis AX) of INST's T, sliced on INST's device."""
+        memo_key = ("slice", t, inst.name, begin, end)
+        if memo_key in self.memo:
+            return self.memo[memo_key]
+        p, k = split_tensor(t)
+        base = f"tag/slice/{p}_{k}/{inst.dev}_{begin}_{end}"
+        name = self._fresh(base)
+        dev = inst.dev
+        b = self._const(name + "/begin", np.array([0] * ax + [begin], np.int32), dev)
+        e = self._const(name + "/end", np.array([0] * ax + [end], np.int32), dev)
+        s = self._const(name + "/strides", np.ones(ax + 1, np.int32), dev)
+        node = node_def_pb2.NodeDef(name=name, op="StridedSlice", device=self.topo.tf_device(dev))
+        node.input.extend([tensor_name(inst.name, k), b, e, s])
+        node.attr["T"].CopyFrom(attr_type(self._dtype(t)))
+        node.attr["Index"].CopyFrom(attr_type(tf.int32))
+        mask = (1 << ax) - 1
+        node.attr["begin_mask"].i = mask
+        node.attr["end_mask"].i = mask
+        self.out_nodes.append(fill_defaults(node))
+        self.counts["slices"] += 1
+        self.memo[memo_key] = name
+        return name
+
+    def _concat(self, t: str, parts: list[str], ax: int, dev: int, rng: Range) -> str:
+        """PARTS of T (examples RNG, in order) concatenated along AX on DEV."""
+        p, k = split_tensor(t)
+        name = self._fresh(f"tag/concat/{p}_{k}/{dev}_{rng[0]}_{rng[1]}")
+        axis = self._const(name + "/axis", np.array(ax, np.int32), dev)
+        self._concat_node(name, parts, axis, self._dtype(t), dev)
+        self.counts["concats"] += 1
+        return name

@@ -1,0 +1,174 @@
+"""Collectives: gradient partial sums of ``allreduce`` op groups summed by ``CollectiveReduceV2``.
+
+Among the replicas of an ``allreduce`` group, gradient partial sums are summed by one collective per
+op group and dtype (``fuse_allreduce``, as the simulator models it): gradients flattened,
+concatenated, all-reduced, split and reshaped back. Without fusion (or for a lone gradient) there is
+one collective per gradient. The group key is a hash of the device set (``collective_group_key``: the
+same set gets the same key in any graph); instance keys are unique per collective within a graph.
+Collectives among CPUs use the ring implementation; elsewhere TF picks (NCCL on GPUs).
+
+Example::
+
+    from tag.backend.rewrite import collective_group_key
+
+    devices = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
+    assert collective_group_key(devices) == collective_group_key(reversed(devices))
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
+
+from .context import RewriteContext
+from .graph_edit import Range, attr_type, canonical, fill_defaults, split_tensor
+
+# A fusion bucket: (op group, dtype) -- the gradients one fused collective sums.
+BucketKey = tuple[int, "tf.DType"]
+
+
+def collective_group_key(device_strings: Iterable[str]) -> int:
+    """A stable collective group key for a set of TF devices (same set -> same key, any graph)."""
+    text = "|".join(sorted(device_strings))
+    return 1 + int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "big") % (2 ** 30 - 1)
+
+
+class CollectivesMixin(RewriteContext):
+    """All-reduces of gradients: per gradient (``_allreduce``) or fused per op group and dtype."""
+
+    def _allreduce(self, t: str, devs: list[int], ranges: list[Range]) -> dict[int, str]:
+        """One CollectiveReduceV2 per device of DEVS summing T's partial sums (ranges RANGES)."""
+        memo_key = (t, tuple(devs), tuple(ranges))
+        if memo_key in self.allreduce_memo:
+            return self.allreduce_memo[memo_key]
+        p, k = split_tensor(t)
+        partials = {d: self._resolve(t, r, d, p, d) for d, r in zip(devs, ranges)}
+        out = {d: self._collective(f"tag/allreduce/{p}_{k}/{d}", partials[d], d, devs, self._dtype(t), t)
+               for d in devs}
+        self.counts["allreduces"] += 1
+        self.allreduce_memo[memo_key] = out
+        return out
+
+    def _instance_key(self, what: str, devs: list[int], dstrs: list[str]) -> int:
+        """The collective instance key of WHAT over DEVS: a hash of the graph, WHAT and the devices,
+        moved on to the next free key on a clash; the same for every member of one collective."""
+        ikey = self.instance_key_of.get((what, tuple(devs)))
+        if ikey is None:
+            ikey = 1 + int.from_bytes(hashlib.sha1(f"{self.token}|{what}|{dstrs}".encode()).digest()[:4],
+                                      "big") % (2 ** 30 - 1)
+            while ikey in self.taken_instance_keys:
+                ikey = ikey % (2 ** 30 - 1) + 1
+            self.taken_instance_keys.add(ikey)
+            self.instance_key_of[(what, tuple(devs))] = ikey
+        return ikey
+
+    def _collective(self, base: str, partial: str, dev: int, devs: list[int], dtype: "tf.DType", what: str) -> str:
+        """A CollectiveReduceV2 (sum) of PARTIAL on DEV over DEVS; WHAT names the instance for its key."""
+        dstrs = [self.topo.tf_device(d) for d in devs]
+        ikey = self._instance_key(what, devs, dstrs)
+        name = self._fresh(base)
+        consts = [self._const(f"{name}/{key}", np.array(v, np.int32), dev)
+                  for key, v in (("group_size", len(devs)), ("group_key", collective_group_key(dstrs)),
+                                 ("instance_key", ikey))]
+        node = node_def_pb2.NodeDef(name=name, op="CollectiveReduceV2", device=self.topo.tf_device(dev))
+        node.input.extend([partial] + consts)
+        node.attr["T"].CopyFrom(attr_type(dtype))
+        node.attr["merge_op"].s = b"Add"
+        node.attr["final_op"].s = b"Id"
+        # ring on CPUs (what FACTS.md verified); on GPUs TF's "auto" picks NCCL where it can
+        cpu_only = all(self.topo.devices[d].tf_device_type == "CPU" for d in devs)
+        node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
+        self.out_nodes.append(fill_defaults(node))
+        return name
+
+    # -------------------------------------------------------------------------------- gradient fusion
+    def _plan_fusion(self) -> None:
+        """Gradients of one allreduce op group (and dtype) are summed by one fused collective, as the
+        simulator models it: flattened, concatenated, all-reduced, split. Output names are reserved here;
+        the collectives are built once every gradient exists (``_emit_fusions``)."""
+        self.fusion: dict[str, BucketKey] = {}             # fused gradient tensor -> its bucket
+        self.buckets: dict[BucketKey, list[str]] = {}      # bucket -> its gradient tensors, in order
+        # bucket -> gradient tensor -> replica device -> name of the summed gradient there
+        self.bucket_out: dict[BucketKey, dict[str, dict[int, str]]] = {}
+        self.buckets_used: list[BucketKey] = []            # buckets some update op reads, first use first
+        if not self.fuse_allreduce:
+            return
+        for key, ts in self._fusable_gradients().items():
+            if len(ts) < 2:
+                continue
+            g = key[0]
+            base = self._fresh(f"tag/fused_allreduce/group_{g}_{key[1].name}")
+            self.buckets[key] = ts
+            self.bucket_out[key] = {t: {d: self._fresh(f"{base}/grad_{j}/{d}") for d in self._replicas(g)[0]}
+                                    for j, t in enumerate(ts)}
+            for t in ts:
+                self.fusion[t] = key
+
+    def _fusable_gradients(self) -> dict[BucketKey, list[str]]:
+        """Gradients of trainable variables of replicated allreduce groups with a static shape and no
+        batch axis (not SFB), by (op group, dtype)."""
+        buckets: dict[BucketKey, list[str]] = {}
+        for v in self.ir.variables:
+            if v.kind != "trainable" or v.apply_op not in self.ir_index or not v.gradient:
+                continue
+            g = self._group(v.apply_op)
+            if self.strategy.actions[g].mode != "allreduce" or len(self._replicas(g)[0]) < 2:
+                continue
+            t = canonical(v.gradient)
+            shape = self._ref_shape(t) if t in self.tensor_info else None
+            if t in self.sfb_tensors or shape is None or None in shape or self._batch_axis(t) is not None \
+                    or not self.grad_dependent[split_tensor(t)[0]] or t in buckets.get((g, self._dtype(t)), []):
+                continue
+            buckets.setdefault((g, self._dtype(t)), []).append(t)
+        return buckets
+
+    def _fused(self, t: str, dev: int) -> str | None:
+        """The name the fused all-reduce gives gradient T on DEV (None: T is not fused there)."""
+        key = self.fusion.get(t)
+        if key is None or dev not in self._replicas(key[0])[0]:
+            return None
+        if key not in self.buckets_used:
+            self.buckets_used.append(key)
+        return self.bucket_out[key][t][dev]
+
+    def _emit_fusions(self) -> None:
+        """Build the fused collectives of the buckets in use (every gradient exists by now)."""
+        for key in self.buckets_used:
+            g, dtype = key
+            ts = self.buckets[key]
+            devs, ranges = self._replicas(g)
+            sizes = [int(np.prod(self._ref_shape(t))) for t in ts]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+            base = self.bucket_out[key][ts[0]][devs[0]].rsplit("/", 2)[0]
+            for d, r in zip(devs, ranges):
+                self._emit_fused_on(key, base, d, r, devs, sizes, offsets)
+            self.counts["fused allreduces"] += 1
+            self.notes.append(f"op group {g}: {len(ts)} gradients all-reduced as one {dtype.name} buffer "
+                              f"of {int(offsets[-1])} elements")
+
+    def _emit_fused_on(self, key: BucketKey, base: str, d: int, r: Range, devs: list[int], sizes: list[int],
+                       offsets: np.ndarray) -> None:
+        """Bucket KEY's fused all-reduce on replica D (examples R): flatten, concat, all-reduce, split."""
+        g, dtype = key
+        ts = self.buckets[key]
+        flat = []
+        for j, t in enumerate(ts):
+            partial = self._resolve(t, r, d, split_tensor(t)[0], d)
+            flat.append(self._reshape(f"{base}/flat_{j}/{d}", partial, [-1], dtype, d))
+        shape_axis = self._const(f"{base}/concat_{d}/axis", np.array(0, np.int32), d)
+        concat = self._concat_node(self._fresh(f"{base}/concat_{d}"), flat, shape_axis, dtype, d)
+        summed = self._collective(f"{base}/allreduce_{d}", concat, d, devs, dtype, f"fused|{g}|{dtype.name}")
+        for j, t in enumerate(ts):
+            begin = self._const(f"{base}/split_{j}_{d}/begin", np.array([offsets[j]], np.int32), d)
+            size = self._const(f"{base}/split_{j}_{d}/size", np.array([sizes[j]], np.int32), d)
+            part = self._fresh(f"{base}/split_{j}_{d}")
+            node = node_def_pb2.NodeDef(name=part, op="Slice", device=self.topo.tf_device(d))
+            node.input.extend([summed, begin, size])
+            node.attr["T"].CopyFrom(attr_type(dtype))
+            node.attr["Index"].CopyFrom(attr_type(tf.int32))
+            self.out_nodes.append(node)
+            out = self.bucket_out[key][t][d]
+            self._reshape(out, part, self._ref_shape(t), dtype, d, exact_name=True)
