@@ -219,12 +219,13 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     from tag.cost.model import CostModel
     from tag.frontend.analyze import analyze
     from tag.frontend.entry_points import find_entry_points
+    from tag.frontend.graph_import import coerce_graph_def
     from tag.strategy.grouping import group_ops
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise TagError(f"groups must be a positive integer, got {groups!r}")
     topo = _topology(topology)
     prof, prof_source = _profile(profile)
-    gd = _as_graph_def(graph_def)
+    gd = coerce_graph_def(graph_def)
     entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
     gd = entry.apply(gd)
     graph = analyze(gd, batch_size=batch_size, name=name or "")
@@ -315,23 +316,6 @@ def _profile(profile: Any) -> tuple["Profile | None", str | None]:
         return Profile.load(profile), os.fspath(profile)
     raise TagError(f"profile must be a tag Profile, a path to a profile JSON file or None, "
                    f"got {type(profile).__name__}")
-
-
-def _as_graph_def(graph_def: Any) -> Any:
-    """A GraphDef from a GraphDef, a tf.Graph or serialised bytes (GraphError otherwise)."""
-    import tensorflow as tf
-    if isinstance(graph_def, tf.compat.v1.GraphDef):
-        return graph_def
-    if isinstance(graph_def, tf.Graph):
-        return graph_def.as_graph_def()
-    if isinstance(graph_def, (bytes, bytearray)):
-        gd = tf.compat.v1.GraphDef()
-        try:
-            gd.ParseFromString(bytes(graph_def))
-        except Exception as err:  # noqa: BLE001 - protobuf's DecodeError
-            raise GraphError(f"cannot parse the GraphDef bytes: {err}") from None
-        return gd
-    raise GraphError(f"expected a tf.compat.v1.GraphDef, tf.Graph or its bytes, got {type(graph_def).__name__}")
 
 
 def _check_not_slower(found: "SearchResult") -> None:
@@ -501,14 +485,12 @@ def _read_strategy(path: str) -> "Strategy":
 
 
 def _read_graph_def(path: str) -> Any:
-    import tensorflow as tf
-    gd = tf.compat.v1.GraphDef()
+    from tag.frontend.graph_import import coerce_graph_def
+    data = _read_bytes(path, "rewritten GraphDef")
     try:
-        gd.ParseFromString(_read_bytes(path, "rewritten GraphDef"))
-    except TagError:
-        raise
-    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError
-        raise GraphError(f"{path}: not a binary GraphDef ({err})") from None
+        gd = coerce_graph_def(data)
+    except GraphError as err:
+        raise GraphError(f"{path}: {err}") from None
     if not gd.node:
         raise GraphError(f"{path}: the GraphDef has no nodes")
     return gd

@@ -263,7 +263,7 @@ def test_progress_bar_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     rc, out, err = _run(SEARCH, capsys)
     assert rc == 0
-    assert "playout/s" in err and "/20" in err and "best" in err
+    assert "playout/s" in err and "20/20" in err and "best speedup" in err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -170,9 +170,13 @@ def _search(args: argparse.Namespace, analysis) -> Any:
         def progress(p) -> None:
             bar.set_postfix_str(f"best speedup {p.best_speedup:.3g}x", refresh=False)
             bar.update(p.playouts - bar.n)
+            if p.total is not None and p.playouts >= p.total:
+                bar.refresh()           # the last playout is shown whatever the refresh interval
 
-        return search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
+        plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
                            seed=args.seed or 0, progress=progress)
+        bar.refresh()
+        return plan
 
 
 def _run_hook(args: argparse.Namespace, analysis, name: str, strategy) -> dict[str, Any]:

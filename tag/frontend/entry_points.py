@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from tag.errors import GraphError
+from tag.frontend.graph_import import coerce_graph_def, step_order, wire_nodes
+from tag.frontend.op_rules import is_apply_op
 from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES
 
 __all__ = ["EntryPoints", "find_entry_points"]
@@ -56,7 +58,6 @@ GROUPING_TYPES = frozenset({"NoOp", "AssignAdd", "AssignAddVariableOp"})
 #: op types a loss may pass through unchanged after its last op with a gradient
 _PASSTHROUGH_TYPES = frozenset({"Identity", "Snapshot"})
 _RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
-_APPLY_RE = re.compile(r"^(Resource)?(Sparse)?Apply[A-Z]")
 _SEED_RE = re.compile(r"(?:^|/)(?:grad_ys_\d+|gradients(?:_\d+)?/Fill)$")
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
 _IN_GRADIENTS_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
@@ -92,52 +93,20 @@ class EntryPoints:
 
 
 class _Index:
-    """A GraphDef's nodes with data/control inputs, consumers and a topological order."""
+    """A GraphDef's nodes (``graph_import.wire_nodes``) with data consumers and a topological order."""
 
     def __init__(self, graph_def: Any):
-        self.nodes: dict[str, Any] = {}
-        for n in graph_def.node:
-            if n.name in self.nodes:
-                raise GraphError(f"graph has two nodes named {n.name!r}")
-            self.nodes[n.name] = n
-        self.data_in: dict[str, list[tuple[str, int]]] = {}
-        self.all_in: dict[str, list[str]] = {}
-        self.consumers: dict[str, list[str]] = {name: [] for name in self.nodes}
-        for name, n in self.nodes.items():
-            data, every = [], []
-            for s in n.input:
-                ctrl = s.startswith("^")
-                src, _, idx = s.lstrip("^").partition(":")
-                if src not in self.nodes:
-                    raise GraphError(f"node {name!r} has input {s!r} that is not in the graph")
-                every.append(src)
-                if not ctrl:
-                    data.append((src, int(idx) if idx else 0))
-                    self.consumers[src].append(name)
-            self.data_in[name], self.all_in[name] = data, every
-        self.order = self._topological_order()
+        wired = wire_nodes(graph_def)
+        self.nodes: dict[str, Any] = {name: n.nd for name, n in wired.items()}
+        self.data_in: dict[str, list[tuple[str, int]]] = {name: n.data_in for name, n in wired.items()}
+        self.all_in: dict[str, list[str]] = {name: [s for s, _ in n.data_in] + n.ctrl_in
+                                              for name, n in wired.items()}
+        self.consumers: dict[str, list[str]] = {name: [] for name in wired}     # by data edges
+        for name, n in wired.items():
+            for src in dict.fromkeys(s for s, _ in n.data_in):
+                self.consumers[src].append(name)
+        self.order = step_order(graph_def, wired, set(wired))    # TF1 loops' back edges are skipped
         self.position = {name: i for i, name in enumerate(self.order)}
-
-    def _topological_order(self) -> list[str]:
-        """Inputs before consumers (back edges of TF1 loops are skipped)."""
-        state: dict[str, int] = {}        # 1: on the stack, 2: done
-        order: list[str] = []
-        for root in self.nodes:
-            if root in state:
-                continue
-            stack = [(root, iter(self.all_in[root]))]
-            state[root] = 1
-            while stack:
-                name, it = stack[-1]
-                nxt = next((s for s in it if s not in state), None)
-                if nxt is None:
-                    stack.pop()
-                    state[name] = 2
-                    order.append(name)
-                else:
-                    state[nxt] = 1
-                    stack.append((nxt, iter(self.all_in[nxt])))
-        return order
 
     def ancestor_masks(self, targets: list[str]) -> dict[str, int]:
         """Per node, a bit mask of the TARGETS it depends on (itself included), data and control edges."""
@@ -197,7 +166,7 @@ def _check_name(index: _Index, param: str, name: str) -> str:
 # ------------------------------------------------------------------------------------------------ step op
 def _find_train_op(index: _Index) -> tuple[str, list[Any], str]:
     """(step op name, made-up nodes, note)."""
-    applies = [n for n in index.order if _APPLY_RE.match(index.nodes[n].op)]
+    applies = [n for n in index.order if is_apply_op(index.nodes[n].op)]
     if not applies:
         raise GraphError("graph has no optimizer: no Apply*/ResourceApply* op found (is this a training step?)")
     masks = index.ancestor_masks(applies)
@@ -226,7 +195,7 @@ def _forward_descendants(index: _Index, start: str) -> set[str]:
     seen, stack = {start}, [start]
     while stack:
         for c in index.consumers[stack.pop()]:
-            if c not in seen and not _IN_GRADIENTS_RE.search(c) and not _APPLY_RE.match(index.nodes[c].op):
+            if c not in seen and not _IN_GRADIENTS_RE.search(c) and not is_apply_op(index.nodes[c].op):
                 seen.add(c)
                 stack.append(c)
     return seen
@@ -326,13 +295,14 @@ def _find_init(index: _Index, step: set[str]) -> tuple[str | None, list[Any], st
 
 def find_entry_points(graph_def: Any, *, train_op: str | None = None, loss: str | None = None,
                       init: str | None = None) -> EntryPoints:
-    """The step op, loss and initialiser of GRAPH_DEF (a GraphDef; rules in the module docstring).
+    """The step op, loss and initialiser of GRAPH_DEF (a GraphDef, tf.Graph or its bytes; rules in the
+    module docstring).
 
     Names given explicitly win (checked to exist; ``"op:0"`` is accepted for an op). Raises GraphError
     for a graph without optimizer, with two candidate step ops or two losses (the message lists the
     candidates and the parameter to pass), or naming an op that is not in the graph.
     """
-    index = _Index(graph_def)
+    index = _Index(coerce_graph_def(graph_def))
     added: list[Any] = []
     notes: list[str] = []
     if train_op is not None:

@@ -74,7 +74,8 @@ def coerce_graph_def(graph_def: Any) -> Any:
         except Exception as err:  # noqa: BLE001
             raise GraphError(f"cannot parse the GraphDef bytes: {first_line(err)}") from None
         return gd
-    raise GraphError(f"analyze() needs a tf.compat.v1.GraphDef (or tf.Graph), got {type(graph_def).__name__}")
+    raise GraphError(f"tag needs a tf.compat.v1.GraphDef (or a tf.Graph, or serialized GraphDef bytes), "
+                     f"got {type(graph_def).__name__}")
 
 
 def wire_nodes(gd: Any) -> dict[str, Node]:
