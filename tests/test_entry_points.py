@@ -74,6 +74,18 @@ def test_two_optimizers_are_ambiguous_until_named():
     assert ep.train_op == b.name and ep.loss is not None and ep.init == "init"
 
 
+def test_init_never_runs_a_training_step():
+    """A NoOp grouping the initialisers with the training step is not an initialiser."""
+    g = tf.Graph()
+    with g.as_default():
+        _, y, _, logits = _model()
+        step = v1.train.GradientDescentOptimizer(0.1).minimize(_xent(y, logits))
+        setup = v1.variables_initializer(v1.global_variables(), name="setup")
+        tf.group(setup, step, name="setup_and_train")
+    ep = find_entry_points(g.as_graph_def(), train_op=step.name)
+    assert ep.train_op == "GradientDescent" and ep.init == "setup"
+
+
 def test_two_optimizers_grouped_are_one_step():
     g = tf.Graph()
     with g.as_default():

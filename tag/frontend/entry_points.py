@@ -34,9 +34,10 @@ The rules:
   two different losses raise GraphError asking for ``loss=``. No gradient at all: ``loss`` is None.
 * **Initialiser.** The variables the step uses and their initial assignments (``Assign`` /
   ``AssignVariableOp`` on the variable that the step does not run and that do not restore a checkpoint;
-  ``<var>/Assign`` preferred). A ``NoOp`` depending on all of them (``init`` preferred, then one no
-  other such NoOp depends on) is the initialiser; else a single initial assignment is; else a made-up
-  ``NoOp`` named ``tag_init`` groups them. No variables: ``init`` is None.
+  ``<var>/Assign`` preferred). A ``NoOp`` depending on all of them and on no optimizer update
+  (``init`` preferred, then one no other such NoOp depends on) is the initialiser; else a single
+  initial assignment is; else a made-up ``NoOp`` named ``tag_init`` groups them. No variables:
+  ``init`` is None.
 """
 from __future__ import annotations
 
@@ -129,6 +130,13 @@ class _Index:
                     stack.append(s)
         return seen
 
+    def update_masks(self) -> tuple[list[str], dict[str, int]]:
+        """(the optimizer's apply ops, per node the mask of those it depends on); computed once."""
+        if not hasattr(self, "_updates"):
+            applies = [n for n in self.order if is_apply_op(self.nodes[n].op)]
+            self._updates = (applies, self.ancestor_masks(applies))
+        return self._updates
+
     def fresh_name(self, base: str) -> str:
         name, k = base, 0
         while name in self.nodes:
@@ -166,10 +174,9 @@ def _check_name(index: _Index, param: str, name: str) -> str:
 # ------------------------------------------------------------------------------------------------ step op
 def _find_train_op(index: _Index) -> tuple[str, list[Any], str]:
     """(step op name, made-up nodes, note)."""
-    applies = [n for n in index.order if is_apply_op(index.nodes[n].op)]
+    applies, masks = index.update_masks()
     if not applies:
         raise GraphError("graph has no optimizer: no Apply*/ResourceApply* op found (is this a training step?)")
-    masks = index.ancestor_masks(applies)
     every = (1 << len(applies)) - 1
     grouping = [n for n in index.order if index.nodes[n].op in GROUPING_TYPES and masks[n]]
     sinks = _sinks(index, grouping)
@@ -282,7 +289,8 @@ def _find_init(index: _Index, step: set[str]) -> tuple[str | None, list[Any], st
         return None, [], "no init: the step uses no variable with an initial assignment" + gap
     masks = index.ancestor_masks(inits)
     every = (1 << len(inits)) - 1
-    groups = [n for n in index.order if index.nodes[n].op == "NoOp" and masks[n] == every]
+    _, updates = index.update_masks()        # an initialiser must not run an optimizer step
+    groups = [n for n in index.order if index.nodes[n].op == "NoOp" and masks[n] == every and not updates[n]]
     if groups:
         pick = "init" if "init" in groups else _sinks(index, groups)[0]
         return pick, [], f"init {pick!r}: groups the initial values of the step's {len(inits)} variables" + gap
