@@ -163,6 +163,9 @@ class StepSchedule:
         T = self.tasks.num_tasks
         layout_of_task, ts_l = self.layout_of_task, self.tasks.task_stage_list
         post = self.collectives_after
+        task_finish, release, resource_free = self.task_finish, self.release, self.resource_free
+        collective_end, lane_free, arrival = self.collective_end, self.lane_free, self.arrival
+        start, finish, batch = self.start, self.finish, self.batch
         flows_into, flows_out_of = self.flows_into, self.flows_out_of
         receivers = sorted(flows_into)
         todo = sorted(set(flows_out_of) | set(post))      # tasks with transfers to issue or collectives to start
@@ -189,16 +192,59 @@ class StepSchedule:
                 self.task_finish[t] = float(self.finish[:, t].max())
             elif (e - t) * len(lay.insts) >= _VECTOR_MIN:
                 self._run_vectorised(t, e, lay, receiving)
-            else:
-                self._run_in_order(t, e, lay, receiving)
+            else:       # a short run: one lane after another (cheaper than numpy)
+                for k in range(t, e):
+                    incoming = flows_into.get(k) if receiving else None
+                    r0 = release[k]
+                    latest = 0.0
+                    for lane, durations, lane_batch, _ in lay.insts:
+                        r = r0
+                        if incoming is not None:
+                            for m in incoming:
+                                x = arrival[m].get(lane, 0.0)
+                                if x > r:
+                                    r = x
+                        s = lane_free[lane]
+                        if r > s:
+                            s = r
+                        f = s + durations[k]
+                        lane_free[lane] = f
+                        start[lane, k] = s
+                        finish[lane, k] = f
+                        batch[lane, k] = lane_batch
+                        if f > latest:
+                            latest = f
+                    task_finish[k] = latest
             # transfers out of the run and collectives it completes, in task order
             while pi < len(todo) and todo[pi] < e:
                 k = todo[pi]
                 pi += 1
                 if k in flows_out_of:
                     self._send(k)
-                if k in post:
-                    self._collectives(post[k], actions)
+                collectives = post.get(k)
+                if collectives is None:
+                    continue
+                # start the collectives once the tasks they wait for have finished; release their waiters
+                for g, res, dur, nbytes, deps, waiting in collectives:
+                    ready = 0.0
+                    for dt in deps:
+                        if task_finish[dt] > ready:
+                            ready = task_finish[dt]
+                    st = ready
+                    for r in res:
+                        if resource_free[r] > st:
+                            st = resource_free[r]
+                    end = st + dur
+                    for r in res:
+                        resource_free[r] = end
+                    self.comm_bytes += nbytes
+                    collective_end[g] = end
+                    for ut in waiting:
+                        if end > release[ut]:
+                            release[ut] = end
+                    if self.record is not None:
+                        self.record.collectives.append((res, st, end, nbytes, (
+                            "push " if actions[g].mode == "ps" else "all-reduce ") + self.group_names[g]))
             t = e
         return max(max(self.lane_free, default=0.0), max(self.resource_free, default=0.0),
                    max(self.collective_end, default=0.0))
@@ -243,47 +289,21 @@ class StepSchedule:
             lane_free[lane] = x_
         self.task_finish[t:e] = finish.max(axis=0).tolist()
 
-    def _run_in_order(self, t: int, e: int, lay: Layout, receiving: list[int]) -> None:
-        """Tasks T..E-1 of LAY one lane after another (short runs: cheaper than numpy)."""
-        lane_free, arrival, flows_into, release = self.lane_free, self.arrival, self.flows_into, self.release
-        start, finish, batch, task_finish = self.start, self.finish, self.batch, self.task_finish
-        for k in range(t, e):
-            incoming = flows_into.get(k) if receiving else None
-            r0 = release[k]
-            latest = 0.0
-            for lane, durations, lane_batch, _ in lay.insts:
-                r = r0
-                if incoming is not None:
-                    for m in incoming:
-                        x = arrival[m].get(lane, 0.0)
-                        if x > r:
-                            r = x
-                s = lane_free[lane]
-                if r > s:
-                    s = r
-                f = s + durations[k]
-                lane_free[lane] = f
-                start[lane, k] = s
-                finish[lane, k] = f
-                batch[lane, k] = lane_batch
-                if f > latest:
-                    latest = f
-            task_finish[k] = latest
-
     def _send(self, k: int) -> None:
         """Issue the transfers of every flow out of task K (it has run on all its lanes)."""
         lk = self.layout_of_task[k]
         fk = self.finish[:, k].tolist()
         rfree, rec, moves = self.resource_free, self.record, self.routing.moves
+        flows, arrival = self.flows, self.arrival
         for m in self.flows_out_of[k]:
-            dst_task, ld, per_example, fixed, b, wait_all = self.flows[m]
+            dst_task, ld, per_example, fixed, b, wait_all = flows[m]
             if wait_all:
                 # gradients to the PS travel in the push collective: only wait for every replica
-                self.arrival[m] = dict.fromkeys(ld.lanes, self.task_finish[k])
+                arrival[m] = dict.fromkeys(ld.lanes, self.task_finish[k])
                 continue
             if b >= 0:
                 fins = {lane: fk[lane] for lane in lk.lanes}
-                self.arrival[m] = self._split_bundle(b, lk, ld, fins)
+                arrival[m] = self._split_bundle(b, lk, ld, fins)
                 continue
             mk = ("c", lk.id, ld.id)
             cm = moves.get(mk)
@@ -344,27 +364,7 @@ class StepSchedule:
                     arrd[dl] = max(arrd[dl], end)
                     rec.transfers.append((res, st, end, nb, f"{names[tg_l[k]]} -> {names[tg_l[dst_task]]}"))
             self.comm_bytes += nbytes
-            self.arrival[m] = arrd
-
-    def _collectives(self, collectives: list[tuple], actions: list[Action]) -> None:
-        """Start COLLECTIVES once the tasks they wait for have finished; release the tasks waiting for them."""
-        task_finish, release = self.task_finish, self.release
-        for g, res, dur, nbytes, deps, waiting in collectives:
-            ready = 0.0
-            for dt in deps:
-                if task_finish[dt] > ready:
-                    ready = task_finish[dt]
-            st = earliest_start(self.resource_free, res, ready)
-            end = st + dur
-            occupy(self.resource_free, res, end)
-            self.comm_bytes += nbytes
-            self.collective_end[g] = end
-            for ut in waiting:
-                if end > release[ut]:
-                    release[ut] = end
-            if self.record is not None:
-                self.record.collectives.append((res, st, end, nbytes, ("push " if actions[g].mode == "ps"
-                                                                       else "all-reduce ") + self.group_names[g]))
+            arrival[m] = arrd
 
     # ------------------------------------------------------------------ partition sub-tasks (slow path)
     def _transfer(self, p: int, c: int, nbytes: float, ready: float, label: str) -> float:
