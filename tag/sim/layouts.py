@@ -24,6 +24,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from tag.cluster.topology import Topology
@@ -212,7 +214,8 @@ class LayoutCache:
 class PartitionPlans:
     """Per-task placement of partition op groups, from ``strategy.partition`` (cached by the groups' devices)."""
 
-    def __init__(self, graph: TrainingGraph, tasks: TaskGraph, partition_vars: list, devices_of):
+    def __init__(self, graph: TrainingGraph, tasks: TaskGraph, partition_vars: list,
+                 devices_of: Callable[[tuple[int, ...]], list[int]]):
         self.graph, self.tasks = graph, tasks
         self._partition_vars = partition_vars        # group -> (variable ops, bytes each holds)
         self._devices_of = devices_of

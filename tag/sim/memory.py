@@ -24,6 +24,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from tag.cost.model import CostModel
@@ -147,7 +149,7 @@ class MemoryModel:
                                for pv in partition_vars]
 
     def static_memory(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict],
-                      devices_of, num_devices: int) -> np.ndarray:
+                      devices_of: Callable[[tuple[int, ...]], list[int]], num_devices: int) -> np.ndarray:
         """Bytes of parameters, gradients, optimizer slots and state per device under ACTIONS (DISTINCT: the
         distinct actions by id; PLANS: partition plans per group; DEVICES_OF(placement) -> devices)."""
         static = np.zeros(num_devices)

@@ -18,7 +18,9 @@ Example::
     topo = tag.load_topology("topologies/h100-2x8-infiniband.pbtxt")
     routing = Routing(topo, CostModel(tg, topo), TaskGraph(tg, group_ops(tg, target_groups=8)))
     routing.route(0, 9)                          # ((NIC of host 0, NIC of host 1), latency, s/byte)
-    routing.collective("allreduce", (0, 1), None)
+    placement = tuple(range(len(topo.groups)))
+    devices = [d for g in placement for d in topo.groups[g].devices]
+    routing.collective("allreduce", devices, placement, None)   # (ring a, b, hierarchical a, b, resources, x)
 """
 from __future__ import annotations
 

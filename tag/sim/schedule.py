@@ -320,6 +320,8 @@ class StepSchedule:
                 arrd[dl] = x
             nbytes = 0.0
             if rec is None:
+                # the search's hot loop: routes through one resource (a host bus) and through two (both
+                # hosts' NICs) written out separately, as the recorded branch below does in general
                 for (sl, dl, r1, lat, ipb, ex, cnt) in routes1:
                     nb = per_example * ex + fixed * cnt
                     if nb <= 0:
@@ -377,7 +379,7 @@ class StepSchedule:
             self.record.transfers.append((res, st, end, nbytes, label))
         return end
 
-    def _run_split(self, t: int, lay: Layout, incoming) -> None:
+    def _run_split(self, t: int, lay: Layout, incoming: list[int] | tuple) -> None:
         """Run the per-device sub-tasks of split partition task T in order, with transfers between them."""
         parts = self.split_parts[t]
         order = {d: k for k, (d, _) in enumerate(parts)}

@@ -44,6 +44,12 @@ Everything that depends only on the graph, grouping and topology is precomputed 
 ``evaluate`` does no per-op work except for partition groups (one vectorised lookup of their ops'
 devices) and caches what depends on placements and batch shares across calls. Deterministic.
 
+Where each part lives: the tasks and the bundles between them in ``tag.sim.task_graph``; lanes, layouts
+and partition plans in ``tag.sim.layouts``; routes and collective coefficients in ``tag.sim.routing``;
+the list schedule in ``tag.sim.schedule``; static and activation memory in ``tag.sim.memory``; the
+result and its schedule statistics in ``tag.sim.result``; the Chrome trace in ``tag.sim.trace``. This
+module is the API (``Simulator``, ``SimResult``) and wires them together.
+
 Example::
 
     import json, tag
