@@ -123,7 +123,10 @@ class StepSchedule:
                         weight_bytes: list[float]) -> None:
         """ps groups pull their variables now (the forward tasks wait); gradients are all-reduced or pushed
         once the tasks producing them have run (``collectives_after``; the update tasks wait)."""
-        tasks, routing, rfree = self.tasks, self.routing, self.resource_free
+        routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
+        forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
+        update_tasks, post = self.tasks.update_tasks, self.collectives_after
+        comm = self.comm_bytes
         coll_of: dict[int, tuple] = {}       # action id -> collective coefficients (() if none)
         for g, a in enumerate(actions):
             W = weight_bytes[g]
@@ -142,30 +145,34 @@ class StepSchedule:
             if not c or c[5] <= 0:
                 continue
             if a.mode == "ps":
-                st = earliest_start(rfree, c[4], 0.0)
+                st = 0.0
+                for r in c[4]:
+                    if rfree[r] > st:
+                        st = rfree[r]
                 end = st + c[0] + c[1] * W
-                occupy(rfree, c[4], end)
-                self.comm_bytes += c[5] * W
-                for t in tasks.forward_tasks[g]:
-                    if end > self.release[t]:
-                        self.release[t] = end
-                if self.record is not None:
-                    self.record.collectives.append((c[4], st, end, W * c[5], f"pull {self.group_names[g]}"))
+                for r in c[4]:
+                    rfree[r] = end
+                comm += c[5] * W
+                for t in forward_tasks[g]:
+                    if end > release[t]:
+                        release[t] = end
+                if record is not None:
+                    record.collectives.append((c[4], st, end, W * c[5], f"pull {self.group_names[g]}"))
                 dur = c[0] + c[1] * W
             else:
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
-            self.collectives_after.setdefault(tasks.coll_after[g], []).append(
-                (g, c[4], dur, c[5] * W, tasks.coll_deps[g], tasks.update_tasks[g]))
+            post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], update_tasks[g]))
+        self.comm_bytes = comm
 
     # ------------------------------------------------------------------ the list schedule
     def run(self, actions: list[Action]) -> float:
         """Schedule every task, transfer and collective; returns the step time (the last thing to end)."""
         T = self.tasks.num_tasks
-        layout_of_task, ts_l = self.layout_of_task, self.tasks.task_stage_list
+        layout_of_task, ts_l, update = self.layout_of_task, self.tasks.task_stage_list, UPDATE_STAGE
         post = self.collectives_after
         task_finish, release, resource_free = self.task_finish, self.release, self.resource_free
         collective_end, lane_free, arrival = self.collective_end, self.lane_free, self.arrival
-        start, finish, batch = self.start, self.finish, self.batch
+        start, finish, batch, record = self.start, self.finish, self.batch, self.record
         flows_into, flows_out_of = self.flows_into, self.flows_out_of
         receivers = sorted(flows_into)
         todo = sorted(set(flows_out_of) | set(post))      # tasks with transfers to issue or collectives to start
@@ -179,9 +186,8 @@ class StepSchedule:
             # that start a collective.
             e = t + 1
             if lay.kind != "split":
-                while e < T and layout_of_task[e] is lay \
-                        and not (ts_l[e] == UPDATE_STAGE and ts_l[e - 1] < UPDATE_STAGE) \
-                        and not (ts_l[e - 1] == UPDATE_STAGE and (e - 1) in post):
+                while e < T and layout_of_task[e] is lay and not (ts_l[e] == update and ts_l[e - 1] < update) \
+                        and not (ts_l[e - 1] == update and (e - 1) in post):
                     e += 1
             receiving = []       # tasks of the run with flows into them
             while xi < len(receivers) and receivers[xi] < e:
@@ -242,8 +248,8 @@ class StepSchedule:
                     for ut in waiting:
                         if end > release[ut]:
                             release[ut] = end
-                    if self.record is not None:
-                        self.record.collectives.append((res, st, end, nbytes, (
+                    if record is not None:
+                        record.collectives.append((res, st, end, nbytes, (
                             "push " if actions[g].mode == "ps" else "all-reduce ") + self.group_names[g]))
             t = e
         return max(max(self.lane_free, default=0.0), max(self.resource_free, default=0.0),

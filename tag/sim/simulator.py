@@ -200,11 +200,12 @@ class Simulator:
         layout_of_task = [group_layouts[g] for g in tasks.task_group_list]
         split_parts: dict[int, list] = {}
         if ps_layout or plans:
+            stage, update = tasks.task_stage_list, UPDATE_STAGE
             for g, a in enumerate(actions):
                 if a.mode == "ps":
                     pl = ps_layout[id(a)]
                     for t in tasks.tasks_of_group[g]:
-                        if tasks.task_stage_list[t] == UPDATE_STAGE:
+                        if stage[t] == update:
                             layout_of_task[t] = pl
                 elif a.mode == "partition":
                     plan = plans[g]
