@@ -372,9 +372,7 @@ class CostModel:
         if n <= 1:
             return (0.0, 0.0), (0.0, 0.0)
         bw, lat, _ = self._ring_coeffs(devices)
-        hosts: dict[int, list[int]] = {}
-        for d in devices:
-            hosts.setdefault(int(self._dev_host[d]), []).append(d)
+        hosts = self.topology.devices_by_host(devices)     # host index -> the devices on it
         # TF's collective runtime between hosts costs more than plain transfers (network calibration)
         step_x, byte_x = self.profile.network.collective_extra() if (
             self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
@@ -451,9 +449,7 @@ class CostModel:
             return (0.0, 0.0), (0.0, 0.0)
         bw, lat, _ = self._ring_coeffs(devices)
         ring = ((n - 1) * lat, (n - 1) / bw)
-        hosts: dict[int, list[int]] = {}
-        for d in devices:
-            hosts.setdefault(int(self._dev_host[d]), []).append(d)
+        hosts = self.topology.devices_by_host(devices)     # host index -> the devices on it
         if len(hosts) == 1 or len(hosts) == n:
             return ring, ring
         intra_fixed = intra_pb = 0.0

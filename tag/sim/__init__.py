@@ -1,5 +1,8 @@
 """Step simulator: predicts one training step of a Strategy on a Topology (time, memory, trace).
 
+The model is specified in ``tag.sim.simulator`` (the API); the other modules are its parts: task_graph,
+layouts, routing, schedule, memory, result, trace.
+
 Example::
 
     from tag.sim import Simulator

@@ -83,8 +83,6 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     n = len(graph.ops)
     if n == 0:
         return Grouping(np.zeros(0, dtype=np.int64), [])
-    ops = graph.ops
-    index = graph.op_index
     order = topological_order(graph)
     stage = op_stages(graph, order)
     src, dst = dependency_arrays(graph)
@@ -96,12 +94,35 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     pos = np.empty(n, dtype=np.int64)
     pos[order] = np.arange(n)
 
-    # 1-2: keys by scope; backward ops join their forward op
-    pairs: list[tuple[int, int]] = []      # unions that always hold
+    pairs, key_ops, label, unresolved = _scope_keys(graph)                     # rules 1-2
+    soft_sets = _variable_pairs(graph, pairs)                                  # rule 3
+    _contiguous_scopes(n, pairs, key_ops, soft_sets, succ, pos, stage)
+    cyc = _Cycles(graph, stage)
+    uf = UnionFind(n)
+    for x, y in pairs:
+        uf.union(x, y)
+    for i in _attach_unresolved(uf, unresolved, succ, pred, pos):
+        label[i] = graph.ops[i].name
+    roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)
+    roots = _make_acyclic(cyc, roots, uf)                                      # rule 4
+    roots = _apply_colocation(cyc, roots, uf, soft_sets)
+    cost = nominal_op_cost(graph)
+    levels = op_levels(graph, order)
+    roots = _attach_idle_sets(cyc, roots, uf, succ, pred, stage, levels, cost)
+    # 5: merge adjacent cheapest groups until at most target_groups remain
+    roots = _merge_to_target(cyc, roots, stage, levels, cost, target_groups, uf)
+    return _number_and_name(graph, roots, stage, levels, cost, label)
+
+
+def _scope_keys(graph: TrainingGraph) -> tuple[list[tuple[int, int]], dict[str, list[int]], list[str], list[int]]:
+    """Rules 1-2: (unions that always hold (a backward op with its forward op), grouping key -> its ops,
+    readable scope name per op (for group names), backward ops with no forward op)."""
+    index = graph.op_index
+    pairs: list[tuple[int, int]] = []
     key_ops: dict[str, list[int]] = {}
-    label = [""] * n            # readable scope name per op (for group names)
+    label = [""] * len(graph.ops)
     unresolved = []
-    for i, op in enumerate(ops):
+    for i, op in enumerate(graph.ops):
         fwd, is_grad = _forward_op_of_gradient(op.name)
         if is_grad:
             if fwd is None:
@@ -117,10 +138,16 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
             key = _key(op.name)
             label[i] = _scope(op.name)
         key_ops.setdefault(key, []).append(i)
-    # 3: a trainable variable, its reads, its optimizer op and its slots are one group (hard), and so is
-    # the op producing its gradient. TrainingGraph.colocation sets are kept unless they close a cycle of
-    # groups: TF also colocates gradient plumbing (an AddN with the first gradient it sums) and Adam's
-    # beta powers with the first variable -- read by every update op and updated after all of them.
+    return pairs, key_ops, label, unresolved
+
+
+def _variable_pairs(graph: TrainingGraph, pairs: list[tuple[int, int]]) -> list[list[int]]:
+    """Rule 3: add to PAIRS the unions of each trainable variable with its reads, optimizer op, slots and the
+    op producing its gradient (hard); return the ``TrainingGraph.colocation`` sets (sorted op indices,
+    soft: kept unless they close a cycle of groups -- TF also colocates gradient plumbing (an AddN with the
+    first gradient it sums) and Adam's beta powers with the first variable, read by every update op and
+    updated after all of them)."""
+    index = graph.op_index
     for v in graph.variables:
         if v.kind != "trainable":
             continue
@@ -138,21 +165,24 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
         idx = sorted({index[nm] for nm in names if nm in index})
         if len(idx) > 1:
             soft_sets.append(idx)
+    return soft_sets
 
-    # a scope is one group only if that keeps each stage of it contiguous in the dataflow (no path
-    # leaves it and comes back): a transformer layer's scope holding the residual adds around its
-    # sub-layers is not. Such a scope splits into its directly connected parts, and parts that are
-    # still not contiguous into single ops.
+
+def _contiguous_scopes(n: int, pairs: list[tuple[int, int]], key_ops: dict[str, list[int]],
+                       soft_sets: list[list[int]], succ: list[list[int]], pos: np.ndarray, stage: np.ndarray) -> None:
+    """Add to PAIRS the unions of each scope's ops, where that keeps each stage of it contiguous in the
+    dataflow (no path leaves it and comes back): a transformer layer's scope holding the residual adds
+    around its sub-layers is not. Such a scope splits into its directly connected parts, and parts that
+    are still not contiguous into single ops."""
     hard = UnionFind(n)
     for x, y in pairs:
         hard.union(x, y)
     hard_root = [hard.find(i) for i in range(n)]
-    hard_members: dict[int, list[int]] = {}
+    hard_members: dict[int, list[int]] = {}      # hard set root -> its ops
     for i, r in enumerate(hard_root):
         hard_members.setdefault(r, []).append(i)
     pos_l, stage_l = pos.tolist(), stage.tolist()
-
-    coloc_of: dict[int, list[int]] = {}
+    coloc_of: dict[int, list[int]] = {}          # op -> the ops of its (small) colocation sets
     for idx in soft_sets:
         if len(idx) <= 64:      # a variable's own reads and updates, not a hub like Adam's beta powers
             for i in idx:
@@ -173,11 +203,11 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
             if len(comp) > 1 and contiguous(comp):
                 pairs.extend((comp[0], j) for j in comp[1:])
 
-    cyc = _Cycles(graph, stage)
-    uf = UnionFind(n)
-    for x, y in pairs:
-        uf.union(x, y)
-    # backward ops without a forward op: join the first consumer, else the first producer, else stay alone
+
+def _attach_unresolved(uf: UnionFind, unresolved: list[int], succ: list[list[int]], pred: list[list[int]],
+                       pos: np.ndarray) -> set[int]:
+    """Backward ops without a forward op join their first consumer, else their first producer; returns
+    those that stay alone."""
     pending = set(unresolved)
     for sweep in ("consumers", "producers"):
         seq = sorted(pending, key=lambda i: -pos[i] if sweep == "consumers" else pos[i])
@@ -187,13 +217,14 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
                     uf.union(i, j)
                     pending.discard(i)
                     break
-    for i in pending:
-        label[i] = ops[i].name
-    roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)
-    roots = _make_acyclic(cyc, roots, uf)
+    return pending
 
-    # colocation sets: all at once if that stays acyclic, else the harmless ones at once and the rest
-    # one by one, each only if it keeps the group graph acyclic
+
+def _apply_colocation(cyc: "_Cycles", roots: np.ndarray, uf: UnionFind, soft_sets: list[list[int]]) -> np.ndarray:
+    """Colocation sets: all at once if that stays acyclic, else the harmless ones at once and the rest one
+    by one, each only if it keeps the group graph acyclic. Returns the new set id per op."""
+    n = len(roots)
+
     def with_sets(r: np.ndarray, sets: list[list[int]]) -> tuple[np.ndarray, list[tuple[int, int]]]:
         u = UnionFind(n)
         links = []
@@ -217,53 +248,57 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     trial, links = with_sets(roots, soft_sets)
     sccs = cyc.sccs(trial) if links else []
     if not sccs:
+        return accept(links)
+    bad = set(np.concatenate(sccs).tolist())
+    suspicious = [idx for idx in soft_sets if bad.intersection(trial[idx].tolist())]
+    harmless = [idx for idx in soft_sets if not bad.intersection(trial[idx].tolist())]
+    trial, links = with_sets(roots, harmless)
+    if links and not cyc.sccs(trial):
         roots = accept(links)
     else:
-        bad = set(np.concatenate(sccs).tolist())
-        suspicious = [idx for idx in soft_sets if bad.intersection(trial[idx].tolist())]
-        harmless = [idx for idx in soft_sets if not bad.intersection(trial[idx].tolist())]
-        trial, links = with_sets(roots, harmless)
+        suspicious = soft_sets
+    for idx in sorted(suspicious, key=lambda x: (len(x), x[0])):
+        trial, links = with_sets(roots, [idx])
         if links and not cyc.sccs(trial):
             roots = accept(links)
-        else:
-            suspicious = soft_sets
-        for idx in sorted(suspicious, key=lambda x: (len(x), x[0])):
-            trial, links = with_sets(roots, [idx])
-            if links and not cyc.sccs(trial):
-                roots = accept(links)
+    return roots
 
-    # sets that do no work (plumbing: shapes, reads of shared state, control ops) join the set of their
-    # first consumer, else of their first producer, where that keeps the group graph acyclic
-    cost = nominal_op_cost(graph)
-    levels = op_levels(graph, order)
+
+def _attach_idle_sets(cyc: "_Cycles", roots: np.ndarray, uf: UnionFind, succ: list[list[int]],
+                      pred: list[list[int]], stage: np.ndarray, levels: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Sets that do no work (plumbing: shapes, reads of shared state, control ops) join the set of their
+    first consumer, else of their first producer, where that keeps the group graph acyclic."""
     set_ids, inv = np.unique(roots, return_inverse=True)
     set_cost = np.bincount(inv, weights=cost, minlength=len(set_ids))
     idle = [int(r) for r, c in zip(set_ids.tolist(), set_cost.tolist()) if c == 0]
-    if 1 < len(set_ids):
-        members_of: dict[int, list[int]] = {}
-        for i, r in enumerate(roots.tolist()):
-            members_of.setdefault(r, []).append(i)
-        for r in sorted(idle, key=lambda x: _position_key(np.asarray(members_of[x]), stage, levels, cost)):
-            cur = uf.find(r)
-            inside = set(members_of[r])
-            cands = []
-            for nbrs in ([j for i in sorted(inside) for j in sorted(succ[i])],
-                         [j for i in sorted(inside) for j in sorted(pred[i])]):
-                for j in nbrs:
-                    t = int(roots[j])
-                    if j not in inside and t != cur and t not in cands:
-                        cands.append(t)
-            for t in cands[:3]:
-                trial = np.where(roots == cur, t, roots)
-                if not cyc.sccs(trial):
-                    uf.union(cur, t)
-                    roots = _relabel(roots, uf)
-                    break
+    if len(set_ids) <= 1:
+        return roots
+    members_of: dict[int, list[int]] = {}      # set id -> its ops
+    for i, r in enumerate(roots.tolist()):
+        members_of.setdefault(r, []).append(i)
+    for r in sorted(idle, key=lambda x: _position_key(np.asarray(members_of[x]), stage, levels, cost)):
+        cur = uf.find(r)
+        inside = set(members_of[r])
+        cands = []
+        for nbrs in ([j for i in sorted(inside) for j in sorted(succ[i])],
+                     [j for i in sorted(inside) for j in sorted(pred[i])]):
+            for j in nbrs:
+                t = int(roots[j])
+                if j not in inside and t != cur and t not in cands:
+                    cands.append(t)
+        for t in cands[:3]:
+            trial = np.where(roots == cur, t, roots)
+            if not cyc.sccs(trial):
+                uf.union(cur, t)
+                roots = _relabel(roots, uf)
+                break
+    return roots
 
-    # 5: merge adjacent cheapest groups until at most target_groups remain
-    roots = _merge_to_target(cyc, roots, stage, levels, cost, target_groups, uf)
 
-    # number groups in topological order of their first op; name each after its costliest scope
+def _number_and_name(graph: TrainingGraph, roots: np.ndarray, stage: np.ndarray, levels: np.ndarray,
+                     cost: np.ndarray, label: list[str]) -> Grouping:
+    """Number the groups in topological order of their first op; name each after its costliest scope."""
+    ops = graph.ops
     set_ids = np.unique(roots)
     key_of = {int(r): _position_key(np.flatnonzero(roots == r), stage, levels, cost) for r in set_ids}
     ordered = sorted(set_ids.tolist(), key=lambda r: key_of[r])

@@ -1,0 +1,204 @@
+"""Routes of data between layouts, and the resources and coefficients of collectives (cached).
+
+The simulator's communication resources are numbered: ``0..H-1`` are the hosts' interconnects (bus),
+``H..2H-1`` their network interfaces (NIC). A transfer between two devices of one host holds that host's
+bus; across hosts it holds both hosts' NICs. Tensors crossing layouts move as the strategy semantics say
+(batch-axis tensors: the examples that change device; others: the whole tensor from one producer
+device, the best-connected one). ``Routing`` works out, once per pair of layouts, which lanes wait for
+which and which routes carry how many examples and whole copies; the schedule only multiplies by bytes.
+
+Example::
+
+    import tag
+    from tag.cost.model import CostModel
+    from tag.strategy.grouping import group_ops
+    from tag.sim.routing import Routing
+    from tag.sim.task_graph import TaskGraph
+    tg = tag.analyze(tag.zoo.training_graph("mlp", batch_size=32))
+    topo = tag.load_topology("topologies/h100-2x8-infiniband.pbtxt")
+    routing = Routing(topo, CostModel(tg, topo), TaskGraph(tg, group_ops(tg, target_groups=8)))
+    routing.route(0, 9)                          # ((NIC of host 0, NIC of host 1), latency, s/byte)
+    placement = tuple(range(len(topo.groups)))
+    devices = [d for g in placement for d in topo.groups[g].devices]
+    routing.collective("allreduce", devices, placement, None)   # (ring a, b, hierarchical a, b, resources, x)
+"""
+from __future__ import annotations
+
+from tag.cluster.topology import Topology
+from tag.cost.model import CostModel
+from tag.sim.layouts import Layout
+from tag.sim.task_graph import TaskGraph
+
+
+class Routing:
+    """Routes, movements between layouts and collective coefficients for one topology and task graph."""
+
+    def __init__(self, topology: Topology, cost: CostModel, tasks: TaskGraph):
+        self.topology, self.cost, self.tasks = topology, cost, tasks
+        self.num_hosts = len(topology.hosts)
+        self._device_host = [d.host_index for d in topology.devices]
+        self._bandwidth = cost.topology.bandwidth      # with the profile's network calibration, if any
+        self._latency = cost.topology.latency
+        self.resource_names = [f"{h.name} interconnect" for h in topology.hosts] + \
+                              [f"{h.name} network" for h in topology.hosts]
+        # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
+        self.moves: dict[tuple, tuple] = {}
+        self._collectives: dict[tuple, tuple] = {}
+
+    def route(self, p: int, c: int) -> tuple[tuple[int, ...], float, float]:
+        """(resources, latency, seconds per byte) of a transfer from device P to device C."""
+        hp, hc = self._device_host[p], self._device_host[c]
+        res = (hp,) if hp == hc else (self.num_hosts + hp, self.num_hosts + hc)
+        return res, float(self._latency[p, c]), 1.0 / float(self._bandwidth[p, c])
+
+    def best_source(self, sources: list[int], c: int) -> int:
+        """The device of SOURCES with the fastest link to C (ties: the lowest index)."""
+        return max(sources, key=lambda p: (float(self._bandwidth[p, c]), -p))
+
+    def movement(self, ls: Layout, ld: Layout) -> tuple:
+        """(deps, routes) for a tensor bundle from layout LS to layout LD (cached):
+        deps = [(dst lane, (src lanes...))]; routes = [(src lane, dst lane, resources, latency,
+        seconds per byte, examples moved, whole copies moved)]."""
+        k = (ls.id, ld.id)
+        mv = self.moves.get(k)
+        if mv is not None:
+            return mv
+        deps: dict[int, set] = {}
+        # (src lane, dst lane, resources) -> [examples, whole copies, latency, seconds per byte]
+        routes: dict[tuple, list] = {}
+        src_dev = {h[0]: h for h in ls.holdings}
+        src_list = [h[0] for h in ls.holdings]
+        for (c, clo, chi, cl) in ld.holdings:
+            dset = deps.setdefault(cl, set())
+            for (p, plo, phi, pl) in ls.holdings:
+                ov = min(chi, phi) - max(clo, plo)
+                if ov <= 0:
+                    continue
+                dset.add(pl)
+                if p != c:
+                    res, lat, ipb = self.route(p, c)
+                    r = routes.setdefault((pl, cl, res), [0.0, 0.0, 0.0, 0.0])
+                    r[0] += ov
+                    r[2] = max(r[2], lat)
+                    r[3] = max(r[3], ipb)
+            if c in src_dev:
+                dset.add(src_dev[c][3])
+            else:
+                p = self.best_source(src_list, c)
+                pl = src_dev[p][3]
+                dset.add(pl)
+                res, lat, ipb = self.route(p, c)
+                r = routes.setdefault((pl, cl, res), [0.0, 0.0, 0.0, 0.0])
+                r[1] += 1
+                r[2] = max(r[2], lat)
+                r[3] = max(r[3], ipb)
+        mv = ([(dl, tuple(sorted(s))) for dl, s in sorted(deps.items())],
+              [(k_[0], k_[1], k_[2], v[2], v[3], v[0], v[1]) for k_, v in sorted(routes.items())])
+        self.moves[k] = mv
+        return mv
+
+    def compiled_moves(self, key: tuple, ls: Layout, ld: Layout) -> tuple:
+        """``movement`` from LS to LD with its routes split by how many resources they hold:
+        (deps, [(sl, dl, r, lat, s/byte, examples, copies)], [(sl, dl, r1, r2, ...)], all routes in
+        that order) (cached under KEY)."""
+        deps, routes = self.movement(ls, ld)
+        r1 = [(sl, dl, res[0], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes if len(res) == 1]
+        r2 = [(sl, dl, res[0], res[1], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes
+              if len(res) == 2]
+        full = [r for r in routes if len(r[2]) == 1] + [r for r in routes if len(r[2]) == 2]
+        cm = (deps, r1, r2, full)
+        self.moves[key] = cm
+        return cm
+
+    def _holders(self, lay: Layout, op: int, plans: dict) -> list:
+        """Holdings of LAY that hold OP's outputs (a split task: only the device running OP)."""
+        if lay.kind == "split":
+            d = plans[self.tasks.task_group_list[self.tasks.task_of_op[op]]]["dev_of"][op]
+            return [h for h in lay.holdings if h[0] == d]
+        return lay.holdings
+
+    def split_moves(self, b: int, ls: Layout, ld: Layout, plans: dict) -> tuple:
+        """(deps, transfers) of bundle B between layouts LS and LD when either is a split partition task:
+        deps = [(dst lane, src lanes)], transfers = [(src device, src lane, dst device, dst lane, bytes)]."""
+        key = (b, ls.id, ld.id)
+        mv = self.moves.get(key)
+        if mv is not None:
+            return mv
+        deps: dict[int, set] = {h[3]: set() for h in ld.holdings}
+        moved: dict[tuple, float] = {}       # (src device, src lane, dst device, dst lane) -> bytes
+        sent: set = set()                    # (tensor, src, dst, "P") / (tensor, dst, "F") already moved
+        for (so, do, per_example, fixed, name) in self.tasks.bundle_edges[b] or [(None, None, 0.0, 0.0, None)]:
+            src_h = ls.holdings if so is None else self._holders(ls, so, plans)
+            dst_h = ld.holdings if do is None else self._holders(ld, do, plans)
+            src_lane = {h[0]: h[3] for h in src_h}
+            for (c, clo, chi, cl) in dst_h:
+                for (p, plo, phi, pl) in src_h:
+                    ov = min(chi, phi) - max(clo, plo)
+                    if ov <= 0:
+                        continue
+                    deps[cl].add(pl)
+                    if p != c and per_example > 0 and (name, p, c, "P") not in sent:
+                        sent.add((name, p, c, "P"))
+                        moved[(p, pl, c, cl)] = moved.get((p, pl, c, cl), 0.0) + per_example * ov
+                if c in src_lane:
+                    deps[cl].add(src_lane[c])
+                elif src_lane:
+                    p = self.best_source(list(src_lane), c)
+                    deps[cl].add(src_lane[p])
+                    if fixed > 0 and (name, c, "F") not in sent:
+                        sent.add((name, c, "F"))
+                        moved[(p, src_lane[p], c, cl)] = moved.get((p, src_lane[p], c, cl), 0.0) + fixed
+        mv = ([(dl, tuple(sorted(x))) for dl, x in sorted(deps.items())],
+              [(k[0], k[1], k[2], k[3], v) for k, v in sorted(moved.items()) if v > 0])
+        self.moves[key] = mv
+        return mv
+
+    def split_internal_moves(self, t: int, parts: list, lay: Layout) -> dict[tuple[int, int], float]:
+        """{(src device, dst device): bytes} moved between the sub-tasks of split partition task T (cached)."""
+        key = ("split-internal", lay.id)
+        moved = self.moves.get(key)
+        if moved is None:
+            dev_of_op = {}
+            for d, ops in parts:
+                for i in ops.tolist():
+                    dev_of_op[i] = d
+            batch = lay.insts[0][2]
+            moved = {}
+            seen = set()
+            for (so, do, per_example, fixed, name) in self.tasks.internal_edges[t]:
+                ds, dd = dev_of_op[so], dev_of_op[do]
+                if ds == dd or (name, dd) in seen:
+                    continue
+                seen.add((name, dd))
+                moved[(ds, dd)] = moved.get((ds, dd), 0.0) + per_example * batch + fixed
+            self.moves[key] = moved
+        return moved
+
+    def collective(self, kind: str, devices: list[int], placement: tuple[int, ...], ps_device: int | None) -> tuple:
+        """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier) of a collective of
+        KIND ("allreduce" or "ps") over DEVICES (those of PLACEMENT), cached by placement."""
+        k = (kind, placement, ps_device)
+        c = self._collectives.get(k)
+        if c is not None:
+            return c
+        H = self.num_hosts
+        if kind == "allreduce":
+            by_host = self.topology.devices_by_host(devices)
+            (a1, b1), (a2, b2) = self.cost.allreduce_coeffs(devices)
+            res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
+                               ([H + h for h in by_host] if len(by_host) > 1 else [])))
+            c = (a1, b1, a2, b2, res, 2.0 * (len(devices) - 1))
+        else:
+            workers = [d for d in devices if d != ps_device]
+            a, b = self.cost.ps_coeffs(devices, ps_device)
+            ph = self._device_host[ps_device]
+            rs = set()
+            for w in workers:
+                wh = self._device_host[w]
+                if wh == ph:
+                    rs.add(ph)
+                else:
+                    rs.update((H + ph, H + wh))
+            c = (a, b, a, b, tuple(sorted(rs)), float(len(workers)))
+        self._collectives[k] = c
+        return c
