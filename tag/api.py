@@ -200,8 +200,10 @@ class Analysis:
 
     def builtin(self, name: str) -> "Strategy":
         """The built-in strategy NAME for this graph and topology."""
+        from tag.cost.speeds import device_speeds
         from tag.strategy.baselines import builtin_strategy
-        return builtin_strategy(name, self.graph, self.topology, self.grouping, self.cost_model)
+        return builtin_strategy(name, self.graph, self.topology, self.grouping, self.cost_model,
+                                device_speeds(self.cost_model, self.batch))
 
     def rewrite(self, strategy: "Strategy") -> "RewriteResult":
         """The graph rewritten for STRATEGY (entry points as found or given)."""

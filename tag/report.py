@@ -82,10 +82,12 @@ def predict(topology: "Topology", graph: "TrainingGraph", grouping: "Grouping", 
             batch: int) -> dict[str, Any]:
     """Simulate every built-in strategy; returns {"strategies": {name: Strategy}, "results": {name: SimResult},
     "simulator": Simulator}."""
+    from tag.cost.speeds import device_speeds
     sim = Simulator(graph, topology, grouping, cost_model)
+    speeds = device_speeds(cost_model, batch)
     strategies, results = {}, {}
     for name in BUILTIN_STRATEGIES:
-        s = builtin_strategy(name, graph, topology, grouping, cost_model)
+        s = builtin_strategy(name, graph, topology, grouping, cost_model, speeds)
         strategies[name] = s
         results[name] = sim.evaluate(s, batch_size=batch)
     return {"strategies": strategies, "results": results, "simulator": sim}

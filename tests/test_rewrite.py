@@ -775,3 +775,13 @@ def test_runtime_worker_processes():
             for v, r in zip(weights, ref[-1][1]):
                 for c in res.variables[v]:
                     assert np.max(np.abs(run.values[c] - r)) <= RTOL * np.max(np.abs(r)), (name, c)
+
+
+def test_batch_shares_follow_the_strategys_device_speeds():
+    """With calibrated device speeds in the strategy, the replicas' slices follow them, not peak FLOP/s."""
+    gd, ir = mlp()
+    strategy = Strategy(one_group(ir), [Action((0, 1), "allreduce")], device_speeds=(1.0, 3.0))
+    res = rewrite(gd, ir, strategy, UNEVEN)
+    assert res.replicas == {0: [(0, 0, 2), (1, 2, 8)]}
+    with pytest.raises(StrategyError, match="device speeds"):
+        rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1), "allreduce")], device_speeds=(1.0,)), UNEVEN)

@@ -196,6 +196,13 @@ def test_uneven_shares_balance_unequal_devices():
     # shares 4 : 12 for speeds 1 : 3, so both devices compute for 2 x 4e9 / 1e12 = 8 ms
     assert r.compute_time == pytest.approx([8e-3, 8e-3])
     assert r.step_time == pytest.approx(8e-3)
+    # calibrated speeds in the strategy win over peak FLOP/s: equal speeds give 8 : 8 shares
+    even = dataclasses.replace(_all(gr, Action((0, 1), "allreduce")), device_speeds=(1.0, 1.0))
+    r = sim.evaluate(even)
+    assert r.compute_time == pytest.approx([16e-3, 16e-3 / 3])
+    assert sim.evaluate(_all(gr, Action((0, 1), "allreduce"))).step_time == pytest.approx(8e-3)   # back again
+    with pytest.raises(StrategyError, match="device speeds"):
+        sim.evaluate(dataclasses.replace(even, device_speeds=(1.0,)))
 
 
 def test_deterministic_and_trace_structure():

@@ -22,7 +22,8 @@ placements, capped at ``max_actions``.
 
 Example::
 
-    from tag.search.candidates import candidate_actions, device_speeds
+    from tag.cost.speeds import device_speeds
+    from tag.search.candidates import candidate_actions
     speeds = device_speeds(cost_model, batch=64)            # examples/s per device for this graph
     candidates = candidate_actions(topology, speeds)         # [Candidate(action, partition_devices), ...]
 """
@@ -37,7 +38,6 @@ from tag.strategy.types import Action
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
-    from tag.cost.model import CostModel
 
 DEFAULT_MAX_ACTIONS = 48
 
@@ -59,21 +59,6 @@ class Candidate:
         if a.mode == "ps":
             return f"ps on {where} (server {topology.devices[a.ps_device].name})"
         return f"{a.mode} on {where}"
-
-
-def device_speeds(cost_model: "CostModel", batch: int) -> np.ndarray:
-    """Examples per second of each device for this graph (cost-model step compute at a per-device share).
-
-    The share is the global batch over the number of devices (at least 1 example), so launch overheads
-    weigh as they will in a replicated step.
-    """
-    topology = cost_model.topology
-    per_device_batch = max(1.0, float(batch) / max(1, topology.num_devices))
-    per_group = {}
-    for g in topology.groups:
-        t = cost_model.compute_time(g.index, per_device_batch)
-        per_group[g.index] = per_device_batch / t if t > 0 else float(g.peak_flops)
-    return np.array([per_group[d.group] for d in topology.devices], dtype=np.float64)
 
 
 def _geometric_sizes(n: int) -> list[int]:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tag.cost.model import CostModel
-from tag.search.candidates import DEFAULT_MAX_ACTIONS, Candidate, candidate_actions, device_speeds
+from tag.cost.speeds import device_speeds
+from tag.search.candidates import DEFAULT_MAX_ACTIONS, Candidate, candidate_actions
 from tag.sim.simulator import SimResult, Simulator
 from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
 from tag.strategy.partition import GroupPartitioner
@@ -64,6 +65,7 @@ class SearchEnv:
                                                                             self.cost_model)
         self.num_groups = grouping.num_groups
         self.speeds = device_speeds(self.cost_model, self.batch_size)   # examples/s per device
+        self.device_speeds: tuple[float, ...] = tuple(float(x) for x in self.speeds)   # what batch shares follow
         self.candidates: list[Candidate] = candidate_actions(topology, self.speeds, max_actions)
         self.group_ops: list[np.ndarray] = [grouping.members(g) for g in range(self.num_groups)]
         self.allowed: list[list[int]] = [self._allowed_for(g) for g in range(self.num_groups)]
@@ -79,7 +81,7 @@ class SearchEnv:
         self.builtin_results: dict[str, SimResult] = {}
         self.builtin_strategies: dict[str, Strategy] = {}
         for name in BUILTIN_STRATEGIES:
-            s = builtin_strategy(name, graph, topology, grouping, self.cost_model)
+            s = builtin_strategy(name, graph, topology, grouping, self.cost_model, self.device_speeds)
             self.builtin_strategies[name] = s
             self.builtin_results[name] = self.simulator.evaluate(s, batch_size=self.batch_size)
         self.reference_name = self._reference()
@@ -134,7 +136,7 @@ class SearchEnv:
             actions.append(c.action)
             if c.action.mode == "partition":
                 partition.update(self.partition_map(g, int(k)))
-        return Strategy(self.grouping, actions, partition=partition, name=name)
+        return Strategy(self.grouping, actions, partition=partition, name=name, device_speeds=self.device_speeds)
 
     # ------------------------------------------------------------------ evaluation
     def outcome_of(self, result: SimResult) -> Outcome:

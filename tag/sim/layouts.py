@@ -99,7 +99,8 @@ class LayoutCache:
         self.topology, self.cost, self.tasks = topology, cost, tasks
         self._dependent_caches = dependent_caches
         self._device_group = [d.group for d in topology.devices]
-        self._device_speed = [d.peak_flops for d in topology.devices]
+        self._peak_speeds = tuple(float(d.peak_flops) for d in topology.devices)
+        self._device_speed = list(self._peak_speeds)   # what batch shares follow (use_speeds)
         self._tables: dict[tuple[int, float], tuple] = {}       # (device group, batch) -> (list, array)
         self._lanes: dict[frozenset, Lanes] = {}
         self._layouts: dict[tuple, Layout] = {}
@@ -130,6 +131,18 @@ class LayoutCache:
     def devices_of(self, placement: tuple[int, ...]) -> list[int]:
         """The devices of the device groups PLACEMENT, in order."""
         return [d for g in placement for d in self.topology.groups[g].devices]
+
+    def use_speeds(self, speeds: tuple[float, ...]) -> None:
+        """Batch shares follow SPEEDS (examples/s per device; empty: peak FLOP/s). A change drops the
+        layouts built with the old shares."""
+        speeds = tuple(speeds) or self._peak_speeds
+        if list(speeds) == self._device_speed:
+            return
+        self._device_speed = list(speeds)
+        self._shares.clear()
+        self._layouts.clear()
+        for cache in self._dependent_caches:
+            cache.clear()
 
     def shares_of(self, placement: tuple[int, ...], batch: int) -> list[int]:
         """Examples of BATCH per device of PLACEMENT (``batch_shares`` by device speed)."""

@@ -217,6 +217,10 @@ class Simulator:
 
     def _run(self, strategy: Strategy, batch_size: int | None, record: Recording | None) -> SimResult:
         batch = self._check_strategy(strategy, batch_size)
+        if strategy.device_speeds and len(strategy.device_speeds) != self.topology.num_devices:
+            raise StrategyError(f"strategy has {len(strategy.device_speeds)} device speeds for "
+                                f"{self.topology.num_devices} devices")
+        self.layouts.use_speeds(strategy.device_speeds)
         actions = strategy.actions
         # distinct actions (by object: strategies usually share Action objects between groups)
         distinct: dict[int, Action] = {}

@@ -50,12 +50,20 @@ BUILTIN_STRATEGIES: tuple[str, ...] = ("dp_allreduce", "ps", "single", "partitio
 
 
 def builtin_strategy(name: str, graph: "TrainingGraph", topology: "Topology", grouping: Grouping,
-                     cost_model=None) -> Strategy:
+                     cost_model=None, device_speeds=()) -> Strategy:
     """The built-in strategy NAME for GRAPH on TOPOLOGY with op groups GROUPING.
 
     ``cost_model`` (a ``tag.cost.CostModel``) is used by ``partition`` to balance stages; one is
-    built from the graph and topology when it is not given. Unknown names raise StrategyError.
+    built from the graph and topology when it is not given. ``device_speeds`` (examples/s per device,
+    ``tag.cost.speeds.device_speeds``) is what replicated batch shares follow; empty: peak FLOP/s.
+    Unknown names raise StrategyError.
     """
+    strategy = _builtin(name, graph, topology, grouping, cost_model)
+    strategy.device_speeds = tuple(float(x) for x in device_speeds)
+    return strategy
+
+
+def _builtin(name: str, graph: "TrainingGraph", topology: "Topology", grouping: Grouping, cost_model) -> Strategy:
     if name not in BUILTIN_STRATEGIES:
         raise StrategyError(f"unknown strategy {name!r} (known: {', '.join(BUILTIN_STRATEGIES)})")
     if len(grouping.group_of_op) != len(graph.ops):

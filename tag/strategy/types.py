@@ -88,10 +88,24 @@ class Strategy:
     # gradients sent by sufficient-factor broadcasting instead of all-reduce (variable names)
     sfb: list[str] = field(default_factory=list)
     name: str = ""
+    # examples/s per device (topology order) that batch shares follow; empty: the devices' peak FLOP/s
+    device_speeds: tuple[float, ...] = ()
 
     def __post_init__(self):
         if len(self.actions) != self.grouping.num_groups:
             raise StrategyError(f"strategy has {len(self.actions)} actions for {self.grouping.num_groups} op groups")
+        self.device_speeds = tuple(float(x) for x in self.device_speeds)
+        if any(not (x > 0) for x in self.device_speeds):
+            raise StrategyError("device speeds must be positive")
+
+    def share_speeds(self, devices, topology) -> list[float]:
+        """The speeds that batch shares over DEVICES follow: ``device_speeds`` when set, else peak FLOP/s."""
+        if self.device_speeds:
+            if len(self.device_speeds) != topology.num_devices:
+                raise StrategyError(f"strategy has {len(self.device_speeds)} device speeds for "
+                                    f"{topology.num_devices} devices")
+            return [self.device_speeds[d] for d in devices]
+        return [topology.devices[d].peak_flops for d in devices]
 
     def devices_of(self, group: int, topology) -> list[int]:
         """Global device indices of the device groups in group's placement."""
@@ -101,13 +115,13 @@ class Strategy:
         return {"name": self.name, "grouping": self.grouping.to_dict(),
                 "actions": [a.to_dict() for a in self.actions],
                 "partition": {str(k): int(v) for k, v in sorted(self.partition.items())},
-                "sfb": list(self.sfb)}
+                "sfb": list(self.sfb), "device_speeds": list(self.device_speeds)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Strategy":
         return cls(Grouping.from_dict(d["grouping"]), [Action.from_dict(a) for a in d["actions"]],
                    {int(k): int(v) for k, v in d.get("partition", {}).items()}, list(d.get("sfb", [])),
-                   d.get("name", ""))
+                   d.get("name", ""), tuple(d.get("device_speeds", ())))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -129,6 +143,7 @@ class Strategy:
         for op, dev in self.partition.items():
             msg.partition[int(op)] = int(dev)
         msg.sfb.extend(self.sfb)
+        msg.device_speed.extend(self.device_speeds)
         return msg
 
     @classmethod
@@ -150,7 +165,7 @@ class Strategy:
                                   int(a.ps_device) if a.HasField("ps_device") else None))
         grouping = Grouping(np.asarray(list(msg.grouping.group_of_op), dtype=np.int64), list(msg.grouping.names))
         return cls(grouping, actions, {int(k): int(v) for k, v in sorted(msg.partition.items())},
-                   list(msg.sfb), msg.name)
+                   list(msg.sfb), msg.name, tuple(msg.device_speed))
 
 
 _MODE_TO_PB = {"allreduce": 1, "ps": 2, "partition": 3}   # values of enum tag.Mode in proto/strategy.proto

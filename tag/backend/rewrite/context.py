@@ -270,7 +270,7 @@ class RewriteContext(NodeBuilder):
             devs = self.strategy.devices_of(g, self.topo)
             if not devs:
                 raise StrategyError(f"op group {g} is placed on no device")
-            shares = batch_shares([self.topo.devices[d].peak_flops for d in devs], self.batch)
+            shares = batch_shares(self.strategy.share_speeds(devs, self.topo), self.batch)
             ranges, start = [], 0
             for s in shares:
                 ranges.append((start, start + s))
