@@ -124,8 +124,9 @@ class Plan:
                  STRATEGY_FILE: self.strategy.to_proto().SerializeToString(deterministic=True),
                  REPORT_FILE: _json_text(self._report).encode(),
                  PLAN_FILE: _json_text(meta).encode()}
+        from tag.files import write_atomic
         for name, data in files.items():
-            _write_atomic(os.path.join(directory, name), data)
+            write_atomic(os.path.join(directory, name), data)
         return directory
 
     @classmethod
@@ -421,31 +422,9 @@ def _json_text(obj: Any) -> str:
     return json.dumps(finite(obj), indent=2) + "\n"
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write DATA to PATH through a temporary file and a rename (no half-written file on failure)."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _read_bytes(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise TagError(f"{path}: missing ({what})") from None
-    except IsADirectoryError:
-        raise TagError(f"{path}: is a directory, expected the {what}") from None
-    except OSError as err:
-        raise TagError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
-    if len(data) > _MAX_FILE_BYTES:
-        raise TagError(f"{path}: larger than {_MAX_FILE_BYTES >> 30} GiB, not a {what}")
-    return data
+    from tag.files import read_input_file
+    return read_input_file(path, what=what, limit=_MAX_FILE_BYTES)
 
 
 def _read_json(path: str, what: str) -> Any:

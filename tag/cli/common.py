@@ -19,17 +19,9 @@ def one_line(text: str) -> str:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write TEXT to PATH through a temporary file in the same directory and a rename, so a failure
-    never leaves a half-written file (the temporary file is removed)."""
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write TEXT to PATH atomically (``tag.files.write_atomic``)."""
+    from tag.files import write_atomic
+    write_atomic(path, text)
 
 
 def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:

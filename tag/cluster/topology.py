@@ -158,20 +158,8 @@ def parse_topology(text: str, path: str = "<string>") -> Topology:
 
 
 def _read_text(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise _error(path, None, "no such file") from None
-    except IsADirectoryError:
-        raise _error(path, None, "is a directory, not a topology file") from None
-    except PermissionError:
-        raise _error(path, None, "permission denied") from None
-    except (OSError, ValueError) as e:
-        raise _error(path, None, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise _error(path, None, f"file too large (over {MAX_FILE_BYTES // 2**20} MiB); topology files are "
-                                 "small: 512 hosts with a fabric { } take about 100 KiB")
+    from tag.files import read_input_file
+    data = read_input_file(path, what="topology file", limit=MAX_FILE_BYTES, error=TopologyError)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

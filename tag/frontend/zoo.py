@@ -549,6 +549,9 @@ def _first_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+MAX_GRAPH_FILE_BYTES = 2 << 30   # protobuf messages cannot be larger than 2 GiB
+
+
 def load_graph_def(path: str | os.PathLike) -> "tf.compat.v1.GraphDef":
     """Read a user's GraphDef: binary (``.pb``) or text format (``.pbtxt``/``.txt``).
 
@@ -557,16 +560,10 @@ def load_graph_def(path: str | os.PathLike) -> "tf.compat.v1.GraphDef":
     with a one-line message starting ``PATH:`` (``PATH:LINE:`` for text-format syntax errors); when
     neither format parses, text-looking content gets the text-format error, anything else the binary one.
     """
+    from tag.files import read_input_file
     p = Path(path)
     where = str(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise GraphError(f"{where}: no such file") from None
-    except IsADirectoryError:
-        raise GraphError(f"{where}: is a directory, not a GraphDef file") from None
-    except OSError as err:
-        raise GraphError(f"{where}: cannot read: {err.strerror or _first_line(err)}") from None
+    data = read_input_file(where, what="GraphDef file", limit=MAX_GRAPH_FILE_BYTES, error=GraphError)
     if not data.strip():
         raise GraphError(f"{where}: empty file")
     text_first = p.suffix.lower() in (".pbtxt", ".txt", ".pbtext", ".prototxt")

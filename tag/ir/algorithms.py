@@ -27,6 +27,15 @@ def dependency_arrays(graph: TrainingGraph) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
 
 
+def predecessors(graph: TrainingGraph) -> list[list[int]]:
+    """Per op, the ops it depends on (data and control), in edge order."""
+    src, dst = dependency_arrays(graph)
+    preds: list[list[int]] = [[] for _ in range(len(graph.ops))]
+    for s, d in zip(src.tolist(), dst.tolist()):
+        preds[d].append(s)
+    return preds
+
+
 def topological_order(graph: TrainingGraph) -> np.ndarray:
     """Op indices in a topological order (ties: lower index first). Ops on a cycle come last, by index."""
     n = len(graph.ops)
@@ -58,14 +67,10 @@ def op_stages(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarr
     Stages never decrease along a dependency, so (group, stage) tasks form an acyclic graph whenever the
     groups of each stage do.
     """
-    n = len(graph.ops)
     stage = np.array([PHASES.index(op.phase) for op in graph.ops], dtype=np.int64)
     if order is None:
         order = topological_order(graph)
-    src, dst = dependency_arrays(graph)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
-        preds[d].append(s)
+    preds = predecessors(graph)
     st = stage.tolist()
     for i in order.tolist():
         for p in preds[i]:
@@ -83,10 +88,7 @@ def op_levels(graph: TrainingGraph, order: np.ndarray | None = None) -> np.ndarr
     n = len(graph.ops)
     if order is None:
         order = topological_order(graph)
-    src, dst = dependency_arrays(graph)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
-        preds[d].append(s)
+    preds = predecessors(graph)
     starts = {graph.op_index[nm] for nm in graph.inputs if nm in graph.op_index}
     if not starts:
         starts = {i for i in range(n) if not preds[i]}

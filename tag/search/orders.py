@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -113,47 +114,47 @@ def decision_order(name: str, graph: "TrainingGraph", topology: "Topology", grou
 
 
 def _bfs(roots: list[int], succ: list[list[int]], n: int) -> list[int]:
+    """Breadth-first from each unvisited root in turn."""
     seen = np.zeros(n, dtype=bool)
     out: list[int] = []
+    queue: deque[int] = deque()
     for r in roots:
-        if seen[r]:
-            continue
-        seen[r] = True
-        queue = [r]
+        if not seen[r]:
+            seen[r] = True
+            queue.append(r)
         while queue:
-            nxt = []
-            for g in queue:
-                out.append(g)
-                for s in succ[g]:
-                    if not seen[s]:
-                        seen[s] = True
-                        nxt.append(s)
-            queue = nxt
+            g = queue.popleft()
+            out.append(g)
+            unseen = [s for s in succ[g] if not seen[s]]
+            seen[unseen] = True
+            queue.extend(unseen)
     return out
 
 
 def _dfs(roots: list[int], succ: list[list[int]], n: int, post: bool) -> list[int]:
+    """Depth-first from each unvisited root in turn; pre-order, or post-order with POST."""
     seen = np.zeros(n, dtype=bool)
     out: list[int] = []
-    for r in roots:
-        if seen[r]:
-            continue
-        seen[r] = True
-        stack = [(r, 0)]                      # (group, index of the next successor to visit)
+
+    def visit(root: int) -> None:
+        seen[root] = True
+        stack = [(root, iter(succ[root]))]     # (group, iterator over its successors still to visit)
         if not post:
-            out.append(r)
+            out.append(root)
         while stack:
-            g, i = stack[-1]
-            if i < len(succ[g]):
-                stack[-1] = (g, i + 1)
-                s = succ[g][i]
-                if not seen[s]:
-                    seen[s] = True
-                    if not post:
-                        out.append(s)
-                    stack.append((s, 0))
-            else:
+            g, successors = stack[-1]
+            nxt = next((s for s in successors if not seen[s]), None)
+            if nxt is None:
                 stack.pop()
                 if post:
                     out.append(g)
+                continue
+            seen[nxt] = True
+            if not post:
+                out.append(nxt)
+            stack.append((nxt, iter(succ[nxt])))
+
+    for r in roots:
+        if not seen[r]:
+            visit(r)
     return out
