@@ -33,3 +33,8 @@ class MemoryBudgetError(TagError):
                  strategy: str | None = None):
         super().__init__(message)
         self.shortfall_bytes, self.device, self.strategy = shortfall_bytes, device, strategy
+
+
+class RunError(Exception):
+    """A run failed for a reason that is not bad input (a worker died, a host stopped answering, a step
+    timed out). Not a TagError: the CLIs print it as one line (``PROG: error: ...``) and exit with 1."""

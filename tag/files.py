@@ -3,19 +3,22 @@
 ``read_input_file`` refuses what is not a regular file (a named pipe would block forever, ``/dev/zero``
 never ends) and anything over a size limit before reading it, and maps OS errors to one-line messages
 that start with the path. ``write_atomic`` writes through a temporary file and a rename, so a failure
-never leaves a half-written report, trace, profile or plan.
+never leaves a half-written report, trace, profile or plan; ``check_writable`` tells before any work
+is done whether an output path can be written.
 
 Example::
 
     from tag.errors import TagError
-    from tag.files import read_input_file, write_atomic
+    from tag.files import check_writable, read_input_file, write_atomic
     data = read_input_file("cluster.pbtxt", what="topology file", limit=2 << 20, error=TagError)
     write_atomic("report.json", "{}\\n")
+    check_writable("out/trace.json", what="trace")   # TagError unless it could be written
 """
 from __future__ import annotations
 
 import os
 import stat
+import threading
 
 from tag.errors import TagError
 
@@ -55,13 +58,51 @@ def read_input_file(path: str | os.PathLike, *, what: str, limit: int, error: ty
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     """Write DATA (bytes, or text as UTF-8) to PATH through a temporary file in the same directory and a
-    rename, so a failure never leaves a half-written file (the temporary file is removed)."""
+    rename, so a failure never leaves a half-written file (the temporary file is removed). A path that
+    cannot be written is a TagError ``PATH: cannot write: REASON`` naming PATH."""
     path = os.fspath(path)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
+    except OSError as e:   # the user's path in the message, never the temporary name
+        raise TagError(f"{path}: cannot write: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        try:
             os.remove(tmp)
+        except OSError:
+            pass
+
+
+def check_writable(path: str | os.PathLike, *, what: str = "output", directory: bool = False) -> None:
+    """Raise TagError (naming PATH) unless an output at PATH could be written now.
+
+    Checked before any work is done, so a bad ``--report`` path fails in a second rather than after a
+    search: PATH must not be a directory (or must be one, or not exist yet, when DIRECTORY), its parent
+    must exist, and a file can be created there (a probe file, removed at once).
+    """
+    path = os.fspath(path)
+    if not path:
+        raise TagError(f"empty path for the {what}")
+    if directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise TagError(f"{path}: exists and is not a directory (the {what})")
+        probe_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    else:
+        if os.path.isdir(path):
+            raise TagError(f"{path}: is a directory (the {what} is a file)")
+        probe_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(probe_dir):
+        raise TagError(f"{path}: directory {probe_dir} does not exist")
+    probe = os.path.join(probe_dir, f".tag-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(probe, "wb"):
+            pass
+    except OSError as e:
+        raise TagError(f"{path}: cannot write: {e.strerror or e}") from None
+    finally:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass

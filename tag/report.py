@@ -192,6 +192,19 @@ def _strategy_lines(report: dict) -> list[str]:
     return lines
 
 
+def _cost_model_line(report: dict) -> str:
+    """Which profile served which device type (``profile_use``: device type -> what served it)."""
+    use = report.get("profile_use")
+    if not report.get("profile"):
+        return "cost model           built-in defaults (calibrate: tag-profile --model ...)"
+    if not use:
+        return f"cost model           profile {report['profile']}"
+    served = "; ".join(f"{dtype}: {how}" for dtype, how in use.items())
+    unused = "" if any(how != "built-in defaults" for how in use.values()) else \
+        "   (the profile matches no device type)"
+    return f"cost model           {served}{unused}"
+
+
 def format_table(report: dict, model_spec: str) -> str:
     """The human-readable summary tag-deploy prints (a prediction, a given strategy or a searched plan)."""
     lines = [f"{report['model']} ({model_spec}) on {report['topology']}: {report['devices']} devices, "
@@ -199,8 +212,7 @@ def format_table(report: dict, model_spec: str) -> str:
              f"predicted step time  {format_time(report['predicted_step_time_s'])}"
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
              f"communication        {format_bytes(report['communication_bytes'])} per step",
-             "cost model           " + (f"profile {report['profile']}" if report.get("profile") else
-                                           "built-in defaults (calibrate: tag-profile --model ...)")]
+             _cost_model_line(report)]
     lines += _search_lines(report) + [""]
     lines += _device_lines(report)
     lines += [""] + _strategy_lines(report)

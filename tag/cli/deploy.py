@@ -28,7 +28,13 @@ as JSON; ``--trace`` writes the simulated step as a Chrome trace; ``--save DIR``
 computed, through a temporary name, so an error never leaves a half-written file. ``--profile`` (else
 ``$TAG_PROFILE`` or the default profile of ``tag-profile``, when present) calibrates the cost model.
 ``--run --steps N`` deploys the plan on TensorFlow's distributed runtime (local workers started for a
-loopback topology) beside the dp_allreduce baseline and adds the measured step times to the report.
+loopback topology) beside the dp_allreduce baseline and adds the measured step times to the report;
+progress (step, seconds per step, loss) goes to stderr, a dead worker or an unreachable host is named
+(exit 1), no step blocks past ``--step-timeout``; ``--checkpoint-every K`` / ``--resume`` save and restore
+the plan's variables (``tag.cli.deploy_run``). ``--tensorboard DIR`` writes the rewritten graph for
+TensorBoard's graph view (ops coloured by device) and the predicted step's Chrome trace. A profile that
+serves no device type of the topology is a warning; the table says which profile entry served each
+device type. TensorFlow's own log lines are hidden unless ``--verbose``.
 
 Exit codes: 0 success, 2 bad input (one line on stderr; no file written), 1 anything else.
 """
@@ -45,7 +51,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from tag.cli.common import run_cli, write_text_atomic
+from tag.cli.common import ArgumentParser, add_verbose, run_cli, write_text_atomic
+from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, write_tensorboard_dir
 from tag.errors import StrategyError, TagError
 from tag.report import finite, format_table, measured_fields, report_json
 
@@ -58,7 +65,7 @@ SAVED = "saved"          # the report's name for a strategy read with --strategy
 def _parser() -> argparse.ArgumentParser:
     from tag.search.orders import ORDERS
     from tag.strategy.baselines import BUILTIN_STRATEGIES
-    p = argparse.ArgumentParser(prog=PROG, description="Search a distributed strategy for a training step on a "
+    p = ArgumentParser(prog=PROG, description="Search a distributed strategy for a training step on a "
                                 "cluster (or predict a given one), save the plan and run it.")
     p.add_argument("--topo", required=True, metavar="FILE", help="cluster topology (.pbtxt)")
     p.add_argument("--model", required=True, metavar="SPEC", help="zoo:NAME[,key=value...] or a .pb/.pbtxt GraphDef")
@@ -82,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="P.json", help="cost profile from tag-profile")
     p.add_argument("--report", default=None, metavar="R.json", help="write the report as JSON")
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
-    p.add_argument("--run", action="store_true", help="also deploy the plan on TensorFlow and measure it")
-    p.add_argument("--steps", type=int, default=20, metavar="N", help="training steps for --run (default 20)")
+    add_run_arguments(p)
+    add_verbose(p)
     return p
 
 
@@ -114,34 +121,19 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise TagError(f"{flag} must be positive, got {value}")
+    from tag.files import check_writable
     for flag, path in (("--report", args.report), ("--trace", args.trace), ("--save", args.save)):
-        if path is not None:
-            parent = os.path.dirname(os.path.abspath(path))
-            if flag != "--save" and os.path.isdir(path):
-                raise TagError(f"{flag} {path}: is a directory")
-            if flag == "--save" and os.path.exists(path) and not os.path.isdir(path):
-                raise TagError(f"--save {path}: exists and is not a directory")
-            if not os.path.isdir(parent):
-                raise TagError(f"{flag} {path}: directory {parent} does not exist")
-    if args.profile is not None and not os.path.isfile(args.profile):
-        raise TagError(f"--profile {args.profile}: no such file")
+        if path is not None:    # exit 2 naming the path now, not after a search
+            check_writable(path, what=f"{flag} output", directory=flag == "--save")
+    check_run_arguments(args)
     if args.strategy_file is not None and not os.path.exists(args.strategy_file):
         raise TagError(f"--strategy-file {args.strategy_file}: no such file or plan directory")
 
 
 def _load_profile(path: str | None):
-    """(profile or None, where it came from or None)."""
-    from tag.cost.profile_store import default_profile_path, load_default_profile
-    if path is None:
-        prof = load_default_profile()
-        return prof, (default_profile_path() if prof is not None else None)
-    from tag.cost.model import Profile
-    try:
-        return Profile.load(path), path
-    except TagError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise TagError(f"{path}: not a tag cost profile ({type(err).__name__}: {err})") from None
+    """(profile or None, where it came from or None): ``--profile``, else the default location."""
+    from tag.cli.profiles import load_profile_arg
+    return load_profile_arg(path)
 
 
 def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
@@ -179,25 +171,6 @@ def _search(args: argparse.Namespace, analysis) -> Any:
         return plan
 
 
-def _run_hook(args: argparse.Namespace, analysis, name: str, strategy) -> dict[str, Any]:
-    """``--run --steps N``: deploy strategy NAME and the dp_allreduce baseline and measure them.
-
-    Returns the report's ``measured_*`` keys (``tag.report.measured_fields``). A topology whose hosts are
-    all on loopback gets its workers started (and stopped on exit, error or Ctrl-C); otherwise the hosts'
-    ``tag-worker`` servers must already be running (``tag.backend.runtime.measure_strategies``).
-    """
-    from tag.backend.runtime.measure import measure_strategies
-
-    warmup = min(3, args.steps - 1)
-    wanted = {name: strategy}
-    wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
-    entry = analysis.entry
-    runs = measure_strategies(analysis.graph_def, analysis.graph, analysis.topology, wanted,
-                              batch_size=analysis.batch, steps=args.steps, warmup=warmup,
-                              train_op=entry.train_op, loss=entry.loss, init=entry.init)
-    return measured_fields(runs[name], runs["dp_allreduce"], args.steps, warmup)
-
-
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     _check_args(args)
@@ -209,7 +182,13 @@ def _body(argv: Sequence[str]) -> int:
     if args.batch is not None and args.batch < topology.num_devices:
         raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
                        f"{args.topo}; data parallelism needs at least one example per device")
+    from tag.cli.model_size import check_model_spec
+    from tag.cli.profiles import profile_use, profile_warning
+    check_model_spec(args.model, args.batch)        # absurd sizes: a clean error before building
     profile, profile_path = _load_profile(args.profile)
+    warning = profile_warning(profile, profile_path, topology)
+    if warning:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     saved = None
     if args.strategy_file is not None:
         saved, planned_batch = load_strategy(args.strategy_file)
@@ -227,14 +206,22 @@ def _body(argv: Sequence[str]) -> int:
         if saved is not None:
             report["strategy_file"] = args.strategy_file
     report["profile"] = profile_path
+    report["profile_use"] = profile_use(profile, profile_path, topology)
+    if warning:
+        report["notes"] = [*report.get("notes", []), warning]
     report["predict_seconds"] = time.perf_counter() - t0
+    run_metadata = None
     if args.run:
-        report.update(_run_hook(args, analysis, name, strategy))
+        if not report.get("feasible", True):
+            raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
+                           f"{', '.join(report.get('oom_devices', [])) or 'some device'}); nothing was run")
+        measured, run_metadata = run_plan(args, analysis, name, strategy)
+        report.update(measured)
     trace_text = None
     if args.trace:
         trace_text = json.dumps(finite(analysis.simulator().trace(strategy, batch_size=analysis.batch)))
     report_text = report_json(report) if args.report else None
-    if args.save:   # the plan's files carry this report (profile, timings, measurements)
+    if args.save or args.tensorboard:   # the plan's files carry this report (profile, timings, measurements)
         plan = dataclasses.replace(plan or plan_for(analysis, strategy, name=name), _report=report)
     # write only once everything has been computed: an error above leaves no file behind
     if plan is not None and args.save:
@@ -243,8 +230,11 @@ def _body(argv: Sequence[str]) -> int:
         write_text_atomic(args.trace, trace_text)
     if report_text is not None:
         write_text_atomic(args.report, report_text)
+    if args.tensorboard:
+        write_tensorboard_dir(args, analysis, strategy, plan.graph_def, run_metadata)
     print(format_table(report, args.model))
-    for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace)):
+    for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace),
+                       ("tensorboard", args.tensorboard)):
         if path:
             print(f"{flag}: {path}")
     sys.stdout.flush()
@@ -253,7 +243,16 @@ def _body(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``tag-deploy`` console script."""
-    return run_cli(PROG, _body, argv)
+    rc = run_cli(PROG, _body, argv)
+    if argv is None and "tensorflow" in sys.modules and rc != 0:
+        # A failed --run can leave a gRPC call blocked in a helper thread, which would hang interpreter
+        # shutdown: stop what is still running, flush, and end the process here.
+        from tag.backend.runtime.local_cluster import LIVE_CLUSTERS
+        LIVE_CLUSTERS.stop_all()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Sequence
 
-from tag.cli.common import run_cli
+from tag.cli.common import ArgumentParser, add_verbose, run_cli
 from tag.cost.profile_store import PROFILE_ENV, default_profile_path
 from tag.errors import TagError
 
@@ -32,7 +32,7 @@ PROG = "tag-profile"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG,
+    p = ArgumentParser(prog=PROG,
                                 description="Profile a training step on this machine and write a cost profile.")
     p.add_argument("--model", required=True, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
     p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")

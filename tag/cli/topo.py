@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Sequence
 
-from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, one_line, run_cli
+from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, ArgumentParser, add_verbose, one_line, run_cli
 from tag.errors import TopologyError
 from tag.cluster.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
 
@@ -31,12 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Check and show tag cluster topology files (.pbtxt).")
+    parser = ArgumentParser(prog=PROG, description="Check and show tag cluster topology files (.pbtxt).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     validate = sub.add_parser("validate", help="check topology files; exit 2 if any is invalid")
     validate.add_argument("files", nargs="+", metavar="FILE")
     show = sub.add_parser("show", help="print a topology's hosts, device groups, links and fabric")
     show.add_argument("file", metavar="FILE")
+    for p in (parser, validate, show):
+        add_verbose(p, sub=p is not parser)
     return parser
 
 

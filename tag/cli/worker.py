@@ -23,14 +23,14 @@ from typing import Sequence
 
 from tag.backend.runtime.cluster_spec import JOB, cluster_dict, host_has_gpu, tf_config_task
 from tag.backend.runtime.server import serve
-from tag.cli.common import run_cli
+from tag.cli.common import ArgumentParser, add_verbose, run_cli
 from tag.errors import TagError
 
 PROG = "tag-worker"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG,
         description="Start one host's TensorFlow server (job 'worker') and wait until SIGTERM/SIGINT.",
     )
@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-threads", type=int, default=None, metavar="N",
                    help="inter-op threads (default: same as --threads)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    add_verbose(p)
     return p
 
 

@@ -15,6 +15,9 @@ One module per concern:
 - ``collective_keys``: fresh collective keys per graph;
 - ``inputs``: random and synthetic input batches;
 - ``steps``: ``run_steps`` and ``RunResult``;
+- ``guard``: deadlines and a watchdog around every blocking call, progress events (``RunControl``);
+- ``health``: are remote hosts answering (before a run, and as its watchdog);
+- ``checkpoint``: variable values as a plain ``.npz``, saved every K steps and restored to resume;
 - ``measure``: rewrite and time strategies on a topology's cluster (``tag-deploy --run``).
 
 Example::
@@ -37,7 +40,10 @@ TensorFlow itself loads on first use, not on import.
 """
 from tag.backend.runtime.cluster_spec import (COLLECTIVE_LEADER, JOB, ClusterError, cluster_dict, cluster_spec_from,
                                               host_has_gpu, session_config, tf_config_task)
+from tag.backend.runtime.checkpoint import Checkpointer, read_checkpoint_meta
 from tag.backend.runtime.collective_keys import fresh_collective_keys
+from tag.backend.runtime.guard import RunControl, RunEvent, guarded
+from tag.backend.runtime.health import HostProbe, wait_for_hosts
 from tag.backend.runtime.inputs import random_input
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.runtime.local_cluster import LocalCluster
@@ -46,7 +52,8 @@ from tag.backend.runtime.ports import free_ports, is_loopback, port_bindable, po
 from tag.backend.runtime.server import READY_WORD, serve
 from tag.backend.runtime.steps import RunResult, run_steps
 
-__all__ = ["COLLECTIVE_LEADER", "JOB", "READY_WORD", "ClusterError", "LiveRegistry", "LocalCluster", "RunResult",
+__all__ = ["COLLECTIVE_LEADER", "JOB", "READY_WORD", "Checkpointer", "ClusterError", "HostProbe", "LiveRegistry",
+           "LocalCluster", "RunControl", "RunEvent", "RunResult", "guarded", "read_checkpoint_meta", "wait_for_hosts",
            "cluster_dict", "cluster_spec_from", "free_ports", "fresh_collective_keys", "host_has_gpu", "is_loopback",
            "measure_strategies", "port_bindable", "port_listening", "random_input", "run_steps", "serve",
            "session_config", "tf_config_task"]

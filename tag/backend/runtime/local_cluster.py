@@ -208,6 +208,22 @@ class LocalCluster:
                 self._logdir.cleanup()
                 self._logdir = None
 
+    def dead_worker(self) -> str | None:
+        """A one-line message naming the first worker process that has exited, or None while all live.
+
+        The watchdog of ``run_steps`` (``RunControl.watchdog``): a dead worker is reported at the next
+        poll (a fraction of a second) instead of leaving a step blocked on it."""
+        for w in list(self._workers):
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            how = f"killed by signal {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() \
+                else f"exit code {rc}"
+            tail = self._tail(w.stderr_path) if rc > 0 else ""    # a killed worker's last line is not why
+            return (f"worker for host {w.host.name} ({w.host.address}:{w.host.port}) died ({how})"
+                    + (f": {tail}" if tail and tail != "(no output)" else ""))
+        return None
+
     def logs(self) -> dict[str, str]:
         """Host name -> the worker's stderr so far (for diagnosing a failed run)."""
         out = {}

@@ -1,8 +1,10 @@
 """Deploy strategies on TensorFlow and time them: rewrite each plan, run it on the topology's cluster.
 
 A topology whose hosts are all on loopback gets its workers started here (``LocalCluster``, stopped
-on exit, error or Ctrl-C); otherwise every host's ``tag-worker`` must already be running and the
-client connects to task 0. Inputs are synthetic batches stored on the devices, so the time is the
+on exit, error or Ctrl-C); otherwise every host's ``tag-worker`` must already be running (each must
+answer within 30 s, ``wait_for_hosts``) and the client connects to task 0. Every run is guarded
+(``tag.backend.runtime.guard``): a worker that dies is reported by host name, a step never blocks past
+its deadline. Inputs are synthetic batches stored on the devices, so the time is the
 training step alone. ``tag-deploy --run`` uses this.
 
 Example::
@@ -15,8 +17,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from tag.backend.runtime.guard import RunControl, RunEvent
+from tag.backend.runtime.health import HOST_TIMEOUT_S, HostProbe, wait_for_hosts
 from tag.backend.runtime.local_cluster import LocalCluster
 from tag.backend.runtime.ports import is_loopback
 from tag.backend.runtime.steps import RunResult, run_steps
@@ -30,24 +35,49 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topology",
                        strategies: Mapping[str, "Strategy"], *, batch_size: int, steps: int,
                        warmup: int, train_op: str = "train_op", loss: str | None = "loss",
-                       init: str | None = "init") -> dict[str, RunResult]:
+                       init: str | None = "init",
+                       controls: Mapping[str, RunControl] | None = None,
+                       progress: Callable[[str, RunEvent], None] | None = None,
+                       steps_of: Mapping[str, int] | None = None,
+                       host_timeout_s: float = HOST_TIMEOUT_S) -> dict[str, RunResult]:
     """{name: RunResult} for each strategy of STRATEGIES, in order, all on one cluster of TOPOLOGY.
 
     ``train_op`` / ``loss`` / ``init`` name GRAPH_DEF's entry points (``tag.frontend.entry_points``
-    finds them in any training graph)."""
+    finds them in any training graph). CONTROLS: name -> ``RunControl`` (deadlines, checkpoints,
+    resume) of that strategy's run; its watchdog is set here (the local workers' processes, or a
+    ``HostProbe`` of remote hosts). PROGRESS(name, RunEvent) sees every phase and step. Remote hosts
+    must all answer within HOST_TIMEOUT_S before anything runs (``wait_for_hosts``). STEPS_OF: name ->
+its own number of steps (default STEPS; warm-up is cut to fit)."""
     from tag.backend.rewrite import rewrite
 
-    def measure_all(target: str) -> dict[str, RunResult]:
+    def say(name: str, text: str) -> None:
+        if progress is not None:
+            progress(name, RunEvent("phase", text))
+
+    def measure_all(target: str, watchdog: Callable[[], str | None]) -> dict[str, RunResult]:
         out = {}
         for name, strategy in strategies.items():
+            say(name, "rewriting the graph")
             plan = rewrite(graph_def, graph, strategy, topology, batch_size=batch_size, train_op=train_op, loss=loss,
                            init=init)
+            ctl = dataclasses.replace((controls or {}).get(name) or RunControl(), watchdog=watchdog)
+            if progress is not None:
+                ctl.progress = (lambda n: (lambda ev: progress(n, ev)))(name)
+            n = int((steps_of or {}).get(name, steps))
             out[name] = run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
-                                  steps=steps, warmup=warmup, synthetic=True)
+                                  steps=n, warmup=min(warmup, n - 1), synthetic=True, control=ctl)
         return out
 
+    first_name = next(iter(strategies), "")
     if all(is_loopback(h.address) for h in topology.hosts):
+        say(first_name, f"starting {len(topology.hosts)} local TF workers")
         with LocalCluster(topology) as cluster:
-            return measure_all(cluster.target)
+            return measure_all(cluster.target, cluster.dead_worker)
+    say(first_name, f"checking that the {len(topology.hosts)} hosts answer")
+    wait_for_hosts(topology.hosts, timeout_s=host_timeout_s)
     first = min(topology.hosts, key=lambda h: h.task_index)
-    return measure_all(f"grpc://{first.address}:{first.port}")
+    probe = HostProbe(topology.hosts)
+    try:
+        return measure_all(f"grpc://{first.address}:{first.port}", probe.dead_host)
+    finally:
+        probe.stop()

@@ -22,8 +22,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tag.backend.runtime.checkpoint import Checkpointer
 from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import fresh_collective_keys
+from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
 from tag.backend.runtime.inputs import random_feed, synthetic_input
 from tag.errors import GraphError, TagError
 
@@ -37,10 +39,12 @@ class RunResult:
     losses: list[float]
     warmup: int
     values: dict[str, np.ndarray] = field(default_factory=dict)  # fetched after the last step
+    start_step: int = 0       # resumed from a checkpoint at this step (losses then hold the earlier ones too)
+    run_metadata: Any = None  # step statistics of the step RunControl.trace_step names, when it ran
 
     def to_dict(self) -> dict:
         return {"mean_step_time_s": self.mean_step_time_s, "step_times": list(self.step_times),
-                "losses": list(self.losses), "warmup": self.warmup}
+                "losses": list(self.losses), "warmup": self.warmup, "start_step": self.start_step}
 
 
 def _op_and_tensor(graph, name: str, what: str):
@@ -120,7 +124,8 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
               feeds: Mapping[str, Any] | None = None,
               input_fn: Callable[[int], Mapping[str, Any]] | None = None,
               config: Any = None, seed: int = 0, fetch_after: Sequence[str] = (),
-              renumber_collectives: bool = True, synthetic: bool = False) -> RunResult:
+              renumber_collectives: bool = True, synthetic: bool = False,
+              control: RunControl | None = None) -> RunResult:
     """Run STEPS training steps of GRAPH_DEF on TARGET ("grpc://host:port", or "" for in-process).
 
     Imports the graph into a fresh ``tf.Graph``, opens ``Session(target, config=session_config())``,
@@ -137,12 +142,18 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     placeholder's own device holding one random batch of the same distribution, made at start-up and
     reused every step -- as synthetic-data benchmarks do, no input crosses the client connection or
     the network, so the step time is the training step alone.
+
+    CONTROL (``tag.backend.runtime.guard.RunControl``): progress events, deadlines and a watchdog for
+    every blocking call (a dead worker or a hung step is a ``RunError``, never a hang), checkpoints every
+    K steps and resuming from one. Resumed, the run does steps ``k+1..STEPS`` and ``RunResult.losses``
+    holds the whole curve (the checkpoint's losses first); ``start_step`` is k.
     """
     if steps < 1:
         raise TagError(f"steps must be >= 1, got {steps}")
     if not 0 <= warmup < steps:
         raise TagError(f"warmup must be in [0, steps) = [0, {steps}), got {warmup}")
     tf = import_tf()
+    ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
     if isinstance(graph_def, (bytes, bytearray)):
         gd = tf.compat.v1.GraphDef()
         gd.ParseFromString(bytes(graph_def))
@@ -158,24 +169,77 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     init_op = _op_and_tensor(graph, init, "initializer")[0] if init else None
     after = [_readable(graph, _op_and_tensor(graph, n, "value to fetch")[1]) for n in fetch_after]
     feed_for = _feeder(graph, input_map, feeds, input_fn, seed)
+    ckpt = Checkpointer(graph) if (ctl.checkpoint_every > 0 or ctl.resume_from) else None
 
     cfg = config if config is not None else session_config()
+    if ctl.step_timeout_s:
+        cfg.operation_timeout_in_ms = int(ctl.step_timeout_s * 1000)
     fetches = [train] + ([loss_t] if loss_t is not None else [])
+    ctl.emit(RunEvent("phase", f"connecting to {target or 'an in-process session'}"))
+    sess = tf.compat.v1.Session(target, graph=graph, config=cfg)
+    try:
+        start, losses = _set_up(sess, ctl, ckpt, synthetic_init, init_op, steps)
+        traced: dict[str, Any] = {}
+        times = _step_loop(sess, ctl, ckpt, fetches, feed_for, start, steps, losses, loss_t is not None, traced)
+        values = dict(zip(fetch_after, _guard(ctl, lambda: sess.run(after), "reading values", setup=True))) \
+            if after else {}
+    finally:
+        close_quietly(sess)
+    skip = min(warmup, max(0, len(times) - 1))
+    return RunResult(float(np.mean(times[skip:])), times, losses, skip, values, start, traced.get("metadata"))
+
+
+def _guard(ctl: RunControl, fn: Callable[[], Any], what: str, *, setup: bool = False) -> Any:
+    return guarded(fn, what=what, timeout_s=ctl.setup_timeout_s if setup else ctl.step_timeout_s,
+                   watchdog=ctl.watchdog, poll_s=ctl.poll_s)
+
+
+def _set_up(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", synthetic_init: list, init_op: Any,
+            steps: int) -> tuple[int, list[float]]:
+    """Initialise (inputs, variables), restore a checkpoint when resuming; (first step, losses so far)."""
+    ctl.emit(RunEvent("phase", "initialising variables"))
+    if synthetic_init:
+        _guard(ctl, lambda: sess.run(synthetic_init), "creating the input batches", setup=True)
+    if init_op is not None:
+        _guard(ctl, lambda: sess.run(init_op), "initialising the variables", setup=True)
+    if not ctl.resume_from:
+        return 0, []
+    assert ckpt is not None
+    start, losses = _guard(ctl, lambda: ckpt.restore(sess, ctl.resume_from), "restoring the checkpoint",
+                           setup=True)
+    if start >= steps:
+        raise TagError(f"{ctl.resume_from}: the checkpoint is at step {start}, --steps is {steps}: nothing "
+                       f"left to run (raise --steps)")
+    ctl.emit(RunEvent("phase", f"resumed at step {start} from {ctl.resume_from}", step=start, steps=steps))
+    return start, list(losses)
+
+
+def _step_loop(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", fetches: list, feed_for: Callable,
+               start: int, steps: int, losses: list[float], has_loss: bool, traced: dict) -> list[float]:
+    """Steps START+1..STEPS, each timed and guarded; appends to LOSSES; returns the step times. The step
+    ``ctl.trace_step`` runs with a full trace, its ``RunMetadata`` put in TRACED["metadata"]."""
+    tf = import_tf()
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(ctl.step_timeout_s * 1000)) if ctl.step_timeout_s else None
     times: list[float] = []
-    losses: list[float] = []
-    values: dict[str, np.ndarray] = {}
-    with tf.compat.v1.Session(target, graph=graph, config=cfg) as sess:
-        if synthetic_init:
-            sess.run(synthetic_init)
-        if init_op is not None:
-            sess.run(init_op)
-        for step in range(steps):
-            fd = feed_for(step)
-            t0 = time.perf_counter()
-            out = sess.run(fetches, feed_dict=fd)
-            times.append(time.perf_counter() - t0)
-            if loss_t is not None:
-                losses.append(float(np.mean(out[1])))
-        if after:
-            values = dict(zip(fetch_after, sess.run(after)))
-    return RunResult(float(np.mean(times[warmup:])), times, losses, warmup, values)
+    for step in range(start, steps):
+        fd = feed_for(step)
+        opts, meta = options, None
+        if ctl.trace_step == step + 1:
+            opts = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                           timeout_in_ms=options.timeout_in_ms if options is not None else 0)
+            meta = traced["metadata"] = tf.compat.v1.RunMetadata()
+        t0 = time.perf_counter()
+        out = _guard(ctl, lambda: sess.run(fetches, feed_dict=fd, options=opts, run_metadata=meta),
+                     f"step {step + 1}")
+        times.append(time.perf_counter() - t0)
+        loss_value = float(np.mean(out[1])) if has_loss else None
+        if loss_value is not None:
+            losses.append(loss_value)
+        ctl.emit(RunEvent("step", step=step + 1, steps=steps, step_time_s=times[-1], loss=loss_value))
+        done = step + 1
+        if ckpt is not None and ctl.checkpoint_every > 0 and ctl.checkpoint_path and (
+                done % ctl.checkpoint_every == 0 or done == steps):
+            _guard(ctl, lambda: ckpt.save(sess, ctl.checkpoint_path, step=done, losses=losses,
+                                          meta=ctl.checkpoint_meta), "saving a checkpoint", setup=True)
+            ctl.emit(RunEvent("checkpoint", ctl.checkpoint_path, step=done, steps=steps))
+    return times

@@ -1,0 +1,165 @@
+"""``tag-deploy --run`` and its companions: progress, deadlines, checkpoints, resume, TensorBoard output.
+
+Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each stays short:
+
+- ``add_run_arguments``: ``--run --steps N --step-timeout S --checkpoint-every K --checkpoint-dir DIR
+  --resume --tensorboard DIR``;
+- ``check_run_arguments``: their cheap checks, before anything is built (exit 2 on bad input);
+- ``run_plan``: deploys the plan and the dp_allreduce baseline (``measure_strategies``), printing one
+  progress line per step on stderr (``tag-deploy: ps: step 3/20  0.412 s/step  loss 2.301``, at most
+  two a second), and returns the report's ``measured_*`` keys. Remote hosts must answer within 30 s; a
+  worker that dies is named within seconds (exit 1); no step blocks past ``--step-timeout``. With
+  ``--checkpoint-every K`` the plan's variables are saved to ``DIR/weights.npz`` every K steps;
+  ``--resume`` restores them and continues the step count and the loss curve (``--steps`` is the total).
+- ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.tensorboard``).
+
+Example::
+
+    tag-deploy --topo topologies/localhost.pbtxt --model zoo:mlp --strategy ps --run --steps 200 \\
+               --checkpoint-every 20                        # killed at step 130 ...
+    tag-deploy --topo topologies/localhost.pbtxt --model zoo:mlp --strategy ps --run --steps 200 --resume
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from tag.errors import TagError
+
+PROG = "tag-deploy"
+CHECKPOINT_FILE = "weights.npz"
+DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
+DEFAULT_STEP_TIMEOUT_S = 600.0
+BASELINE_MAX_STEPS = 20          # the dp_allreduce baseline is timed, not trained
+TRACED_STEP = 2                  # --tensorboard --run: the plan's step whose statistics are kept
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The --run family of options (see the module docstring)."""
+    p.add_argument("--run", action="store_true", help="also deploy the plan on TensorFlow and measure it")
+    p.add_argument("--steps", type=int, default=20, metavar="N", help="training steps for --run (default 20)")
+    p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                   help=f"--run: fail a step (or the set-up) that takes over S seconds (default "
+                        f"{DEFAULT_STEP_TIMEOUT_S:.0f})")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="--run: save the plan's variables every K steps (to --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help=f"where checkpoints go and --resume reads them (default ./{DEFAULT_CHECKPOINT_DIR})")
+    p.add_argument("--resume", action="store_true",
+                   help="--run: continue from the last checkpoint (--steps counts from step 0)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write the rewritten graph (ops coloured by device) and the predicted step's trace")
+
+
+def checkpoint_path(args: argparse.Namespace) -> str:
+    return os.path.join(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, CHECKPOINT_FILE)
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """Cheap checks of the --run family; TagError (exit 2) before anything is built."""
+    from tag.files import check_writable
+    if not args.step_timeout > 0:
+        raise TagError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout:g}")
+    needs_run = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume or None),
+                                ("--checkpoint-dir", args.checkpoint_dir)) if v is not None]
+    if needs_run and not args.run:
+        raise TagError(f"{', '.join(needs_run)} only apply to --run")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise TagError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
+    if args.checkpoint_every is not None:
+        check_writable(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, what="checkpoint directory", directory=True)
+    if args.resume:
+        from tag.backend.runtime.checkpoint import read_checkpoint_meta
+        path = checkpoint_path(args)
+        if not os.path.exists(path):
+            raise TagError(f"--resume: no checkpoint at {path} (--checkpoint-every K writes one)")
+        meta = read_checkpoint_meta(path)
+        if meta["step"] >= args.steps:
+            raise TagError(f"--resume: the checkpoint {path} is at step {meta['step']}, --steps is {args.steps}: "
+                           f"nothing left to run (--steps is the total; raise it)")
+    if args.tensorboard is not None:
+        check_writable(args.tensorboard, what="TensorBoard directory", directory=True)
+
+
+def _checkpoint_meta(args: argparse.Namespace, analysis: Any, name: str) -> dict[str, Any]:
+    return {"model": args.model, "strategy": name, "batch_size": int(analysis.batch),
+            "topology": analysis.topology.name}
+
+
+def _check_resume_matches(args: argparse.Namespace, analysis: Any, name: str) -> None:
+    from tag.backend.runtime.checkpoint import read_checkpoint_meta
+    meta = read_checkpoint_meta(checkpoint_path(args))
+    want = _checkpoint_meta(args, analysis, name)
+    for key, value in want.items():
+        if key in meta and meta[key] != value:
+            raise TagError(f"--resume: {checkpoint_path(args)} was saved for {key} {meta[key]!r}, this run has "
+                           f"{value!r}: resume with the same model, batch, strategy and topology")
+
+
+class ProgressPrinter:
+    """RunEvents as lines on stderr: every phase and checkpoint; steps at most every MIN_INTERVAL_S
+    (always the first and the last)."""
+
+    def __init__(self, stream: Any = None, min_interval_s: float = 0.5):
+        self.stream = stream
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def __call__(self, name: str, ev: Any) -> None:
+        if ev.kind == "phase":
+            line = f"{PROG}: {name}: {ev.text}"
+        elif ev.kind == "checkpoint":
+            line = f"{PROG}: {name}: checkpoint at step {ev.step}: {ev.text}"
+        else:
+            now = time.monotonic()
+            if ev.step not in (1, ev.steps) and now - self._last < self.min_interval_s:
+                return
+            self._last = now
+            loss = f"  loss {ev.loss:.4g}" if ev.loss is not None else ""
+            line = f"{PROG}: {name}: step {ev.step}/{ev.steps}  {ev.step_time_s:.3f} s/step{loss}"
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+
+def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any) -> tuple[dict[str, Any], Any]:
+    """Deploy strategy NAME and the dp_allreduce baseline; (the report's measured_* keys, the plan's
+    RunMetadata of one traced step or None)."""
+    from tag.backend.runtime.guard import RunControl
+    from tag.backend.runtime.measure import measure_strategies
+    from tag.report import measured_fields
+
+    if args.resume:
+        _check_resume_matches(args, analysis, name)
+    wanted = {name: strategy}
+    wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
+    control = RunControl(step_timeout_s=args.step_timeout, setup_timeout_s=max(args.step_timeout, 120.0),
+                         checkpoint_every=args.checkpoint_every or 0,
+                         checkpoint_path=checkpoint_path(args) if args.checkpoint_every else None,
+                         checkpoint_meta=_checkpoint_meta(args, analysis, name),
+                         resume_from=checkpoint_path(args) if args.resume else None,
+                         trace_step=TRACED_STEP if args.tensorboard else None)
+    if args.checkpoint_every:
+        os.makedirs(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, exist_ok=True)
+    steps_of = {n: min(args.steps, BASELINE_MAX_STEPS) for n in wanted if n != name}
+    entry = analysis.entry
+    runs = measure_strategies(analysis.graph_def, analysis.graph, analysis.topology, wanted,
+                              batch_size=analysis.batch, steps=args.steps, warmup=min(3, args.steps - 1),
+                              train_op=entry.train_op, loss=entry.loss, init=entry.init,
+                              controls={name: control}, progress=ProgressPrinter(), steps_of=steps_of)
+    mine, base = runs[name], runs["dp_allreduce"]
+    fields = measured_fields(mine, base, len(mine.step_times), mine.warmup)
+    fields["measured_start_step"] = mine.start_step
+    fields["measured_baseline_steps"] = len(base.step_times)
+    if args.checkpoint_every:
+        fields["checkpoint"] = checkpoint_path(args)
+    return fields, mine.run_metadata
+
+
+def write_tensorboard_dir(args: argparse.Namespace, analysis: Any, strategy: Any, graph_def: Any,
+                          run_metadata: Any) -> list[str]:
+    """``--tensorboard DIR``: the rewritten graph (+ a traced step's statistics) and the predicted trace."""
+    from tag.backend.tensorboard import write_tensorboard
+    trace = analysis.simulator().trace(strategy, batch_size=analysis.batch)
+    return write_tensorboard(args.tensorboard, graph_def, trace=trace, run_metadata=run_metadata)
