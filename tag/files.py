@@ -46,7 +46,13 @@ def read_input_file(path: str | os.PathLike, *, what: str, limit: int, error: ty
         raise error(f"{path}: file too large (over {limit / 2**20:.0f} MiB) for a {what}")
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)
+            # read what stat promised (+1 to see growth), then on in chunks: never a LIMIT-sized buffer
+            chunks = [f.read(min(limit, info.st_size) + 1)]
+            total = len(chunks[0])
+            while chunks[-1] and total <= limit:
+                chunks.append(f.read(min(1 << 24, limit + 1 - total)))
+                total += len(chunks[-1])
+            data = b"".join(chunks)
     except PermissionError:
         raise error(f"{path}: permission denied") from None
     except (OSError, ValueError) as e:

@@ -84,6 +84,8 @@ def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str]
     except SystemExit as err:  # --help exits 0
         return int(err.code or 0) if isinstance(err.code, int) else EXIT_BAD_INPUT
     except MemoryError:
+        if os.environ.get("TAG_DEBUG"):
+            raise
         print(f"{prog}: error: out of memory (the model or the input is too large for this machine)",
               file=sys.stderr)
         return EXIT_ERROR
