@@ -2,13 +2,15 @@
 
 Measures with ``tag.cost.calibration`` (TensorFlow), fits with ``tag.cost.fitting``; the profile
 goes to ``--out``, else to ``tag.cost.profile_store.default_profile_path()`` where ``tag-deploy``
-finds it.
+finds it. A profile describes the device type it was measured on (``--device-type``, default CPU): for a
+mixed cluster, profile each type on its own machine and ``--merge`` the files (``tag.cli.profiles``).
 
 Usage::
 
     tag-profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
     tag-profile --model zoo:mlp                         # writes default_profile_path()
     tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
+    tag-profile --merge v100.json gtx1080ti.json --out lab.json   # device types of a mixed cluster in one file
 
     from tag.cli.profile import main
     main(["--model", "zoo:mlp,input_dim=64,hidden=128", "--batch", "16", "--steps", "2", "--out", "p.json"])
@@ -34,7 +36,9 @@ PROG = "tag-profile"
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG,
                                 description="Profile a training step on this machine and write a cost profile.")
-    p.add_argument("--model", required=True, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
+    p.add_argument("--model", default=None, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
+    p.add_argument("--merge", nargs="+", default=None, metavar="P.json",
+                   help="instead of profiling: merge profiles of different device types into --out")
     p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     p.add_argument("--steps", type=int, default=10, help="traced steps (default 10)")
     p.add_argument("--device-type", default="CPU", help="device type the profile describes (default CPU)")
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--network", action="store_true",
                    help="also measure TF's distributed runtime between two local one-thread workers "
                         "(step overhead, transfer latency and throughput)")
+    add_verbose(p)
     return p
 
 
@@ -62,12 +67,33 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
     return lines
 
 
+def _merge(args: argparse.Namespace) -> int:
+    """``--merge A B ... --out C``: one profile for a mixed cluster."""
+    from tag.cli.profiles import merge_profiles, read_profile
+    merged, notes = merge_profiles([(path, read_profile(path)) for path in args.merge])
+    out = args.out or default_profile_path()
+    merged.save(out)
+    print(f"wrote {out}: device types {', '.join(sorted(merged.devices))}")
+    for note in notes:
+        print(f"  note: {note}")
+    return 0
+
+
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
+    from tag.files import check_writable
+    if (args.model is None) == (args.merge is None):
+        raise TagError("give --model (profile a step) or --merge P.json ... (combine profiles), not both")
+    if args.out is not None:
+        check_writable(args.out, what="profile")
+    if args.merge is not None:
+        return _merge(args)
     if args.batch is not None and args.batch < 1:
         raise TagError(f"--batch must be positive, got {args.batch}")
     if args.steps < 1:
         raise TagError(f"--steps must be positive, got {args.steps}")
+    from tag.cli.model_size import check_model_spec
+    check_model_spec(args.model, args.batch)
     from tag import zoo
     from tag.cost.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze

@@ -12,6 +12,10 @@ Usage::
     from tag.cli.worker import main
     main(["--topo", "c.pbtxt", "--host", "nope"])   # -> 2, "tag-worker: error: ... unknown host 'nope'"
 
+Security: TensorFlow's gRPC server has no authentication and binds every interface (``0.0.0.0``/``[::]``
+at the cluster's port; TF 2.21's ``ServerDef`` has a port but no bind address, and no ``experimental``
+option changes that). The worker says so on stderr when it starts; run workers on a trusted network only.
+
 Exit codes: 0 stopped by a signal, 2 bad input (one line on stderr, before TensorFlow loads), 1 anything else.
 """
 from __future__ import annotations
@@ -65,11 +69,21 @@ def _resolve_task(args: argparse.Namespace) -> tuple[dict[str, list[str]], str, 
     return cluster, job, index, f"{job}:{index} {cluster[job][index]}", True
 
 
+def security_notice(address: str) -> str:
+    """What every worker says when it starts: the server is open to anyone who reaches its port."""
+    port = address.rsplit(":", 1)[-1]
+    return (f"TensorFlow's gRPC server has no authentication and listens on every network interface of this "
+            f"machine (port {port}), not only on {address}: anyone who can reach the port can run code here. "
+            f"TensorFlow offers no option to bind one address (ServerDef has only a port). Run workers only "
+            f"on a trusted network, or firewall port {port} to the cluster's hosts.")
+
+
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     if args.threads < 0 or (args.inter_threads is not None and args.inter_threads < 0):
         raise TagError("--threads and --inter-threads must be >= 0")
     cluster, job, index, label, has_gpu = _resolve_task(args)
+    print(f"{PROG}: warning: {security_notice(cluster[job][index])}", file=sys.stderr, flush=True)
     return serve(cluster, job, index, label=label, threads=args.threads, inter_threads=args.inter_threads,
                  has_gpu=has_gpu, parent_pid=args.parent_pid)
 
