@@ -466,3 +466,158 @@ def test_ctrl_c_stops_the_workers():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# guarded runs: watchdog, deadlines, progress, checkpoints (fast, in process)
+# ------------------------------------------------------------------------------------------------
+
+def test_guarded_watchdog_and_deadline_end_the_wait():
+    from tag.backend.runtime.guard import guarded
+    from tag.errors import RunError
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match="worker for host h1 died.*during step 3"):
+        guarded(lambda: time.sleep(30), what="step 3", timeout_s=60,
+                watchdog=lambda: "worker for host h1 died" if time.monotonic() - t0 > 0.3 else None, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RunError, match="step 1 did not finish within 0 s"):
+        guarded(lambda: time.sleep(30), what="step 1", timeout_s=0.2, poll_s=0.05)
+    assert guarded(lambda: 7, what="x", timeout_s=1) == 7
+    with pytest.raises(TagError, match="bad"):
+        guarded(lambda: (_ for _ in ()).throw(TagError("bad")), what="x", timeout_s=1)
+
+
+def test_wait_for_hosts_names_the_silent_host():
+    from tag.backend.runtime.health import HostProbe, wait_for_hosts
+    from tag.errors import RunError
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    closed = free_ports(1)[0]
+    topo = parse_topology(topo_text([listener.getsockname()[1], closed]))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunError, match=rf"no answer from host h1 \(127.0.0.1:{closed}\) within 1 s"):
+            wait_for_hosts(topo.hosts, timeout_s=1, interval_s=0.2)
+        assert time.monotonic() - t0 < 5
+        wait_for_hosts(topo.hosts[:1], timeout_s=1)
+        probe = HostProbe(topo.hosts, interval_s=0.1, misses=2, connect_s=0.2)
+        deadline = time.monotonic() + 5
+        while probe.dead_host() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        probe.stop()
+        assert "host h1" in (probe.dead_host() or "") and "h0" not in probe.dead_host()
+    finally:
+        listener.close()
+
+
+def test_run_steps_progress_checkpoint_and_resume_in_process(tmp_path):
+    from tag.backend.runtime.checkpoint import read_checkpoint_meta
+    from tag.backend.runtime.guard import RunControl
+    gd = mlp_graph(tasks=(None, None))
+    events = []
+    path = str(tmp_path / "w.npz")
+    full = run_steps(gd, "", steps=8, warmup=1, synthetic=True, seed=2)
+    ctl = RunControl(progress=events.append, checkpoint_every=3, checkpoint_path=path, checkpoint_meta={"k": 1})
+    first = run_steps(gd, "", steps=5, warmup=1, synthetic=True, seed=2, control=ctl)
+    steps = [e for e in events if e.kind == "step"]
+    assert [e.step for e in steps] == [1, 2, 3, 4, 5] and all(e.steps == 5 and e.loss is not None for e in steps)
+    assert [e.step for e in events if e.kind == "checkpoint"] == [3, 5]
+    meta = read_checkpoint_meta(path)
+    assert meta["step"] == 5 and meta["k"] == 1 and meta["losses"] == first.losses
+    assert "w1" in meta["variables"] and not any(v.startswith("tag_synthetic/") for v in meta["variables"])
+    with np.load(path, allow_pickle=False) as npz:        # plain data, no pickle
+        assert all(npz[k].dtype != object for k in npz.files)
+    resumed = run_steps(gd, "", steps=8, warmup=1, synthetic=True, seed=2, control=RunControl(resume_from=path))
+    assert resumed.start_step == 5 and len(resumed.step_times) == 3
+    assert resumed.losses[:5] == first.losses
+    np.testing.assert_allclose(resumed.losses, full.losses, rtol=1e-5)   # the curve continues where it was
+    with pytest.raises(TagError, match="nothing left to run"):
+        run_steps(gd, "", steps=5, warmup=1, synthetic=True, control=RunControl(resume_from=path))
+    other = mlp_graph(tasks=(None, None), hidden=32)
+    with pytest.raises(TagError, match="shape"):
+        run_steps(other, "", steps=8, warmup=1, synthetic=True, control=RunControl(resume_from=path))
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(TagError, match="not a tag checkpoint"):
+        read_checkpoint_meta(tmp_path / "junk.npz")
+
+
+# ------------------------------------------------------------------------------------------------
+# tag-deploy --run on real local workers: a killed worker is named, --resume continues (slow)
+# ------------------------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _task_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return json.loads(env[b"TF_CONFIG"])["task"]["index"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_killed_worker_is_reported_and_the_run_resumes(tmp_path):
+    topo_path = tmp_path / "loop.pbtxt"
+    topo_path.write_text(topo_text(free_ports(3)))
+    ckpt = tmp_path / "ckpt"
+    base = [sys.executable, "-m", "tag.cli.deploy", "--topo", str(topo_path), "--model",
+            "zoo:mlp,input_dim=32,hidden=64", "--batch", "12", "--strategy", "ps", "--run",
+            "--checkpoint-dir", str(ckpt)]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("TAG_PROFILE", None)
+    proc = subprocess.Popen(base + ["--steps", "100000", "--checkpoint-every", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    lines = []
+    try:
+        killed_at = None
+        for line in proc.stderr:
+            lines.append(line)
+            if ": step " in line and (ckpt / "weights.npz").exists():
+                step = int(line.split(": step ")[1].split("/")[0])
+                if step >= 12:
+                    victim = [p for p in _children(proc.pid) if _task_of(p) == 1]
+                    assert victim, lines
+                    os.kill(victim[0], signal.SIGKILL)
+                    killed_at = time.monotonic()
+                    break
+        assert killed_at is not None, "".join(lines[-20:])
+        rest = proc.communicate(timeout=60)[1]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert elapsed < 30, elapsed
+    assert proc.returncode == 1
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("tag-deploy: error: worker for host h1 (127.0.0.1:") and "died" in last, rest
+    assert "Traceback" not in rest
+    assert not _children(proc.pid)
+
+    from tag.backend.runtime.checkpoint import read_checkpoint_meta
+    meta = read_checkpoint_meta(ckpt / "weights.npz")
+    saved = meta["step"]
+    assert saved >= 10 and saved % 5 == 0
+    report = tmp_path / "r.json"
+    done = subprocess.run(base + ["--steps", str(saved + 3), "--resume", "--report", str(report)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed at step {saved}" in done.stderr
+    r = json.loads(report.read_text())
+    losses = r["measured_losses"]
+    assert r["measured_start_step"] == saved and len(losses) == saved + 3
+    assert losses[:saved] == pytest.approx(meta["losses"])
+    assert losses[saved] < losses[0] and losses[saved] <= losses[saved - 1] * 1.02   # continues, not restarts
