@@ -145,6 +145,9 @@ def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
         bar.set_postfix_str("building the model")
         from tag import zoo
         model_name, graph_def = zoo.resolve_model(args.model, args.batch)
+        if not str(args.model).strip().startswith("zoo:"):
+            from tag.cli.graph_check import check_importable
+            check_importable(graph_def, args.model)     # op signatures, attributes, cycles
         bar.update()
         bar.set_postfix_str("analysing the graph")
         analysis = prepare(graph_def, topology, batch_size=args.batch, profile=profile, groups=args.groups,

@@ -98,6 +98,9 @@ def _body(argv: Sequence[str]) -> int:
     from tag.cost.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze
     name, gd = zoo.resolve_model(args.model, args.batch)
+    if not str(args.model).strip().startswith("zoo:"):
+        from tag.cli.graph_check import check_importable
+        check_importable(gd, args.model)
     graph = analyze(gd, batch_size=args.batch)
     prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
     if args.network:
