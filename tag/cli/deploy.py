@@ -54,7 +54,7 @@ from tqdm import tqdm
 from tag.cli.common import ArgumentParser, add_verbose, run_cli, write_text_atomic
 from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, write_tensorboard_dir
 from tag.errors import StrategyError, TagError
-from tag.report import finite, format_table, measured_fields, report_json
+from tag.report import finite, format_table, report_json
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
