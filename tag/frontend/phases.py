@@ -21,23 +21,12 @@ Example::
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from tag.frontend.graph_import import StepGraph
+from tag.frontend.graph_import import GRAD_SCOPE_RE, StepGraph, in_grad_scope
 from tag.frontend.op_rules import is_apply_op
 
 __all__ = ["GRAD_SCOPE_RE", "backward_ops", "forward_op_of", "in_grad_scope", "op_phases"]
-
-#: the name scope tf.gradients puts gradient ops under: "gradients", "gradients_1", ...
-GRAD_SCOPE_RE = re.compile(r"^gradients(_\d+)?$")
-
-
-def in_grad_scope(name: str) -> bool:
-    """True when op NAME sits under a ``gradients``/``gradients_N`` name scope."""
-    parts = name.split("/")[:-1]
-    return any(GRAD_SCOPE_RE.match(p) for p in parts)
-
 
 def forward_op_of(name: str, nodes: dict[str, Any]) -> str | None:
     """The forward op a ``gradients/<op>_grad/...`` op differentiates, if it is in NODES."""

@@ -31,9 +31,11 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tag.errors import RewriteError
+from tag.frontend.batch_axes import rule_axes
+from tag.ir.types import Linear, TensorInfo
 
 from .context import RewriteContext
-from .graph_edit import FLOAT_TYPES, Instance, Range, attr_type, fill_defaults, split_tensor, tensor_name
+from .graph_edit import FLOAT_TYPES, Instance, Range, attr_type, canonical, fill_defaults, split_tensor, tensor_name
 
 # op type -> input index that is a shape whose entries follow the op's output shape
 _SHAPE_OPERAND = {
@@ -54,8 +56,35 @@ class BatchSplitMixin(RewriteContext):
     """Batch-following constants (``const_scale``) and re-splitting of batch-axis tensors."""
 
     # -------------------------------------------------------------------------------- constants
+    def _outside_axes(self) -> None:
+        """Batch axes of the kept ops outside the analysed step (the loss's tail, metrics): the frontend's
+        per-op rules applied to TensorFlow's static shapes, in topological order; recorded in
+        ``tensor_info`` so their batch-sized constants are rescaled like the step's."""
+        outside = [n for n in self.order if n not in self.ir_index and self.nodes[n].op != "Const"]
+        if not any(self.nodes[split_tensor(i)[0]].op != "Const" for n in outside for i in self.nodes[n].input
+                   if not i.startswith("^") and split_tensor(i)[0] in self.ir_index):
+            return
+        for n in outside:
+            node = self.nodes[n]
+            ins = []
+            for i in node.input:
+                if i.startswith("^"):
+                    continue
+                info = self.tensor_info.get(canonical(i))
+                ins.append((None if info is None or info.shape is None else tuple(info.shape),
+                            None if info is None else info.batch_axis))
+            op = self.tfg.get_operation_by_name(n)
+            outs = [None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.outputs]
+            axes = rule_axes(node.op, node.attr, ins, outs,
+                             lambda k: self.nodes[split_tensor([i for i in node.input if not i.startswith("^")][k])[0]]
+                             if k < len(ins) else None)
+            for k, (t, ax) in enumerate(zip(op.outputs, axes)):
+                self.tensor_info[tensor_name(n, k)] = TensorInfo(tensor_name(n, k), t.dtype.base_dtype.name,
+                                                                 outs[k], ax, Linear())
+
     def _const_rules(self) -> None:
         """For each batch-dependent constant: the flat positions that scale with the batch."""
+        self._outside_axes()
         self.const_scale = {}
         for n in self.order:
             node = self.nodes[n]
@@ -169,6 +198,32 @@ class BatchSplitMixin(RewriteContext):
         new = node_def_pb2.NodeDef()
         new.CopyFrom(node)
         new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.reshape(value.shape)))
+        return new
+
+    def _batch_const_value(self, n: str, rng: Range) -> node_def_pb2.NodeDef | None:
+        """A copy of Const N (a tensor with a batch axis that TensorFlow folded into a constant, such as
+        ``zeros_like`` of a static batch) holding examples RNG: its rows of the batch axis, or, for a
+        value that is the same along that axis, that value repeated for any batch."""
+        if rng == (0, self.ref_batch) and self.batch == self.ref_batch:
+            return None
+        node = self.nodes[n]
+        value = tf.make_ndarray(node.attr["value"].tensor)
+        ax = self._batch_axis(n)
+        rows = value.shape[ax] // self.ref_batch if ax < value.ndim else 0
+        if not rows or value.shape[ax] % self.ref_batch:
+            raise RewriteError(f"constant {n!r}: its batch axis {ax} ({value.shape}) is not a multiple of the "
+                               f"batch {self.ref_batch}, so it cannot be split between devices")
+        first = np.take(value, [0], axis=ax)
+        if np.all(value == first):
+            new_value = np.repeat(first, (rng[1] - rng[0]) * rows, axis=ax)
+        elif rng[1] <= self.ref_batch:
+            new_value = np.take(value, np.arange(rng[0] * rows, rng[1] * rows), axis=ax)
+        else:
+            raise RewriteError(f"constant {n!r} holds per-example values for {self.ref_batch} examples; it cannot "
+                               f"serve examples {rng[0]}..{rng[1] - 1} (build the graph at the batch to run)")
+        new = node_def_pb2.NodeDef()
+        new.CopyFrom(node)
+        new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(new_value))
         return new
 
     def _rescale_placeholder(self, n: str, node: node_def_pb2.NodeDef) -> None:
