@@ -82,7 +82,7 @@ from tag.frontend.assemble import colocation_groups, dependency_edges, op_infos,
 from tag.frontend.batch_axes import batch_axes  # noqa: E402
 from tag.frontend.graph_import import coerce_graph_def, pruned_graph_def, step_graph  # noqa: E402
 from tag.frontend.op_rules import FLOP_RULE_TYPES, ZERO_FLOP_TYPES, is_apply_op  # noqa: E402
-from tag.frontend.phases import op_phases  # noqa: E402
+from tag.frontend.phases import context_ops, op_phases  # noqa: E402
 from tag.frontend.shapes import find_batch, infer_shapes  # noqa: E402
 from tag.frontend.variables import step_variables  # noqa: E402
 from tag.ir.types import TrainingGraph  # noqa: E402
@@ -140,9 +140,10 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     timings.mark("step ops")
     batch = find_batch(sg.nodes, sg.step, batch_size)     # which inputs carry the batch; at which batch
     timings.mark("batch inputs")
-    inferred = infer_shapes(pruned_graph_def(gd, sg.step), batch)   # TF's shape inference, twice
+    context = context_ops(sg)                             # the loss's tail: tells its gradients' batch axes
+    inferred = infer_shapes(pruned_graph_def(gd, sg.step | set(context)), batch)   # TF's shape inference, twice
     timings.mark("shapes")
-    axes = batch_axes(sg, inferred, batch)
+    axes = batch_axes(sg, inferred, batch, context)
     timings.mark("batch axes")
     tensors, unknown_shape = tensor_infos(sg, inferred, axes, batch)
     timings.mark("tensor infos")

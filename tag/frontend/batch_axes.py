@@ -235,7 +235,8 @@ def _mirror_axes(name: str, outs: list, out_dtypes: list, nodes: dict[str, Node]
     return res
 
 
-def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec) -> dict[str, list[int | None]]:
+def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec,
+               context: list[str] | None = None) -> dict[str, list[int | None]]:
     """Op name -> the batch axis of each of its outputs (None: does not scale with the batch).
 
     Pass 1: shape inference's verdict, completed by the per-op rules. Pass 2: ops that build a batch-
@@ -244,11 +245,12 @@ def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec) -> dic
     """
     axes: dict[str, list[int | None]] = {}
     input_tensors = {(nm, i) for nm, i, _ in batch.inputs}   # (op, output index) fed with a batch
-    for nm in sg.order:
+    order = list(sg.order) + list(context or [])   # CONTEXT: forward ops outside the step (the loss's tail)
+    for nm in order:
         axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False)
     for _ in range(3):   # pass 2, again while the sibling rule finds batch-sized constants
         adopted = False
-        for nm in sg.order:
+        for nm in order:
             adopted |= _sibling_axes(nm, sg, inferred, axes)
             axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, True)
         if not adopted:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from tag.ir.op_types import FUNCTION_CALL_TYPES
+from tag.ir.op_types import FUNCTION_CALL_TYPES, TENSOR_LIST_TYPES
 
 __all__ = ["ELEMENTWISE_TYPES", "FLOP_RULE_TYPES", "REDUCTION_TYPES", "ZERO_FLOP_TYPES", "Shape", "fallback_flops", "flops_of",
            "grad_arg_index", "is_apply_op", "numel", "prod"]
@@ -118,7 +118,7 @@ Unique DestroyResourceOp SaveV2 RestoreV2 MergeV2Checkpoints DepthToSpace SpaceT
 DiagPart Diag MatrixDiag MatrixDiagPart MatrixDiagV3 MatrixDiagPartV3 MatrixBandPart MatrixSetDiagV3 Roll
 CollectiveReduceV2 CollectiveGatherV2 CollectiveReduce CollectiveGather CollectiveBcastSend CollectiveBcastRecv
 CollectiveBcastSendV2 CollectiveBcastRecvV2 NcclAllReduce _Send _Recv _HostSend _HostRecv Cross
-TensorScatterUpdate ScatterNd ResizeNearestNeighbor""".split())
+TensorScatterUpdate ScatterNd ResizeNearestNeighbor VariableShape""".split()) | TENSOR_LIST_TYPES
 
 
 def _in(shapes: list, i: int) -> Shape | None:

@@ -83,10 +83,11 @@ def optimizer_graph(optimizer: str, *, sparse: bool, resource: bool, batch_size:
 
 
 def causal_lm_graph(*, batch_size: int = 4, seq_len: int = 8, vocab_size: int = 16, d_model: int = 8,
-                    learning_rate: float = 0.01) -> tf.compat.v1.GraphDef:
+                    learning_rate: float = 0.01, loss_form: str = "flat") -> tf.compat.v1.GraphDef:
     """A GPT-style causal language model: token and position embeddings, one causal self-attention
     layer, an MLP; the loss is the mean cross-entropy of ``logits[:, :-1]`` against ``tokens[:, 1:]``,
-    both flattened to ``batch x (seq_len - 1)`` positions. Adam."""
+    both flattened to ``batch x (seq_len - 1)`` positions (``loss_form="flat"``), or per sequence (summed
+    over positions, averaged over the batch: ``"sequence"``). Adam."""
     g = tf.Graph()
     with g.as_default():
         v1.set_random_seed(0)
@@ -105,9 +106,14 @@ def causal_lm_graph(*, batch_size: int = 4, seq_len: int = 8, vocab_size: int = 
         w_mlp = v1.get_variable("w_mlp", [d_model, d_model], initializer=v1.glorot_uniform_initializer(seed=4))
         h = h + tf.nn.tanh(tf.einsum("bsd,de->bse", h, w_mlp))
         logits = tf.einsum("bsd,vd->bsv", h, wte)                                # tied output embedding
-        shifted = tf.reshape(logits[:, :-1], [-1, vocab_size])                   # [B*(S-1), V]
-        targets = tf.reshape(tokens[:, 1:], [-1])                                # [B*(S-1)]
-        _finish(_xent(shifted, targets), v1.train.AdamOptimizer(learning_rate))
+        if loss_form == "flat":
+            shifted = tf.reshape(logits[:, :-1], [-1, vocab_size])               # [B*(S-1), V]
+            targets = tf.reshape(tokens[:, 1:], [-1])                            # [B*(S-1)]
+            loss = _xent(shifted, targets)
+        else:   # TF flattens [B, S-1, V] itself and reshapes the loss back to the static [B, S-1]
+            loss = tf.reduce_mean(tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=tokens[:, 1:], logits=logits[:, :-1]), axis=1)) / float(seq_len - 1)
+        _finish(loss, v1.train.AdamOptimizer(learning_rate))
     return g.as_graph_def()
 
 

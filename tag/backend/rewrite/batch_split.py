@@ -46,6 +46,7 @@ _SHAPE_OPERAND = {
     "ScatterNd": 2,
 }
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
+_FOLDED_SHAPE_RE = re.compile(r"^Shape(_\d+)?$")   # tf.shape of a static shape, folded into a Const
 
 
 def _is_scalar(node: node_def_pb2.NodeDef) -> bool:
@@ -104,6 +105,8 @@ class BatchSplitMixin(RewriteContext):
         """Positions of the flat value V of Const N that hold (a multiple of) the reference batch."""
         is_int = dtype in (tf.int32, tf.int64)
         pos = self._shape_operand_positions(n, v, is_int)
+        if is_int and "/" in n and _FOLDED_SHAPE_RE.match(n.rsplit("/", 1)[1]):
+            pos |= self._folded_shape_positions(n, v)
         m = _GRAD_SCOPE_RE.search(n)
         if m:
             fwd = self._forward_op(m.group(1))
@@ -133,6 +136,22 @@ class BatchSplitMixin(RewriteContext):
                 src = self.nodes[c].input[0]
                 if ax is not None and ax < v.size and self._batch_axis(src) is None and v[ax] % ref_batch == 0 \
                         and v[ax] > 0:
+                    pos.add(ax)
+        return pos
+
+    def _folded_shape_positions(self, n: str, v: np.ndarray) -> set[int]:
+        """R4: ``tf.shape(x)`` of a static x folded into Const N (``<scope>/Shape_k``): the batch entry, when
+        V is the shape of a batch-axis tensor that an op of the same name scope takes."""
+        scope = n.rsplit("/", 1)[0] + "/"
+        pos: set[int] = set()
+        for op in self.order:
+            if not op.startswith(scope) or "/" in op[len(scope):]:
+                continue
+            for t in self.nodes[op].input:
+                if t.startswith("^"):
+                    continue
+                ax, shape = self._batch_axis(t), self._ref_shape(t)
+                if ax is not None and shape is not None and list(shape) == list(v) and v[ax] % self.ref_batch == 0:
                     pos.add(ax)
         return pos
 
