@@ -135,6 +135,8 @@ def rule_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
     elif op_type in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits") and ins:
         if ins[0][1] == 0:
             special = [0, 0][: len(outs)]
+    elif op_type == "Einsum":
+        special = _einsum_axes(attrs, ins, outs)
     elif op_type in ("GatherV2", "ResourceGather", "Gather") and len(ins) >= 2:
         special = _gather_axes(op_type, ins, const_input)
     return special if special is not None else generic_axes(ins, outs)
@@ -198,6 +200,23 @@ def _reduction_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
     if o is not None and (tuple(s[:a]) + tuple(s[a + 1:]) == tuple(o) or
                           tuple(s[:a]) + (1,) + tuple(s[a + 1:]) == tuple(o) and s[a] != 1):
         return [None]
+    return None
+
+
+def _einsum_axes(attrs: Any, ins: ShapedInputs, outs: list) -> list | None:
+    """The label at an operand's batch axis: where it is in the output, or None if summed away (a weight
+    gradient). None (fall through) for equations with ellipses."""
+    eq = attrs["equation"].s.decode() if "equation" in attrs else ""
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->", 1)
+    terms = lhs.split(",")
+    if len(terms) != len(ins):
+        return None
+    for term, (s, ax) in zip(terms, ins):
+        if ax is not None and s is not None and len(term) == len(s) and ax < len(term):
+            label = term[ax]
+            return [out.index(label) if label in out else None]
     return None
 
 

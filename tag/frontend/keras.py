@@ -45,7 +45,8 @@ def training_graph_def(model: Any, loss: Any, optimizer: Any, batch_size: int, *
 
     ``model``: a ``tf_keras.Model`` (cloned into the new graph: same layers, fresh initial weights) or
     a function of no arguments that builds one (called inside the new graph).
-    ``loss``: a tf_keras loss object or name, or a function ``(y_true, y_pred) -> scalar``.
+    ``loss``: a tf_keras loss object or name, or a function ``(y_true, y_pred)``; values per example
+    are averaged over the batch.
     ``optimizer``: a ``tf.compat.v1.train.Optimizer`` or one of the names in
     ``tag.frontend.real_graphs.OPTIMIZERS`` ("adam", "sgd", "momentum", ...).
     ``label_shape`` / ``label_dtype``: one label per example (without the batch); by default the
@@ -68,9 +69,12 @@ def training_graph_def(model: Any, loss: Any, optimizer: Any, batch_size: int, *
         loss_fn = _loss_function(loss, tf_keras)
         shape, dtype = _label_spec(outputs, loss, label_shape, label_dtype)
         labels = v1.placeholder(dtype, [None, *shape], name="labels")
-        loss_value = tf.identity(loss_fn(labels, outputs), name="loss")
-        if loss_value.shape.rank not in (0, None):
-            raise GraphError(f"training_graph_def: the loss has shape {loss_value.shape}; it must be a scalar")
+        per_example = loss_fn(labels, outputs)
+        if per_example.shape.rank is None:
+            raise GraphError("training_graph_def: the loss has an unknown rank; it must be a scalar or per example")
+        # a loss function (not a Loss object) gives one value per example: average them, as Keras does
+        mean = per_example if per_example.shape.rank == 0 else tf.reduce_mean(per_example)
+        loss_value = tf.identity(mean, name="loss")
         opt = _optimizer(optimizer)
         updates = list(getattr(keras_model, "updates", []) or [])
         step = opt.minimize(loss_value, var_list=keras_model.trainable_weights, name="apply_gradients")
