@@ -20,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
-from tag.errors import GraphError  # noqa: E402
+from tag.errors import GraphError, RewriteError  # noqa: E402
 from tag.frontend import real_graphs as rg  # noqa: E402
 from tag.frontend.analyze import analyze  # noqa: E402
 from tag.frontend.keras import training_graph_def  # noqa: E402
@@ -186,6 +186,18 @@ def test_recommender_reads_tables_and_folded_zeros_like():
     res = rewrite(gd, ir, strategy("allreduce", ir, FAKE), FAKE)
     consts = {n.name: n for n in res.graph_def.node if n.name.startswith("logistic_loss/zeros_like/")}
     assert sorted(len(tf.make_ndarray(n.attr["value"].tensor)) for n in consts.values()) == [2, 2, 4]
+
+
+def test_undecided_batch_axis_error_names_the_op():
+    """Where a batch-sized tensor's batch axis is not known, the error names the op and says what to change."""
+    import copy
+
+    gd, ir = graph("recommender")
+    broken = copy.deepcopy(ir)
+    broken.ops[broken.op_index["logistic_loss/zeros_like"]].outputs[0].batch_axis = None
+    with pytest.raises(RewriteError, match=r"'logistic_loss/GreaterEqual'.*unknown batch dimension") as err:
+        rewrite(gd, broken, strategy("allreduce", broken, FAKE), FAKE)
+    assert "\n" not in str(err.value)
 
 
 def test_causal_lm_shifted_positions_carry_the_batch():

@@ -28,7 +28,8 @@ import tensorflow as tf
 
 v1 = tf.compat.v1
 
-__all__ = ["OPTIMIZERS", "causal_lm_graph", "lstm_lm_graph", "optimizer_graph", "recommender_graph"]
+__all__ = ["OPTIMIZERS", "causal_lm_graph", "framework_parameters", "lstm_lm_graph", "optimizer_graph",
+           "recommender_graph"]
 
 #: every ``tf.compat.v1.train`` optimizer, by short name (small learning rates: 3 steps stay tame)
 OPTIMIZERS: dict[str, Callable[[], Any]] = {
@@ -42,11 +43,29 @@ OPTIMIZERS: dict[str, Callable[[], Any]] = {
 }
 
 
+def framework_parameters(graph_def: tf.compat.v1.GraphDef) -> int:
+    """Trainable parameters as TensorFlow counts them: the variables ``tf.compat.v1.trainable_variables()``
+    held when the graph was built (recorded by these builders in the graph's ``tag_trainable_parameters``
+    Const), for checking what ``tag.analyze`` reads."""
+    for node in graph_def.node:
+        if node.name == "tag_trainable_parameters":
+            return int(tf.make_ndarray(node.attr["value"].tensor))
+    raise KeyError("graph_def was not built by tag.frontend.real_graphs")
+
+
+def _record_trainable_count(count: int | None = None) -> None:
+    """A Const holding the number of trainable parameters (outside the training step)."""
+    if count is None:
+        count = sum(int(np.prod(v.shape.as_list())) for v in v1.trainable_variables())
+    tf.constant(np.int64(count), name="tag_trainable_parameters")
+
+
 def _finish(loss: tf.Tensor, optimizer: Any) -> None:
     """``loss``, ``train_op`` (gradients as TF gives them: IndexedSlices stay sparse) and ``init``."""
     loss = tf.identity(loss, name="loss")
     optimizer.minimize(loss, name="train_op")
     v1.variables_initializer(v1.global_variables(), name="init")
+    _record_trainable_count()
 
 
 def _xent(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
@@ -170,4 +189,9 @@ def lstm_lm_graph(*, batch_size: int = 4, seq_len: int = 6, vocab_size: int = 12
         return lstm_lm_model(seq_len=seq_len, vocab_size=vocab_size, embed=embed, units=units, layers=layers)
 
     loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return training_graph_def(build, loss, optimizer, batch_size, label_shape=(seq_len,), label_dtype=tf.int32)
+    gd = training_graph_def(build, loss, optimizer, batch_size, label_shape=(seq_len,), label_dtype=tf.int32)
+    g = tf.Graph()
+    with g.as_default():
+        _record_trainable_count(build().count_params())
+    gd.node.extend(g.as_graph_def().node)
+    return gd

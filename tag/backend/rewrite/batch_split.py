@@ -259,7 +259,8 @@ class BatchSplitMixin(RewriteContext):
         shape = self._ref_shape(t)
         if shape is None or ax is None or ax >= len(shape) or shape[ax] is None or shape[ax] % self.ref_batch:
             raise RewriteError(f"tensor {t!r}: its batch axis {ax} has no static size that is a multiple of "
-                               f"the batch {self.ref_batch}, so it cannot be split between devices")
+                               f"the batch {self.ref_batch}, so it cannot be split between devices; give its "
+                               f"op static shapes (or keep it in one op group run on the whole batch)")
         return shape[ax] // self.ref_batch
 
     def _cover(self, p: str, rng: Range, dev: int) -> list[Instance]:
