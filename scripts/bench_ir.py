@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                              else zoo.names() + list(_real_graphs()))
     _warm_up()
     rows = []
-    header = (f"{'model':<13} {'ops':>6} {'vars':>5} {'parameters':>12} {'published':>10} "
+    header = (f"{'model':<13} {'ops':>6} {'vars':>5} {'parameters':>12} {'published':>12} "
               f"{'fwd+bwd GFLOP/ex':>16} {'build s':>8} {'analyze s':>9} {'(cpu s)':>8}")
     print(header)
     print("-" * len(header))
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         pub = r["published_parameters"]
         print(f"{r['model']:<13} {r['ops']:>6} {r['variables']:>5} {r['parameters']:>12,} "
-              f"{(f'{pub / 1e6:.1f}M' if pub and pub >= 1e5 else f'{pub:,}' if pub else '-'):>10} {r['fwd_bwd_flops_per_example'] / 1e9:>16.3f} "
+              f"{(f'{pub:,}' if pub else '-'):>12} {r['fwd_bwd_flops_per_example'] / 1e9:>16.3f} "
               f"{r['build_graph_seconds']:>8.1f} {r['analyze_seconds']:>9.2f} {r['analyze_cpu_seconds']:>8.2f}",
               flush=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
