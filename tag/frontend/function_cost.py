@@ -264,7 +264,44 @@ def _trips_from_condition(op: Any, cond: Any) -> int | None:
     return best
 
 
-def _static_value(t: Any) -> int | None:
+def _static_dim(x: Any, k: int, depth: int = 0) -> int | None:
+    """Dimension K of tensor X when it is static or follows statically from what X is made of: a transpose
+    with constant permutation, a TensorList stacked from a list of known length (a loop's output list has
+    the length of the list it was given)."""
+    from tensorflow.python.framework import tensor_util
+
+    if x.shape.rank is not None and x.shape[k] is not None:
+        return int(x.shape[k])
+    if depth > 12:
+        return None
+    op = x.op
+    if op.type in ("Identity", "StopGradient") and op.inputs:
+        return _static_dim(op.inputs[0], k, depth + 1)
+    if op.type in ("Transpose", "ConjugateTranspose"):
+        perm = tensor_util.constant_value(op.inputs[1])
+        return None if perm is None else _static_dim(op.inputs[0], int(np.reshape(perm, -1)[k]), depth + 1)
+    if op.type == "TensorListStack" and k == 0:
+        return _list_length(op.inputs[0], depth + 1)
+    return None
+
+
+def _list_length(lst: Any, depth: int) -> int | None:
+    """Number of elements of TensorList LST, when static."""
+    op = lst.op
+    if depth > 12:
+        return None
+    if op.type == "Identity":
+        return _list_length(op.inputs[0], depth + 1)
+    if op.type in WHILE_TYPES:                      # a loop hands back the lists it was given, same length
+        return _list_length(op.inputs[lst.value_index], depth + 1)
+    if op.type == "TensorListReserve":
+        return _static_value(op.inputs[1], depth + 1)
+    if op.type == "TensorListFromTensor":
+        return _static_dim(op.inputs[0], 0, depth + 1)
+    return None
+
+
+def _static_value(t: Any, depth: int = 0) -> int | None:
     """The value of scalar int tensor T when it is computed from constants only (else None)."""
     from tensorflow.python.framework import tensor_util
 
@@ -272,11 +309,10 @@ def _static_value(t: Any) -> int | None:
     if v is None and t.op.type == "StridedSlice" and t.op.inputs[0].op.type == "Shape":
         # shape(x)[k] of an x whose dimension k is static (its batch dimension may not be)
         begin = tensor_util.constant_value(t.op.inputs[1])
-        dims = t.op.inputs[0].op.inputs[0].shape
-        if begin is not None and np.size(begin) == 1 and dims.rank is not None and t.shape.rank == 0:
-            k = int(np.reshape(begin, -1)[0])
-            if -dims.rank <= k < dims.rank and dims[k] is not None:
-                return int(dims[k])
+        x = t.op.inputs[0].op.inputs[0]
+        if begin is not None and np.size(begin) == 1 and x.shape.rank is not None and t.shape.rank == 0:
+            k = int(np.reshape(begin, -1)[0]) % x.shape.rank
+            return _static_dim(x, k, depth)
     if v is None:
         stack, seen = [t.op], set()
         while stack:

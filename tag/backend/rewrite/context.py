@@ -212,6 +212,9 @@ class RewriteContext(NodeBuilder):
             sub.versions.CopyFrom(self.graph_def.versions)
             sub.library.CopyFrom(self.graph_def.library)
             sub.node.extend(self.nodes[n] for n in self.order)
+            for node in sub.node:   # colocation with ops pruned away would fail the import (shapes need none)
+                if "_class" in node.attr:
+                    del node.attr["_class"]
             g = tf.Graph()
             with g.as_default():
                 try:
