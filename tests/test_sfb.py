@@ -8,6 +8,7 @@ within 1e-5 (relative) for an MLP, a VGG19-like classifier head and a transforme
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections import Counter
 
@@ -83,14 +84,18 @@ def mlp():
 MODELS = {"mlp": mlp, "vgg19_head": dense_head, "ffn_block": feed_forward_block}
 
 
-def cpu_topology(ports, tflops, per_host: int = 1, bandwidth_gbps: float = 10):
+def cpu_topology_text(ports, tflops, per_host: int = 1, bandwidth_gbps: float = 10) -> str:
     """Loopback CPU hosts (PER_HOST devices each), peak TFLOP/s as given (batch shares follow them)."""
     inter = "interconnect { kind: PCIE bandwidth_gbs: 10 latency_us: 5 }" if per_host > 1 else ""
     hosts = "\n".join(
         f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: {per_host} '
         f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} {inter} }}'
         for i, (p, f) in enumerate(zip(ports, tflops)))
-    return parse_topology(f'name: "sfb"\n{hosts}\nfabric {{ bandwidth_gbps: {bandwidth_gbps} latency_us: 50 }}\n')
+    return f'name: "sfb"\n{hosts}\nfabric {{ bandwidth_gbps: {bandwidth_gbps} latency_us: 50 }}\n'
+
+
+def cpu_topology(ports, tflops, per_host: int = 1, bandwidth_gbps: float = 10):
+    return parse_topology(cpu_topology_text(ports, tflops, per_host, bandwidth_gbps))
 
 
 def kernels(ir):
@@ -178,6 +183,21 @@ def test_optimize_reports_sfb_and_no_sfb_turns_it_off():
     assert r["baselines"]["without_sfb"] > r["predicted_step_time_s"]
     off = tag.optimize(gd, topo, playouts=4, groups=8, sfb=False).report()
     assert off["sfb_gradients"] == [] and off["predicted_step_time_s"] >= r["predicted_step_time_s"]
+
+
+def test_deploy_no_sfb_flag(tmp_path, capsys):
+    from tag.cli.deploy import main
+    topo = tmp_path / "t.pbtxt"
+    topo.write_text(cpu_topology_text([1, 2, 3, 4], [0.01] * 4, bandwidth_gbps=1))
+    args = ["--topo", str(topo), "--model", "zoo:mlp,hidden=1024x1024", "--batch", "32", "--playouts", "4",
+            "--groups", "8"]
+    reports = {}
+    for flag in ([], ["--no-sfb"]):
+        out = tmp_path / f"r{len(flag)}.json"
+        assert main(args + flag + ["--report", str(out)]) == 0, capsys.readouterr().err
+        reports[bool(flag)] = json.loads(out.read_text())
+    assert reports[False]["sfb_gradients"] and reports[False]["sfb_bytes_saved"] > 0
+    assert reports[True]["sfb_gradients"] == [] and reports[True]["sfb_bytes_saved"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ consistency
