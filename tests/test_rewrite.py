@@ -25,6 +25,7 @@ from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # 
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
+from tag.compress import eligible_gradients  # noqa: E402
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -725,7 +726,8 @@ def test_dataset_iterator_input(cluster):
 
 def random_strategy(ir, seed: int) -> Strategy:
     """Any action per op group: a random subset of the 3 device groups, a random mode, a random PS
-    device, random devices for partitioned ops (the kind of strategies a search visits)."""
+    device, random devices for partitioned ops (the kind of strategies a search visits), a random set of
+    SFB gradients."""
     rng = np.random.RandomState(seed)
     grouping = group_ops(ir, int(rng.choice([4, 8, 16])))
     actions, partition = [], {}
@@ -735,7 +737,10 @@ def random_strategy(ir, seed: int) -> Strategy:
         actions.append(Action(placement, mode, ps_device=int(rng.randint(3)) if mode == "ps" else None))
         if mode == "partition":
             partition.update({int(i): int(rng.choice(placement)) for i in grouping.members(g)})
-    return Strategy(grouping, actions, partition)
+    # about half the SFB-eligible weights by sufficient factors (applied where their group is a replicated
+    # allreduce group, ignored elsewhere)
+    sfb = [f.variable for f in eligible_gradients(ir) if rng.rand() < 0.5]
+    return Strategy(grouping, actions, partition, sfb=sfb)
 
 
 @pytest.mark.slow
