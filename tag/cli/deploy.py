@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="P.json", help="cost profile from tag-profile")
     p.add_argument("--report", default=None, metavar="R.json", help="write the report as JSON")
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
+    p.add_argument("--no-sfb", action="store_true",
+                   help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
     p.add_argument("--run", action="store_true", help="also deploy the plan on TensorFlow and measure it")
     p.add_argument("--steps", type=int, default=20, metavar="N", help="training steps for --run (default 20)")
     return p
@@ -174,7 +176,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
                 bar.refresh()           # the last playout is shown whatever the refresh interval
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
-                           seed=args.seed or 0, progress=progress)
+                           seed=args.seed or 0, progress=progress, sfb=not args.no_sfb)
         bar.refresh()
         return plan
 
