@@ -473,11 +473,12 @@ class CostModel:
         return ring, hier
 
     def allreduce_time(self, nbytes: float, devices: Sequence[int]) -> float:
-        """Best of ring and hierarchical all-reduce of NBYTES (per device) over DEVICES."""
+        """Flat ring all-reduce of NBYTES (per device) over DEVICES: the algorithm the rewriter deploys
+        (the hierarchical model of ``allreduce_coeffs`` is not deployed, so it is not charged)."""
         if nbytes <= 0:
             return 0.0
-        (a1, b1), (a2, b2) = self.allreduce_coeffs(devices)
-        return float(min(a1 + b1 * nbytes, a2 + b2 * nbytes))
+        (a1, b1), _ = self.allreduce_coeffs(devices)
+        return float(a1 + b1 * nbytes)
 
     def ps_coeffs(self, workers: Sequence[int], ps_device: int) -> tuple[float, float]:
         """Linear model (fixed s, s per byte) of ONE direction (push or pull) of parameter-server traffic.
