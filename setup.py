@@ -71,6 +71,6 @@ setup(
             "tag-profile=tag.cli.profile:main",
         ]
     },
-    package_data={"tag": ["_proto/*.py"]},
+    package_data={"tag": ["_proto/*.py", "cost/data/*.json"]},
     cmdclass={"build_py": BuildPyWithProtos},
 )

@@ -157,7 +157,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              budget_s: float | None = None, playouts: int | None = None, order: str = "auto", seed: int = 0,
              profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
-             progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None) -> Plan:
+             progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
+             sfb: bool = True) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -167,13 +168,16 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     a cost ``Profile``, a path to one, or None (built-in defaults). ``groups``: target number of op
     groups. ``train_op`` / ``loss`` / ``init``: op names, found automatically when None. ``progress``:
     called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
+    ``sfb``: after the search, send the gradients that pay as sufficient factors (``tag.compress``; the
+    report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory.
     """
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name)
-    return search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
+    return search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
+                       sfb=sfb)
 
 
 @dataclass
@@ -247,8 +251,10 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
 
 def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
                 order: str = "auto", seed: int = 0,
-                progress: "Callable[[SearchProgress], None] | None" = None) -> Plan:
-    """Search ANALYSIS's graph (``tag.search.search``) and return the rewritten winner as a Plan."""
+                progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True) -> Plan:
+    """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
+    sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
+    faster), and return the rewritten winner as a Plan."""
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
@@ -258,11 +264,24 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     _check_not_slower(found)
     results = dict(env.builtin_results)
     results.setdefault(found.method, found.result)
-    report = _plan_report(analysis, found.method, results, found.baselines, found.baselines_feasible, {
+    baselines, feasible = dict(found.baselines), dict(found.baselines_feasible)
+    strategy, notes, sfb_fields = found.strategy, list(found.notes), {}
+    if sfb:
+        from tag.compress import select_sfb
+        chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
+        if chosen.chosen:
+            strategy = chosen.strategy
+            results[found.method] = chosen.result
+            baselines[found.method] = chosen.step_time
+            baselines["without_sfb"], feasible["without_sfb"] = chosen.base_step_time, True
+            notes.append(f"sfb: {len(chosen.chosen)} gradients travel as sufficient factors "
+                         f"({chosen.base_step_time * 1e3:.3g} ms -> {chosen.step_time * 1e3:.3g} ms predicted)")
+        sfb_fields = {"sfb_gradients": list(chosen.chosen), "sfb_bytes_saved": int(round(chosen.bytes_saved))}
+    report = _plan_report(analysis, found.method, results, baselines, feasible, {
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
-        "method": found.method, "reference": found.reference, "notes": list(found.notes),
-        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}})
-    return _make_plan(analysis, found.strategy, report)
+        "method": found.method, "reference": found.reference, "notes": notes,
+        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields})
+    return _make_plan(analysis, strategy, report)
 
 
 def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,
@@ -277,10 +296,17 @@ def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str
     sim = analysis.simulator()
     results = {n: sim.evaluate(analysis.builtin(n), batch_size=analysis.batch) for n in BUILTIN_STRATEGIES}
     results.setdefault(name, sim.evaluate(strategy, batch_size=analysis.batch))
+    sfb_fields = {}
+    if strategy.sfb:
+        import dataclasses
+        plain = sim.evaluate(dataclasses.replace(strategy, sfb=[]), batch_size=analysis.batch)
+        applied = sim.sfb.plan(strategy, strategy.actions, sim.layouts, analysis.batch).variables
+        sfb_fields = {"sfb_gradients": list(applied),
+                      "sfb_bytes_saved": int(round(plain.comm_bytes - results[name].comm_bytes))}
     report = _plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
                           {n: bool(r.feasible) for n, r in results.items()},
                           {"search_seconds": 0.0, "evaluations": len(results), "method": name,
-                           "reference": "dp_allreduce", "notes": []})
+                           "reference": "dp_allreduce", "notes": [], **sfb_fields})
     return name, strategy, report
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tag.cost.gpu_defaults import device_profiles
 from tag.sim import Simulator
 from tag.strategy import BUILTIN_STRATEGIES, builtin_strategy
 
@@ -94,10 +95,11 @@ def predict(topology: "Topology", graph: "TrainingGraph", grouping: "Grouping", 
 
 
 def build_report(model: str, topology: "Topology", grouping: "Grouping", strategy_name: str, results: dict,
-                 batch: int) -> dict:
+                 batch: int, cost_model: "CostModel | None" = None) -> dict:
     """The report dict (DESIGN.md's keys plus the strategy and per-device details).
 
-    RESULTS is {strategy name: SimResult} and must hold STRATEGY_NAME and "dp_allreduce".
+    RESULTS is {strategy name: SimResult} and must hold STRATEGY_NAME and "dp_allreduce". COST_MODEL (the
+    one the predictions used) names the profile serving each device type (``device_profiles``).
     """
     r = results[strategy_name]
     names = [d.name for d in topology.devices]
@@ -124,6 +126,7 @@ def build_report(model: str, topology: "Topology", grouping: "Grouping", strateg
         "feasible": bool(r.feasible),
         "oom_devices": [names[int(d)] if not isinstance(d, str) else d for d in r.oom_devices],
         "sfb_gradients": [],
+        "device_profiles": device_profiles(topology, cost_model),
     }
 
 
@@ -196,7 +199,7 @@ def _cost_model_line(report: dict) -> str:
     """Which profile served which device type (``profile_use``: device type -> what served it)."""
     use = report.get("profile_use")
     if not report.get("profile"):
-        return "cost model           built-in defaults (calibrate: tag-profile --model ...)"
+        return "cost model           no profile file (calibrate: tag-profile --model ...)"
     if not use:
         return f"cost model           profile {report['profile']}"
     served = "; ".join(f"{dtype}: {how}" for dtype, how in use.items())
@@ -213,6 +216,8 @@ def format_table(report: dict, model_spec: str) -> str:
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
              f"communication        {format_bytes(report['communication_bytes'])} per step",
              _cost_model_line(report)]
+    for dtype, source in (report.get("device_profiles") or {}).items():
+        lines.append(f"  {dtype:19}{source}")
     lines += _search_lines(report) + [""]
     lines += _device_lines(report)
     lines += [""] + _strategy_lines(report)

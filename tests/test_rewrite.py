@@ -25,6 +25,7 @@ from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # 
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
+from tag.compress import eligible_gradients  # noqa: E402
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -625,8 +626,8 @@ LEARNING_RATE = {"mlp": 1e-3, "vgg19": 0.01, "resnet50": 0.01, "transformer": 1e
 
 @pytest.mark.slow
 def test_sufficient_factor_broadcasting(cluster):
-    """Kernels in strategy.sfb: no all-reduce of their gradient; every replica gathers the layer's input
-    and output gradient (batch slices) and recomputes the whole-batch gradient; same training."""
+    """Kernels in strategy.sfb: no all-reduce of their gradient; every replica all-gathers the layer's input
+    and output gradient (CollectiveGatherV2) and recomputes the whole-batch gradient; same training."""
     ports, target = cluster
     gd, ir = model("mlp")
     topo = topology(ports, [0.1, 0.05, 0.05])
@@ -643,7 +644,9 @@ def test_sufficient_factor_broadcasting(cluster):
             if v.name in kernels:                      # recomputed from the gathered batch
                 matmul = nodes[grad.input[0].split(":")[0]]
                 assert matmul.op == "MatMul" and matmul.device == topo.tf_device(d)
-                assert all(nodes[i.split(":")[0]].op in ("ConcatV2", "Placeholder") for i in matmul.input)
+                for i in matmul.input:
+                    part = nodes[i.split(":")[0]]
+                    assert part.op == "Slice" and nodes[part.input[0]].op == "CollectiveGatherV2"
     ref, grads0 = _cached_reference("mlp")
     got = run_rewritten(res, target, ir, feeds_for(gd, ir, STEPS))
     assert_same_training(got, ref, grads0, ir, LEARNING_RATE["mlp"])
@@ -723,7 +726,8 @@ def test_dataset_iterator_input(cluster):
 
 def random_strategy(ir, seed: int) -> Strategy:
     """Any action per op group: a random subset of the 3 device groups, a random mode, a random PS
-    device, random devices for partitioned ops (the kind of strategies a search visits)."""
+    device, random devices for partitioned ops (the kind of strategies a search visits), a random set of
+    SFB gradients."""
     rng = np.random.RandomState(seed)
     grouping = group_ops(ir, int(rng.choice([4, 8, 16])))
     actions, partition = [], {}
@@ -733,7 +737,10 @@ def random_strategy(ir, seed: int) -> Strategy:
         actions.append(Action(placement, mode, ps_device=int(rng.randint(3)) if mode == "ps" else None))
         if mode == "partition":
             partition.update({int(i): int(rng.choice(placement)) for i in grouping.members(g)})
-    return Strategy(grouping, actions, partition)
+    # about half the SFB-eligible weights by sufficient factors (applied where their group is a replicated
+    # allreduce group, ignored elsewhere)
+    sfb = [f.variable for f in eligible_gradients(ir) if rng.rand() < 0.5]
+    return Strategy(grouping, actions, partition, sfb=sfb)
 
 
 @pytest.mark.slow

@@ -351,3 +351,22 @@ def test_network_profile_adds_step_overhead():
     prof = dataclasses.replace(EXACT, network=NetworkProfile(step_overhead_s=0.5e-3))
     sim, gr = _sim(tg, topo, prof)
     assert sim.evaluate(_all(gr, Action((0,), "allreduce"))).step_time == pytest.approx(6.5e-3)
+
+
+def test_allreduce_is_charged_as_the_deployed_flat_ring():
+    """Hosts with several devices: the cost model's hierarchical all-reduce would be cheaper, but the
+    rewriter emits one flat ring collective, so the simulator charges the ring (and lists it)."""
+    topo = make_topology([("h0", [("GPU-A", 4)]), ("h1", [("GPU-A", 4)])], inter_bandwidth=1e9)
+    tg = mlp_graph(batch=64, widths=(256, 512, 512, 8))
+    grouping = Grouping(np.zeros(len(tg.ops), dtype=np.int64), ["all"])
+    cost = CostModel(tg, topo)
+    sim = Simulator(tg, topo, grouping, cost)
+    dp = Strategy(grouping, [Action((0, 1), "allreduce")])
+    (ring_a, ring_b), (hier_a, hier_b) = cost.allreduce_coeffs(list(range(8)))
+    [c] = sim.collectives(dp)
+    W = c["bytes"]
+    assert c["kind"] == "allreduce" and c["devices"] == list(range(8)) and W == sim.memory.weight_bytes.sum()
+    assert hier_a + hier_b * W < ring_a + ring_b * W
+    assert c["end_s"] - c["start_s"] == pytest.approx(ring_a + ring_b * W)
+    trace = sim.trace(dp)
+    assert trace["otherData"]["collectives"][0]["kind"] == "allreduce"

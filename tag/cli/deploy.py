@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
     add_run_arguments(p)
     add_verbose(p)
+    p.add_argument("--no-sfb", action="store_true",
+                   help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
     return p
 
 
@@ -169,7 +171,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
                 bar.refresh()           # the last playout is shown whatever the refresh interval
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
-                           seed=args.seed or 0, progress=progress)
+                           seed=args.seed or 0, progress=progress, sfb=not args.no_sfb)
         bar.refresh()
         return plan
 

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, ArgumentParser, add_verbose, one_line, run_cli
 from tag.errors import TopologyError
+from tag.cost.gpu_defaults import device_profiles
 from tag.cluster.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
 
 PROG = "tag-topo"
@@ -116,6 +117,8 @@ def format_topology(topo: Topology) -> str:
                      if len(g.devices) > 1 else topo.tf_device(first.index)])
     out += ["", "device groups"] + _table(
         ["#", "group", "kind", "count", "memory", "TFLOP/s", "mem BW", "TF devices"], rows)
+    out += ["", "cost profiles (without a profile file)"] + _table(
+        ["device type", "served by"], [[t, s] for t, s in device_profiles(topo).items()])
     links = topo.extra.get("links", [])
     if links:
         rows = [[l["a"], l["b"], f"{_num(l['bandwidth'] / GBITS_PER_S)} Gbit/s",

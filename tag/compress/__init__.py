@@ -1,1 +1,16 @@
-"""Lossless gradient compression: sufficient-factor broadcasting, placed where a MILP selection says it pays."""
+"""Lossless gradient compression: sufficient-factor broadcasting, placed where a MILP selection says it pays.
+
+``eligibility`` finds the weight gradients that are one batch-contracting MatMul (``dW = A^T B``);
+``selection`` picks which of them travel as factors (a 0/1 program solved with ``scipy.optimize.milp``,
+confirmed by the simulator). numpy/scipy only.
+
+Example::
+
+    from tag.compress import select_sfb
+    chosen = select_sfb(simulator, strategy)      # strategy with .sfb set where it pays
+    chosen.chosen, chosen.step_time, chosen.bytes_saved
+"""
+from tag.compress.eligibility import SufficientFactors, eligible_gradients
+from tag.compress.selection import SfbSelection, select_sfb
+
+__all__ = ["SfbSelection", "SufficientFactors", "eligible_gradients", "select_sfb"]

@@ -45,6 +45,7 @@ import numpy as np
 from tag.errors import TagError
 from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
+from tag.cost.op_classes import op_classes
 
 PROFILE_VERSION = 1
 
@@ -261,9 +262,16 @@ class DeviceRates:
     memory_bandwidth: float
     launch_overhead_s: float
     efficiency: dict[str, float]
+    lockstep_factor: float = 1.0    # op-time multiplier for replicas running in lockstep (shipped GPU defaults)
 
     def efficiency_of(self, op_type: str) -> float:
         return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
+
+    def efficiency_for(self, op_type: str, op_class: str | None) -> float:
+        """The efficiency of an op: its class's entry (``tag.cost.op_classes``), else its type's, else default."""
+        if op_class is not None and op_class in self.efficiency:
+            return self.efficiency[op_class]
+        return self.efficiency_of(op_type)
 
 
 class CostModel:
@@ -276,30 +284,48 @@ class CostModel:
         self.topology = self.profile.network.calibrate(topology) if self.profile.network else topology
         self.arrays = graph.arrays()
         types = [op.type for op in graph.ops]
-        self._type_names = sorted(set(types))
-        type_id = {t: i for i, t in enumerate(self._type_names)}
-        self._op_type_id = np.array([type_id[t] for t in types], dtype=np.int64)
+        # efficiency key per op: (op type, op class); the class refines the type for the shipped GPU profiles
+        keys = list(zip(types, op_classes(graph)))
+        self._keys = sorted(set(keys), key=lambda k: (k[0], k[1] or ""))
+        key_id = {k: i for i, k in enumerate(self._keys)}
+        self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
         self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
         self._rates: dict[int, DeviceRates] = {}
+        self._gpu_res: dict[int, object] = {}
         self._inv_rate: dict[int, np.ndarray] = {}
         self._op_time_cache: dict[tuple[int, float], np.ndarray] = {}
         # host-level view of the interconnect, used by the collective models
         self._dev_host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
         self._host_intra_bw = np.array([h.intra_bandwidth for h in topology.hosts], dtype=np.float64)
         self._host_intra_lat = np.array([h.intra_latency for h in topology.hosts], dtype=np.float64)
+        self._nccl: tuple | None = None
 
     # ---------------------------------------------------------------- compute
     def rates(self, device_group: int) -> DeviceRates:
-        """The effective numbers of one device group (profile entry applied to the topology's spec)."""
+        """The effective numbers of one device group (profile entry applied to the topology's spec).
+
+        Precedence: the profile's entry for the group's device type; else, for a GPU whose name tag knows,
+        the shipped GPU class (``tag.cost.gpu_defaults``) with the topology's peak and bandwidth; else the
+        profile's "default" entry; else the built-in defaults of the TF device type.
+        """
         r = self._rates.get(device_group)
         if r is not None:
             return r
         g = self.topology.groups[device_group]
         builtin = BUILTIN_DEFAULTS.get(g.tf_device_type, BUILTIN_DEFAULTS["GPU"])
         entry, exact = self.profile.entry_for(g.device_type)
+        gpu = self._gpu_class(device_group)
         peak, bw = g.peak_flops, g.memory_bandwidth
         overhead = builtin["launch_overhead_s"]
         eff = dict(builtin["efficiency"])
+        if gpu is not None and not exact:
+            from tag.cost.gpu_defaults import gpu_profiles
+            n = len(g.devices)
+            lockstep = 1.0 + gpu_profiles().lockstep_per_doubling * math.log2(n) if n > 1 else 1.0
+            r = DeviceRates(float(peak), float(bw) * gpu.cls.memory_efficiency, gpu.cls.launch_overhead_s,
+                            dict(gpu.cls.efficiency), lockstep)
+            self._rates[device_group] = r
+            return r
         if entry is not None:
             if exact and entry.peak_flops > 0:
                 peak = entry.peak_flops
@@ -314,12 +340,29 @@ class CostModel:
         self._rates[device_group] = r
         return r
 
+    def _gpu_class(self, device_group: int):
+        """The shipped GPU class serving DEVICE_GROUP when no exact profile entry does (else None)."""
+        if device_group not in self._gpu_res:
+            g = self.topology.groups[device_group]
+            res = None
+            if g.tf_device_type == "GPU" and g.device_type not in self.profile.devices:
+                from tag.cost.gpu_defaults import resolve
+                res = resolve(g.device_type)
+            self._gpu_res[device_group] = res
+        return self._gpu_res[device_group]
+
+    def profile_source(self, device_group: int) -> str:
+        """Which profile serves DEVICE_GROUP (a profile entry, a shipped GPU class, or built-in defaults)."""
+        from tag.cost.gpu_defaults import describe_device_type
+        g = self.topology.groups[device_group]
+        return describe_device_type(g.device_type, g.tf_device_type, self.profile)
+
     def _inv_compute_rate(self, device_group: int) -> np.ndarray:
         inv = self._inv_rate.get(device_group)
         if inv is None:
             r = self.rates(device_group)
-            per_type = np.array([1.0 / (r.peak_flops * r.efficiency_of(t)) for t in self._type_names])
-            inv = per_type[self._op_type_id] if len(self._op_type_id) else np.zeros(0)
+            per_key = np.array([1.0 / (r.peak_flops * r.efficiency_for(t, c)) for t, c in self._keys])
+            inv = per_key[self._op_key_id] if len(self._op_key_id) else np.zeros(0)
             self._inv_rate[device_group] = inv
         return inv
 
@@ -337,6 +380,8 @@ class CostModel:
         mem = a.mem_fixed + a.mem_per_example * batch
         t = np.maximum(flops * self._inv_compute_rate(device_group), mem / r.memory_bandwidth)
         t = t + r.launch_overhead_s
+        if r.lockstep_factor != 1.0:
+            t = t * r.lockstep_factor
         t[self._zero] = 0.0
         t.setflags(write=False)
         self._op_time_cache[key] = t
@@ -351,14 +396,47 @@ class CostModel:
         return float(topo.latency[src_device, dst_device] + nbytes / topo.bandwidth[src_device, dst_device])
 
     def _ring_coeffs(self, devices: Sequence[int]) -> tuple[float, float, int]:
-        """(slowest link bandwidth, largest hop latency, n) of a ring over DEVICES ordered by host."""
+        """(slowest link bandwidth, largest hop latency, n) of a ring over DEVICES ordered by host.
+
+        For devices that are all GPUs tag knows, the bandwidth is what NCCL reaches on each link (the
+        declared bandwidth times the shipped collective efficiency of the link's kind)."""
         devs = sorted(devices, key=lambda d: (self._dev_host[d], d))
         n = len(devs)
         src = np.array(devs)
         dst = np.roll(src, -1)
-        bw = float(np.min(self.topology.bandwidth[src, dst]))
+        bw_m = self.topology.bandwidth[src, dst]
+        eff, _ = self._nccl_defaults(devs)
+        if eff is not None:
+            bw_m = bw_m * eff[src, dst]
+        bw = float(np.min(bw_m))
         lat = float(np.max(self.topology.latency[src, dst]))
         return bw, lat, n
+
+    def _nccl_defaults(self, devices: Sequence[int]) -> tuple[np.ndarray | None, float]:
+        """(per-device-pair bandwidth efficiency, fixed seconds per collective call) of NCCL collectives
+        over DEVICES when every one is a GPU with a shipped class (``tag.cost.gpu_defaults``); else (None, 0)."""
+        if self._nccl is None:
+            from tag.cost.gpu_defaults import gpu_profiles
+            topo = self.topology
+            known = np.array([g.tf_device_type == "GPU" and gpu_profiles().resolve(g.device_type) is not None
+                              for g in topo.groups], dtype=bool)
+            dev_known = np.array([known[d.group] for d in topo.devices], dtype=bool)
+            kinds = topo.extra.get("interconnect", {}) if isinstance(topo.extra, dict) else {}
+            host_kind = [kinds.get(h.name, "INTERCONNECT_UNSPECIFIED") for h in topo.hosts]
+            prof = gpu_profiles()
+            h_eff = np.array([prof.collective(k).bandwidth_efficiency for k in host_kind])
+            h_call = np.array([prof.collective(k).call_latency_s for k in host_kind])
+            net = prof.collective("NETWORK")
+            same = self._dev_host[:, None] == self._dev_host[None, :]
+            eff = np.where(same, h_eff[self._dev_host][:, None], net.bandwidth_efficiency)
+            self._nccl = (dev_known, eff, h_call, net.call_latency_s)
+        dev_known, eff, h_call, net_call = self._nccl
+        idx = np.asarray(list(devices), dtype=np.int64)
+        if not len(idx) or not bool(np.all(dev_known[idx])):
+            return None, 0.0
+        hosts = np.unique(self._dev_host[idx])
+        call = float(np.max(h_call[hosts])) if len(hosts) == 1 else max(float(np.max(h_call[hosts])), net_call)
+        return eff, call
 
     def allreduce_coeffs(self, devices: Sequence[int]) -> tuple[tuple[float, float], tuple[float, float]]:
         """Linear models (fixed seconds, seconds per byte) of ring and hierarchical all-reduce over DEVICES.
@@ -376,7 +454,8 @@ class CostModel:
         # TF's collective runtime between hosts costs more than plain transfers (network calibration)
         step_x, byte_x = self.profile.network.collective_extra() if (
             self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
-        ring = (2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
+        _, call = self._nccl_defaults(devices)
+        ring = (call + 2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
         if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):
             return ring, ring
         # inside hosts: (k-1)/k of the bytes twice (reduce-scatter + all-gather), slowest host dominates
@@ -389,15 +468,17 @@ class CostModel:
                 intra_per_byte = max(intra_per_byte, 2 * (k - 1) / k / bw_h)
         leaders = [devs[0] for _, devs in sorted(hosts.items())]
         hb, hl, m = self._ring_coeffs(leaders)
-        hier = (intra_fixed + 2 * (m - 1) * (hl + step_x), intra_per_byte + 2 * (m - 1) / m * (1.0 / hb + byte_x))
+        hier = (call + intra_fixed + 2 * (m - 1) * (hl + step_x),
+                intra_per_byte + 2 * (m - 1) / m * (1.0 / hb + byte_x))
         return ring, hier
 
     def allreduce_time(self, nbytes: float, devices: Sequence[int]) -> float:
-        """Best of ring and hierarchical all-reduce of NBYTES (per device) over DEVICES."""
+        """Flat ring all-reduce of NBYTES (per device) over DEVICES: the algorithm the rewriter deploys
+        (the hierarchical model of ``allreduce_coeffs`` is not deployed, so it is not charged)."""
         if nbytes <= 0:
             return 0.0
-        (a1, b1), (a2, b2) = self.allreduce_coeffs(devices)
-        return float(min(a1 + b1 * nbytes, a2 + b2 * nbytes))
+        (a1, b1), _ = self.allreduce_coeffs(devices)
+        return float(a1 + b1 * nbytes)
 
     def ps_coeffs(self, workers: Sequence[int], ps_device: int) -> tuple[float, float]:
         """Linear model (fixed s, s per byte) of ONE direction (push or pull) of parameter-server traffic.
@@ -448,7 +529,8 @@ class CostModel:
         if n <= 1:
             return (0.0, 0.0), (0.0, 0.0)
         bw, lat, _ = self._ring_coeffs(devices)
-        ring = ((n - 1) * lat, (n - 1) / bw)
+        _, call = self._nccl_defaults(devices)
+        ring = (call + (n - 1) * lat, (n - 1) / bw)
         hosts = self.topology.devices_by_host(devices)     # host index -> the devices on it
         if len(hosts) == 1 or len(hosts) == n:
             return ring, ring
@@ -462,7 +544,7 @@ class CostModel:
         leaders = [devs[0] for _, devs in sorted(hosts.items())]
         hb, hl, m = self._ring_coeffs(leaders)
         kmax = max(len(v) for v in hosts.values())
-        return ring, (intra_fixed + (m - 1) * hl, intra_pb + (m - 1) * kmax / hb)
+        return ring, (call + intra_fixed + (m - 1) * hl, intra_pb + (m - 1) * kmax / hb)
 
     def allgather_time(self, nbytes_per_device: float, devices: Sequence[int]) -> float:
         """Time for every device of DEVICES to receive every other device's NBYTES_PER_DEVICE block."""

@@ -12,7 +12,8 @@ Example::
 How the IR is derived (the rules later stages rely on):
 
 * **Step ops.** The optimizer's apply ops (types ``Apply*``, ``ResourceApply*``, ``SparseApply*``,
-  ``ResourceSparseApply*``), every op they reach (the ops grouping them, e.g. ``train_op``, and the
+  ``ResourceSparseApply*``) and the variable writes (assign/scatter ops) downstream of gradient ops
+  (TF1 SGD and Adam update a weight with a sparse gradient that way, with no apply op), every op they reach (the ops grouping them, e.g. ``train_op``, and the
   optimizer's bookkeeping such as Adam's beta-power updates), and all data and control ancestors of
   those. Initializers, savers and summaries are left out. ``ops`` is in topological order.
 * **Shapes** come from TensorFlow's own shape inference: the step is imported into a fresh
@@ -34,7 +35,11 @@ How the IR is derived (the rules later stages rely on):
   gradients of MatMul/Conv2D, ``BiasAddGrad``, reductions over the batch axis, batch-norm
   statistics) and for MatMul/BatchMatMul/Gather; outputs of functional ops only by exact shape. A
   gradient op built from constants alone (``Fill``/``Tile`` of a static shape) takes the batch axis
-  of the same-shaped tensor of the forward op it differentiates (``gradients/<op>_grad/...``).
+  of the same-shaped tensor of the forward op it differentiates (``gradients/<op>_grad/...``; forward
+  ops outside the step, the loss's tail, are imported for this). A tensor TensorFlow built from
+  constants alone (``zeros_like``/``ones_like``/``fill`` of a static batch, folded into a ``Const``)
+  takes the batch axis of an exact-shape operand of the same elementwise op, and passes it up to the
+  same-shaped ops it was computed from. ``Einsum`` keeps the batch where its label survives.
   A tensor with a batch axis has ``nbytes = Linear(0, bytes / batch)``; others are fixed. Tensors with
   an unknown shape count 0 bytes and are counted in ``TrainingGraph.unknown_shape_tensors``.
 * **Phases.** ``update``: the apply ops, the ops they reach, and ops whose consumers are all update
@@ -47,14 +52,19 @@ How the IR is derived (the rules later stages rely on):
   ``grad``/``delta`` argument and its per-variable slots (other variable inputs of the same apply op
   with the variable's shape: Adam m/v, momentum accumulators). ``slot``: those. ``state``: any other
   variable the step uses (batch-norm moving statistics, beta powers, global step). A weight that an
-  optimizer updates with scatter/assign ops instead of an apply op (TF1 Adam on an ``IndexedSlices``
-  gradient) counts as state: densify such gradients first (``tag.zoo`` does).
+  optimizer updates with scatter/assign ops instead of an apply op (TF1 SGD and Adam on an
+  ``IndexedSlices`` gradient) is trainable too: it feeds the backward pass and a write fed by gradients
+  updates it; that write is its apply op, its slots are the variables TF colocates with it.
 * **Colocation.** A variable op with its read ops (``ReadVariableOp``/``Identity``), its apply op and
-  its slots, merged with TensorFlow's ``_class: loc:@...`` attributes. Only groups of two or more ops.
+  its slots, merged with TensorFlow's ``_class: loc:@...`` attributes; a While loop with its gradient
+  loop and the TensorList ops between them (one unit). Only groups of two or more ops.
 * **FLOPs** per op as ``Linear`` in the batch (a multiply-add is 2 FLOPs). Rules cover matmuls, convs
   and their backprops, pooling, elementwise ops, reductions, softmax, batch norm, einsum, optimizer
   applies, and functional ops (``If``, ``PartitionedCall``, ...: the cost of the body, the dearer
-  branch of a conditional, one trip of a loop). Data-movement ops cost 0 FLOPs. Any other op type
+  branch of a conditional, a loop's body times its trip count: ``maximum_iterations``, the forward
+  loop's counter for a gradient loop, a constant bound in its condition, or a TensorList's length;
+  variables and TensorLists passed in keep their shapes inside the body). Data-movement ops (TensorList
+  ops included) cost 0 FLOPs. Any other op type
   gets 1 FLOP per output element, ``has_flop_rule=False``, is counted in
   ``TrainingGraph.unknown_op_types`` and logged once per analysis. An op whose inputs or outputs carry
   the batch has all its FLOPs per example, others fixed. ``mem_bytes`` = bytes of inputs + outputs.
@@ -82,7 +92,7 @@ from tag.frontend.assemble import colocation_groups, dependency_edges, op_infos,
 from tag.frontend.batch_axes import batch_axes  # noqa: E402
 from tag.frontend.graph_import import coerce_graph_def, pruned_graph_def, step_graph  # noqa: E402
 from tag.frontend.op_rules import FLOP_RULE_TYPES, ZERO_FLOP_TYPES, is_apply_op  # noqa: E402
-from tag.frontend.phases import op_phases  # noqa: E402
+from tag.frontend.phases import context_ops, op_phases  # noqa: E402
 from tag.frontend.shapes import find_batch, infer_shapes  # noqa: E402
 from tag.frontend.variables import step_variables  # noqa: E402
 from tag.ir.types import TrainingGraph  # noqa: E402
@@ -140,9 +150,10 @@ def _analyze(graph_def: Any, batch_size: int | None, name: str) -> TrainingGraph
     timings.mark("step ops")
     batch = find_batch(sg.nodes, sg.step, batch_size)     # which inputs carry the batch; at which batch
     timings.mark("batch inputs")
-    inferred = infer_shapes(pruned_graph_def(gd, sg.step), batch)   # TF's shape inference, twice
+    context = context_ops(sg)                             # the loss's tail: tells its gradients' batch axes
+    inferred = infer_shapes(pruned_graph_def(gd, sg.step | set(context)), batch)   # TF's shape inference, twice
     timings.mark("shapes")
-    axes = batch_axes(sg, inferred, batch)
+    axes = batch_axes(sg, inferred, batch, context)
     timings.mark("batch axes")
     tensors, unknown_shape = tensor_infos(sg, inferred, axes, batch)
     timings.mark("tensor infos")

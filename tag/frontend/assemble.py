@@ -10,7 +10,10 @@ the analysis steps free of IR construction details.
 * An op whose inputs or outputs carry the batch has all its FLOPs per example, others fixed.
   ``mem_bytes`` = bytes of inputs + outputs (applies also read and write their variables).
 * Colocation: a variable op with its read ops, its apply op and its slots (and their reads), merged
-  with TensorFlow's ``_class: loc:@...`` attributes; only groups of two or more ops.
+  with TensorFlow's ``_class: loc:@...`` attributes; a functional loop with its gradient loop and the
+  TensorList ops around them (one unit for grouping); only groups of two or more ops.
+* A While loop costs its body (and condition) times its trip count
+  (:func:`tag.frontend.function_cost.trip_count`).
 
 Example::
 
@@ -21,19 +24,23 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from typing import Any
 
 from tag.frontend.batch_axes import const_ints
-from tag.frontend.function_cost import FunctionCoster
+from tag.frontend.function_cost import FunctionCoster, HandleSpec, handle_specs, trip_count
 from tag.frontend.graph_import import Node, StepGraph
 from tag.frontend.op_rules import flops_of, numel
 from tag.frontend.shapes import BatchSpec, InferredShapes, dtype_size
 from tag.frontend.variables import StepVariables, source_variable
 from tag.ir.algorithms import UnionFind
-from tag.ir.op_types import CASE_TYPES, FUNCTION_CALL_TYPES, IF_TYPES
+from tag.ir.op_types import CASE_TYPES, FUNCTION_CALL_TYPES, IF_TYPES, TENSOR_LIST_TYPES, WHILE_TYPES
 from tag.ir.types import Edge, Linear, OpInfo, TensorInfo
 
 __all__ = ["colocation_groups", "dependency_edges", "op_infos", "tensor_infos"]
+
+log = logging.getLogger("tag")
 
 
 def tensor_infos(sg: StepGraph, inferred: InferredShapes, axes: dict[str, list[int | None]],
@@ -79,7 +86,9 @@ def op_infos(sg: StepGraph, inferred: InferredShapes, tensors: dict[str, list[Te
         in_infos = [tensors[s][i] for s, i in n.data_in if i < len(tensors[s])]
         touches_batch = any(t.batch_axis is not None for t in in_infos) or any(
             t.batch_axis is not None for t in outs)
-        f, known = _op_flops(n, sg, inferred, in_infos, step_vars, coster, unknown_types, bool(batch.rescale))
+        f, known = _op_flops(n, sg, inferred, in_infos, step_vars, coster, unknown_types, batch)
+        touches_batch = touches_batch or (n.type in WHILE_TYPES and any(
+            t.shape and len(t.shape) >= 2 and t.shape[0] is None for t in in_infos))
         flops = Linear(0.0, f / batch.ref_batch) if touches_batch else Linear(f, 0.0)
         mf = sum(t.nbytes.fixed for t in in_infos) + sum(t.nbytes.fixed for t in outs)
         mp = sum(t.nbytes.per_example for t in in_infos) + sum(t.nbytes.per_example for t in outs)
@@ -97,18 +106,27 @@ def op_infos(sg: StepGraph, inferred: InferredShapes, tensors: dict[str, list[Te
 
 def _op_flops(n: Node, sg: StepGraph, inferred: InferredShapes, in_infos: list[TensorInfo],
               step_vars: StepVariables, coster: FunctionCoster, unknown_types: Counter,
-              rescaled: bool) -> tuple[float, bool]:
+              batch: BatchSpec) -> tuple[float, bool]:
     """(FLOPs of op N at the reference batch, whether a rule covered it); counts fallbacks in UNKNOWN_TYPES."""
     shapes = inferred.shapes
     in_shapes = [t.shape for t in in_infos]
-    if rescaled:  # FLOP rules work on the shapes TF inferred (at the declared batch)
+    if batch.rescale:  # FLOP rules work on the shapes TF inferred (at the declared batch)
         in_shapes = [shapes[s][i] for s, i in n.data_in if i < len(shapes[s])]
     if n.type in FUNCTION_CALL_TYPES:
         const_cond = None
         if n.type in IF_TYPES or n.type in CASE_TYPES:
             c = const_ints(sg.nodes[n.data_in[0][0]].nd) if n.data_in else None
             const_cond = c[0] if c else None
+        specs = handle_specs(inferred.tf_ops[n.name]) if n.name in inferred.tf_ops else []
+        in_shapes = [spec if spec is not None else s for s, spec in zip(in_shapes, specs + [None] * len(in_shapes))]
+        if n.type in WHILE_TYPES:
+            in_shapes = [_batch_for_unknown_rows(s, batch.ref_batch) for s in in_shapes]
         f, unk = coster.cost_functional(n.type, n.nd.attr, in_shapes, const_cond=const_cond)
+        if n.type in WHILE_TYPES:   # one trip of the body, times the trips the loop makes
+            trips = trip_count(sg.nodes, n.name, shapes, inferred.tf_ops, coster.library)
+            if trips is None:
+                log.info("loop %s: trip count unknown; costed as one trip", n.name)
+            f *= trips if trips is not None else 1
         unknown_types.update(unk)
         return f, not unk
     grad_index = step_vars.apply_grad_index
@@ -117,6 +135,18 @@ def _op_flops(n: Node, sg: StepGraph, inferred: InferredShapes, in_infos: list[T
     if not known:
         unknown_types[n.type] += 1
     return f, known
+
+
+def _batch_for_unknown_rows(shape: Any, batch_size: int) -> Any:
+    """A loop's state of unknown leading dimension (a graph built for any batch) is taken to hold the
+    batch: costing its body needs the rows."""
+    if isinstance(shape, HandleSpec):
+        if shape.shape and shape.shape[0] is None:
+            return HandleSpec(shape.dtype, (batch_size,) + tuple(shape.shape[1:]))
+        return shape
+    if shape and len(shape) >= 2 and shape[0] is None:
+        return (batch_size,) + tuple(shape[1:])
+    return shape
 
 
 def dependency_edges(sg: StepGraph,
@@ -155,6 +185,7 @@ def colocation_groups(sg: StepGraph, step_vars: StepVariables, ops: list[OpInfo]
             e = entry.decode(errors="replace")
             if e.startswith("loc:@") and e[5:] in sg.step:
                 uf.union(index[e[5:]], index[nm])
+    _loop_colocation(sg, uf)
     members_by_root: dict[int, list[str]] = {}   # root op index -> member op names in IR order
     for i, nm in enumerate(sg.order):
         members_by_root.setdefault(uf.find(i), []).append(nm)
@@ -164,3 +195,19 @@ def colocation_groups(sg: StepGraph, step_vars: StepVariables, ops: list[OpInfo]
         for m in members:
             ops[index[m]].colocation_group = gi
     return colocation
+
+
+def _loop_colocation(sg: StepGraph, uf: UnionFind) -> None:
+    """A functional loop is one unit: each While op with the loops that take its outputs (its gradient
+    loop) and the TensorList ops that hand loop state (``variant`` tensors) to or from it."""
+    index, nodes = sg.index, sg.nodes
+    for nm in sg.order:
+        n = nodes[nm]
+        if n.type not in WHILE_TYPES:
+            continue
+        for s, _ in n.data_in:
+            if nodes[s].type in TENSOR_LIST_TYPES or nodes[s].type in WHILE_TYPES:
+                uf.union(index[nm], index[s])
+        for c in n.consumers:
+            if c in index and (nodes[c].type in TENSOR_LIST_TYPES or nodes[c].type in WHILE_TYPES):
+                uf.union(index[nm], index[c])

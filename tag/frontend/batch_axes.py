@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tag.frontend.graph_import import Node, StepGraph
-from tag.frontend.op_rules import REDUCTION_TYPES, Shape, is_apply_op, numel, prod
+from tag.frontend.op_rules import ELEMENTWISE_TYPES, REDUCTION_TYPES, Shape, is_apply_op, numel, prod
 from tag.frontend.phases import forward_op_of
 from tag.frontend.shapes import BatchSpec, InferredShapes
 from tag.ir.op_types import FUNCTION_CALL_TYPES, ITERATOR_TYPES, PLACEHOLDER_TYPES, VARIABLE_TYPES
@@ -135,6 +135,8 @@ def rule_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
     elif op_type in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits") and ins:
         if ins[0][1] == 0:
             special = [0, 0][: len(outs)]
+    elif op_type == "Einsum":
+        special = _einsum_axes(attrs, ins, outs)
     elif op_type in ("GatherV2", "ResourceGather", "Gather") and len(ins) >= 2:
         special = _gather_axes(op_type, ins, const_input)
     return special if special is not None else generic_axes(ins, outs)
@@ -201,6 +203,23 @@ def _reduction_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
     return None
 
 
+def _einsum_axes(attrs: Any, ins: ShapedInputs, outs: list) -> list | None:
+    """The label at an operand's batch axis: where it is in the output, or None if summed away (a weight
+    gradient). None (fall through) for equations with ellipses."""
+    eq = attrs["equation"].s.decode() if "equation" in attrs else ""
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->", 1)
+    terms = lhs.split(",")
+    if len(terms) != len(ins):
+        return None
+    for term, (s, ax) in zip(terms, ins):
+        if ax is not None and s is not None and len(term) == len(s) and ax < len(term):
+            label = term[ax]
+            return [out.index(label) if label in out else None]
+    return None
+
+
 def _gather_axes(op_type: str, ins: ShapedInputs, const_input: Callable[[int], Any]) -> list | None:
     """Gathering batch-carrying indices from a parameter: the batch lands at the gather axis."""
     (sp, ap), (si, ai) = ins[0], ins[1]
@@ -235,7 +254,8 @@ def _mirror_axes(name: str, outs: list, out_dtypes: list, nodes: dict[str, Node]
     return res
 
 
-def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec) -> dict[str, list[int | None]]:
+def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec,
+               context: list[str] | None = None) -> dict[str, list[int | None]]:
     """Op name -> the batch axis of each of its outputs (None: does not scale with the batch).
 
     Pass 1: shape inference's verdict, completed by the per-op rules. Pass 2: ops that build a batch-
@@ -244,10 +264,65 @@ def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec) -> dic
     """
     axes: dict[str, list[int | None]] = {}
     input_tensors = {(nm, i) for nm, i, _ in batch.inputs}   # (op, output index) fed with a batch
-    for second in (False, True):
-        for nm in sg.order:
-            axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, second)
+    order = list(sg.order) + list(context or [])   # CONTEXT: forward ops outside the step (the loss's tail)
+    for nm in order:
+        axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False)
+    for _ in range(3):   # pass 2, again while the sibling rule finds batch-sized constants
+        adopted = False
+        for nm in order:
+            adopted |= _sibling_axes(nm, sg, inferred, axes)
+            axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, True)
+        if not adopted:
+            break
     return axes
+
+
+#: ops that never take a batch axis from a sibling (variables and their reads, batch sources)
+_NO_SIBLING_TYPES = VARIABLE_TYPES | PLACEHOLDER_TYPES | ITERATOR_TYPES | {"ReadVariableOp", "ResourceGather",
+                                                                           "VariableShape"}
+
+
+def _no_batch_input(n: Node, axes: dict[str, list]) -> bool:
+    return all(axes.get(s, [None] * (i + 1))[i] is None for s, i in n.data_in)
+
+
+def _sibling_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, list]) -> bool:
+    """A batch-sized tensor TensorFlow built from constants alone (``zeros_like``/``ones_like``/``fill`` of
+    a static batch shape folded into a Const; a mean's gradient tiled to the batch) takes the batch axis
+    of the tensor it meets: an operand of the same elementwise op with exactly its shape. (An
+    exact-shape operand of a replica's smaller batch must be split with it, or the op would not run.)
+    The axis then goes up to the same-shaped producers it was computed from. True if AXES changed."""
+    n = sg.nodes[nm]
+    ss = inferred.shapes.get(nm, [])
+    if len(ss) != 1 or not ss[0] or axes[nm][0] is not None or n.type in _NO_SIBLING_TYPES \
+            or not _no_batch_input(n, axes):
+        return False
+    for c in n.consumers:
+        cn = sg.nodes[c]
+        if c not in axes or cn.type not in ELEMENTWISE_TYPES:
+            continue
+        for s, i in cn.data_in:
+            if s == nm or s not in axes or i >= len(axes[s]):
+                continue
+            ax = axes[s][i]
+            if ax is not None and inferred.shapes[s][i] == ss[0]:
+                axes[nm] = [ax]
+                _adopt_upward(nm, ax, sg, inferred, axes)
+                return True
+    return False
+
+
+def _adopt_upward(nm: str, ax: int, sg: StepGraph, inferred: InferredShapes, axes: dict[str, list]) -> None:
+    """Give batch axis AX to the producers NM was computed from that have its shape and no batch axis."""
+    shape = inferred.shapes[nm][0]
+    stack = [nm]
+    while stack:
+        for s, i in sg.nodes[stack.pop()].data_in:
+            ps = sg.nodes[s]
+            if s in axes and i < len(axes[s]) and axes[s][i] is None and inferred.shapes[s][i] == shape \
+                    and ps.type not in _NO_SIBLING_TYPES and _no_batch_input(ps, axes):
+                axes[s][i] = ax
+                stack.append(s)
 
 
 def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, list],

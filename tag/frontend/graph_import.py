@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,21 @@ import tensorflow as tf
 
 from tag.errors import GraphError
 from tag.frontend.op_rules import is_apply_op
+from tag.ir.op_types import VARIABLE_TYPES, VARIABLE_WRITE_TYPES
 
-__all__ = ["Node", "StepGraph", "coerce_graph_def", "first_line", "import_graph_def", "parse_input",
-           "pruned_graph_def", "step_graph", "wire_nodes"]
+__all__ = ["GRAD_SCOPE_RE", "Node", "StepGraph", "coerce_graph_def", "first_line", "gradient_writers",
+           "import_graph_def", "in_grad_scope", "parse_input", "pruned_graph_def", "step_graph", "wire_nodes"]
+
+#: the name scope tf.gradients puts gradient ops under: "gradients", "gradients_1", ...
+GRAD_SCOPE_RE = re.compile(r"^gradients(_\d+)?$")
+#: ops a variable passes through unchanged (TF1 ref variables, loop frames)
+_VARIABLE_PASS_THROUGH = ("Identity", "Enter", "RefEnter", "RefIdentity")
+
+
+def in_grad_scope(name: str) -> bool:
+    """True when op NAME sits under a ``gradients``/``gradients_N`` name scope."""
+    parts = name.split("/")[:-1]
+    return any(GRAD_SCOPE_RE.match(p) for p in parts)
 
 #: NextIteration ops close TF1 while loops; their out-edges are ignored when ordering the step
 _BACK_EDGE_TYPES = ("NextIteration", "RefNextIteration")
@@ -107,6 +120,9 @@ class StepGraph:
     apply_ops: list[str]            # the optimizer's apply ops, in GraphDef order
     after_apply: set[str]           # the apply ops and every op they reach (train_op, beta-power updates)
     step: set[str]                  # after_apply and all their data and control ancestors
+    # variable writes (assign/scatter) that gradients feed: sparse updates without an apply op, and the
+    # slot and bookkeeping updates around them, in GraphDef order
+    gradient_writers: list[str] = field(default_factory=list)
     order: list[str] = field(default_factory=list)      # the step's ops in topological order
     index: dict[str, int] = field(default_factory=dict)  # op name -> position in ``order`` (its IR index)
 
@@ -115,14 +131,38 @@ def step_graph(gd: Any) -> StepGraph:
     """Wire GD and find its training step; raises GraphError when it has no optimizer apply op."""
     nodes = wire_nodes(gd)
     apply_ops = [n.name for n in nodes.values() if is_apply_op(n.type)]
-    if not apply_ops:
-        raise GraphError("graph has no optimizer: no Apply*/ResourceApply* op found (is this a training step?)")
-    after = _reached_from(nodes, apply_ops)
+    writers = gradient_writers(nodes)
+    if not apply_ops and not writers:
+        raise GraphError("graph has no optimizer: no Apply*/ResourceApply* op and no variable update fed by "
+                         "gradients found (is this a training step?)")
+    after = _reached_from(nodes, apply_ops + writers)
     step = _ancestors_of(nodes, after)
-    sg = StepGraph(graph_def=gd, nodes=nodes, apply_ops=apply_ops, after_apply=after, step=step)
+    sg = StepGraph(graph_def=gd, nodes=nodes, apply_ops=apply_ops, after_apply=after, step=step,
+                   gradient_writers=writers)
     sg.order = step_order(gd, nodes, step)
     sg.index = {nm: i for i, nm in enumerate(sg.order)}
     return sg
+
+
+def gradient_writers(nodes: dict[str, Node]) -> list[str]:
+    """Variable writes (assign/scatter ops on a variable) downstream of a gradient op (data or control):
+    how TF1 optimizers update weights from IndexedSlices gradients, with no apply op."""
+    seeds = [nm for nm, n in nodes.items() if in_grad_scope(nm) or (
+        ("Grad" in n.type or "Backprop" in n.type) and not is_apply_op(n.type))]
+    reached = _reached_from(nodes, seeds)
+    return [nm for nm, n in nodes.items() if nm in reached and n.type in VARIABLE_WRITE_TYPES and n.data_in
+            and _writes_variable(nodes, n.data_in[0][0])]
+
+
+def _writes_variable(nodes: dict[str, Node], src: str) -> bool:
+    for _ in range(8):
+        n = nodes[src]
+        if n.type in VARIABLE_TYPES:
+            return True
+        if n.type not in _VARIABLE_PASS_THROUGH or not n.data_in:
+            return False
+        src = n.data_in[0][0]
+    return False
 
 
 def _reached_from(nodes: dict[str, Node], starts: list[str]) -> set[str]:

@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from tag.ir.op_types import FUNCTION_CALL_TYPES
+from tag.ir.op_types import FUNCTION_CALL_TYPES, TENSOR_LIST_TYPES
 
-__all__ = ["FLOP_RULE_TYPES", "REDUCTION_TYPES", "ZERO_FLOP_TYPES", "Shape", "fallback_flops", "flops_of",
+__all__ = ["ELEMENTWISE_TYPES", "FLOP_RULE_TYPES", "REDUCTION_TYPES", "ZERO_FLOP_TYPES", "Shape", "fallback_flops", "flops_of",
            "grad_arg_index", "is_apply_op", "numel", "prod"]
 
 Shape = tuple  # tuple[int | None, ...]: a tensor's dims, None where unknown
@@ -92,6 +92,8 @@ _ELEMENTWISE_FACTOR.update({
     "SeluGrad": 3.0, "SoftplusGrad": 4.0, "SoftsignGrad": 4.0, "SigmoidGrad": 3.0, "TanhGrad": 3.0,
     "RsqrtGrad": 4.0, "SqrtGrad": 2.0, "ReciprocalGrad": 3.0, "InvGrad": 3.0, "GeluGrad": 8.0,
 })
+#: elementwise op types (unary and binary; binary ones broadcast their operands against each other)
+ELEMENTWISE_TYPES = frozenset(_ELEMENTWISE_FACTOR) | {"BiasAdd", "BiasAddV1", "AddN"}
 REDUCTION_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin",
                              "EuclideanNorm"})
 _APPLY_FACTOR = {  # FLOPs per updated parameter, by optimizer (the part after "Apply")
@@ -116,7 +118,7 @@ Unique DestroyResourceOp SaveV2 RestoreV2 MergeV2Checkpoints DepthToSpace SpaceT
 DiagPart Diag MatrixDiag MatrixDiagPart MatrixDiagV3 MatrixDiagPartV3 MatrixBandPart MatrixSetDiagV3 Roll
 CollectiveReduceV2 CollectiveGatherV2 CollectiveReduce CollectiveGather CollectiveBcastSend CollectiveBcastRecv
 CollectiveBcastSendV2 CollectiveBcastRecvV2 NcclAllReduce _Send _Recv _HostSend _HostRecv Cross
-TensorScatterUpdate ScatterNd ResizeNearestNeighbor""".split())
+TensorScatterUpdate ScatterNd ResizeNearestNeighbor VariableShape""".split()) | TENSOR_LIST_TYPES
 
 
 def _in(shapes: list, i: int) -> Shape | None:

@@ -21,23 +21,12 @@ Example::
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from tag.frontend.graph_import import StepGraph
+from tag.frontend.graph_import import GRAD_SCOPE_RE, StepGraph, in_grad_scope
 from tag.frontend.op_rules import is_apply_op
 
-__all__ = ["GRAD_SCOPE_RE", "backward_ops", "forward_op_of", "in_grad_scope", "op_phases"]
-
-#: the name scope tf.gradients puts gradient ops under: "gradients", "gradients_1", ...
-GRAD_SCOPE_RE = re.compile(r"^gradients(_\d+)?$")
-
-
-def in_grad_scope(name: str) -> bool:
-    """True when op NAME sits under a ``gradients``/``gradients_N`` name scope."""
-    parts = name.split("/")[:-1]
-    return any(GRAD_SCOPE_RE.match(p) for p in parts)
-
+__all__ = ["GRAD_SCOPE_RE", "backward_ops", "context_ops", "forward_op_of", "in_grad_scope", "op_phases"]
 
 def forward_op_of(name: str, nodes: dict[str, Any]) -> str | None:
     """The forward op a ``gradients/<op>_grad/...`` op differentiates, if it is in NODES."""
@@ -52,6 +41,49 @@ def forward_op_of(name: str, nodes: dict[str, Any]) -> str | None:
                         return cand
             return None
     return None
+
+
+def context_ops(sg: StepGraph) -> list[str]:
+    """Forward ops outside the step whose gradients are in it (the loss's tail: TF1's gradient of a mean
+    or a sum reads static shapes, not the op), with their ancestors outside the step, in topological
+    order. Their shapes and batch axes tell those gradient ops' batch axes."""
+    nodes, step = sg.nodes, sg.step
+    seeds = set()
+    for nm in sg.order:
+        if in_grad_scope(nm):
+            fwd = forward_op_of(nm, nodes)
+            if fwd is not None and fwd not in step:
+                seeds.add(fwd)
+    closure: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        nm = stack.pop()
+        if nm in closure or nm in step:
+            continue
+        closure.add(nm)
+        stack.extend(s for s, _ in nodes[nm].data_in)
+        stack.extend(nodes[nm].ctrl_in)
+    order: list[str] = []
+    placed: set[str] = set()
+    for nm in [nd.name for nd in sg.graph_def.node if nd.name in closure]:   # depth-first, producers first
+        _place(nm, nodes, closure, placed, order)
+    return order
+
+
+def _place(nm: str, nodes: dict[str, Any], closure: set[str], placed: set[str], order: list[str]) -> None:
+    stack = [(nm, False)]
+    while stack:
+        x, done = stack.pop()
+        if done:
+            if x not in placed:
+                placed.add(x)
+                order.append(x)
+            continue
+        if x in placed:
+            continue
+        stack.append((x, True))
+        stack.extend((s, False) for s in [s for s, _ in nodes[x].data_in] + nodes[x].ctrl_in
+                     if s in closure and s not in placed)
 
 
 def op_phases(sg: StepGraph) -> dict[str, str]:

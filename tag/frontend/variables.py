@@ -8,8 +8,14 @@ weights are updated from gradients (and replicated or partitioned), their slots 
   argument and its per-variable slots (other variable inputs of the same apply op with the variable's
   shape: Adam m/v, momentum accumulators).
 * ``slot``: those slots.
-* ``state``: any other variable the step uses. A weight that an optimizer updates with scatter/assign
-  ops instead of an apply op (TF1 Adam on an ``IndexedSlices`` gradient) counts as state.
+* A weight that an optimizer updates with scatter/assign ops instead of an apply op (TF1 SGD and Adam
+  on an ``IndexedSlices`` gradient) is ``trainable`` too: a variable whose value feeds the backward
+  pass and that a write fed by gradients updates (:func:`tag.frontend.graph_import.gradient_writers`).
+  That write is its ``apply_op``; its gradient is the first floating-point backward tensor its update
+  is computed from; its slots are the other variables TensorFlow colocates with it (``loc:@var``,
+  as ``slot_creator`` does) with its shape. Beta powers, slots and BatchNorm statistics do not
+  qualify: the first two are read only by the update, the last is not written from gradients.
+* ``state``: any other variable the step uses.
 
 Example::
 
@@ -33,6 +39,7 @@ import tensorflow as tf
 
 from tag.frontend.graph_import import Node, StepGraph
 from tag.frontend.op_rules import grad_arg_index
+from tag.frontend.phases import backward_ops
 from tag.frontend.shapes import InferredShapes
 from tag.ir.op_types import VARIABLE_TYPES
 from tag.ir.types import VariableInfo
@@ -147,11 +154,78 @@ def _variable_roles(sg: StepGraph, inferred: InferredShapes, var_names: list[str
                 continue
             if _variable_shape(sv, nodes, shapes) == vshape:
                 roles.slots[v].append(sv)
+    _writer_updated_roles(sg, inferred, roles)
     for v, slots in roles.slots.items():
         for sv in slots:
             if roles.kind.get(sv) != "trainable":
                 roles.kind[sv] = "slot"
     return roles
+
+
+def _writer_updated_roles(sg: StepGraph, inferred: InferredShapes, roles: _Roles) -> None:
+    """Trainable weights updated by assign/scatter ops fed by gradients (sparse updates, no apply op)."""
+    if not sg.gradient_writers:
+        return
+    nodes, shapes = sg.nodes, inferred.shapes
+    backward = backward_ops(sg)
+    feeds_backward = _data_ancestors(nodes, backward)
+    claimed = set(roles.apply_op) | {sv for slots in roles.slots.values() for sv in slots}
+    writers_of: dict[str, list[str]] = defaultdict(list)
+    for w in sorted(sg.gradient_writers, key=lambda x: sg.index.get(x, 0)):
+        v = source_variable(nodes, nodes[w].data_in[0][0])
+        if v is not None and w in sg.step:
+            writers_of[v].append(w)
+    for v, writers in writers_of.items():
+        if v in claimed or v not in feeds_backward:
+            continue
+        roles.kind[v] = "trainable"
+        roles.apply_op[v] = writers[-1]
+        grad = _first_backward_tensor(nodes, writers[-1], backward, inferred)
+        if grad is not None:
+            roles.gradient[v] = grad
+        vshape = _variable_shape(v, nodes, shapes)
+        for sv in writers_of:
+            if sv == v or sv in claimed or sv in roles.apply_op or sv in feeds_backward:
+                continue
+            n = nodes[sv].nd
+            colocated = "_class" in n.attr and f"loc:@{v}".encode() in n.attr["_class"].list.s
+            if (colocated or sv.startswith(v + "/")) and _variable_shape(sv, nodes, shapes) == vshape:
+                roles.slots[v].append(sv)
+                claimed.add(sv)
+
+
+def _data_ancestors(nodes: dict[str, Node], ops: set[str]) -> set[str]:
+    """Every op whose output reaches one of OPS by data edges (OPS excluded unless reached)."""
+    seen: set[str] = set()
+    stack = [s for nm in ops for s, _ in nodes[nm].data_in]
+    while stack:
+        nm = stack.pop()
+        if nm not in seen:
+            seen.add(nm)
+            stack.extend(s for s, _ in nodes[nm].data_in)
+    return seen
+
+
+def _first_backward_tensor(nodes: dict[str, Node], writer: str, backward: set[str],
+                           inferred: InferredShapes) -> str | None:
+    """Breadth-first from WRITER's inputs (data, and control inputs that order reads after scatters): the
+    first floating-point output of a backward op, as "op:index"."""
+    seen = {writer}
+    frontier = [writer]
+    while frontier:
+        nxt = []
+        for nm in frontier:
+            n = nodes[nm]
+            for s, i in n.data_in:
+                if s in backward and inferred.dtypes.get(s, [""])[i:i + 1] in (["float32"], ["float64"],
+                                                                               ["float16"], ["bfloat16"]):
+                    return f"{s}:{i}"
+            for s in [s for s, _ in n.data_in] + n.ctrl_in:
+                if s not in seen:
+                    seen.add(s)
+                    nxt.append(s)
+        frontier = nxt
+    return None
 
 
 def _variable_arg_indices(op_def: Any) -> list[int]:

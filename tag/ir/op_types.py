@@ -26,3 +26,19 @@ FUNCTION_CALL_TYPES = IF_TYPES | CASE_TYPES | CALL_TYPES | WHILE_TYPES
 #: TF1 dataflow loops (Enter/Exit frames), which the rewriter does not handle
 TF1_LOOP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
                             "LoopCond"})
+#: ops that write a variable they take as their first input (assignments and scatters, ref and resource):
+#: TF1 optimizers update a weight through these, with no Apply op, when its gradient is sparse
+VARIABLE_WRITE_TYPES = frozenset({
+    "Assign", "AssignAdd", "AssignSub", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "ScatterAdd", "ScatterSub", "ScatterUpdate", "ScatterMul", "ScatterDiv", "ScatterMin", "ScatterMax",
+    "ScatterNdAdd", "ScatterNdSub", "ScatterNdUpdate", "ResourceScatterAdd", "ResourceScatterSub",
+    "ResourceScatterUpdate", "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
+    "ResourceScatterMax", "ResourceScatterNdAdd", "ResourceScatterNdSub", "ResourceScatterNdUpdate"})
+#: TensorList ops (the loop state of functional While loops: Keras RNNs, tf.scan, while_v2 gradients);
+#: they move or view data (0 FLOPs)
+TENSOR_LIST_TYPES = frozenset({
+    "EmptyTensorList", "TensorListReserve", "TensorListFromTensor", "TensorListStack", "TensorListGetItem",
+    "TensorListSetItem", "TensorListPushBack", "TensorListPushBackBatch", "TensorListPopBack",
+    "TensorListLength", "TensorListElementShape", "TensorListConcat", "TensorListConcatV2", "TensorListConcatLists",
+    "TensorListGather", "TensorListScatter", "TensorListScatterV2", "TensorListScatterIntoExistingList",
+    "TensorListSplit", "TensorListResize"})

@@ -143,8 +143,8 @@ def _replicated_cost(env: SearchEnv, cache: dict, group: int, candidate: int, gr
     key = ("allreduce", action.placement)
     if key not in cache:                  # CostModel.allreduce_time, with its coefficients kept per placement
         cache[key] = env.cost_model.allreduce_coeffs(devices)
-    (ring_fixed, ring_per_byte), (hier_fixed, hier_per_byte) = cache[key]
-    return compute + min(ring_fixed + ring_per_byte * grad_bytes, hier_fixed + hier_per_byte * grad_bytes)
+    (ring_fixed, ring_per_byte), _ = cache[key]     # the flat ring: what the rewriter deploys and the simulator charges
+    return compute + ring_fixed + ring_per_byte * grad_bytes
 
 
 def _partition_cost(env: SearchEnv, group: int, candidate: int,

@@ -20,7 +20,7 @@ Example::
     routing.route(0, 9)                          # ((NIC of host 0, NIC of host 1), latency, s/byte)
     placement = tuple(range(len(topo.groups)))
     devices = [d for g in placement for d in topo.groups[g].devices]
-    routing.collective("allreduce", devices, placement, None)   # (ring a, b, hierarchical a, b, resources, x)
+    routing.collective("allreduce", devices, placement, None)   # (ring a, b, ring a, b, resources, x)
 """
 from __future__ import annotations
 
@@ -176,18 +176,31 @@ class Routing:
 
     def collective(self, kind: str, devices: list[int], placement: tuple[int, ...], ps_device: int | None) -> tuple:
         """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier) of a collective of
-        KIND ("allreduce" or "ps") over DEVICES (those of PLACEMENT), cached by placement."""
+        KIND ("allreduce", "allgather" or "ps") over DEVICES (those of PLACEMENT), cached by placement.
+
+        All-reduce and all-gather are charged as the rewriter deploys them: one flat TF collective
+        (``CollectiveReduceV2`` / ``CollectiveGatherV2``, ring) over every device of the group, so only
+        the ring models of ``CostModel.allreduce_coeffs`` / ``allgather_coeffs`` are used (both slots hold
+        them); the hierarchical models are not deployed, so they are not charged. The bytes multiplier
+        turns a device's payload into bytes on the wire: 2(n-1) for an all-reduce, n(n-1) for an
+        all-gather of one block per device."""
         k = (kind, placement, ps_device)
         c = self._collectives.get(k)
         if c is not None:
             return c
         H = self.num_hosts
-        if kind == "allreduce":
+        if kind in ("allreduce", "allgather"):
             by_host = self.topology.devices_by_host(devices)
-            (a1, b1), (a2, b2) = self.cost.allreduce_coeffs(devices)
+            n = len(devices)
+            if kind == "allreduce":
+                (a1, b1), _ = self.cost.allreduce_coeffs(devices)
+                wire = 2.0 * (n - 1)
+            else:
+                (a1, b1), _ = self.cost.allgather_coeffs(devices)
+                wire = float(n * (n - 1))
             res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
                                ([H + h for h in by_host] if len(by_host) > 1 else [])))
-            c = (a1, b1, a2, b2, res, 2.0 * (len(devices) - 1))
+            c = (a1, b1, a1, b1, res, wire)
         else:
             workers = [d for d in devices if d != ps_device]
             a, b = self.cost.ps_coeffs(devices, ps_device)

@@ -79,8 +79,9 @@ class StepSchedule:
         self.flows_into: dict[int, list[int]] = {}
         self.flows_out_of: dict[int, list[int]] = {}
         self.arrival: dict[int, dict[int, float]] = {}     # flow -> {destination lane: arrival time}
-        # task -> [(group, resources, seconds, bytes, tasks it waits for, tasks waiting for it)] of the
-        # collectives issued once the task has run
+        # task -> [(group, resources, seconds, bytes on the wire, tasks it waits for, tasks waiting for it,
+        # seconds of local compute after it, kind, payload bytes per device, devices)] of the collectives
+        # issued once the task has run
         self.collectives_after: dict[int, list[tuple]] = {}
 
     # ------------------------------------------------------------------ setup
@@ -120,9 +121,11 @@ class StepSchedule:
                 xi.append(m)
 
     def add_collectives(self, actions: list[Action], group_layouts: list[Layout | None],
-                        weight_bytes: list[float]) -> None:
+                        weight_bytes: list[float], gathers: dict[int, list] | None = None) -> None:
         """ps groups pull their variables now (the forward tasks wait); gradients are all-reduced or pushed
-        once the tasks producing them have run (``collectives_after``; the update tasks wait)."""
+        once the tasks producing them have run (``collectives_after``; the update tasks wait). GATHERS:
+        op group -> its SFB all-gathers (``tag.sim.sfb.GatherCharge``), issued with its all-reduce; the
+        update tasks also wait for each gather's local recompute."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
@@ -130,6 +133,13 @@ class StepSchedule:
         coll_of: dict[int, tuple] = {}       # action id -> collective coefficients (() if none)
         for g, a in enumerate(actions):
             W = weight_bytes[g]
+            if gathers and g in gathers:
+                devices = group_layouts[g].devices
+                c = routing.collective("allgather", devices, a.placement, None)
+                for ch in gathers[g]:
+                    post.setdefault(coll_after[g], []).append(
+                        (g, c[4], c[0] + c[1] * ch.block_bytes, c[5] * ch.block_bytes, coll_deps[g],
+                         update_tasks[g], ch.recompute_s, "all-gather", ch.block_bytes, devices))
             if W <= 0 or a.mode == "partition":
                 continue
             c = coll_of.get(id(a))
@@ -159,10 +169,44 @@ class StepSchedule:
                 if record is not None:
                     record.collectives.append((c[4], st, end, W * c[5], f"pull {self.group_names[g]}"))
                 dur = c[0] + c[1] * W
+                kind = "push"
             else:
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
-            post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], update_tasks[g]))
+                kind = "all-reduce"
+            post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], update_tasks[g], 0.0,
+                                                       kind, W, group_layouts[g].devices))
         self.comm_bytes = comm
+
+    def _start_collectives(self, collectives: list[tuple]) -> None:
+        """Start COLLECTIVES (issued after one task) once the tasks they wait for have finished on every
+        lane and their links are free; release the tasks waiting for them (plus any local recompute)."""
+        task_finish, resource_free, release, record = self.task_finish, self.resource_free, self.release, self.record
+        collective_end = self.collective_end
+        for g, res, dur, nbytes, deps, waiting, after, kind, payload, devices in collectives:
+            ready = 0.0
+            for dt in deps:
+                if task_finish[dt] > ready:
+                    ready = task_finish[dt]
+            st = ready
+            for r in res:
+                if resource_free[r] > st:
+                    st = resource_free[r]
+            end = st + dur
+            for r in res:
+                resource_free[r] = end
+            self.comm_bytes += nbytes
+            done = end + after
+            if done > collective_end[g]:
+                collective_end[g] = done
+            for ut in waiting:
+                if done > release[ut]:
+                    release[ut] = done
+            if record is not None:
+                record.collectives.append((res, st, end, nbytes, f"{kind} {self.group_names[g]}"))
+                if kind != "push":
+                    record.collective_ops.append({"kind": kind.replace("-", ""), "group": g,
+                                                  "devices": [int(d) for d in devices],
+                                                  "bytes": float(payload), "start_s": st, "end_s": end})
 
     # ------------------------------------------------------------------ the list schedule
     def run(self, actions: list[Action]) -> float:
@@ -230,27 +274,7 @@ class StepSchedule:
                 collectives = post.get(k)
                 if collectives is None:
                     continue
-                # start the collectives once the tasks they wait for have finished; release their waiters
-                for g, res, dur, nbytes, deps, waiting in collectives:
-                    ready = 0.0
-                    for dt in deps:
-                        if task_finish[dt] > ready:
-                            ready = task_finish[dt]
-                    st = ready
-                    for r in res:
-                        if resource_free[r] > st:
-                            st = resource_free[r]
-                    end = st + dur
-                    for r in res:
-                        resource_free[r] = end
-                    self.comm_bytes += nbytes
-                    collective_end[g] = end
-                    for ut in waiting:
-                        if end > release[ut]:
-                            release[ut] = end
-                    if record is not None:
-                        record.collectives.append((res, st, end, nbytes, (
-                            "push " if actions[g].mode == "ps" else "all-reduce ") + self.group_names[g]))
+                self._start_collectives(collectives)
             t = e
         return max(max(self.lane_free, default=0.0), max(self.resource_free, default=0.0),
                    max(self.collective_end, default=0.0))

@@ -22,12 +22,18 @@ What is simulated (the strategy semantics of DESIGN.md / tag.strategy):
   resource (FIFO in the order transfers are issued; a transfer occupies all its resources for
   latency + bytes / bandwidth), so concurrent transfers through a NIC add up.
 - Gradients of an allreduce group are all-reduced over its devices as one fused collective per op
-  group (``CostModel.allreduce_coeffs``: best of ring and hierarchical) once the tasks producing them
+  group (``CostModel.allreduce_coeffs``, ring: the rewriter emits one flat ``CollectiveReduceV2`` over the
+  group's devices, so the hierarchical model, which nothing deploys, is not charged) once the tasks producing them
   have finished everywhere; the collective occupies the NICs of the hosts involved (and the bus of each
   host with several of its devices); the group's update tasks wait for it. ps groups pull their
   variables from the PS at the start of the step and push gradients after the backward pass
   (``CostModel.ps_coeffs`` per direction, on the PS host's NIC and the workers' NICs); the update runs
-  once, on the PS device. ``Strategy.sfb`` is not modelled yet (plain all-reduce is assumed).
+  once, on the PS device.
+- ``Strategy.sfb`` (sufficient-factor broadcasting, ``tag.sim.sfb``): an SFB variable of a multi-replica
+  allreduce group leaves its group's all-reduce; one ring all-gather of its padded factors is issued with
+  it, and the group's update waits for the gather plus the extra local MatMul on the gathered rows; the
+  gathered factors count as static memory on every replica. ``Simulator.collectives`` lists every
+  all-reduce and all-gather of a strategy as the rewriter emits them.
 - Memory per device: parameters + gradients + optimizer slots held there (allreduce: every replica; ps:
   trainable weights, slots and the summed gradient on the PS, a pulled copy, the gradients and
   non-trainable state on every worker; partition: on the variable's device) + the peak of live
@@ -80,6 +86,7 @@ from tag.sim.memory import ALIAS_TYPES, MemoryModel
 from tag.sim.result import SimResult, schedule_features
 from tag.sim.routing import Routing
 from tag.sim.schedule import StepSchedule
+from tag.sim.sfb import SfbModel, SfbPlan
 from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import STAGE_NAMES, Recording, chrome_trace
 from tag.strategy.types import Action, Grouping, Strategy
@@ -116,6 +123,7 @@ class Simulator:
         self.routing = Routing(topology, self.cost, self.tasks)
         self.layouts = LayoutCache(topology, self.cost, self.tasks, [self.routing.moves])
         self.partitions = PartitionPlans(graph, self.tasks, self.memory.partition_vars, self.layouts.devices_of)
+        self.sfb = SfbModel(graph, self.tasks, self.cost, self.memory.weight_bytes_list)
         self._device_memory = np.array([d.memory_bytes for d in topology.devices], dtype=np.float64)
         net = self.cost.profile.network
         self._step_overhead = net.step_overhead_s if net is not None else 0.0
@@ -140,6 +148,14 @@ class Simulator:
                             self.tasks.task_stage_list, self.routing.resource_names,
                             {"step_time_s": res.step_time, "feasible": res.feasible,
                              "comm_bytes": res.comm_bytes, "strategy": strategy.name})
+
+    def collectives(self, strategy: Strategy, batch_size: int | None = None) -> list[dict]:
+        """Every all-reduce and all-gather one step of STRATEGY issues, in issue order: {"kind": "allreduce"
+        or "allgather", "group": op group, "devices": [device], "bytes": payload per device, "start_s",
+        "end_s"} -- the TF collectives the rewriter emits for STRATEGY."""
+        rec = Recording()
+        self._run(strategy, batch_size, record=rec)
+        return [dict(c) for c in rec.collective_ops]
 
     def _check_action(self, a: Action) -> None:
         if a in self._valid_actions:
@@ -243,17 +259,20 @@ class Simulator:
                                 self.grouping.names, record)
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
-        schedule.add_collectives(actions, group_layouts, self.memory.weight_bytes_list)
+        sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
+        schedule.add_collectives(actions, group_layouts, sfb.weight_bytes, sfb.gathers)
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
-        return self._result(actions, distinct, plans, lanes, batch, step, schedule)
+        return self._result(actions, distinct, plans, lanes, batch, step, schedule, sfb)
 
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,
-                batch: int, step: float, schedule: StepSchedule) -> SimResult:
+                batch: int, step: float, schedule: StepSchedule, sfb: SfbPlan) -> SimResult:
         num_devices = self.topology.num_devices
         static = self.memory.static_memory(actions, distinct, plans, self.layouts.devices_of, num_devices)
+        if sfb.memory is not None:
+            static = static + sfb.memory
         ran = schedule.finish >= 0
         activation_peak = self.memory.activation_peak(ran, schedule.batch, schedule.split_parts)
         lane_of_device = lanes.lane_of_device

@@ -3,7 +3,9 @@
 ``Recording`` is what the schedule writes down while it runs with recording on (every transfer and
 collective with its resources and times; the lanes and the [task, lane] start / finish / batch
 matrices); ``chrome_trace`` turns it into trace events: one row per device, one per host interconnect
-and network interface, ``ph: "X"`` events in microseconds.
+and network interface, ``ph: "X"`` events in microseconds. ``otherData["collectives"]`` lists every
+all-reduce and all-gather (kind, op group, devices, payload bytes per device): exactly the TF collectives
+the rewriter emits for the same strategy (``tests/test_sfb.py`` checks this).
 
 Example::
 
@@ -37,6 +39,9 @@ class Recording:
     # (resource ids, start s, end s, bytes, label) per transfer / per collective, in issue order
     transfers: list[tuple] = field(default_factory=list)
     collectives: list[tuple] = field(default_factory=list)
+    # every all-reduce and all-gather as the rewriter emits it: {"kind": "allreduce" | "allgather", "group",
+    # "devices", "bytes" (payload per device), "start_s", "end_s"}, in issue order
+    collective_ops: list[dict] = field(default_factory=list)
     lanes: Any = None                 # the evaluation's tag.sim.layouts.Lanes
     # (start, finish, batch) matrices indexed [task, lane]; finish -1: the lane did not run the task
     matrices: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -71,4 +76,5 @@ def chrome_trace(recording: Recording, topology: Topology, group_names: list[str
             events.append({"name": label, "cat": "comm", "ph": "X", "ts": st * 1e6,
                            "dur": max(fn - st, 0.0) * 1e6, "pid": 1, "tid": int(r),
                            "args": {"bytes": float(nbytes)}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other_data}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {**other_data, "collectives": [dict(c) for c in recording.collective_ops]}}

@@ -28,7 +28,11 @@ losses; a summed loss plus batch-independent terms cannot be split and is refuse
 
 Graphs built with a concrete batch dimension (``Placeholder [32, 784]``) carry that number in
 constants (``Reshape`` shapes, ``Tile`` multiples, a mean gradient's divisor, ...). Those constants are
-found from the IR's batch axes and rescaled for each instance's share (and for ``batch_size=``).
+found from the IR's batch axes and rescaled for each instance's share (and for ``batch_size=``); so
+are ``tf.shape`` results TensorFlow folded into constants (``<scope>/Shape_k``) and the loss's tail
+outside the analysed step (its batch axes come from the frontend's per-op rules). Tensors TensorFlow
+folded into a constant of the batch's shape (``zeros_like`` of a static batch) give each instance its
+rows.
 
 Rules (documented choices):
 

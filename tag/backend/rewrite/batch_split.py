@@ -31,9 +31,11 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tag.errors import RewriteError
+from tag.frontend.batch_axes import rule_axes
+from tag.ir.types import Linear, TensorInfo
 
 from .context import RewriteContext
-from .graph_edit import FLOAT_TYPES, Instance, Range, attr_type, fill_defaults, split_tensor, tensor_name
+from .graph_edit import FLOAT_TYPES, Instance, Range, attr_type, canonical, fill_defaults, split_tensor, tensor_name
 
 # op type -> input index that is a shape whose entries follow the op's output shape
 _SHAPE_OPERAND = {
@@ -44,6 +46,7 @@ _SHAPE_OPERAND = {
     "ScatterNd": 2,
 }
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
+_FOLDED_SHAPE_RE = re.compile(r"^Shape(_\d+)?$")   # tf.shape of a static shape, folded into a Const
 
 
 def _is_scalar(node: node_def_pb2.NodeDef) -> bool:
@@ -54,8 +57,35 @@ class BatchSplitMixin(RewriteContext):
     """Batch-following constants (``const_scale``) and re-splitting of batch-axis tensors."""
 
     # -------------------------------------------------------------------------------- constants
+    def _outside_axes(self) -> None:
+        """Batch axes of the kept ops outside the analysed step (the loss's tail, metrics): the frontend's
+        per-op rules applied to TensorFlow's static shapes, in topological order; recorded in
+        ``tensor_info`` so their batch-sized constants are rescaled like the step's."""
+        outside = [n for n in self.order if n not in self.ir_index and self.nodes[n].op != "Const"]
+        if not any(self.nodes[split_tensor(i)[0]].op != "Const" for n in outside for i in self.nodes[n].input
+                   if not i.startswith("^") and split_tensor(i)[0] in self.ir_index):
+            return
+        for n in outside:
+            node = self.nodes[n]
+            ins = []
+            for i in node.input:
+                if i.startswith("^"):
+                    continue
+                info = self.tensor_info.get(canonical(i))
+                ins.append((None if info is None or info.shape is None else tuple(info.shape),
+                            None if info is None else info.batch_axis))
+            op = self.tfg.get_operation_by_name(n)
+            outs = [None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.outputs]
+            axes = rule_axes(node.op, node.attr, ins, outs,
+                             lambda k: self.nodes[split_tensor([i for i in node.input if not i.startswith("^")][k])[0]]
+                             if k < len(ins) else None)
+            for k, (t, ax) in enumerate(zip(op.outputs, axes)):
+                self.tensor_info[tensor_name(n, k)] = TensorInfo(tensor_name(n, k), t.dtype.base_dtype.name,
+                                                                 outs[k], ax, Linear())
+
     def _const_rules(self) -> None:
         """For each batch-dependent constant: the flat positions that scale with the batch."""
+        self._outside_axes()
         self.const_scale = {}
         for n in self.order:
             node = self.nodes[n]
@@ -75,6 +105,8 @@ class BatchSplitMixin(RewriteContext):
         """Positions of the flat value V of Const N that hold (a multiple of) the reference batch."""
         is_int = dtype in (tf.int32, tf.int64)
         pos = self._shape_operand_positions(n, v, is_int)
+        if is_int and "/" in n and _FOLDED_SHAPE_RE.match(n.rsplit("/", 1)[1]):
+            pos |= self._folded_shape_positions(n, v)
         m = _GRAD_SCOPE_RE.search(n)
         if m:
             fwd = self._forward_op(m.group(1))
@@ -104,6 +136,22 @@ class BatchSplitMixin(RewriteContext):
                 src = self.nodes[c].input[0]
                 if ax is not None and ax < v.size and self._batch_axis(src) is None and v[ax] % ref_batch == 0 \
                         and v[ax] > 0:
+                    pos.add(ax)
+        return pos
+
+    def _folded_shape_positions(self, n: str, v: np.ndarray) -> set[int]:
+        """R4: ``tf.shape(x)`` of a static x folded into Const N (``<scope>/Shape_k``): the batch entry, when
+        V is the shape of a batch-axis tensor that an op of the same name scope takes."""
+        scope = n.rsplit("/", 1)[0] + "/"
+        pos: set[int] = set()
+        for op in self.order:
+            if not op.startswith(scope) or "/" in op[len(scope):]:
+                continue
+            for t in self.nodes[op].input:
+                if t.startswith("^"):
+                    continue
+                ax, shape = self._batch_axis(t), self._ref_shape(t)
+                if ax is not None and shape is not None and list(shape) == list(v) and v[ax] % self.ref_batch == 0:
                     pos.add(ax)
         return pos
 
@@ -171,6 +219,32 @@ class BatchSplitMixin(RewriteContext):
         new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.reshape(value.shape)))
         return new
 
+    def _batch_const_value(self, n: str, rng: Range) -> node_def_pb2.NodeDef | None:
+        """A copy of Const N (a tensor with a batch axis that TensorFlow folded into a constant, such as
+        ``zeros_like`` of a static batch) holding examples RNG: its rows of the batch axis, or, for a
+        value that is the same along that axis, that value repeated for any batch."""
+        if rng == (0, self.ref_batch) and self.batch == self.ref_batch:
+            return None
+        node = self.nodes[n]
+        value = tf.make_ndarray(node.attr["value"].tensor)
+        ax = self._batch_axis(n)
+        rows = value.shape[ax] // self.ref_batch if ax < value.ndim else 0
+        if not rows or value.shape[ax] % self.ref_batch:
+            raise RewriteError(f"constant {n!r}: its batch axis {ax} ({value.shape}) is not a multiple of the "
+                               f"batch {self.ref_batch}, so it cannot be split between devices")
+        first = np.take(value, [0], axis=ax)
+        if np.all(value == first):
+            new_value = np.repeat(first, (rng[1] - rng[0]) * rows, axis=ax)
+        elif rng[1] <= self.ref_batch:
+            new_value = np.take(value, np.arange(rng[0] * rows, rng[1] * rows), axis=ax)
+        else:
+            raise RewriteError(f"constant {n!r} holds per-example values for {self.ref_batch} examples; it cannot "
+                               f"serve examples {rng[0]}..{rng[1] - 1} (build the graph at the batch to run)")
+        new = node_def_pb2.NodeDef()
+        new.CopyFrom(node)
+        new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(new_value))
+        return new
+
     def _rescale_placeholder(self, n: str, node: node_def_pb2.NodeDef) -> None:
         """Set the batch dimension of placeholder NODE (a copy of N) to the batch to run."""
         if self.batch != self.ref_batch and "shape" in node.attr:
@@ -185,7 +259,8 @@ class BatchSplitMixin(RewriteContext):
         shape = self._ref_shape(t)
         if shape is None or ax is None or ax >= len(shape) or shape[ax] is None or shape[ax] % self.ref_batch:
             raise RewriteError(f"tensor {t!r}: its batch axis {ax} has no static size that is a multiple of "
-                               f"the batch {self.ref_batch}, so it cannot be split between devices")
+                               f"the batch {self.ref_batch}, so it cannot be split between devices; give its "
+                               f"op static shapes (or keep it in one op group run on the whole batch)")
         return shape[ax] // self.ref_batch
 
     def _cover(self, p: str, rng: Range, dev: int) -> list[Instance]:

@@ -195,7 +195,8 @@ class RewriteContext(NodeBuilder):
         for n in self.order:
             data_in = [split_tensor(i)[0] for i in self.nodes[n].input if not i.startswith("^")]
             self.batch_dependent[n] = n in inputs or n in self.seeds or n in self.const_scale or any(
-                self.batch_dependent[p] for p in data_in)
+                self.batch_dependent[p] for p in data_in) or (
+                self.nodes[n].op == "Const" and self._batch_axis(n) is not None)
             self.grad_dependent[n] = n in self.seeds or any(self.grad_dependent[p] for p in data_in)
         for n in reversed(self.order):
             self.on_summed_grads[n] = self._phase(n) == "update" and (
@@ -211,6 +212,9 @@ class RewriteContext(NodeBuilder):
             sub.versions.CopyFrom(self.graph_def.versions)
             sub.library.CopyFrom(self.graph_def.library)
             sub.node.extend(self.nodes[n] for n in self.order)
+            for node in sub.node:   # colocation with ops pruned away would fail the import (shapes need none)
+                if "_class" in node.attr:
+                    del node.attr["_class"]
             g = tf.Graph()
             with g.as_default():
                 try:

@@ -16,6 +16,8 @@ Example::
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +90,14 @@ def check_imports(graph_def: "tf.compat.v1.GraphDef") -> None:
                 c_api.TF_GraphImportGraphDefWithResults(c_graph, buf, opts)
     except (ValueError, tf.errors.OpError) as err:
         first = " ".join(str(err).split())
-        raise RewriteError(f"the rewritten graph does not import: {first[:400]}") from None
+        hint = ""
+        if any(k in first for k in ("Dimension", "reshape", "Incompatible shapes", "must be equal")):
+            m = re.search(r"\{\{node ([^}]+)\}\}", first)
+            op = m.group(1).split("/replica_")[0].split("/tag_")[0] if m else "the op named above"
+            hint = (f" (a batch-sized tensor at {op!r} whose batch axis tag could not decide: build the step "
+                    f"with an unknown batch dimension -- [None, ...] placeholders, reshapes with -1 -- and pass "
+                    f"batch_size= to tag.analyze)")
+        raise RewriteError(f"the rewritten graph does not import: {first[:400]}{hint}") from None
     finally:
         c_api.TF_DeleteImportGraphDefOptions(opts)
 

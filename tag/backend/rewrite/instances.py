@@ -86,7 +86,8 @@ class InstancesMixin(RewriteContext):
         inst = Instance(name, rng, asked_dev, dev, primary)
         node = node_def_pb2.NodeDef()
         if orig.op == "Const":
-            scaled = self._const_value(n, rng[1] - rng[0])
+            scaled = self._batch_const_value(n, rng) if self._batch_axis(n) is not None else \
+                self._const_value(n, rng[1] - rng[0])
             node.CopyFrom(scaled if scaled is not None else orig)
         else:
             node.CopyFrom(orig)

@@ -1,0 +1,200 @@
+"""Predicted against published FP32 training throughput, with no user profile (tag's shipped GPU defaults).
+
+Every row of ``data/published_throughput.csv`` names a model, a GPU system, a GPU count, a per-GPU batch
+(and a sequence length for BERT) and the throughput its source published. The prediction is the
+data-parallel throughput tag's simulator gives without any profile: global batch / simulated step time of
+the built-in ``dp_allreduce`` strategy on a topology of N such GPUs in one host (built with
+``tag.parse_topology`` from the system's spec sheet in ``SYSTEMS`` below), op groups from
+``group_ops(graph, 64)`` as ``tag-deploy`` uses by default. The error is predicted / published - 1; the
+medians and the maximum are reported for the fit rows (those ``scripts/fit_gpu_defaults.py`` fitted the
+shipped profiles on) and the validation rows separately.
+
+One IR is built per model (10-60 s each; the simulator takes the batch); ``--cache DIR`` keeps them as
+pickles between runs. ``vgg16`` is not a zoo model: it is built here with ``tf_keras.applications.VGG16``
+under the zoo's conventions (placeholders, mean cross-entropy, Momentum 0.9).
+
+Usage::
+
+    python scripts/bench_published.py [--json FILE] [--cache DIR] [--data data/published_throughput.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "data", "published_throughput.csv")
+IR_BATCH = 8          # reference batch the IRs are built at (costs scale per example)
+GROUPS = 64           # tag-deploy's default number of op groups
+
+#: the machines of the data file: GPU spec sheet (FP32 peak, memory bandwidth, memory) and the
+#: interconnect between the GPUs of the host as its vendor lists it (GB/s each way per GPU)
+SYSTEMS: dict[str, dict[str, Any]] = {
+    # DGX-1 (P100 SXM2): 10.6 TFLOP/s, 732 GB/s HBM2; 4 NVLink 1 links x 20 GB/s per GPU
+    "dgx1-p100": dict(type="P100-SXM2", tflops=10.6, gbs=732, gib=16, link="NVLINK", link_gbs=80),
+    # DGX-1 (V100 SXM2): 15.7 TFLOP/s, 900 GB/s; 6 NVLink 2 links x 25 GB/s per GPU (hybrid cube mesh)
+    "dgx1-v100-16g": dict(type="V100-SXM2-16GB", tflops=15.7, gbs=900, gib=16, link="NVLINK", link_gbs=150),
+    "dgx1-v100-32g": dict(type="V100-SXM2-32GB", tflops=15.7, gbs=900, gib=32, link="NVLINK", link_gbs=150),
+    # DGX-2 / Lambda Hyperplane (V100 SXM3 32 GB on NVSwitch): 6 x 25 GB/s per GPU to the switches
+    "dgx2-v100": dict(type="V100-SXM3-32GB", tflops=15.7, gbs=900, gib=32, link="NVLINK", link_gbs=150),
+    "lambda-v100": dict(type="V100-SXM3-32GB", tflops=15.7, gbs=900, gib=32, link="NVLINK", link_gbs=150),
+    # Lambda workstations / 8-GPU PCIe server (PCIe 3.0 x16: 15.75 GB/s each way)
+    "lambda-2080ti": dict(type="RTX2080Ti", tflops=13.4, gbs=616, gib=11, link="PCIE", link_gbs=15.75),
+    "lambda-2080ti-pcie": dict(type="RTX2080Ti", tflops=13.4, gbs=616, gib=11, link="PCIE", link_gbs=15.75),
+    "lambda-1080ti": dict(type="GTX1080Ti", tflops=11.3, gbs=484, gib=11, link="PCIE", link_gbs=15.75),
+}
+
+
+def read_rows(path: str = DATA) -> list[dict[str, Any]]:
+    """The data file's rows (comment lines skipped), numbers converted."""
+    with open(path, encoding="utf-8") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    for r in rows:
+        r["gpu_count"] = int(r["gpu_count"])
+        r["per_gpu_batch"] = int(r["per_gpu_batch"])
+        r["seq_len"] = int(r["seq_len"]) if r["seq_len"] else None
+        r["throughput"] = float(r["throughput"])
+        if r["system"] not in SYSTEMS:
+            raise SystemExit(f"{path}: row {r['id']}: unknown system {r['system']!r}")
+    return rows
+
+
+def _vgg16_graph_def(batch_size: int):
+    """VGG-16 training step in the zoo's conventions (the zoo ships VGG-19 only)."""
+    import tensorflow as tf
+    import tf_keras
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [batch_size, 224, 224, 3], name="input")
+        labels = v1.placeholder(tf.int32, [batch_size], name="labels")
+        model = tf_keras.applications.VGG16(weights=None, input_tensor=x, classes=1000, classifier_activation=None)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=model.output)
+        loss = tf.identity(tf.reduce_mean(xent), name="loss")
+        v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="train_op")
+        v1.variables_initializer(v1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+def model_key(row: dict[str, Any]) -> str:
+    return row["model"] + (f"-s{row['seq_len']}" if row["seq_len"] else "")
+
+
+def build_ir(row: dict[str, Any], cache: str | None = None):
+    """The IR of ROW's model at IR_BATCH (from CACHE when present there)."""
+    key = model_key(row)
+    path = os.path.join(cache, f"{key}-b{IR_BATCH}.pkl") if cache else None
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    import tag
+    if row["model"] == "vgg16":
+        gd = _vgg16_graph_def(IR_BATCH)
+    else:
+        opts = {"seq_len": row["seq_len"]} if row["seq_len"] else {}
+        gd = tag.zoo.training_graph(row["model"], batch_size=IR_BATCH, **opts)
+    tg = tag.analyze(gd, name=key)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump(tg, f)
+    return tg
+
+
+def topology_text(system: str, n: int) -> str:
+    """A one-host topology of N GPUs of SYSTEM (protobuf text)."""
+    s = SYSTEMS[system]
+    link = (f'interconnect {{ kind: {s["link"]} bandwidth_gbs: {s["link_gbs"]} latency_us: {2 if s["link"] == "NVLINK" else 5} }}'
+            if n > 1 else "")
+    return (f'name: "{system}-x{n}"\nhost {{ name: "node" address: "10.0.0.1" port: 2222\n'
+            f'  device {{ type: "{s["type"]}" kind: GPU count: {n} memory_gib: {s["gib"]} '
+            f'peak_tflops: {s["tflops"]} memory_bandwidth_gbs: {s["gbs"]} }}\n  {link}\n}}\n')
+
+
+def predict(row: dict[str, Any], graph) -> dict[str, Any]:
+    """Simulated dp_allreduce throughput of ROW's configuration (no profile)."""
+    import tag
+    from tag.cost.model import CostModel
+    from tag.sim.simulator import Simulator
+    from tag.strategy.baselines import builtin_strategy
+    from tag.strategy.grouping import group_ops
+    n, per = row["gpu_count"], row["per_gpu_batch"]
+    topo = tag.parse_topology(topology_text(row["system"], n), path=f"<{row['system']}>")
+    grouping = group_ops(graph, target_groups=GROUPS)
+    cm = CostModel(graph, topo)
+    strategy = builtin_strategy("dp_allreduce", graph, topo, grouping, cm)
+    res = Simulator(graph, topo, grouping, cm).evaluate(strategy, batch_size=n * per)
+    pred = n * per / res.step_time
+    return {"id": row["id"], "split": row["split"], "model": row["model"], "gpu": row["gpu"], "gpus": n,
+            "per_gpu_batch": per, "seq_len": row["seq_len"], "published": row["throughput"],
+            "predicted": pred, "rel_error": pred / row["throughput"] - 1.0, "unit": row["unit"],
+            "profile": cm.profile_source(0), "source_id": row["source_id"]}
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    fit = [abs(r["rel_error"]) for r in results if r["split"] == "fit"]
+    val = [abs(r["rel_error"]) for r in results if r["split"] == "validation"]
+    return {"rows": results,
+            "median_abs_rel_error_fit": statistics.median(fit) if fit else None,
+            "max_abs_rel_error_fit": max(fit) if fit else None,
+            "median_abs_rel_error_validation": statistics.median(val) if val else None,
+            "max_abs_rel_error_validation": max(val) if val else None,
+            "validation_rows": len(val), "fit_rows": len(fit)}
+
+
+def run(rows: list[dict[str, Any]], cache: str | None = None, quiet: bool = False) -> list[dict[str, Any]]:
+    graphs: dict[str, Any] = {}
+    out = []
+    for row in rows:
+        key = model_key(row)
+        if key not in graphs:
+            t0 = time.time()
+            graphs[key] = build_ir(row, cache)
+            if not quiet:
+                print(f"  built {key} in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        out.append(predict(row, graphs[key]))
+    return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"{'id':22} {'split':10} {'model':12} {'gpu':15} {'n':>2} {'b/gpu':>5} {'published':>10} "
+             f"{'predicted':>10} {'error':>7}"]
+    for r in summary["rows"]:
+        lines.append(f"{r['id']:22} {r['split']:10} {r['model']:12} {r['gpu']:15} {r['gpus']:>2} "
+                     f"{r['per_gpu_batch']:>5} {r['published']:>10.1f} {r['predicted']:>10.1f} "
+                     f"{100 * r['rel_error']:>+6.1f}%")
+    s = summary
+    lines.append(f"fit rows: {s['fit_rows']}, median |error| {100 * s['median_abs_rel_error_fit']:.1f}%, "
+                 f"max {100 * s['max_abs_rel_error_fit']:.1f}%")
+    lines.append(f"validation rows: {s['validation_rows']}, median |error| "
+                 f"{100 * s['median_abs_rel_error_validation']:.1f}%, max {100 * s['max_abs_rel_error_validation']:.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=DATA, help="the published-throughput CSV")
+    p.add_argument("--json", metavar="FILE", help="write the rows and error summary as JSON")
+    p.add_argument("--cache", metavar="DIR", help="keep built IRs here (pickles) between runs")
+    args = p.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    summary = summarise(run(read_rows(args.data), args.cache))
+    print(format_table(summary))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
