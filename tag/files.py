@@ -81,12 +81,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
             pass
 
 
-def check_writable(path: str | os.PathLike, *, what: str = "output", directory: bool = False) -> None:
+def check_writable(path: str | os.PathLike, *, what: str = "output", directory: bool = False,
+                   create_parents: bool = False) -> None:
     """Raise TagError (naming PATH) unless an output at PATH could be written now.
 
     Checked before any work is done, so a bad ``--report`` path fails in a second rather than after a
     search: PATH must not be a directory (or must be one, or not exist yet, when DIRECTORY), its parent
-    must exist, and a file can be created there (a probe file, removed at once).
+    must exist (with CREATE_PARENTS: its nearest existing ancestor, where the missing folders will be
+    made), and a file can be created there (a probe file, removed at once).
     """
     path = os.fspath(path)
     if not path:
@@ -99,6 +101,9 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
         if os.path.isdir(path):
             raise TagError(f"{path}: is a directory (the {what} is a file)")
         probe_dir = os.path.dirname(os.path.abspath(path))
+    if create_parents:
+        while not os.path.exists(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
+            probe_dir = os.path.dirname(probe_dir)
     if not os.path.isdir(probe_dir):
         raise TagError(f"{path}: directory {probe_dir} does not exist")
     probe = os.path.join(probe_dir, f".tag-probe-{os.getpid()}-{threading.get_ident()}")

@@ -85,7 +85,7 @@ def _body(argv: Sequence[str]) -> int:
     if (args.model is None) == (args.merge is None):
         raise TagError("give --model (profile a step) or --merge P.json ... (combine profiles), not both")
     if args.out is not None:
-        check_writable(args.out, what="profile")
+        check_writable(args.out, what="profile", create_parents=True)
     if args.merge is not None:
         return _merge(args)
     if args.batch is not None and args.batch < 1:
