@@ -71,6 +71,6 @@ setup(
             "tag-profile=tag.cli.profile:main",
         ]
     },
-    package_data={"tag": ["_proto/*.py"]},
+    package_data={"tag": ["_proto/*.py", "gnn/*.npz", "gnn/TRAINING.md"]},
     cmdclass={"build_py": BuildPyWithProtos},
 )

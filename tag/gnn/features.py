@@ -152,6 +152,8 @@ class StaticFeatures:
         np.fill_diagonal(hb, 0.0)
         nic = hb.max(axis=1) if hb.shape[0] > 1 else np.zeros(1)
         groups_on_host = np.bincount(dg_host, minlength=len(topo.hosts))[dg_host]
+        intra = np.array([topo.hosts[h].intra_bandwidth for h in dg_host], dtype=np.float64)
+        intra = np.where(np.isfinite(intra) & (intra > 0), intra, 1e12)     # one device: no interconnect
         total_static = max(float(self.static_bytes.sum()), 1.0)
         self.dev_static = np.stack([
             per_dev_speed / per_dev_speed.max(),
@@ -159,7 +161,7 @@ class StaticFeatures:
             dg_size / n_dev,
             _log_ratio(mem, mem.max()),
             _log_ratio(mem, total_static) / 3.0,
-            (np.log10([topo.hosts[h].intra_bandwidth for h in dg_host]) - 10.0) / 2.0,
+            (np.log10(intra) - 10.0) / 2.0,
             np.where(nic[dg_host] > 0, (np.log10(np.maximum(nic[dg_host], 1.0)) - 10.0) / 2.0, 0.0),
             groups_on_host / D,
             np.full(D, 1.0 / len(topo.hosts)),
@@ -221,6 +223,9 @@ class StaticFeatures:
             members_w += (counts / len(devices)).tolist()
             cand_mem[k] = mem[dgs].min()
             compute[:, k], sync[:, k], mem_need[:, k] = self._estimate(cm, cand, devices, dgs, speeds)
+        keys = [(int(m), p) for m, p in zip(self.cand_mode, self.cand_placement)]
+        self.cand_key = np.array([sorted(set(keys)).index(k) for k in keys], dtype=np.int64)   # same mode and place
+        self.cand_dev_groups = [np.unique(dev_group[d], return_counts=True) for d in self.cand_devices]
         self.member_cand = np.array(members_c, dtype=np.int64)
         self.member_dev = np.array(members_d, dtype=np.int64)
         self.member_w = np.array(members_w, dtype=np.float64)
@@ -356,11 +361,16 @@ def state_input(env: "SearchEnv", order: Sequence[int], prefix: Sequence[int],
     position[allowed] = np.arange(len(allowed))
     global_x = np.array([np.log(max(speedup, 1e-3)) / 3.0 if feasible else -1.0, feasible, depth / G,
                          np.log(G) / 5.0, np.log(n_dev) / 5.0, len(allowed) / 48.0])
-    return PolicyInput(op_x.astype(np.float32), dev_x.astype(np.float32), st.flow_src, st.flow_dst,
-                       st.flow_x.astype(np.float32), st.link_src, st.link_dst, st.link_x.astype(np.float32),
-                       place_src, place_dst, place_x.astype(np.float32), global_x.astype(np.float32), target,
-                       cand_x.astype(np.float32), position[st.member_cand[keep]], st.member_dev[keep],
+    return PolicyInput(_finite(op_x), _finite(dev_x), st.flow_src, st.flow_dst, _finite(st.flow_x), st.link_src,
+                       st.link_dst, _finite(st.link_x), place_src, place_dst, _finite(place_x), _finite(global_x),
+                       target, _finite(cand_x), position[st.member_cand[keep]], st.member_dev[keep],
                        st.member_w[keep].astype(np.float32))
+
+
+def _finite(a: np.ndarray, bound: float = 20.0) -> np.ndarray:
+    """float32 copy with NaN as 0 and everything clipped to [-bound, bound] (a guard: no feature should need it)."""
+    return np.clip(np.nan_to_num(np.asarray(a, dtype=np.float64), nan=0.0, posinf=bound, neginf=-bound),
+                   -bound, bound).astype(np.float32)
 
 
 def _placement_edges(st: StaticFeatures, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -371,7 +381,7 @@ def _placement_edges(st: StaticFeatures, choice: np.ndarray) -> tuple[np.ndarray
         if k < 0:
             continue
         devices = st.cand_devices[k]
-        dgs, counts = np.unique(st.dev_group[devices], return_counts=True)
+        dgs, counts = st.cand_dev_groups[k]
         mode = np.eye(3)[st.cand_mode[k]]
         fastest = max(float(t_full[g].min()), 1e-12)
         for d, c in zip(dgs.tolist(), counts.tolist()):
@@ -390,12 +400,9 @@ def _candidate_features(st: StaticFeatures, choice: np.ndarray, prefix: Sequence
     first = int(prefix[0]) if len(prefix) else -1
     neigh = st.neighbour_w[target]
     same_placement = np.zeros(len(allowed))
-    if current >= 0 and neigh.sum() > 0:
-        placements = st.cand_placement
-        for i, k in enumerate(allowed.tolist()):
-            same_placement[i] = sum(w for g, w in enumerate(neigh) if w > 0 and choice[g] >= 0
-                                    and st.cand_mode[choice[g]] == st.cand_mode[k]
-                                    and placements[choice[g]] == placements[k])
+    if current >= 0 and neigh.sum() > 0:      # share of the target's data-flow bytes to groups doing the same
+        keys = st.cand_key[choice]
+        same_placement = (st.cand_key[allowed][:, None] == keys[None, :]).astype(np.float64) @ neigh
     flags = np.stack([(allowed == current).astype(np.float64), (allowed == first).astype(np.float64),
                       same_placement, np.full(len(allowed), float(len(prefix) == 0))], axis=1)
     return np.concatenate([st.cand_static[allowed], st.group_cand[target, allowed], flags], axis=1)
