@@ -85,20 +85,27 @@ class StaticFeatures:
     """Everything about an environment's graph, cluster and candidates that no state changes."""
 
     def __init__(self, env: "SearchEnv"):
-        topo, cm, graph = env.topology, env.cost_model, env.graph
-        G, D, C = env.num_groups, len(topo.groups), len(env.candidates)
-        B = float(env.batch_size)
-        gof = np.asarray(env.grouping.group_of_op, dtype=np.int64)
-        self.num_groups, self.num_dev_groups = G, D
-        n_dev = topo.num_devices
-        dev_group = np.array([d.group for d in topo.devices], dtype=np.int64)
-        dev_host = np.array([d.host_index for d in topo.devices], dtype=np.int64)
-        dg_host = np.array([topo.devices[g.devices[0]].host_index for g in topo.groups], dtype=np.int64)
-        dg_size = np.array([len(g.devices) for g in topo.groups], dtype=np.float64)
-        speeds = np.asarray(env.speeds, dtype=np.float64)
-        self.dev_group, self.dg_size = dev_group, dg_size
+        topo = env.topology
+        self.num_groups, self.num_dev_groups = env.num_groups, len(topo.groups)
+        self.dev_group = np.array([d.group for d in topo.devices], dtype=np.int64)
+        self.dg_size = np.array([len(g.devices) for g in topo.groups], dtype=np.float64)
+        self._common = (topo, env.cost_model, env.graph, env.num_groups, len(topo.groups), len(env.candidates),
+                        float(env.batch_size), np.asarray(env.grouping.group_of_op, dtype=np.int64),
+                        topo.num_devices, self.dev_group,
+                        np.array([d.host_index for d in topo.devices], dtype=np.int64),
+                        np.array([topo.devices[g.devices[0]].host_index for g in topo.groups], dtype=np.int64),
+                        self.dg_size, np.asarray(env.speeds, dtype=np.float64),
+                        np.array([g.memory_bytes for g in topo.groups], dtype=np.float64))
+        self._op_features(env)
+        self._device_features(env)
+        self._link_features(env)
+        self._flow_features(env)
+        self._candidate_features(env)
+        del self._common                      # the environment's objects: not kept beyond construction
 
-        # compute seconds per (op group, device group): linear in the per-device batch between 1 and B
+    def _op_features(self, env: "SearchEnv") -> None:
+        """Per op group: compute, bytes, synchronisation (``op_static``); [G, D] compute times."""
+        topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         share = max(1.0, B / n_dev)
         t1 = np.stack([np.bincount(gof, weights=cm.op_times(d, 1.0), minlength=G) for d in range(D)], axis=1)
         tb = np.stack([np.bincount(gof, weights=cm.op_times(d, B), minlength=G) for d in range(D)], axis=1)
@@ -145,7 +152,9 @@ class StaticFeatures:
             (param > 0).astype(np.float64),
         ], axis=1)
 
-        # device groups
+    def _device_features(self, env: "SearchEnv") -> None:
+        """Per device group: speed, memory, host links (``dev_static``)."""
+        topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         per_dev_speed = np.array([speeds[list(g.devices)].mean() for g in topo.groups])
         group_speed = per_dev_speed * dg_size
         hb = np.array(topo.host_bandwidth, dtype=np.float64, copy=True)
@@ -168,7 +177,9 @@ class StaticFeatures:
             np.array([g.tf_device_type == "GPU" for g in topo.groups], dtype=np.float64),
         ], axis=1)
 
-        # links between device groups (every ordered pair of distinct groups)
+    def _link_features(self, env: "SearchEnv") -> None:
+        """Links between device groups, every ordered pair of distinct groups."""
+        topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         src, dst = np.meshgrid(np.arange(D), np.arange(D), indexing="ij")
         keep = src != dst
         self.link_src, self.link_dst = src[keep].astype(np.int64), dst[keep].astype(np.int64)
@@ -184,7 +195,9 @@ class StaticFeatures:
             (dg_host[self.link_src] == dg_host[self.link_dst]).astype(np.float64),
         ], axis=1) if len(self.link_src) else np.zeros((0, F_LINK))
 
-        # forward data flow between op groups (bytes at the batch)
+    def _flow_features(self, env: "SearchEnv") -> None:
+        """Forward data flow between op groups (bytes at the batch)."""
+        topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         flow: dict[tuple[int, int], float] = {}
         for e in graph.edges:
             a, b = int(gof[e.src]), int(gof[e.dst])
@@ -201,7 +214,9 @@ class StaticFeatures:
         self.flow_bytes = fb
         self.neighbour_w = self._neighbour_weights(G)
 
-        # candidates: placement membership and cost-model estimates per (group, candidate)
+    def _candidate_features(self, env: "SearchEnv") -> None:
+        """Candidates: placement membership and cost-model estimates per (group, candidate)."""
+        topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         self.cand_devices: list[np.ndarray] = []
         self.cand_mode = np.zeros(C, dtype=np.int64)
         self.cand_placement: list[tuple[int, ...]] = []
