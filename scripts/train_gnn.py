@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--playouts0", type=int, default=600, help="playouts of generation 0 (uniform prior)")
     p.add_argument("--playouts", type=int, default=150, help="playouts of later generations (network prior)")
     p.add_argument("--generations", type=int, default=2, help="generations after generation 0")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--min-visits", type=int, default=20, help="nodes visited less often give no sample")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--target-temperature", type=float, default=0.5, help="visit-count temperature of the targets")
     p.add_argument("--eval-cases", type=int, default=6)
     p.add_argument("--budget-min", type=float, default=35.0, help="stop starting new generations after this")
     p.add_argument("--out", default=WEIGHTS_PATH)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rng = np.random.default_rng(args.seed)
     net = PolicyNet(seed=args.seed)
-    trainer = Trainer(net, learning_rate=args.lr)
+    trainer = Trainer(net, learning_rate=args.lr, target_temperature=args.target_temperature)
     policy = GNNPolicy(net, mix=0.25)
     samples = []
     case_index = 0
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"generation {gen}: {len(new)} new samples ({len(samples)} in all), self-play {time.time() - tg:.0f} s, "
             f"{load()}")
         te = time.time()
+        say(f"  mean target entropy (the best possible loss) {trainer.target_entropy(samples):.4f}")
         for epoch in range(args.epochs):
             loss = trainer.epoch(samples, args.batch, rng)
             say(f"  epoch {epoch}: loss {loss:.4f}")

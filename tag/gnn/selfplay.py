@@ -58,8 +58,9 @@ class Trainer:
     """Adam on the cross-entropy between the network's log-probabilities and the visit distributions."""
 
     def __init__(self, net: PolicyNet, learning_rate: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                 weight_decay: float = 1e-5):
+                 weight_decay: float = 1e-5, target_temperature: float = 1.0):
         self.net = net
+        self.target_temperature = float(target_temperature)
         self.lr, self.beta1, self.beta2, self.weight_decay = learning_rate, beta1, beta2, weight_decay
         self.variables = list(net.variables_by_name.values())
         self.m = [tf.Variable(tf.zeros_like(v), trainable=False) for v in self.variables]
@@ -70,8 +71,20 @@ class Trainer:
         """Mean over SAMPLES of the cross-entropy sum(-target * log p)."""
         b = batch_inputs([s.x for s in samples])
         logp = self.net.log_probs(b)
-        target = tf.constant(np.concatenate([s.target for s in samples]))
+        target = tf.constant(np.concatenate([self.sharpened(s.target) for s in samples]))
         return -tf.reduce_sum(target * logp) / len(samples)
+
+    def sharpened(self, target: np.ndarray) -> np.ndarray:
+        """TARGET ** (1 / target_temperature), renormalised (AlphaZero's visit-count temperature)."""
+        if self.target_temperature == 1.0:
+            return target
+        t = np.power(target.astype(np.float64), 1.0 / self.target_temperature)
+        return (t / t.sum()).astype(np.float32)
+
+    def target_entropy(self, samples: Sequence[Sample]) -> float:
+        """Mean entropy of the (sharpened) targets: the loss a perfect fit would reach."""
+        ents = [-(t * np.log(np.maximum(t, 1e-12))).sum() for t in (self.sharpened(s.target) for s in samples)]
+        return float(np.mean(ents)) if ents else float("nan")
 
     def step(self, samples: Sequence[Sample]) -> float:
         """One Adam step on SAMPLES; returns the loss before the step."""
