@@ -4,7 +4,8 @@ Cases: small zoo models (``tag.gnn.cases.TRAIN_ZOO``; never inception_v3, mobile
 random layered graphs, each on its own GENERATED cluster (``random_topology_text``; never a ready
 topology file), at 2, 8 or 32 examples per device. Generation 0 runs the tree search with the uniform
 prior; later generations with the network being trained (AlphaZero-style); after each generation the
-network is trained on every sample so far (cross-entropy to the visit distributions). Finally the policy
+network is trained on every sample so far (cross-entropy to the nodes' visit distributions, sharpened and
+blended with the candidates' completed values: ``tag.gnn.selfplay.self_play``). Finally the policy
 is compared with the uniform prior on fresh generated cases, the weights saved with the network's output
 on the reference state, and the command and figures written to ``--record`` (tag/gnn/TRAINING.md).
 
@@ -88,16 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=40, help="cases of generation 0")
-    p.add_argument("--cases-per-generation", type=int, default=16, help="new cases of each later generation")
+    p.add_argument("--cases-per-generation", type=int, default=12, help="new cases of each later generation")
     p.add_argument("--zoo-every", type=int, default=4, help="every Nth case is a small zoo model (0: none)")
     p.add_argument("--playouts0", type=int, default=600, help="playouts of generation 0 (uniform prior)")
     p.add_argument("--playouts", type=int, default=150, help="playouts of later generations (network prior)")
     p.add_argument("--generations", type=int, default=2, help="generations after generation 0")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--min-visits", type=int, default=20, help="nodes visited less often give no sample")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--target-temperature", type=float, default=0.5, help="visit-count temperature of the targets")
+    p.add_argument("--visit-temperature", type=float, default=0.5, help="visit-count temperature of the targets")
+    p.add_argument("--value-weight", type=float, default=0.5,
+                   help="weight of the completed-value softmax in the targets (the rest: visits)")
+    p.add_argument("--value-temperature", type=float, default=0.05)
     p.add_argument("--eval-cases", type=int, default=6)
     p.add_argument("--budget-min", type=float, default=35.0, help="stop starting new generations after this")
     p.add_argument("--out", default=WEIGHTS_PATH)
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     rng = np.random.default_rng(args.seed)
     net = PolicyNet(seed=args.seed)
-    trainer = Trainer(net, learning_rate=args.lr, target_temperature=args.target_temperature)
+    trainer = Trainer(net, learning_rate=args.lr)
     policy = GNNPolicy(net, mix=0.25)
     samples = []
     case_index = 0
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             label, env = make_case(rng, case_index, args.zoo_every)
             case_index += 1
             got, tree = self_play(env, None if gen == 0 else policy, args.playouts0 if gen == 0 else args.playouts,
-                                  seed=args.seed + case_index, min_visits=args.min_visits)
+                                  seed=args.seed + case_index, min_visits=args.min_visits,
+                                  visit_temperature=args.visit_temperature, value_weight=args.value_weight,
+                                  value_temperature=args.value_temperature)
             new += got
             say(f"gen {gen} case {label}: {len(got)} samples, best speedup {tree.outcome.value:.3f}")
         samples += new

@@ -40,17 +40,32 @@ class Sample:
 
 
 def self_play(env: "SearchEnv", prior: "PriorFn | None", playouts: int, seed: int,
-              order: str | Sequence[int] = "cost_descending", min_visits: int = 8) -> tuple[list[Sample], "TreeResult"]:
-    """Run the tree search on ENV with PRIOR (None: uniform) and turn its visited nodes into samples."""
-    from tag.search.mcts import mcts, uniform_prior
+              order: str | Sequence[int] = "cost_descending", min_visits: int = 8, visit_temperature: float = 1.0,
+              value_weight: float = 0.0, value_temperature: float = 0.05) -> tuple[list[Sample], "TreeResult"]:
+    """Run the tree search on ENV with PRIOR (None: uniform) and turn its visited nodes into samples.
+
+    A node's target is its visit distribution raised to 1 / VISIT_TEMPERATURE; with VALUE_WEIGHT > 0 it is
+    blended with the softmax (temperature VALUE_TEMPERATURE) of every candidate's *completed* value (the
+    simulated value of the node's completion with that candidate; values over the best one): visits of a
+    short search depend much on which child it happened to try first, the completed values do not.
+    """
+    from tag.search.mcts import complete, mcts, uniform_prior
     tree = mcts(env, order=order, playouts=playouts, seed=seed, prior=prior or uniform_prior, keep_visits=True)
     samples = []
     for prefix, (allowed, visits) in sorted(tree.visits.items(), key=lambda kv: len(kv[0])):
         total = float(visits.sum())
         if total < min_visits or len(allowed) < 2:
             continue
+        target = np.power(visits / total, 1.0 / visit_temperature)
+        target /= target.sum()
+        if value_weight > 0:
+            values = np.array([env.evaluate(complete(env, tree.order, prefix + (k,))).value for k in allowed])
+            scale = values.max() if values.max() > 0 else 1.0
+            z = np.where(values > 0, values / scale, values - 1.0) / value_temperature
+            q = np.exp(z - z.max())
+            target = (1 - value_weight) * target + value_weight * q / q.sum()
         x = state_input(env, tree.order, prefix, allowed)
-        samples.append(Sample(x, (visits / total).astype(np.float32), int(total)))
+        samples.append(Sample(x, target.astype(np.float32), int(total)))
     return samples, tree
 
 
