@@ -94,7 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                ("uniform1000", uniform_prior, args.long_playouts)]
     print(f"GNN prior vs uniform prior; {len(models)} model(s) x {len(topos)} topolog(y/ies); "
           f"load average {os.getloadavg()[0]:.2f} (2-core machine shared with other work)", flush=True)
-    rows = []
+    rows: list[dict] = []
+
+    def summary() -> dict:
+        return {"cases": len(rows), "rows": rows,
+                "guided100_over_uniform1000": geomean_ratio(rows, "guided100", "uniform1000"),
+                "guided100_over_uniform100": geomean_ratio(rows, "guided100", "uniform100"),
+                "playouts": {"guided": args.playouts, "uniform_short": args.playouts,
+                             "uniform_long": args.long_playouts},
+                "load_average_end": load()}
+
     for spec in models:
         t0 = time.perf_counter()
         name, tg = build_ir(spec)
@@ -110,11 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             cells = "  ".join(f"{k} {row[k]['speedup']:.3f}x ({row[k]['seconds']:.1f} s, {row[k]['evaluations']} sims)"
                               for k, _, _ in methods)
             print(f"  {name} on {row['topology']} (batch {batch}): {cells}  load {load():.2f}", flush=True)
-    out = {"cases": len(rows), "rows": rows,
-           "guided100_over_uniform1000": geomean_ratio(rows, "guided100", "uniform1000"),
-           "guided100_over_uniform100": geomean_ratio(rows, "guided100", "uniform100"),
-           "playouts": {"guided": args.playouts, "uniform_short": args.playouts, "uniform_long": args.long_playouts},
-           "load_average_end": load()}
+            if args.json:                        # after every case: a long run stopped early keeps its rows
+                with open(args.json, "w") as f:
+                    json.dump(summary(), f, indent=1)
+    out = summary()
     g1000, g100 = out["guided100_over_uniform1000"], out["guided100_over_uniform100"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"   # noqa: E731
     print(f"geomean guided100/uniform1000 {fmt(g1000)} (target >= 0.95), guided100/uniform100 {fmt(g100)} "
