@@ -104,15 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                              "uniform_long": args.long_playouts},
                 "load_average_end": load()}
 
+    irs = []
     for spec in models:
         t0 = time.perf_counter()
         name, tg = build_ir(spec)
         grouping = group_ops(tg, target_groups=GROUPS)
+        irs.append((spec, name, tg, grouping))
         print(f"{name}: IR {len(tg.ops)} ops, {grouping.num_groups} groups ({time.perf_counter() - t0:.0f} s, "
               f"load {load():.2f})", flush=True)
-        for path in topos:
-            topo = tag.load_topology(path)
-            batch = args.per_device * topo.num_devices
+    for path in topos:                           # topology-major: a run stopped early covers every model
+        topo = tag.load_topology(path)
+        batch = args.per_device * topo.num_devices
+        for spec, name, tg, grouping in irs:
             row = {"model": spec, "topology": os.path.basename(path), **run_case(tg, grouping, topo, batch, methods,
                                                                                   args.seed)}
             rows.append(row)
