@@ -76,7 +76,7 @@ def geomean_ratio(rows: list[dict], a: str, b: str) -> float | None:
     return float(math.exp(np.mean(np.log(ratios)))) if ratios else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", action="append", metavar="SPEC", help="zoo:NAME[,key=value...] or a GraphDef file")
     p.add_argument("--topo", action="append", metavar="FILE", help="a topology file (default: topologies/*.pbtxt)")
@@ -87,13 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", help="policy weights (.npz); default: the shipped ones")
     args = p.parse_args(argv)
-    models = args.model or DEFAULT_MODELS
-    topos = args.topo or sorted(glob.glob(os.path.join(ROOT, "topologies", "*.pbtxt")))
+    args.model = args.model or DEFAULT_MODELS
+    args.topo = args.topo or sorted(glob.glob(os.path.join(ROOT, "topologies", "*.pbtxt")))
+    return args
+
+
+def build_irs(models: list[str]) -> list[tuple]:
+    """(spec, name, IR, grouping) per --model."""
+    irs = []
+    for spec in models:
+        t0 = time.perf_counter()
+        name, tg = build_ir(spec)
+        grouping = group_ops(tg, target_groups=GROUPS)
+        irs.append((spec, name, tg, grouping))
+        print(f"{name}: IR {len(tg.ops)} ops, {grouping.num_groups} groups ({time.perf_counter() - t0:.0f} s, "
+              f"load {load():.2f})", flush=True)
+    return irs
+
+
+def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
+    """Every case, topology-major (a run stopped early covers every model); the JSON summary."""
     policy = load_policy(args.weights)
     methods = [("guided100", policy, args.playouts), ("uniform100", uniform_prior, args.playouts),
                ("uniform1000", uniform_prior, args.long_playouts)]
-    print(f"GNN prior vs uniform prior; {len(models)} model(s) x {len(topos)} topolog(y/ies); "
-          f"load average {os.getloadavg()[0]:.2f} (2-core machine shared with other work)", flush=True)
     rows: list[dict] = []
 
     def summary() -> dict:
@@ -104,15 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                              "uniform_long": args.long_playouts},
                 "load_average_end": load()}
 
-    irs = []
-    for spec in models:
-        t0 = time.perf_counter()
-        name, tg = build_ir(spec)
-        grouping = group_ops(tg, target_groups=GROUPS)
-        irs.append((spec, name, tg, grouping))
-        print(f"{name}: IR {len(tg.ops)} ops, {grouping.num_groups} groups ({time.perf_counter() - t0:.0f} s, "
-              f"load {load():.2f})", flush=True)
-    for path in topos:                           # topology-major: a run stopped early covers every model
+    for path in args.topo:
         topo = tag.load_topology(path)
         batch = args.per_device * topo.num_devices
         for spec, name, tg, grouping in irs:
@@ -125,11 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:                        # after every case: a long run stopped early keeps its rows
                 with open(args.json, "w") as f:
                     json.dump(summary(), f, indent=1)
-    out = summary()
+    return summary()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(f"GNN prior vs uniform prior; {len(args.model)} model(s) x {len(args.topo)} topolog(y/ies); "
+          f"load average {load():.2f} (2-core machine shared with other work)", flush=True)
+    out = run_bench(args, build_irs(args.model))
     g1000, g100 = out["guided100_over_uniform1000"], out["guided100_over_uniform100"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"   # noqa: E731
     print(f"geomean guided100/uniform1000 {fmt(g1000)} (target >= 0.95), guided100/uniform100 {fmt(g100)} "
-          f"(target > 1.0) over {len(rows)} case(s); load {load():.2f}")
+          f"(target > 1.0) over {out['cases']} case(s); load {load():.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
