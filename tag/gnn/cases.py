@@ -135,8 +135,8 @@ def random_layered_graph(rng: np.random.Generator, batch: int = 32, name: str = 
         elif kind == "conv":
             params, flops_pe = np.exp(rng.uniform(np.log(1e4), np.log(1e7))), np.exp(rng.uniform(np.log(1e7), np.log(5e9)))
         else:
-            params, flops_pe = np.exp(rng.uniform(np.log(1e5), np.log(1e8))), None
-            flops_pe = params / 2.0
+            params = np.exp(rng.uniform(np.log(1e5), np.log(1e8)))
+            flops_pe = params / 2.0                       # 2 FLOPs per multiply-add of a float32 weight
         params = float(int(params) // 4 * 4)
         act_pe = float(np.exp(rng.uniform(np.log(1e2), np.log(3e6 if kind == "conv" else 3e4))))
         op_type = {"dense": "MatMul", "conv": "Conv2D", "embedding": "MatMul"}[str(kind)]
