@@ -71,6 +71,6 @@ setup(
             "tag-profile=tag.cli.profile:main",
         ]
     },
-    package_data={"tag": ["_proto/*.py", "cost/data/*.json"]},
+    package_data={"tag": ["_proto/*.py", "cost/data/*.json", "gnn/*.npz", "gnn/TRAINING.md"]},
     cmdclass={"build_py": BuildPyWithProtos},
 )

@@ -58,6 +58,8 @@ class TreeResult:
     seconds: float
     order: list[int]
     depth_reached: int              # deepest level expanded
+    # with keep_visits: prefix -> (allowed candidates, visit count per candidate) of every expanded node
+    visits: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,12 +101,14 @@ def complete(env: SearchEnv, order: Sequence[int], prefix: Sequence[int]) -> Cho
 def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int | None = None,
          budget_s: float | None = None, seed: int = 0, prior: PriorFn | None = None,
          progress: Callable | None = None, start: Choice | None = None,
-         c_puct: float = C_PUCT) -> TreeResult:
+         c_puct: float = C_PUCT, keep_visits: bool = False) -> TreeResult:
     """Run the tree search on ENV (module docstring); stops after PLAYOUTS or BUDGET_S, whichever first.
 
     ``order``: a decision-order name (``tag.search.orders``) or an explicit list of group indices.
     ``start``: a choice already known to be good (for example the best uniform one), evaluated first so
     that the best seen is never worse than it.
+    ``keep_visits``: return every expanded node's visit counts in ``TreeResult.visits`` (self-play
+    training targets for the GNN policy of ``tag.gnn``).
     """
     from tag.search.orders import decision_order
     if isinstance(order, str):
@@ -168,4 +172,10 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
         done += 1
         if progress is not None:
             progress(done, playouts, time.perf_counter() - t0, best_outcome)
-    return TreeResult(best_choice, best_outcome, done, time.perf_counter() - t0, order, deepest)
+    visits: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}
+    stack = [root] if keep_visits else []
+    while stack:
+        node = stack.pop()
+        visits[node.prefix] = (list(node.allowed), node.visits.copy())
+        stack.extend(node.children.values())
+    return TreeResult(best_choice, best_outcome, done, time.perf_counter() - t0, order, deepest, visits)
