@@ -158,7 +158,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
-             sfb: bool = True) -> Plan:
+             sfb: bool = True, prior: str = "uniform") -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -170,6 +170,9 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
     ``sfb``: after the search, send the gradients that pay as sufficient factors (``tag.compress``; the
     report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
+    ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
+    ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
+    node costs a forward pass, 60-100 ms on this 2-core machine).
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory.
@@ -177,7 +180,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name)
     return search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                       sfb=sfb)
+                       sfb=sfb, prior=prior)
 
 
 @dataclass
@@ -249,16 +252,32 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     return Analysis(model, gd, entry, graph, topo, grouping, CostModel(graph, topo, prof), batch, prof_source)
 
 
+PRIORS: tuple[str, ...] = ("uniform", "gnn")
+
+
+def search_prior(name: str):
+    """The tree search's prior called NAME (``PRIORS``): None for the built-in uniform-value prior, or the
+    shipped GNN's ``tag.gnn.gnn_prior`` (DGL is imported only then)."""
+    if name == "uniform":
+        return None
+    if name == "gnn":
+        from tag.gnn import gnn_prior
+        return gnn_prior
+    raise StrategyError(f"unknown prior {name!r} (known: {', '.join(PRIORS)})")
+
+
 def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
                 order: str = "auto", seed: int = 0,
-                progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True) -> Plan:
+                progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True,
+                prior: str = "uniform") -> Plan:
     """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan."""
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
-    found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress)
+    found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
+                   prior=search_prior(prior))
     if not found.outcome.feasible:
         raise _memory_error(env, found)
     _check_not_slower(found)

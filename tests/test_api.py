@@ -238,3 +238,12 @@ def test_saved_plan_runs_on_local_workers(tmp_path):
                         init=loaded.init, steps=4, warmup=1, synthetic=True)
     assert len(run.losses) >= 3 and all(math.isfinite(x) for x in run.losses)
     assert np.isfinite(run.mean_step_time_s) and run.mean_step_time_s > 0
+
+
+def test_search_prior_names():
+    from tag.api import search_prior
+    from tag.errors import StrategyError
+    assert search_prior("uniform") is None
+    assert callable(search_prior("gnn"))
+    with pytest.raises(StrategyError, match="unknown prior"):
+        search_prior("oracle")

@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--order", default=None, metavar="NAME",
                    help=f"search decision order: auto (default), {', '.join(ORDERS)}")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="search seed (default 0)")
+    p.add_argument("--prior", default=None, choices=["uniform", "gnn"],
+                   help="what guides the tree search: uniform (default) or gnn (the shipped graph neural network)")
     p.add_argument("--save", default=None, metavar="DIR", help="write the plan (graph, strategy, report) to DIR")
     p.add_argument("--train-op", default=None, metavar="OP", help="the op that runs one training step (default: found)")
     p.add_argument("--loss", default=None, metavar="OP", help="the loss op (default: found)")
@@ -110,7 +112,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.strategy is not None and args.strategy_file is not None:
         raise TagError("--strategy and --strategy-file exclude each other")
     search_flags = [f for f, v in (("--budget", args.budget), ("--playouts", args.playouts), ("--order", args.order),
-                                   ("--seed", args.seed)) if v is not None]
+                                   ("--seed", args.seed), ("--prior", args.prior)) if v is not None]
     if search_flags and not _searching(args):
         raise TagError(f"{', '.join(search_flags)}: search options, but --strategy/--strategy-file turn the "
                        f"search off")
@@ -171,7 +173,8 @@ def _search(args: argparse.Namespace, analysis) -> Any:
                 bar.refresh()           # the last playout is shown whatever the refresh interval
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
-                           seed=args.seed or 0, progress=progress, sfb=not args.no_sfb)
+                           seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
+                           prior=args.prior or "uniform")
         bar.refresh()
         return plan
 
