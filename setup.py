@@ -49,7 +49,7 @@ setup(
     install_requires=[
         # tf-keras (below) requires the `tensorflow` distribution itself, so we pin that one rather than
         # tensorflow-cpu: on a Linux host without a GPU it runs on the CPU; GPU hosts add CUDA with
-        # `pip install tensorflow[and-cuda]==2.21.0`. 2.21 is the version FACTS.md verified.
+        # `pip install tensorflow[and-cuda]==2.21.0`. 2.21 is the version this project is tested with.
         "tensorflow==2.21.0",
         # Keras 2: builds TF1 graph-mode models and ships the real CNN architectures for the zoo.
         "tf-keras==2.21.0",

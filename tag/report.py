@@ -1,4 +1,4 @@
-"""The report of a plan: simulate the built-in strategies, collect DESIGN.md's report keys, print a table.
+"""The report of a plan: simulate the built-in strategies, collect the report keys (ARCHITECTURE.md), print a table.
 
 ``tag-deploy`` builds its ``--report`` JSON and its printed summary here, and ``tag.optimize``'s
 ``Plan.report()`` can reuse the same functions. numpy only (strategy and simulator stages); no
@@ -96,7 +96,7 @@ def predict(topology: "Topology", graph: "TrainingGraph", grouping: "Grouping", 
 
 def build_report(model: str, topology: "Topology", grouping: "Grouping", strategy_name: str, results: dict,
                  batch: int, cost_model: "CostModel | None" = None) -> dict:
-    """The report dict (DESIGN.md's keys plus the strategy and per-device details).
+    """The report dict (the report keys plus the strategy and per-device details).
 
     RESULTS is {strategy name: SimResult} and must hold STRATEGY_NAME and "dp_allreduce". COST_MODEL (the
     one the predictions used) names the profile serving each device type (``device_profiles``).

@@ -1,6 +1,6 @@
 """Step simulator: predict one training iteration of a Strategy on a Topology, fast enough for search.
 
-What is simulated (the strategy semantics of DESIGN.md / tag.strategy):
+What is simulated (the strategy semantics of ARCHITECTURE.md / tag.strategy):
 
 - Work units are *tasks*: the ops of one op group in one stage (forward, backward, update; an op's stage
   is its phase raised to the latest stage of its ancestors, so the task graph of a ``group_ops`` grouping

@@ -78,7 +78,7 @@ class CollectivesMixin(RewriteContext):
         node.attr["T"].CopyFrom(attr_type(dtype))
         node.attr["merge_op"].s = b"Add"
         node.attr["final_op"].s = b"Id"
-        # ring on CPUs (what FACTS.md verified); on GPUs TF's "auto" picks NCCL where it can
+        # ring on CPUs (verified across local TF servers); on GPUs TF's "auto" picks NCCL where it can
         cpu_only = all(self.topo.devices[d].tf_device_type == "CPU" for d in devs)
         node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
         self.out_nodes.append(fill_defaults(node))
