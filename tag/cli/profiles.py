@@ -18,7 +18,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
@@ -34,18 +33,11 @@ BUILTIN = "built-in defaults"
 
 def read_profile(path: str | os.PathLike) -> "Profile":
     """The profile at PATH; TagError naming PATH when it is missing, special, too large or malformed."""
-    from tag.cost.model import Profile
+    from tag.cost.model import Profile, parse_profile_json
     from tag.files import read_input_file
     path = os.fspath(path)
     data = read_input_file(path, what="cost profile (JSON)", limit=MAX_PROFILE_BYTES)
-    try:
-        parsed = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TagError(f"{path}: profile is not UTF-8 text") from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-        raise TagError(f"{path}: profile is not valid JSON ({where})") from None
-    return Profile.from_dict(parsed, where=path)
+    return Profile.from_dict(parse_profile_json(data, path), where=path)
 
 
 def load_profile_arg(path: str | None) -> tuple["Profile | None", str | None]:
