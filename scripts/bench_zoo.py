@@ -13,7 +13,6 @@ parameter_error_pct (null at --quick sizes), graph_def_bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 from tag import zoo  # noqa: E402
+from _common import write_json  # noqa: E402
 
 QUICK = {
     "mlp": dict(hidden=(256, 256)),
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {seconds:8.2f} {len(gd.node):7d} {nvars:5d} {params:13,d} {published:13,d} "
               f"{'-' if options else format(row['parameter_error_pct'], '7.2f'):>7s} {gd.ByteSize() / 1e6:11.2f}",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "quick": args.quick, "models": rows}, f, indent=2)
+    write_json(args.json, {"batch_size": args.batch_size, "quick": args.quick, "models": rows}, indent=2)
     return 0
 
 
