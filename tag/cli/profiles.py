@@ -33,11 +33,12 @@ BUILTIN = "built-in defaults"
 
 def read_profile(path: str | os.PathLike) -> "Profile":
     """The profile at PATH; TagError naming PATH when it is missing, special, too large or malformed."""
-    from tag.cost.model import Profile, parse_profile_json
-    from tag.files import read_input_file
+    from tag.cost.model import Profile
+    from tag.files import decode_json, read_input_file
     path = os.fspath(path)
     data = read_input_file(path, what="cost profile (JSON)", limit=MAX_PROFILE_BYTES)
-    return Profile.from_dict(parse_profile_json(data, path), where=path)
+    parsed = decode_json(data, path, not_text="profile is not UTF-8 text", not_json="profile is not valid JSON")
+    return Profile.from_dict(parsed, where=path)
 
 
 def load_profile_arg(path: str | None) -> tuple["Profile | None", str | None]:

@@ -38,7 +38,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -140,18 +140,6 @@ class NetworkProfile:
         return dataclasses.replace(topology, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat)
 
 
-def parse_profile_json(raw: bytes, path: str) -> Any:
-    """The JSON value in the bytes RAW of the profile file PATH; TagError naming PATH when it is not
-    UTF-8 text or not valid JSON."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TagError(f"{path}: profile is not UTF-8 text") from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        msg = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-        raise TagError(f"{path}: profile is not valid JSON ({msg})") from None
-
-
 @dataclass
 class Profile:
     """Per-device-type calibration of the compute model (see the module docstring for the JSON format),
@@ -246,7 +234,9 @@ class Profile:
             raise TagError(f"{path}: is a directory, expected a profile JSON file") from None
         except OSError as err:
             raise TagError(f"{path}: cannot read profile: {err.strerror or err}") from None
-        return cls.from_dict(parse_profile_json(raw, path), where=path)
+        from tag.files import decode_json
+        data = decode_json(raw, path, not_text="profile is not UTF-8 text", not_json="profile is not valid JSON")
+        return cls.from_dict(data, where=path)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON (to a temporary file first, then renamed into place)."""
