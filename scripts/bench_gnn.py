@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import sys
@@ -37,6 +36,7 @@ from tag.gnn import load_policy  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.mcts import mcts, uniform_prior  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
+from _common import write_json  # noqa: E402
 
 DEFAULT_MODELS = ["zoo:inception_v3", "zoo:mobilenet_v2", "zoo:bert_large"]
 GROUPS = 64
@@ -131,8 +131,7 @@ def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
                               for k, _, _ in methods)
             print(f"  {name} on {row['topology']} (batch {batch}): {cells}  load {load():.2f}", flush=True)
             if args.json:                        # after every case: a long run stopped early keeps its rows
-                with open(args.json, "w") as f:
-                    json.dump(summary(), f, indent=1)
+                write_json(args.json, summary())
     return summary()
 
 
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"   # noqa: E731
     print(f"geomean guided100/uniform1000 {fmt(g1000)} (target >= 0.95), guided100/uniform100 {fmt(g100)} "
           f"(target > 1.0) over {out['cases']} case(s); load {load():.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

@@ -16,7 +16,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -30,6 +29,7 @@ from tag.search import SearchEnv  # noqa: E402
 from tag.search.mcts import mcts  # noqa: E402
 from tag.search.orders import ORDERS, model_family  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
+from _common import write_json  # noqa: E402
 
 TOPOLOGIES = ["lab-v100-1080ti", "cloud-slow-link", "consumer-lab-4host"]
 
@@ -82,9 +82,7 @@ def main(argv=None) -> int:
                         "over_cost_descending": score[best] / score["cost_descending"], "scores": score}
         print(f"  {fam:<12} winner {best:<20} {score[best]:.3f}  (x{score[best] / score[second]:.3f} over "
               f"{second}, x{score[best] / score['cost_descending']:.3f} over cost_descending)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "winners": winners, "playouts": args.playouts}, f, indent=1)
+    write_json(args.json, {"rows": rows, "winners": winners, "playouts": args.playouts})
     return 0
 
 

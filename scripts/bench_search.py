@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -37,6 +36,7 @@ from tag.search import SearchEnv, random_search, search  # noqa: E402
 from tag.search.mcts import mcts  # noqa: E402
 from tag.search.orders import model_family  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
+from _common import write_json  # noqa: E402
 
 TOPOLOGIES = ["lab-v100-1080ti", "a100-8x-nvlink", "h100-2x8-infiniband", "cloud-slow-link",
               "consumer-lab-4host", "fabric-64x8", "localhost"]
@@ -150,9 +150,7 @@ def main(argv=None) -> int:
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
           f"{summary['cases_below_a_baseline']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    write_json(args.json, summary)
     return 0
 
 

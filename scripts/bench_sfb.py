@@ -35,13 +35,16 @@ import tensorflow as tf  # noqa: E402
 import tag  # noqa: E402
 from tag import zoo  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
-from tag.backend.runtime import free_ports, run_steps, session_config  # noqa: E402
+from tag.backend.runtime import run_steps  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients, select_sfb  # noqa: E402
 from tag.sim.simulator import Simulator  # noqa: E402
 from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the tests' helpers
+from helpers import in_process_servers, train_copies  # noqa: E402
 
 tf1 = tf.compat.v1
 ZOO = [("mlp", {}), ("vgg19", {}), ("resnet50", {}), ("transformer", {}), ("bert_base", {})]
@@ -123,30 +126,9 @@ def _ffn_block(batch: int = 8, seq: int = 4, d: int = 8, d_ff: int = 16):
     return g.as_graph_def()
 
 
-def _train(res, target: str, ir, batches) -> list[dict[str, list[np.ndarray]]]:
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(res.graph_def, name="")
-        reads = {v.name: [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(c + ":0"),
-                                                    dtype=g.get_operation_by_name(c).get_attr("dtype"))
-                          for c in res.variables[v.name]] for v in ir.variables if v.kind == "trainable"}
-    cfg = session_config()
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
-    out = []
-    with tf1.Session(target, graph=g, config=cfg) as s:
-        s.run(res.init)
-        for fd in batches:
-            s.run(res.train_op, fd)
-            out.append(s.run(reads))
-    return out
-
-
 def exactness_rows() -> list[dict]:
     """Largest relative weight difference with and without SFB on three in-process servers (shares 4:2:2)."""
-    ports = free_ports(3)
-    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
-    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=session_config(), start=True)
-               for i in range(3)]
+    ports, servers = in_process_servers(3)
     hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                       f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
                       for i, (p, f) in enumerate(zip(ports, (0.1, 0.05, 0.05))))
@@ -165,8 +147,8 @@ def exactness_rows() -> list[dict]:
                                if nodes[i].attr["dtype"].type == tf.int32.as_datatype_enum else
                                rng.randn(*[d.size for d in nodes[i].attr["shape"].shape.dim]).astype(np.float32))
                     for i in ir.inputs} for _ in range(3)]
-        want = _train(rewrite(gd, ir, dp, topo), servers[0].target, ir, batches)
-        got = _train(rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo), servers[0].target, ir, batches)
+        want = train_copies(rewrite(gd, ir, dp, topo), servers[0].target, ir, batches)
+        got = train_copies(rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo), servers[0].target, ir, batches)
         worst = max(float(np.max(np.abs(c - w[v][0]))) / (float(np.max(np.abs(w[v][0]))) or 1.0)
                     for w, s in zip(want, got) for v in w for c in s[v])
         rows.append({"part": "exactness", "model": name, "sfb_gradients": sfb, "max_rel_weight_diff": worst})

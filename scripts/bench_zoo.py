@@ -13,7 +13,6 @@ parameter_error_pct (null at --quick sizes), graph_def_bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 from tag import zoo  # noqa: E402
+from _common import write_json  # noqa: E402
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the tests' helpers
+from helpers import trained_variables  # noqa: E402
 
 QUICK = {
     "mlp": dict(hidden=(256, 256)),
@@ -31,17 +34,6 @@ QUICK = {
     "transformer": dict(num_layers=1, seq_len=16, vocab_size=1000),
     "bert_base": dict(num_layers=2, seq_len=16, vocab_size=1000),
 }
-
-
-def trained_parameters(gd) -> tuple[int, int]:
-    """(number of variables, total elements) updated by the graph's optimizer apply ops."""
-    nodes = {n.name: n for n in gd.node}
-    sizes = {}
-    for n in gd.node:
-        if n.op.startswith(("ResourceApply", "Apply", "ResourceSparseApply", "SparseApply")):
-            var = nodes[n.input[0]]
-            sizes[var.name] = int(np.prod([d.size for d in var.attr["shape"].shape.dim]))
-    return len(sizes), sum(sizes.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         gd = zoo.training_graph(name, batch_size=args.batch_size, cache=False, **options)
         seconds = time.perf_counter() - start
-        nvars, params = trained_parameters(gd)
+        trained = trained_variables(gd)
+        nvars, params = len(trained), sum(trained.values())
         published = zoo.model_info(name)["published_parameters"]
         row = dict(model=name, build_seconds=round(seconds, 3), nodes=len(gd.node), variables=nvars,
                    parameters=params, published_parameters=published,
@@ -71,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {seconds:8.2f} {len(gd.node):7d} {nvars:5d} {params:13,d} {published:13,d} "
               f"{'-' if options else format(row['parameter_error_pct'], '7.2f'):>7s} {gd.ByteSize() / 1e6:11.2f}",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "quick": args.quick, "models": rows}, f, indent=2)
+    write_json(args.json, {"batch_size": args.batch_size, "quick": args.quick, "models": rows}, indent=2)
     return 0
 
 

@@ -473,14 +473,8 @@ def _read_bytes(path: str, what: str) -> bytes:
 
 
 def _read_json(path: str, what: str) -> Any:
-    data = _read_bytes(path, what)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TagError(f"{path}: not UTF-8 text ({what})") from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-        raise TagError(f"{path}: not valid JSON ({where})") from None
+    from tag.files import decode_json
+    return decode_json(_read_bytes(path, what), path, not_text=f"not UTF-8 text ({what})", not_json="not valid JSON")
 
 
 def _read_plan_json(path: str) -> dict:

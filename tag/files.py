@@ -2,7 +2,8 @@
 
 ``read_input_file`` refuses what is not a regular file (a named pipe would block forever, ``/dev/zero``
 never ends) and anything over a size limit before reading it, and maps OS errors to one-line messages
-that start with the path. ``write_atomic`` writes through a temporary file and a rename, so a failure
+that start with the path; ``decode_json`` turns its bytes into a JSON value, with messages of the same
+kind. ``write_atomic`` writes through a temporary file and a rename, so a failure
 never leaves a half-written report, trace, profile or plan; ``check_writable`` tells before any work
 is done whether an output path can be written.
 
@@ -16,9 +17,11 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
+from typing import Any
 
 from tag.errors import TagError
 
@@ -60,6 +63,19 @@ def read_input_file(path: str | os.PathLike, *, what: str, limit: int, error: ty
     if len(data) > limit:
         raise error(f"{path}: file too large (over {limit / 2**20:.0f} MiB) for a {what}")
     return data
+
+
+def decode_json(data: bytes, path: str, *, not_text: str, not_json: str, error: type = TagError) -> Any:
+    """The JSON value in DATA (UTF-8 bytes read from PATH); ERROR("PATH: NOT_TEXT") when DATA is not UTF-8,
+    ERROR("PATH: NOT_JSON (line L: reason)") or ERROR("PATH: NOT_JSON (nested too deeply)") when it is
+    not valid JSON."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise error(f"{path}: {not_text}") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+        raise error(f"{path}: {not_json} ({where})") from None
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:

@@ -18,6 +18,7 @@ import tensorflow as tf  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.frontend.analyze import analyze  # noqa: E402
 from tag.ir.types import Linear, TrainingGraph  # noqa: E402
+from helpers import trained_variables  # noqa: E402
 from tiny import TINY_ZOO_OPTIONS  # noqa: E402
 
 v1 = tf.compat.v1
@@ -499,17 +500,6 @@ CNNS = ("vgg19", "resnet50", "inception_v3", "mobilenet_v2")
 SMALL_BATCH = 2
 
 
-def _trained_sizes(gd) -> dict[str, int]:
-    """Straight from the GraphDef: element count of each variable an apply op updates."""
-    nodes = {n.name: n for n in gd.node}
-    out = {}
-    for n in gd.node:
-        if n.op.startswith(("ResourceApply", "Apply", "ResourceSparseApply", "SparseApply")):
-            var = nodes[n.input[0]]
-            out[var.name] = int(np.prod([d.size for d in var.attr["shape"].shape.dim]))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def small_ir(name: str) -> tuple[tf.compat.v1.GraphDef, TrainingGraph]:
     gd = zoo.training_graph(name, batch_size=SMALL_BATCH, **SMALL[name])
@@ -520,7 +510,7 @@ def small_ir(name: str) -> tuple[tf.compat.v1.GraphDef, TrainingGraph]:
                                   for n in SMALL])
 def test_zoo_model_ir_small(name):
     gd, tg = small_ir(name)
-    trained = _trained_sizes(gd)
+    trained = trained_variables(gd)
     assert len(tg.ops) > 50 and tg.name == name and tg.batch_size == SMALL_BATCH
     assert tg.inputs and tg.inputs[0] == "input" and "labels" in tg.inputs
     trainable = [v for v in tg.variables if v.kind == "trainable"]

@@ -18,7 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from tag.backend.rewrite import rewrite  # noqa: E402
-from tag.backend.runtime import free_ports, session_config  # noqa: E402
+from tag.backend.runtime import session_config  # noqa: E402
+from helpers import in_process_servers  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.errors import GraphError, RewriteError  # noqa: E402
 from tag.frontend import real_graphs as rg  # noqa: E402
@@ -258,10 +259,7 @@ def test_keras_helper_graph_and_errors():
 
 @pytest.fixture(scope="module")
 def cluster():
-    ports = free_ports(3)
-    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
-    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=session_config(), start=True)
-               for i in range(3)]
+    ports, servers = in_process_servers(3)
     return topology(ports, [0.1, 0.05, 0.05]), servers[0].target, servers
 
 

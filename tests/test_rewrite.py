@@ -23,6 +23,7 @@ from tag.errors import RewriteError, StrategyError  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
+from helpers import in_process_servers  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients  # noqa: E402
@@ -437,10 +438,7 @@ def test_errors_name_the_op():
 @pytest.fixture(scope="module")
 def cluster():
     """Three TF servers in this process on loopback ports (collective leader set, isolated sessions)."""
-    ports = free_ports(3)
-    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
-    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=session_config(), start=True)
-               for i in range(3)]
+    ports, servers = in_process_servers(3)
     return ports, servers[0].target
 
 

@@ -22,7 +22,6 @@ import tensorflow as tf  # noqa: E402
 import tag  # noqa: E402
 from tag import zoo  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
-from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients, select_sfb  # noqa: E402
 from tag.compress.selection import SfbProblem, brute_force, solve  # noqa: E402
@@ -30,6 +29,7 @@ from tag.sim.simulator import Simulator  # noqa: E402
 from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
+from helpers import in_process_servers, train_copies  # noqa: E402
 
 tf1 = tf.compat.v1
 RTOL = 1e-5
@@ -113,22 +113,26 @@ def test_eligible_gradients_follow_the_matmul_orientation():
     assert not any(v.endswith("bias") for v in kernels(tag.analyze(dense_head())))
 
 
+def mlp_dp(topo, batch: int):
+    """(ir, simulator, dp_allreduce strategy) of a 512x512 MLP at global batch BATCH on TOPO, 8 groups."""
+    ir = tag.analyze(zoo.training_graph("mlp", batch_size=batch, hidden=(512, 512)))
+    grouping = group_ops(ir, 8)
+    return ir, Simulator(ir, topo, grouping), builtin_strategy("dp_allreduce", ir, topo, grouping)
+
+
 def test_simulator_charges_sfb():
     """SFB moves fewer bytes at a small per-replica batch, more at a large one; memory grows; the update
     waits for the gather; variables that cannot use SFB are ignored."""
     topo = cpu_topology([1, 2, 3, 4], [0.1] * 4, bandwidth_gbps=0.1)
     for batch, fewer in ((8, True), (4096, False)):
-        ir = tag.analyze(zoo.training_graph("mlp", batch_size=batch, hidden=(512, 512)))
-        grouping = group_ops(ir, 8)
-        sim = Simulator(ir, topo, grouping)
-        dp = builtin_strategy("dp_allreduce", ir, topo, grouping)
+        ir, sim, dp = mlp_dp(topo, batch)
         with_sfb = dataclasses.replace(dp, sfb=kernels(ir))
         r0, r1 = sim.evaluate(dp), sim.evaluate(with_sfb)
         assert (r1.comm_bytes < r0.comm_bytes) == fewer and r1.step_time != r0.step_time
         assert np.all(r1.peak_memory > r0.peak_memory)
         kinds = Counter(c["kind"] for c in sim.collectives(with_sfb))
         assert kinds["allgather"] == 3
-    single = builtin_strategy("single", ir, topo, grouping)
+    single = builtin_strategy("single", ir, topo, sim.grouping)
     assert sim.evaluate(dataclasses.replace(single, sfb=kernels(ir))).step_time == sim.evaluate(single).step_time
 
 
@@ -159,10 +163,7 @@ def test_milp_equals_brute_force_on_small_instances():
 def test_selection_pays_only_where_the_simulator_agrees():
     topo = cpu_topology([1, 2, 3, 4], [0.1] * 4, bandwidth_gbps=0.1)
     for batch, expect in ((8, True), (4096, False)):
-        ir = tag.analyze(zoo.training_graph("mlp", batch_size=batch, hidden=(512, 512)))
-        grouping = group_ops(ir, 8)
-        sim = Simulator(ir, topo, grouping)
-        dp = builtin_strategy("dp_allreduce", ir, topo, grouping)
+        ir, sim, dp = mlp_dp(topo, batch)
         chosen = select_sfb(sim, dp)
         assert bool(chosen.chosen) == expect
         assert chosen.step_time <= chosen.base_step_time
@@ -271,10 +272,7 @@ def test_rewritten_collectives_are_those_the_simulator_lists(name, per_host):
 # ------------------------------------------------------------------------------------------------ exactness
 @pytest.fixture(scope="module")
 def cluster():
-    ports = free_ports(3)
-    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
-    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=session_config(), start=True)
-               for i in range(3)]
+    ports, servers = in_process_servers(3)
     return ports, servers[0].target
 
 
@@ -294,26 +292,6 @@ def feeds(gd, ir, seed: int = 0):
     return out
 
 
-def train(res, target, ir, batches) -> dict[str, list[np.ndarray]]:
-    """Run the rewritten step on BATCHES; every copy of every trainable variable after each step."""
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(res.graph_def, name="")
-        names = [v.name for v in ir.variables if v.kind == "trainable"]
-        reads = {n: [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(c + ":0"),
-                                               dtype=g.get_operation_by_name(c).get_attr("dtype"))
-                     for c in res.variables[n]] for n in names}
-    cfg = session_config()
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
-    out = []
-    with tf1.Session(target, graph=g, config=cfg) as s:
-        s.run(res.init)
-        for fd in batches:
-            s.run(res.train_op, fd)
-            out.append(s.run(reads))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_same_weights_with_and_without_sfb(cluster, name):
@@ -330,7 +308,7 @@ def test_same_weights_with_and_without_sfb(cluster, name):
     factored = rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo)
     assert sum(n.op == "CollectiveGatherV2" for n in factored.graph_def.node) == 3 * len(sfb)
     batches = feeds(gd, ir)
-    want, got = train(plain, target, ir, batches), train(factored, target, ir, batches)
+    want, got = train_copies(plain, target, ir, batches), train_copies(factored, target, ir, batches)
     worst = 0.0
     for step_want, step_got in zip(want, got):
         for v in step_want:

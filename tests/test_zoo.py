@@ -18,6 +18,7 @@ import tensorflow as tf  # noqa: E402
 from tag import zoo  # noqa: E402
 from tag.errors import GraphError  # noqa: E402
 
+from helpers import trained_variables
 from tiny import TINY_ZOO_OPTIONS
 
 BATCH = 2
@@ -31,18 +32,6 @@ def tiny(name: str) -> tf.compat.v1.GraphDef:
 
 def _shape(node) -> list[int]:
     return [d.size for d in node.attr["shape"].shape.dim]
-
-
-def trained_variables(gd) -> dict[str, int]:
-    """Variable name -> element count, for every variable an optimizer apply op updates."""
-    nodes = {n.name: n for n in gd.node}
-    out = {}
-    for n in gd.node:
-        if n.op.startswith(("ResourceApply", "Apply", "ResourceSparseApply", "SparseApply")):
-            var = nodes[n.input[0]]
-            assert var.op in ("VarHandleOp", "VariableV2"), (n.name, var.op)
-            out[var.name] = int(np.prod(_shape(var)))
-    return out
 
 
 def num_params(gd) -> int:

@@ -18,7 +18,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
@@ -35,16 +34,10 @@ BUILTIN = "built-in defaults"
 def read_profile(path: str | os.PathLike) -> "Profile":
     """The profile at PATH; TagError naming PATH when it is missing, special, too large or malformed."""
     from tag.cost.model import Profile
-    from tag.files import read_input_file
+    from tag.files import decode_json, read_input_file
     path = os.fspath(path)
     data = read_input_file(path, what="cost profile (JSON)", limit=MAX_PROFILE_BYTES)
-    try:
-        parsed = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TagError(f"{path}: profile is not UTF-8 text") from None
-    except (json.JSONDecodeError, RecursionError) as err:
-        where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-        raise TagError(f"{path}: profile is not valid JSON ({where})") from None
+    parsed = decode_json(data, path, not_text="profile is not UTF-8 text", not_json="profile is not valid JSON")
     return Profile.from_dict(parsed, where=path)
 
 

@@ -228,18 +228,14 @@ class Profile:
         try:
             with open(path, "rb") as f:
                 raw = f.read(64 << 20)
-            data = json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise TagError(f"{path}: profile file not found") from None
         except IsADirectoryError:
             raise TagError(f"{path}: is a directory, expected a profile JSON file") from None
         except OSError as err:
             raise TagError(f"{path}: cannot read profile: {err.strerror or err}") from None
-        except UnicodeDecodeError:
-            raise TagError(f"{path}: profile is not UTF-8 text") from None
-        except (json.JSONDecodeError, RecursionError) as err:
-            msg = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-            raise TagError(f"{path}: profile is not valid JSON ({msg})") from None
+        from tag.files import decode_json
+        data = decode_json(raw, path, not_text="profile is not UTF-8 text", not_json="profile is not valid JSON")
         return cls.from_dict(data, where=path)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -164,11 +164,7 @@ class CollectivesMixin(RewriteContext):
         for j, t in enumerate(ts):
             begin = self._const(f"{base}/split_{j}_{d}/begin", np.array([offsets[j]], np.int32), d)
             size = self._const(f"{base}/split_{j}_{d}/size", np.array([sizes[j]], np.int32), d)
-            part = self._fresh(f"{base}/split_{j}_{d}")
-            node = node_def_pb2.NodeDef(name=part, op="Slice", device=self.topo.tf_device(d))
-            node.input.extend([summed, begin, size])
-            node.attr["T"].CopyFrom(attr_type(dtype))
-            node.attr["Index"].CopyFrom(attr_type(tf.int32))
-            self.out_nodes.append(node)
+            part = self._int32_indexed(self._fresh(f"{base}/split_{j}_{d}"), "Slice", [summed, begin, size], dtype,
+                                       "Index", d)
             out = self.bucket_out[key][t][d]
             self._reshape(out, part, self._ref_shape(t), dtype, d, exact_name=True)

@@ -154,9 +154,14 @@ class NodeBuilder:
         if not exact_name:
             name = self._fresh(name)
         sh = self._const(f"{name}/shape", np.array(list(shape), np.int32), dev)
-        node = node_def_pb2.NodeDef(name=name, op="Reshape", device=self.topo.tf_device(dev))
-        node.input.extend([tensor, sh])
+        return self._int32_indexed(name, "Reshape", [tensor, sh], dtype, "Tshape", dev)
+
+    def _int32_indexed(self, name: str, op: str, inputs: list[str], dtype: "tf.DType", index_attr: str,
+                       dev: int) -> str:
+        """A node NAME of OP on DEV over INPUTS: data of type DTYPE (attr ``T``), int32 indices (attr INDEX_ATTR)."""
+        node = node_def_pb2.NodeDef(name=name, op=op, device=self.topo.tf_device(dev))
+        node.input.extend(inputs)
         node.attr["T"].CopyFrom(attr_type(dtype))
-        node.attr["Tshape"].CopyFrom(attr_type(tf.int32))
+        node.attr[index_attr].CopyFrom(attr_type(tf.int32))
         self.out_nodes.append(node)
         return name

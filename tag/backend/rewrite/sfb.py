@@ -141,13 +141,8 @@ class SfbMixin(RewriteContext):
             x = self._resolve(factor, r, d, p, d)
             if ax == 1:
                 perm = self._const(f"{base}/perm_{j}_{d}", np.array([1, 0], np.int32), d)
-                name = self._fresh(f"{base}/transpose_{j}_{d}")
-                node = node_def_pb2.NodeDef(name=name, op="Transpose", device=self.topo.tf_device(d))
-                node.input.extend([x, perm])
-                node.attr["T"].CopyFrom(attr_type(dtype))
-                node.attr["Tperm"].CopyFrom(attr_type(tf.int32))
-                self.out_nodes.append(node)
-                x = name
+                x = self._int32_indexed(self._fresh(f"{base}/transpose_{j}_{d}"), "Transpose", [x, perm], dtype,
+                                        "Tperm", d)
             parts.append(x)
         axis = self._const(f"{base}/concat_{d}/axis", np.array(1, np.int32), d)
         block = self._concat_node(self._fresh(f"{base}/concat_{d}"), parts, axis, dtype, d)
@@ -155,22 +150,11 @@ class SfbMixin(RewriteContext):
         if rows == max_rows:
             return block
         pads = self._const(f"{base}/pad_{d}/paddings", np.array([[0, max_rows - rows], [0, 0]], np.int32), d)
-        name = self._fresh(f"{base}/pad_{d}")
-        node = node_def_pb2.NodeDef(name=name, op="Pad", device=self.topo.tf_device(d))
-        node.input.extend([block, pads])
-        node.attr["T"].CopyFrom(attr_type(dtype))
-        node.attr["Tpaddings"].CopyFrom(attr_type(tf.int32))
-        self.out_nodes.append(node)
-        return name
+        return self._int32_indexed(self._fresh(f"{base}/pad_{d}"), "Pad", [block, pads], dtype, "Tpaddings", d)
 
     def _column_slice(self, base: str, t: str, begin: int, size: int, dtype: "tf.DType", dev: int) -> str:
         """Columns BEGIN..BEGIN+SIZE (SIZE -1: to the end) of the 2-D tensor T on DEV."""
         name = self._fresh(base)
         b = self._const(f"{name}/begin", np.array([0, begin], np.int32), dev)
         s = self._const(f"{name}/size", np.array([-1, size], np.int32), dev)
-        node = node_def_pb2.NodeDef(name=name, op="Slice", device=self.topo.tf_device(dev))
-        node.input.extend([t, b, s])
-        node.attr["T"].CopyFrom(attr_type(dtype))
-        node.attr["Index"].CopyFrom(attr_type(tf.int32))
-        self.out_nodes.append(node)
-        return name
+        return self._int32_indexed(name, "Slice", [t, b, s], dtype, "Index", dev)

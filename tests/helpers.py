@@ -1,0 +1,53 @@
+"""Helpers shared by test modules (and a few benchmark scripts) that need TensorFlow.
+
+    from helpers import in_process_servers, trained_variables   # pytest puts tests/ on sys.path
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tag.backend.runtime import free_ports, session_config
+
+tf1 = tf.compat.v1
+
+
+def trained_variables(gd) -> dict[str, int]:
+    """Variable name -> element count, for every variable an optimizer apply op of GraphDef GD updates."""
+    nodes = {n.name: n for n in gd.node}
+    out = {}
+    for n in gd.node:
+        if n.op.startswith(("ResourceApply", "Apply", "ResourceSparseApply", "SparseApply")):
+            var = nodes[n.input[0]]
+            assert var.op in ("VarHandleOp", "VariableV2"), (n.name, var.op)
+            out[var.name] = int(np.prod([d.size for d in var.attr["shape"].shape.dim]))
+    return out
+
+
+def in_process_servers(count: int = 3) -> tuple[list[int], list]:
+    """(ports, servers): COUNT TF servers of job "worker" started in this process on free loopback ports."""
+    ports = free_ports(count)
+    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+    servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, config=session_config(), start=True)
+               for i in range(count)]
+    return ports, servers
+
+
+def train_copies(res, target: str, ir, batches) -> list[dict[str, list[np.ndarray]]]:
+    """Run the rewritten step RES (a rewrite result) on BATCHES at TARGET, Grappler off; after each step
+    the values of every copy of every trainable variable of IR, by variable name."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(res.graph_def, name="")
+        reads = {v.name: [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(c + ":0"),
+                                                    dtype=g.get_operation_by_name(c).get_attr("dtype"))
+                          for c in res.variables[v.name]] for v in ir.variables if v.kind == "trainable"}
+    cfg = session_config()
+    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    out = []
+    with tf1.Session(target, graph=g, config=cfg) as s:
+        s.run(res.init)
+        for fd in batches:
+            s.run(res.train_op, fd)
+            out.append(s.run(reads))
+    return out
