@@ -134,6 +134,32 @@ def run_tag(tb: Testbed, gd, res_or_plan, steps: int, warmup: int) -> float:
     return float(np.median(r.step_times[warmup:]))
 
 
+def run_case(tb: Testbed, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
+             budget_s: float) -> dict:
+    """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB."""
+    quotas, links = CONFIGS[name]
+    gd = tf1_graph(model, batch)
+    plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
+    dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
+    tb.start_workers(threads_per_worker=1)
+    try:
+        dp = run_tag(tb, gd, dp_res, steps, warmup)
+        planned = run_tag(tb, gd, plan, steps, warmup)
+    finally:
+        tb.stop_workers()
+    mwms = run_mwms(tb, model, batch, steps, warmup)
+    row = {"config": name, "model": model, "batch": batch, "quotas": list(quotas), "links_gbps": list(links),
+           "mwms_s": mwms, "dp_s": dp, "plan_s": planned, "plan_method": plan.method,
+           "plan_device_groups": sorted({int(d) for a in plan.strategy.actions for d in a.placement}),
+           "predicted_plan_s": plan.predicted_step_time, "predicted_dp_s": plan.baselines.get("dp_allreduce"),
+           "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms, "load1": os.getloadavg()[0]}
+    print(f"{name:<3} {model:<12} {batch:>4}  mwms {mwms * 1e3:8.1f} ms  dp {dp * 1e3:8.1f} ms  "
+          f"plan {planned * 1e3:8.1f} ms (pred {plan.predicted_step_time * 1e3:7.1f}, {plan.method})  "
+          f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  load {row['load1']:.1f}",
+          flush=True)
+    return row
+
+
 def run_config(name: str, base: Profile, cases, steps: int, warmup: int, budget_s: float) -> list[dict]:
     quotas, links = CONFIGS[name]
     profile = quota_profile(base, quotas)
@@ -142,26 +168,13 @@ def run_config(name: str, base: Profile, cases, steps: int, warmup: int, budget_
     rows = []
     with Testbed(topo, cpu_quota=quotas) as tb:
         for model, batch in cases:
-            gd = tf1_graph(model, batch)
-            plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
-            dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
-            tb.start_workers(threads_per_worker=1)
             try:
-                dp = run_tag(tb, gd, dp_res, steps, warmup)
-                planned = run_tag(tb, gd, plan, steps, warmup)
-            finally:
+                row = run_case(tb, name, model, batch, profile, steps, warmup, budget_s)
+            except Exception as err:  # noqa: BLE001 - report the case and go on with the others
                 tb.stop_workers()
-            mwms = run_mwms(tb, model, batch, steps, warmup)
-            row = {"config": name, "model": model, "batch": batch, "quotas": list(quotas), "links_gbps": list(links),
-                   "mwms_s": mwms, "dp_s": dp, "plan_s": planned, "plan_method": plan.method,
-                   "predicted_plan_s": plan.predicted_step_time,
-                   "predicted_dp_s": plan.baselines.get("dp_allreduce"),
-                   "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms, "load1": os.getloadavg()[0]}
+                print(f"{name:<3} {model:<12} {batch:>4}  FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                continue
             rows.append(row)
-            print(f"{name:<3} {model:<12} {batch:>4}  mwms {mwms * 1e3:8.1f} ms  dp {dp * 1e3:8.1f} ms  "
-                  f"plan {planned * 1e3:8.1f} ms (pred {plan.predicted_step_time * 1e3:7.1f})  "
-                  f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  "
-                  f"load {row['load1']:.1f}", flush=True)
     return rows
 
 
@@ -195,6 +208,9 @@ def main(argv=None) -> int:
     rows = []
     for name in configs:
         rows += run_config(name, base, cases, args.steps, args.warmup, args.budget)
+    if not rows:
+        print("bench_e2e: no case ran", file=sys.stderr)
+        return 1
     g = geomean([r["speedup_vs_mwms"] for r in rows])
     w = min(r["speedup_vs_mwms"] for r in rows)
     dpm = geomean([r["dp_over_mwms"] for r in rows])
