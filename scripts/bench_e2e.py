@@ -21,6 +21,7 @@ Usage::
     python scripts/bench_e2e.py --quick          # the MLP on configuration A
     python scripts/bench_e2e.py --json e2e.json  # {"rows", "geomean_speedup_vs_mwms", "worst_speedup_vs_mwms",
                                                  #  "dp_over_mwms"}
+    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
 """
 from __future__ import annotations
 
@@ -160,11 +161,17 @@ def run_case(tb: Testbed, name: str, model: str, batch: int, profile: Profile, s
     return row
 
 
-def run_config(name: str, base: Profile, cases, steps: int, warmup: int, budget_s: float) -> list[dict]:
+def run_config(name: str, base: Profile, cases, steps: int, warmup: int, budget_s: float,
+               out_dir: str | None = None) -> list[dict]:
     quotas, links = CONFIGS[name]
     profile = quota_profile(base, quotas)
-    topo = parse_topology(topology_text(name, quotas, links, base.devices["CPU"].peak_flops),
-                          path=f"<testbed {name}>")
+    text = topology_text(name, quotas, links, base.devices["CPU"].peak_flops)
+    topo = parse_topology(text, path=f"<testbed {name}>")
+    if out_dir:   # the testbed's topology and calibrated profile, for tag-deploy / tag.optimize by hand
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"testbed-{name}.pbtxt"), "w") as f:
+            f.write(text)
+        profile.save(os.path.join(out_dir, f"profile-{name}.json"))
     rows = []
     with Testbed(topo, cpu_quota=quotas) as tb:
         for model, batch in cases:
@@ -191,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", help="comma-separated subset of " + ",".join(m for m, _ in CASES))
     p.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
     p.add_argument("--json", help="write the rows and summary figures to this file")
+    p.add_argument("--out-dir", help="write each configuration's topology (device peaks: the calibrated one-core "
+                                     "peak times the quota) and profile here")
     args = p.parse_args(argv)
     ok, why = testbed_available()
     if not ok:
@@ -207,7 +216,7 @@ def main(argv=None) -> int:
         base = calibrate(workdir)
     rows = []
     for name in configs:
-        rows += run_config(name, base, cases, args.steps, args.warmup, args.budget)
+        rows += run_config(name, base, cases, args.steps, args.warmup, args.budget, args.out_dir)
     if not rows:
         print("bench_e2e: no case ran", file=sys.stderr)
         return 1
