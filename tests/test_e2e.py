@@ -40,3 +40,17 @@ def test_testbed_topology_and_quota_profile():
     prof = b.quota_profile(base, quotas)
     assert prof.devices["CPUq25"].peak_flops == pytest.approx(5e9)
     assert prof.devices["CPUq50"].launch_overhead_s == pytest.approx(2e-4)
+
+
+@pytest.mark.slow
+def test_optimize_with_verify_target_keeps_the_faster_of_plan_and_best_builtin():
+    import tag
+    from tag.backend.runtime import LocalCluster
+    topo = tag.load_topology(os.path.join(REPO, "topologies", "localhost.pbtxt"))
+    gd = tag.zoo.training_graph("mlp", 32, hidden=(64, 64))
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
+        plan = tag.optimize(gd, topo, batch_size=32, playouts=8, verify_target=cluster.target, verify_steps=4)
+    notes = [n for n in plan.notes if n.startswith("verified on")]
+    builtins = {"dp_allreduce", "ps", "single", "partition"}
+    if plan.report()["method"] not in builtins:   # a searched plan was compared with the best built-in
+        assert len(notes) == 1 and "kept" in notes[0]
