@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.strategy.types import Grouping, Strategy
 
 __all__ = ["Analysis", "Plan", "optimize", "plan_for", "prepare", "rewrite", "search_plan", "load_strategy",
-           "strategy_report",
+           "strategy_report", "verify_plan",
            "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
@@ -158,7 +158,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
-             sfb: bool = True, prior: str = "uniform") -> Plan:
+             sfb: bool = True, prior: str = "uniform", verify_target: str | None = None,
+             verify_steps: int = 6) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -173,14 +174,47 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
     ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
     node costs a forward pass, 60-100 ms on this 2-core machine).
+    ``verify_target``: a running cluster's session target (e.g. ``Testbed.target``); the plan and the
+    best feasible built-in are each run ``verify_steps`` steps there on synthetic batches and the one
+    measured faster is returned (``verify_plan``; its notes give both medians).
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory.
     """
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name)
-    return search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
+    plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
                        sfb=sfb, prior=prior)
+    return plan if verify_target is None else verify_plan(plan, verify_target, steps=verify_steps)
+
+
+def verify_plan(plan: Plan, target: str, *, steps: int = 6, warmup: int = 2) -> Plan:
+    """Run PLAN and the best feasible built-in strategy for STEPS steps on the cluster at TARGET (synthetic
+    batches, first WARMUP steps not timed) and return whichever is measured faster, with a note of both
+    median step times. Needs ``plan.analysis`` (a plan made in this process)."""
+    from tag.backend.runtime import run_steps
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    if plan.analysis is None:
+        raise TagError("verify_plan needs a plan made in this process (a loaded plan has no analysis)")
+    report = plan.report()
+    feasible = report.get("baselines_feasible") or {}
+    builtins = {n: t for n, t in plan.baselines.items()
+                if n in BUILTIN_STRATEGIES and feasible.get(n, True) and np.isfinite(t)}
+    if not builtins or plan.method in builtins:
+        return plan
+    best = min(builtins, key=builtins.get)
+    other = plan_for(plan.analysis, best)
+
+    def measured(p: Plan) -> float:
+        r = run_steps(p.graph_def, target, train_op=p.train_op, loss=p.loss, init=p.init, steps=steps,
+                      warmup=warmup, synthetic=True)
+        return float(np.median(r.step_times[warmup:]))
+
+    t_plan, t_best = measured(plan), measured(other)
+    keep = plan if t_plan <= t_best else other
+    keep.notes.append(f"verified on {target}: {plan.method} {t_plan * 1e3:.3g} ms, {best} {t_best * 1e3:.3g} ms "
+                      f"(median of {steps - warmup} steps); kept {keep.method or best}")
+    return keep
 
 
 @dataclass

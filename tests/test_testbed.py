@@ -54,7 +54,7 @@ def test_namespaces_exist_during_and_are_gone_after():
         # the host's interface carries its address; the link to h1 is shaped to the declared 200 Mbit/s
         assert addrs[0] in tb.exec("h0", ["ip", "-4", "addr", "show", "dev", "eth0"]).stdout
         classes = tb.exec("h0", ["tc", "class", "show", "dev", "eth0"]).stdout
-        assert classes.count("rate 200Mbit") == 2
+        assert classes.count("ceil 200Mbit") == 3     # the NIC (200 Mbit/s) and one class per destination
     assert not names & netns_names()
     assert tb.bridge not in link_names() and not any(n.startswith(tb.bridge[:-2]) for n in link_names())
 
@@ -177,3 +177,52 @@ def test_tf_cluster_inside_the_testbed_runs_a_two_task_graph():
                 np.testing.assert_allclose(got, np.full(1000, 3.0))
         pids = list(tb.cluster.pids)
     assert not any(pid_alive(p) for p in pids)
+
+
+def test_bad_cpu_quota_and_nic_are_input_errors():
+    with pytest.raises(TestbedError, match="unknown hosts"):
+        Testbed(topo(), cpu_quota={"nope": 0.5})
+    with pytest.raises(TestbedError, match="2 entries for 3 hosts"):
+        Testbed(topo(3), cpu_quota=[0.5, 1.0])
+    with pytest.raises(TestbedError, match="cores"):
+        Testbed(topo(), cpu_quota=[0.0, 1.0])
+    with pytest.raises(TestbedError, match="must be > 0"):
+        Testbed(topo(), nic_gbps=[0.0, 1.0])
+    tb = Testbed(topo(3, links='link { a: "h0" b: "h1" bandwidth_gbps: 1 }'))
+    assert [r * 8 / 1e9 for r in tb.nic_rates] == pytest.approx([1.0, 1.0, 0.2])
+
+
+UNEQUAL = ('link { a: "h0" b: "h1" bandwidth_gbps: 0.4 }\n'
+           'link { a: "h0" b: "h2" bandwidth_gbps: 0.1 }\nlink { a: "h1" b: "h2" bandwidth_gbps: 0.1 }\n')
+
+
+@needs_netns
+@pytest.mark.slow
+def test_quotas_unequal_links_and_a_shared_nic():
+    """Three hosts, CPU quotas 1 / 0.5 / 0.25 core, 0.4 Gbit/s between h0 and h1 and 0.1 to h2: each pair
+    runs at its own rate alone, and h0's two concurrent streams share its 0.4 Gbit/s NIC."""
+    import threading
+    with Testbed(topo(3, links=UNEQUAL), cpu_quota=[1.0, 0.5, 0.25]) as tb:
+        for i, q in enumerate([100_000, 50_000, 25_000]):
+            with open(os.path.join(tb._cgroup(i), "cpu.cfs_quota_us")) as f:
+                assert int(f.read()) == q
+        # a busy loop in h2 is throttled to a quarter of a core
+        res = subprocess.run(tb.launch_prefix("h2") + [sys.executable, "-c",
+                             "import time\nt=time.process_time()\ns=time.time()\n"
+                             "while time.time()-s<1.0: pass\nprint(time.process_time()-t)"],
+                             capture_output=True, text=True, timeout=60, check=True)
+        assert float(res.stdout) < 0.4
+        goodput = 1448 / 1514
+        assert tb.measure_bandwidth("h0", "h1") * 8 / 1e9 == pytest.approx(0.4 * goodput, rel=0.2)
+        assert tb.measure_bandwidth("h0", "h2") * 8 / 1e9 == pytest.approx(0.1 * goodput, rel=0.2)
+        # two streams out of h0 at once: h1's stream gets what h2's leaves of the NIC, the sum stays 0.4
+        out = {}
+        threads = [threading.Thread(target=lambda b=b: out.__setitem__(b, tb.measure_bandwidth("h0", b, seconds=2)))
+                   for b in ("h1", "h2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = (out["h1"] + out["h2"]) * 8 / 1e9
+        assert total == pytest.approx(0.4 * goodput, rel=0.2)
+        assert out["h2"] * 8 / 1e9 <= 0.1 * 1.2

@@ -4,9 +4,13 @@ Each host of a topology gets its own network namespace with one interface, ``eth
 bridge in the root namespace through a veth pair. Addresses come from the benchmarking range
 198.18.0.0/15 (RFC 2544), one /24 per testbed (bridge ``.1``, hosts ``.2``, ``.3``, ...), so the
 testbed never collides with real networks. On every host's ``eth0`` egress an HTB qdisc holds one
-class per destination host, selected by a u32 filter on the destination address, whose rate is the
-bandwidth the topology declares for that pair; each pair therefore sees its own declared bandwidth in
-each direction, as the cost model assumes (no shared NIC). Latency: the topology's ``latency_us`` is
+parent class, the host's NIC, at the NIC rate (by default the host's fastest declared link, as
+``CostModel.nic_bandwidth`` takes it; ``nic_gbps`` overrides it), and under it one class per destination
+host, selected by a u32 filter on the destination address, whose ceiling is the bandwidth the topology
+declares for that pair. A lone transfer to one destination therefore runs at the pair's bandwidth, and
+concurrent transfers from one host share its NIC (their sum is capped at the NIC rate), as the
+simulator's serialised NIC resource assumes. (Only egress is shaped: a host receiving from several
+others at once is not capped at its NIC rate, which the simulator does charge.) Latency: the topology's ``latency_us`` is
 one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
 ``sch_netem``. Without it (e.g. minimal VM kernels) links are bandwidth-shaped only,
 ``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of microseconds.
@@ -15,8 +19,10 @@ Traffic to and from the root namespace (the client session) is not shaped.
 Rates are link rates, as on a real NIC: TCP goodput is about 1448/1514 = 95.6% of them (Ethernet,
 IP and TCP headers at MTU 1500).
 
-Optional CPU shares per host (cgroup v1, ``/sys/fs/cgroup/cpu``) make some hosts slower under
-contention -- a coarse stand-in for slower devices on a machine whose cores everyone shares.
+Hosts of unequal, repeatable speed: ``cpu_quota`` gives each host a CFS bandwidth quota (cgroup v1
+``cpu.cfs_quota_us`` over a 100 ms ``cpu.cfs_period_us``) in cores, e.g. 1.0, 0.5 and 0.25: a host
+never gets more CPU time than that, whatever else runs. Optional CPU shares per host (``cpu.shares``)
+only weigh hosts against each other under contention -- a coarser stand-in for slower devices.
 
 Needs root and iproute2 (``ip``, ``tc``); nothing is installed. Everything is torn down on exit, even
 after an error; ``cleanup_stale()`` removes what a killed run left behind (names ``tag<pid>t<n>...``).
@@ -28,7 +34,7 @@ Example::
     from tag.backend.runtime import run_steps
 
     topo = tag.load_topology("topologies/localhost.pbtxt")
-    with Testbed(topo) as tb:                     # namespaces, bridge, shaped veths
+    with Testbed(topo, cpu_quota=[1.0, 0.5]) as tb:   # namespaces, bridge, shaped veths, CPU quotas
         print(tb.measure_bandwidth("cpu0", "cpu1") * 8 / 1e9, "Gbit/s")
         tb.start_workers()                        # one tag-worker per namespace
         result = run_steps(graph_def, tb.target, steps=20)
@@ -60,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range
 BLOCK_PREFIX = 24
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
+CFS_PERIOD_US = 100_000
 PREFIX = "tag"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)t(\d+)(?:h\d+|br|r\d+)?$")
 _LOCK_PATH = os.path.join(tempfile.gettempdir(), "tag-testbed.lock")
@@ -164,6 +171,33 @@ def _parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
     return shares
 
 
+def _parse_quota(cpu_quota, hosts: Sequence["Host"]) -> dict[str, float | None] | None:
+    """host name -> cores (None: unlimited) from a mapping or a list in host order."""
+    if cpu_quota is None:
+        return None
+    names = [h.name for h in hosts]
+    if isinstance(cpu_quota, Mapping):
+        unknown = [k for k in cpu_quota if k not in names]
+        if unknown:
+            raise TestbedError(f"cpu_quota names unknown hosts {unknown}; known hosts: {', '.join(names)}")
+        quota = {n: cpu_quota.get(n) for n in names}
+    else:
+        values = list(cpu_quota)
+        if len(values) != len(names):
+            raise TestbedError(f"cpu_quota has {len(values)} entries for {len(names)} hosts")
+        quota = dict(zip(names, values))
+    out: dict[str, float | None] = {}
+    for n, q in quota.items():
+        if q is None:
+            out[n] = None
+            continue
+        q = float(q)
+        if not 0.01 <= q <= 1024:
+            raise TestbedError(f"cpu quota of host {n!r} must be in [0.01, 1024] cores, got {q}")
+        out[n] = q
+    return out
+
+
 _RECEIVER = r"""
 import json, socket, sys, time
 s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
@@ -234,13 +268,18 @@ class Testbed:
     namespace and returns ``tb.target`` (task 0, reachable from the root namespace);
     ``tb.measure_bandwidth(a, b)`` measures a TCP stream between two hosts. ``shape_links=False``
     leaves links at veth speed. ``cpu_shares``: host name -> cgroup v1 cpu.shares (1024 = normal),
-    or a list in host order.
+    or a list in host order. ``cpu_quota``: host name -> cores (CFS quota; None: unlimited), or a
+    list in host order. ``nic_gbps``: host name -> NIC rate in Gbit/s (or a list); default: each
+    host's fastest declared link. ``tb.launch_prefix(host)`` is the argv prefix that runs a command
+    in a host's namespace and cgroup (for servers other than tag-worker, e.g. tf.distribute workers).
     """
 
     __test__ = False  # not a pytest test class
 
     def __init__(self, topology: "Topology", shape_links: bool = True,
-                 cpu_shares: Mapping[str, int] | Sequence[int] | None = None):
+                 cpu_shares: Mapping[str, int] | Sequence[int] | None = None,
+                 cpu_quota: Mapping[str, float | None] | Sequence[float | None] | None = None,
+                 nic_gbps: Mapping[str, float] | Sequence[float] | None = None):
         if not topology.hosts:
             raise TestbedError(f"topology {topology.name!r} has no hosts")
         if len(topology.hosts) > 250:
@@ -248,6 +287,8 @@ class Testbed:
         self.source = topology
         self.shape_links = bool(shape_links)
         self.cpu_shares = _parse_shares(cpu_shares, topology.hosts)
+        self.cpu_quota = _parse_quota(cpu_quota, topology.hosts)
+        self.nic_rates = self._nic_rates(nic_gbps)   # bytes/s per host index
         self.latency_shaped = False
         self.topology: "Topology | None" = None
         self.target: str | None = None
@@ -313,7 +354,7 @@ class Testbed:
             self._build_network()
             if self.shape_links:
                 self._shape()
-            if self.cpu_shares is not None:
+            if self.cpu_shares is not None or self.cpu_quota is not None:
                 self._make_cgroups()
             hosts = [dataclasses.replace(h, address=self.address(i)) for i, h in enumerate(self.source.hosts)]
             self.topology = dataclasses.replace(self.source, hosts=hosts)
@@ -351,6 +392,43 @@ class Testbed:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "link", "set", veth, "master", br, "up"])
 
+    def _nic_rates(self, nic_gbps) -> list[float]:
+        """Bytes/s of each host's NIC: NIC_GBPS where given, else the host's fastest declared link."""
+        hosts, bw = self.source.hosts, self.source.host_bandwidth
+        n = len(hosts)
+        rates = []
+        for i in range(n):
+            others = [float(bw[i, j]) for j in range(n) if j != i and 0 < float(bw[i, j]) < float("inf")]
+            rates.append(max(others) if others else float("inf"))
+        if nic_gbps is None:
+            return rates
+        names = [h.name for h in hosts]
+        if isinstance(nic_gbps, Mapping):
+            unknown = [k for k in nic_gbps if k not in names]
+            if unknown:
+                raise TestbedError(f"nic_gbps names unknown hosts {unknown}; known hosts: {', '.join(names)}")
+            given = {names.index(k): v for k, v in nic_gbps.items()}
+        else:
+            values = list(nic_gbps)
+            if len(values) != n:
+                raise TestbedError(f"nic_gbps has {len(values)} entries for {n} hosts")
+            given = dict(enumerate(values))
+        for i, v in given.items():
+            if v is not None:
+                if not float(v) > 0:
+                    raise TestbedError(f"nic_gbps of host {names[i]!r} must be > 0, got {v}")
+                rates[i] = float(v) * 1e9 / 8
+        return rates
+
+    @staticmethod
+    def _htb_class(tc: list[str], parent: str, classid: str, rate: float, ceil: float) -> None:
+        bits, cbits = (max(8_000, int(round(r * 8))) for r in (rate, ceil))
+        quantum = int(min(max(rate / 100, 1514), 200_000))
+        burst = int(max(ceil * 0.002, 15_140))  # 2 ms worth at the ceiling, at least 10 frames
+        _run(tc + ["class", "add", "dev", "eth0", "parent", parent, "classid", classid, "htb",
+                   "rate", f"{bits}bit", "ceil", f"{cbits}bit", "burst", str(burst),
+                   "cburst", str(burst), "quantum", str(quantum)])
+
     def _shape(self) -> None:
         n = len(self.source.hosts)
         bw, lat = self.source.host_bandwidth, self.source.host_latency
@@ -361,33 +439,23 @@ class Testbed:
             tc = ["tc", "-n", ns]
             # No default class: unclassified traffic (to the root namespace) leaves unshaped.
             _run(tc + ["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb"])
-            for j in range(n):
-                if j == i:
-                    continue
+            nic = self.nic_rates[i]
+            pairs = [j for j in range(n) if j != i and 0 < float(bw[i, j]) < float("inf")]
+            if not pairs:
+                continue
+            nic = min(nic, sum(float(bw[i, j]) for j in pairs))  # a NIC faster than every link together is moot
+            # The NIC: one parent class; each destination's class is guaranteed only its fair share of the
+            # NIC (so the guarantees never add up past it) and may borrow up to the pair's bandwidth.
+            self._htb_class(tc, "1:", "1:1", nic, nic)
+            for j in pairs:
                 rate = float(bw[i, j])
                 minor = f"{j + 16:x}"
-                if not (rate > 0 and rate < float("inf")):
-                    continue
-                bits = max(8_000, int(round(rate * 8)))
-                quantum = int(min(max(rate / 100, 1514), 200_000))
-                burst = int(max(rate * 0.002, 15_140))  # 2 ms worth at the rate, at least 10 frames
-                _run(tc + ["class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{minor}", "htb",
-                           "rate", f"{bits}bit", "ceil", f"{bits}bit", "burst", str(burst),
-                           "cburst", str(burst), "quantum", str(quantum)])
+                self._htb_class(tc, "1:1", f"1:{minor}", min(rate, nic / len(pairs)), min(rate, nic))
                 delay = float(lat[i, j])
                 if delay > 0:
                     wants_latency = True
                     if netem_ok is not False:
-                        limit = max(1000, int(2 * rate * delay / 1500) + 100)
-                        res = _run(tc + ["qdisc", "add", "dev", "eth0", "parent", f"1:{minor}", "handle",
-                                         f"{minor}:", "netem", "delay", f"{delay * 1e6:.0f}us", "limit",
-                                         str(limit)], check=False)
-                        if res.returncode == 0:
-                            netem_ok = True
-                        elif netem_ok is None and "unknown" in res.stderr.lower():
-                            netem_ok = False
-                        else:
-                            raise TestbedError(f"tc netem on {ns} failed: {' '.join(res.stderr.split())}")
+                        netem_ok = self._netem(tc, ns, minor, rate, delay, netem_ok)
                 _run(tc + ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                            "match", "ip", "dst", f"{self.address(j)}/32", "flowid", f"1:{minor}"])
         self.latency_shaped = bool(netem_ok) or not wants_latency
@@ -395,18 +463,49 @@ class Testbed:
             warnings.warn("this kernel has no sch_netem: testbed links are bandwidth-shaped only; the declared "
                           "latencies are not added", RuntimeWarning, stacklevel=3)
 
+    @staticmethod
+    def _netem(tc: list[str], ns: str, minor: str, rate: float, delay: float, netem_ok: bool | None) -> bool:
+        """Add a netem delay under class 1:MINOR; False when the kernel has no sch_netem."""
+        limit = max(1000, int(2 * rate * delay / 1500) + 100)
+        res = _run(tc + ["qdisc", "add", "dev", "eth0", "parent", f"1:{minor}", "handle", f"{minor}:", "netem",
+                         "delay", f"{delay * 1e6:.0f}us", "limit", str(limit)], check=False)
+        if res.returncode == 0:
+            return True
+        if netem_ok is None and "unknown" in res.stderr.lower():
+            return False
+        raise TestbedError(f"tc netem on {ns} failed: {' '.join(res.stderr.split())}")
+
     def _make_cgroups(self) -> None:
         if not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.shares")):
-            raise TestbedError(f"cpu_shares needs the cgroup v1 cpu controller at {CGROUP_CPU}")
+            raise TestbedError(f"cpu_shares / cpu_quota need the cgroup v1 cpu controller at {CGROUP_CPU}")
+        if self.cpu_quota is not None and not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.cfs_quota_us")):
+            raise TestbedError(f"cpu_quota needs CFS bandwidth control (cpu.cfs_quota_us) at {CGROUP_CPU}")
         os.mkdir(self._cgroup())
         self._created.append(("cgroup", self._cgroup()))
-        assert self.cpu_shares is not None
         for i, h in enumerate(self.source.hosts):
             path = self._cgroup(i)
             os.mkdir(path)
             self._created.append(("cgroup", path))
-            with open(os.path.join(path, "cpu.shares"), "w") as f:
-                f.write(str(self.cpu_shares[h.name]))
+            if self.cpu_shares is not None:
+                with open(os.path.join(path, "cpu.shares"), "w") as f:
+                    f.write(str(self.cpu_shares[h.name]))
+            q = self.cpu_quota.get(h.name) if self.cpu_quota is not None else None
+            if q is not None:
+                with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+                    f.write(str(CFS_PERIOD_US))
+                with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+                    f.write(str(max(1000, int(round(q * CFS_PERIOD_US)))))
+
+    def launch_prefix(self, host: str | int) -> list[str]:
+        """Argv prefix that runs a command inside HOST's namespace (and its cgroup, when there is one)."""
+        if self.topology is None:
+            raise TestbedError("set up the testbed first (use it as a context manager)")
+        i = self._index(host)
+        prefix: list[str] = []
+        if self.cpu_shares is not None or self.cpu_quota is not None:
+            # join the host's cgroup first: `ip netns exec` remounts /sys, hiding the cgroup tree
+            prefix = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self._cgroup(i), "cgroup.procs")]
+        return prefix + ["ip", "netns", "exec", self.namespace(i)]
 
     # -- workers ---------------------------------------------------------------------------------
     def start_workers(self, *, threads_per_worker: int | None = None, startup_timeout_s: float = 90.0) -> str:
@@ -417,15 +516,8 @@ class Testbed:
             raise TestbedError("workers already running; stop_workers() first")
         from tag.backend.runtime import LocalCluster
 
-        index = {h.name: i for i, h in enumerate(self.topology.hosts)}
-
         def launcher(host: "Host") -> list[str]:
-            i = index[host.name]
-            prefix: list[str] = []
-            if self.cpu_shares is not None:
-                # join the host's cgroup first: `ip netns exec` remounts /sys, hiding the cgroup tree
-                prefix = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self._cgroup(i), "cgroup.procs")]
-            return prefix + ["ip", "netns", "exec", self.namespace(i)]
+            return self.launch_prefix(host.name)
 
         cluster = LocalCluster(self.topology, threads_per_worker=threads_per_worker,
                                startup_timeout_s=startup_timeout_s, allow_remote=True, launcher=launcher)

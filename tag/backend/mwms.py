@@ -1,0 +1,176 @@
+"""The tf.distribute anchor: the same small models trained by tag and by MultiWorkerMirroredStrategy.
+
+``scripts/bench_e2e.py`` compares tag's plans with what a TensorFlow user would run without tag:
+``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives) with a ``tf.function`` training step that
+calls ``strategy.run``, one worker per host. For the comparison to be fair both sides train the *same*
+architecture, loss, optimizer and global batch, so the models are defined once here, with tf_keras
+layers (Keras 2, which builds both TF1 graphs and TF2 models; Keras 3's ``model.fit`` fails under
+MWMS here, so the anchor uses a custom loop):
+
+- ``tf1_graph(name, batch)``: the TF1 training GraphDef tag optimizes (placeholders ``input`` and
+  ``labels``, ``loss``, ``train_op`` = ``tf.compat.v1.train.AdamOptimizer``, ``init``);
+- ``python -m tag.backend.mwms --model NAME --batch B ...`` with ``TF_CONFIG`` set: one MWMS worker
+  (tf_keras Adam with the same hyper-parameters, the global batch split evenly over the workers,
+  synthetic on-device batches as ``run_steps(synthetic=True)`` uses). Task 0 prints one JSON line,
+  ``{"step_times": [...]}``.
+
+Models (``MODELS``): ``mlp`` (784-2048-2048-1024-10, ~7.9M parameters), ``cnn`` (a tiny ResNet at
+32x32: a stem and three residual stages of 16/32/64 channels, no BatchNorm), ``transformer`` (a 2-layer
+encoder, d_model 128, 4 heads, sequence 32, vocabulary 1000, mean-pooled into a 10-class head).
+
+Example::
+
+    from tag.backend.mwms import tf1_graph
+    gd = tf1_graph("mlp", 96)                     # for tag.optimize / tag.rewrite
+    # one worker per host (the benchmark starts them inside the testbed's namespaces):
+    #   TF_CONFIG='{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": 0}}' \\
+    #   python -m tag.backend.mwms --model mlp --batch 96 --steps 15
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+MODELS = ("mlp", "cnn", "transformer")
+LEARNING_RATE = 1e-3
+NUM_CLASSES = 10
+SEQ_LEN, VOCAB = 32, 1000
+
+
+def input_spec(name: str) -> tuple[tuple[int, ...], str]:
+    """(per-example input shape, dtype name) of model NAME."""
+    if name == "mlp":
+        return (784,), "float32"
+    if name == "cnn":
+        return (32, 32, 3), "float32"
+    if name == "transformer":
+        return (SEQ_LEN,), "int32"
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+def _residual(k: Any, x: Any, channels: int, stride: int) -> Any:
+    L = k.layers
+    y = L.Conv2D(channels, 3, strides=stride, padding="same", activation="relu")(x)
+    y = L.Conv2D(channels, 3, padding="same")(y)
+    if stride != 1 or int(x.shape[-1]) != channels:
+        x = L.Conv2D(channels, 1, strides=stride, padding="same")(x)
+    return L.Activation("relu")(L.Add()([x, y]))
+
+
+def _encoder_layer(k: Any, x: Any, d_model: int, heads: int, d_ff: int) -> Any:
+    L = k.layers
+    att = L.MultiHeadAttention(num_heads=heads, key_dim=d_model // heads)(x, x)
+    x = L.LayerNormalization(epsilon=1e-6)(L.Add()([x, att]))
+    ff = L.Dense(d_ff, activation="relu")(x)
+    ff = L.Dense(d_model)(ff)
+    return L.LayerNormalization(epsilon=1e-6)(L.Add()([x, ff]))
+
+
+def keras_model(name: str, k: Any, inputs: Any = None) -> Any:
+    """Model NAME built with the tf_keras module K (logits, NUM_CLASSES wide); INPUTS: a tensor to build on."""
+    shape, dtype = input_spec(name)
+    x0 = k.Input(shape=shape, dtype=dtype) if inputs is None else k.Input(tensor=inputs)
+    L = k.layers
+    if name == "mlp":
+        x = x0
+        for units in (2048, 2048, 1024):
+            x = L.Dense(units, activation="relu")(x)
+    elif name == "cnn":
+        x = L.Conv2D(16, 3, padding="same", activation="relu")(x0)
+        for channels, stride in ((16, 1), (32, 2), (64, 2)):
+            x = _residual(k, x, channels, stride)
+        x = L.GlobalAveragePooling2D()(x)
+    else:
+        d_model = 128
+        x = L.Embedding(VOCAB, d_model)(x0)
+        for _ in range(2):
+            x = _encoder_layer(k, x, d_model, 4, 4 * d_model)
+        x = L.GlobalAveragePooling1D()(x)
+    return k.Model(x0, L.Dense(NUM_CLASSES)(x))
+
+
+def tf1_graph(name: str, batch: int, seed: int = 0) -> Any:
+    """The TF1 training step of model NAME at global batch BATCH (GraphDef; see the module docstring)."""
+    import tensorflow as tf
+    import tf_keras
+    v1 = tf.compat.v1
+    shape, dtype = input_spec(name)
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(seed)
+        x = v1.placeholder(dtype, [batch, *shape], name="input")
+        labels = v1.placeholder(tf.int32, [batch], name="labels")
+        logits = keras_model(name, tf_keras, inputs=x).output
+        loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                                         logits=logits)), name="loss")
+        v1.train.AdamOptimizer(LEARNING_RATE, epsilon=1e-7).minimize(loss, name="train_op")
+        v1.variables_initializer(v1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+def _synthetic_batch(tf: Any, name: str, batch: int, seed: int) -> tuple[Any, Any]:
+    shape, dtype = input_spec(name)
+    gen = tf.random.Generator.from_seed(seed)
+    if dtype == "int32":
+        x = gen.uniform([batch, *shape], 0, 2, dtype=tf.int32)
+    else:
+        x = gen.normal([batch, *shape])
+    return x, gen.uniform([batch], 0, 2, dtype=tf.int32)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """One MWMS worker (TF_CONFIG names the cluster and this task); task 0 prints the step times."""
+    p = argparse.ArgumentParser(description="one MultiWorkerMirroredStrategy worker of the tag anchor")
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--batch", type=int, required=True, help="global batch (split evenly over the workers)")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf_keras
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    comm = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)
+    n = strategy.num_replicas_in_sync
+    if args.batch % n:
+        raise SystemExit(f"global batch {args.batch} is not divisible by {n} workers")
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    tf.random.set_seed(0)
+    with strategy.scope():
+        model = keras_model(args.model, tf_keras)
+        opt = tf_keras.optimizers.Adam(LEARNING_RATE, epsilon=1e-7)
+    x, y = _synthetic_batch(tf, args.model, args.batch // n, seed=1 + int(task))
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            loss = tf.reduce_sum(per_example) / args.batch
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step():
+        return strategy.run(replica_step)
+
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = train_step()
+        strategy.experimental_local_results(out)[0].numpy()
+        times.append(time.perf_counter() - t0)
+    if task == 0:
+        print(json.dumps({"step_times": times}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
