@@ -10,3 +10,13 @@ def write_json(path: str | None, obj, indent: int = 1) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=indent)
+
+
+def testbed_missing(prog: str) -> bool:
+    """True (after saying why on stderr) when the network-namespace testbed cannot run here."""
+    import sys
+    from tag.backend.testbed import testbed_available
+    ok, why = testbed_available()
+    if not ok:
+        print(f"{prog}: the testbed is not available here: {why}", file=sys.stderr)
+    return not ok

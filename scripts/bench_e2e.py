@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import tag  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
-from tag.backend.testbed import Testbed, testbed_available  # noqa: E402
+from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.calibration import profile_network  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
@@ -201,9 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help="write each configuration's topology (device peaks: the calibrated one-core "
                                      "peak times the quota) and profile here")
     args = p.parse_args(argv)
-    ok, why = testbed_available()
-    if not ok:
-        print(f"bench_e2e: the testbed is not available here: {why}", file=sys.stderr)
+    from _common import testbed_missing
+    if testbed_missing("bench_e2e"):
         return 2
     cases = CASES[:1] if args.quick else CASES
     configs = ["A"] if args.quick else list(CONFIGS)

@@ -39,7 +39,7 @@ from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.sim.simulator import Simulator  # noqa: E402
-from tag.backend.testbed import Testbed, testbed_available  # noqa: E402
+from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 
 # (label, model spec, global batch)
@@ -114,9 +114,8 @@ def main(argv=None) -> int:
                    help="declared one-way link latency (default 50; this kernel's testbed cannot add it)")
     p.add_argument("--json", help="write the figures as JSON to this file")
     args = p.parse_args(argv)
-    ok, why = testbed_available()
-    if not ok:
-        print(f"bench_fidelity: the testbed is not available here: {why}", file=sys.stderr)
+    from _common import testbed_missing
+    if testbed_missing("bench_fidelity"):
         return 2
     models = MODELS[:1] if args.quick else MODELS
     bandwidths = BANDWIDTHS_GBPS[::2] if args.quick else BANDWIDTHS_GBPS

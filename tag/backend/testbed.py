@@ -151,20 +151,24 @@ def _used_blocks() -> set[int]:
     return used
 
 
+def _per_host(option: str, given, hosts: Sequence["Host"], default) -> dict:
+    """Host name -> value of OPTION, from a mapping by host name (missing: DEFAULT) or a list in host order."""
+    names = [h.name for h in hosts]
+    if isinstance(given, Mapping):
+        unknown = [k for k in given if k not in names]
+        if unknown:
+            raise TestbedError(f"{option} names unknown hosts {unknown}; known hosts: {', '.join(names)}")
+        return {n: given.get(n, default) for n in names}
+    values = list(given)
+    if len(values) != len(names):
+        raise TestbedError(f"{option} has {len(values)} entries for {len(names)} hosts")
+    return dict(zip(names, values))
+
+
 def _parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
     if cpu_shares is None:
         return None
-    names = [h.name for h in hosts]
-    if isinstance(cpu_shares, Mapping):
-        unknown = [k for k in cpu_shares if k not in names]
-        if unknown:
-            raise TestbedError(f"cpu_shares names unknown hosts {unknown}; known hosts: {', '.join(names)}")
-        shares = {n: int(cpu_shares.get(n, 1024)) for n in names}
-    else:
-        values = list(cpu_shares)
-        if len(values) != len(names):
-            raise TestbedError(f"cpu_shares has {len(values)} entries for {len(names)} hosts")
-        shares = dict(zip(names, (int(v) for v in values)))
+    shares = {n: int(v) for n, v in _per_host("cpu_shares", cpu_shares, hosts, 1024).items()}
     bad = {n: s for n, s in shares.items() if not 2 <= s <= 262144}
     if bad:
         raise TestbedError(f"cpu shares must be in [2, 262144] (1024 = one normal share): {bad}")
@@ -175,17 +179,7 @@ def _parse_quota(cpu_quota, hosts: Sequence["Host"]) -> dict[str, float | None] 
     """host name -> cores (None: unlimited) from a mapping or a list in host order."""
     if cpu_quota is None:
         return None
-    names = [h.name for h in hosts]
-    if isinstance(cpu_quota, Mapping):
-        unknown = [k for k in cpu_quota if k not in names]
-        if unknown:
-            raise TestbedError(f"cpu_quota names unknown hosts {unknown}; known hosts: {', '.join(names)}")
-        quota = {n: cpu_quota.get(n) for n in names}
-    else:
-        values = list(cpu_quota)
-        if len(values) != len(names):
-            raise TestbedError(f"cpu_quota has {len(values)} entries for {len(names)} hosts")
-        quota = dict(zip(names, values))
+    quota = _per_host("cpu_quota", cpu_quota, hosts, None)
     out: dict[str, float | None] = {}
     for n, q in quota.items():
         if q is None:
