@@ -74,7 +74,7 @@ def best_uniform(env: SearchEnv) -> tuple[tuple[int, ...], Outcome]:
     for k in range(len(env.candidates)):
         choice = env.uniform_choice(k)
         out = env.evaluate(choice)
-        if best is None or (out.value, -out.step_time) > (best[1].value, -best[1].step_time):
+        if best is None or out.rank > best[1].rank:
             best = (choice, out)
     return best
 
@@ -105,7 +105,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
 
     def best_so_far() -> tuple[tuple[int, ...], Outcome]:
         searched = {n: v for n, v in found.items() if v[0] is not None}
-        name = max(searched, key=lambda n: (searched[n][1].value, -searched[n][1].step_time))
+        name = max(searched, key=lambda n: searched[n][1].rank)
         return searched[name]
 
     if playouts is None and budget_s is None:
@@ -124,7 +124,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         refined = refine(env, best_so_far()[0], order=tree.order, budget_s=left, max_evaluations=cap)
         found["refine"] = (refined.choice, refined.outcome)
 
-    method = max(found, key=lambda n: (found[n][1].value, -found[n][1].step_time))
+    method = max(found, key=lambda n: found[n][1].rank)
     choice, outcome = found[method]
     notes = []
     if choice is None:

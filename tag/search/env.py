@@ -51,6 +51,11 @@ class Outcome:
     value: float              # speedup over the reference if feasible, else -(worst overshoot fraction, <= 1)
     overshoot_bytes: float    # largest (peak - capacity) over devices, 0 when feasible
 
+    @property
+    def rank(self) -> tuple[float, float]:
+        """Sort key of outcomes, best last: higher value, then (equal values) the shorter step."""
+        return self.value, -self.step_time
+
 
 class SearchEnv:
     """Candidates, strategy building and cached evaluation for one graph on one topology (module docstring)."""
@@ -68,6 +73,8 @@ class SearchEnv:
         self.device_speeds: tuple[float, ...] = tuple(float(x) for x in self.speeds)   # what batch shares follow
         self.candidates: list[Candidate] = candidate_actions(topology, self.speeds, max_actions)
         self.group_ops: list[np.ndarray] = [grouping.members(g) for g in range(self.num_groups)]
+        self._capacity = np.array([d.memory_bytes for d in topology.devices], dtype=np.float64)
+        self._weight_ops = {v.op for v in graph.variables if v.kind == "trainable"}   # ops that hold trainable weights
         self.allowed: list[list[int]] = [self._allowed_for(g) for g in range(self.num_groups)]
         self.allowed_sets: list[frozenset[int]] = [frozenset(a) for a in self.allowed]
         self.partitioner = GroupPartitioner(graph, topology, self.cost_model, grouping.group_of_op, self.batch_size)
@@ -93,8 +100,7 @@ class SearchEnv:
         (elsewhere it is allreduce under another name), a multi-device partition only for groups of
         more than one op."""
         ops = self.group_ops[group]
-        var_ops = {v.op for v in self.graph.variables if v.kind == "trainable"}
-        has_weights = any(int(i) in var_ops for i in ops)
+        has_weights = any(int(i) in self._weight_ops for i in ops)
         allowed = []
         for k, c in enumerate(self.candidates):
             if c.action.mode == "ps" and not has_weights:
@@ -144,7 +150,7 @@ class SearchEnv:
         step = float(result.step_time)
         if result.feasible:
             return Outcome(step, True, self.reference_time / step if step > 0 else float("inf"), 0.0)
-        capacity = np.array([d.memory_bytes for d in self.topology.devices], dtype=np.float64)
+        capacity = self._capacity
         over = np.asarray(result.peak_memory, dtype=np.float64) - capacity
         worst = int(np.argmax(over / capacity))
         return Outcome(step, False, -min(1.0, float(over[worst] / capacity[worst])), float(over.max()))
@@ -164,7 +170,7 @@ class SearchEnv:
         if len(self._outcomes) > 200_000:
             self._outcomes.clear()
         self._outcomes[key] = out
-        if self.best_outcome is None or _better(out, self.best_outcome):
+        if self.best_outcome is None or out.rank > self.best_outcome.rank:
             self.best_choice, self.best_outcome = key, out
         return out
 
@@ -172,7 +178,3 @@ class SearchEnv:
         """The full simulator result of CHOICE (not cached; for reports)."""
         return self.simulator.evaluate(self.strategy(choice), batch_size=self.batch_size)
 
-
-def _better(a: Outcome, b: Outcome) -> bool:
-    """A ranks above B: higher value, then (equal values) the shorter step."""
-    return (a.value, -a.step_time) > (b.value, -b.step_time)

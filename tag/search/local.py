@@ -40,7 +40,7 @@ class RefineResult:
 
 
 def _ranks_better(a: Outcome, b: Outcome) -> bool:
-    return (a.value, -a.step_time) > (b.value, -b.step_time) and a.value > b.value * (1 + 1e-9) + 1e-12
+    return a.rank > b.rank and a.value > b.value * (1 + 1e-9) + 1e-12
 
 
 def refine(env: SearchEnv, start: Sequence[int], *, order: Sequence[int] | None = None,

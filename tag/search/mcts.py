@@ -116,7 +116,15 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     order = [int(g) for g in order]
     if playouts is None and budget_s is None:
         playouts = 400
-    prior = prior or uniform_value_prior
+    if prior is None:
+        # the uniform-value prior depends only on the allowed set: computed once per distinct set
+        by_allowed: dict[tuple[int, ...], np.ndarray] = {}
+
+        def prior(env: SearchEnv, order, prefix, allowed) -> np.ndarray:
+            key = tuple(allowed)
+            if key not in by_allowed:
+                by_allowed[key] = uniform_value_prior(env, order, prefix, allowed)
+            return by_allowed[key]
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     best_choice, best_outcome = None, None
@@ -124,7 +132,7 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     def consider(choice: Choice) -> Outcome:
         nonlocal best_choice, best_outcome
         out = env.evaluate(choice)
-        if best_outcome is None or (out.value, -out.step_time) > (best_outcome.value, -best_outcome.step_time):
+        if best_outcome is None or out.rank > best_outcome.rank:
             best_choice, best_outcome = choice, out
         return out
 

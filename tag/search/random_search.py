@@ -37,10 +37,6 @@ class RandomResult:
     evaluations: int        # choices evaluated (calls to env.evaluate, cached ones included)
 
 
-def _rank(outcome: Outcome) -> tuple[float, float]:
-    return outcome.value, -outcome.step_time
-
-
 def _uniform(env: SearchEnv, rng: np.random.Generator) -> Choice:
     """One allowed candidate per group, uniformly at random."""
     return tuple(int(allowed[rng.integers(len(allowed))]) for allowed in env.allowed)
@@ -68,6 +64,6 @@ def random_search(env: SearchEnv, evaluations: int = 400, seed: int = 0) -> Rand
     for i in range(evaluations):
         choice = _uniform(env, rng) if i < uniform_draws else _mutation(env, best_choice, rng)
         outcome = env.evaluate(choice)
-        if best_outcome is None or _rank(outcome) > _rank(best_outcome):
+        if best_outcome is None or outcome.rank > best_outcome.rank:
             best_choice, best_outcome = choice, outcome
     return RandomResult(best_choice, best_outcome, evaluations)

@@ -100,6 +100,7 @@ class LayoutCache:
         self._dependent_caches = dependent_caches
         self._device_group = [d.group for d in topology.devices]
         self._peak_speeds = tuple(float(d.peak_flops) for d in topology.devices)
+        self._speeds_in_use = self._peak_speeds
         self._device_speed = list(self._peak_speeds)   # what batch shares follow (use_speeds)
         self._tables: dict[tuple[int, float], tuple] = {}       # (device group, batch) -> (list, array)
         self._lanes: dict[frozenset, Lanes] = {}
@@ -136,8 +137,9 @@ class LayoutCache:
         """Batch shares follow SPEEDS (examples/s per device; empty: peak FLOP/s). A change drops the
         layouts built with the old shares."""
         speeds = tuple(speeds) or self._peak_speeds
-        if list(speeds) == self._device_speed:
+        if speeds is self._speeds_in_use or speeds == self._speeds_in_use:
             return
+        self._speeds_in_use = speeds
         self._device_speed = list(speeds)
         self._shares.clear()
         self._layouts.clear()
