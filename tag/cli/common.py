@@ -53,12 +53,6 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write TEXT to PATH atomically (``tag.files.write_atomic``; TagError naming PATH if it cannot)."""
-    from tag.files import write_atomic
-    write_atomic(path, text)
-
-
 def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
     """Run BODY(argv) and turn exceptions into tag's exit codes and one-line messages."""
     from tag.cli.quiet import quiet_tensorflow, wants_verbose

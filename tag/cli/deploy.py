@@ -51,7 +51,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from tag.cli.common import ArgumentParser, add_verbose, run_cli, write_text_atomic
+from tag.cli.common import ArgumentParser, add_verbose, run_cli
+from tag.files import write_atomic
 from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, write_tensorboard_dir
 from tag.errors import StrategyError, TagError
 from tag.report import finite, format_table, report_json
@@ -235,9 +236,9 @@ def _body(argv: Sequence[str]) -> int:
     if plan is not None and args.save:
         plan.save(args.save)
     if trace_text is not None:
-        write_text_atomic(args.trace, trace_text)
+        write_atomic(args.trace, trace_text)
     if report_text is not None:
-        write_text_atomic(args.report, report_text)
+        write_atomic(args.report, report_text)
     if args.tensorboard:
         write_tensorboard_dir(args, analysis, strategy, plan.graph_def, run_metadata)
     print(format_table(report, args.model))

@@ -240,8 +240,8 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON (to a temporary file first, then renamed into place)."""
-        from tag.cli.common import write_text_atomic
-        write_text_atomic(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        from tag.files import write_atomic
+        write_atomic(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
 
     def entry_for(self, device_type: str) -> tuple[DeviceProfile | None, bool]:
         """(entry, exact): the profile entry for DEVICE_TYPE, else the "default" entry, else None."""
