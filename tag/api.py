@@ -191,29 +191,31 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
 def verify_plan(plan: Plan, target: str, *, steps: int = 6, warmup: int = 2) -> Plan:
     """Run PLAN and the best feasible built-in strategy for STEPS steps on the cluster at TARGET (synthetic
     batches, first WARMUP steps not timed) and return whichever is measured faster, with a note of both
-    median step times. Needs ``plan.analysis`` (a plan made in this process)."""
+    median step times (``tag.verify``). Needs ``plan.analysis`` (a plan made in this process)."""
+    import time
+
     from tag.backend.runtime import run_steps
-    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    from tag.report import format_verify
+    from tag.verify import best_builtin, timed_median, verify_fields
     if plan.analysis is None:
         raise TagError("verify_plan needs a plan made in this process (a loaded plan has no analysis)")
-    report = plan.report()
-    feasible = report.get("baselines_feasible") or {}
-    builtins = {n: t for n, t in plan.baselines.items()
-                if n in BUILTIN_STRATEGIES and feasible.get(n, True) and np.isfinite(t)}
-    if not builtins or plan.method in builtins:
+    best = best_builtin(plan.baselines, plan.report().get("baselines_feasible") or {}, plan.method)
+    if best is None:
         return plan
-    best = min(builtins, key=builtins.get)
+    t0 = time.perf_counter()
     other = plan_for(plan.analysis, best)
 
     def measured(p: Plan) -> float:
         r = run_steps(p.graph_def, target, train_op=p.train_op, loss=p.loss, init=p.init, steps=steps,
                       warmup=warmup, synthetic=True)
-        return float(np.median(r.step_times[warmup:]))
+        return timed_median(r.step_times, warmup)
 
     t_plan, t_best = measured(plan), measured(other)
-    keep = plan if t_plan <= t_best else other
-    keep.notes.append(f"verified on {target}: {plan.method} {t_plan * 1e3:.3g} ms, {best} {t_best * 1e3:.3g} ms "
-                      f"(median of {steps - warmup} steps); kept {keep.method or best}")
+    fields = verify_fields(plan.method, t_plan, best, t_best, steps=steps, warmup=warmup,
+                           predicted={plan.method: plan.predicted_step_time, best: plan.baselines[best]},
+                           seconds=time.perf_counter() - t0)
+    keep = plan if fields["kept"] == plan.method else other
+    keep.notes.append(f"verified on {target}: {format_verify(fields)}")
     return keep
 
 

@@ -139,6 +139,15 @@ def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup
             "measured_losses": [float(x) for x in mine.losses]}
 
 
+def format_verify(verify: dict) -> str:
+    """The report's ``verify`` keys (``tag.verify.verify_fields``) as one line: both medians, which was kept."""
+    kept = "the plan" if verify["kept"] == verify["plan"] else verify["kept"]
+    against = ", overriding the simulator" if verify["overrode_simulator"] else ""
+    return (f"plan {verify['plan']} {format_time(verify['plan_ms'] / 1e3)}, {verify['baseline']} "
+            f"{format_time(verify['baseline_ms'] / 1e3)} (median of {verify['steps'] - verify['warmup_steps']} "
+            f"steps): kept {kept}{against}")
+
+
 # ----------------------------------------------------------------------------------------------
 # The printed table
 # ----------------------------------------------------------------------------------------------
@@ -169,13 +178,16 @@ def _measured_lines(report: dict) -> list[str]:
 
 
 def _search_lines(report: dict) -> list[str]:
-    """How the plan was found: the search's figures and notes, or the file a saved strategy came from."""
+    """How the plan was found: the search's figures and notes, or the file a saved strategy came from, and
+    ``--verify``'s measured check."""
     lines = []
     if report.get("search_seconds"):
         lines.append(f"search               {report.get('evaluations', 0)} strategies simulated in "
                      f"{report['search_seconds']:.2f} s; the plan is {report.get('method', report['strategy'])!r}")
     if report.get("strategy_file"):
         lines.append(f"strategy file        {report['strategy_file']}")
+    if report.get("verify"):
+        lines.append(f"verify               {format_verify(report['verify'])}")
     return lines + [f"  note: {n}" for n in report.get("notes", [])]
 
 

@@ -317,3 +317,98 @@ def test_run_deploys_the_searched_plan(tmp_path, capsys):
     assert r["measured_step_time_s"] > 0 and r["measured_baseline_step_time_s"] > 0
     assert len(r["measured_losses"]) == 4 and all(np.isfinite(r["measured_losses"]))
     assert "measured speedup vs dp_allreduce" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# --run --verify: the plan against the best feasible built-in, measured, before training
+# ------------------------------------------------------------------------------------------------
+
+def _two_host_topology(tmp_path) -> str:
+    """localhost.pbtxt without its third host, on free ports (other tests may hold the usual ones)."""
+    from tag.backend.runtime import free_ports
+    text = open(LOCALHOST).read()
+    start = text.index('host {\n  name: "cpu2"')
+    text = text[:start] + text[text.index("}\n}\n", start) + 4:]
+    for old, new in zip(("23451", "23452"), free_ports(2)):
+        text = text.replace(f"port: {old}", f"port: {new}")
+    path = tmp_path / "two.pbtxt"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--verify"], "--verify only apply to --run"),
+    (["--verify-steps", "4"], "--verify-steps only applies to --verify"),
+    (["--run", "--verify", "--verify-steps", "2"], "--verify-steps must be over 2"),
+    (["--strategy", "ps", "--run", "--verify"], "--strategy ps already is a built-in"),
+    (["--run", "--verify", "--resume"], "--verify and --resume exclude each other"),
+])
+def test_verify_flags_bad_input_exit_2_nothing_written(tmp_path, capsys, extra, message):
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", *extra,
+                         "--report", str(tmp_path / "r.json"), "--save", str(tmp_path / "plan")], capsys)
+    assert rc == 2, err
+    assert err.startswith("tag-deploy: error:") and len(err.strip().splitlines()) == 1 and message in err
+    assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_verify_keeps_the_baseline_when_it_is_measured_faster():
+    from tag.report import format_verify
+    from tag.verify import best_builtin, keep, timed_median, verify_fields
+    predicted = {"refine": 0.010, "dp_allreduce": 0.012}
+    v = verify_fields("refine", 0.150, "dp_allreduce", 0.140, predicted=predicted, steps=6, seconds=2.5)
+    assert v == {"plan": "refine", "plan_ms": pytest.approx(150), "baseline": "dp_allreduce",
+                 "baseline_ms": pytest.approx(140), "steps": 6, "warmup_steps": 2, "kept": "dp_allreduce",
+                 "overrode_simulator": True, "seconds": 2.5}
+    assert format_verify(v) == ("plan refine 150.00 ms, dp_allreduce 140.00 ms (median of 4 steps): kept "
+                                "dp_allreduce, overriding the simulator")
+    faster = verify_fields("refine", 0.130, "dp_allreduce", 0.140, predicted=predicted, steps=6, seconds=2.5)
+    assert faster["kept"] == "refine" and not faster["overrode_simulator"]
+    assert "kept the plan" in format_verify(faster)
+    assert keep("refine", 0.1, "ps", 0.1) == "refine"           # a tie keeps the plan
+    assert timed_median([9.0, 9.0, 1.0, 3.0, 2.0]) == 2.0       # the first two steps are not timed
+    # the best feasible built-in by predicted time; search steps, infinite and unfit ones do not count
+    baselines = {"dp_allreduce": 0.3, "ps": 0.1, "single": None, "partition": 0.2, "mcts": 0.05, "refine": 0.05}
+    assert best_builtin(baselines, {"ps": False}, "refine") == "partition"
+    assert best_builtin(baselines, {}, "saved") == "ps"
+    assert best_builtin(baselines, {}, "ps") is None            # the plan is a built-in: nothing to compare
+    assert best_builtin({"mcts": 0.1}, {}, "mcts") is None
+
+
+def _run_verify(tmp_path, capsys, verify_steps: int, steps: int):
+    """tag-deploy --run --verify of TINY_MLP on two local workers: (report, saved plan, stdout, stderr)."""
+    import tag
+    report, plan_dir = tmp_path / "r.json", tmp_path / "plan"
+    rc, out, err = _run(["--topo", _two_host_topology(tmp_path), "--model", TINY_MLP, "--batch", "12",
+                         "--playouts", "5", "--run", "--verify", "--verify-steps", str(verify_steps),
+                         "--steps", str(steps), "--report", str(report), "--save", str(plan_dir)], capsys)
+    assert rc == 0, err
+    return json.loads(report.read_text()), tag.Plan.load(plan_dir), out, err
+
+
+@pytest.mark.slow
+def test_run_verify_measures_plan_and_best_builtin_on_two_local_workers(tmp_path, capsys):
+    r, plan, out, err = _run_verify(tmp_path, capsys, verify_steps=4, steps=3)
+    v = r["verify"]
+    assert v["plan_ms"] > 0 and v["baseline_ms"] > 0 and v["steps"] == 4 and v["seconds"] > 0
+    assert v["baseline"] in BUILTINS and v["kept"] in (v["plan"], v["baseline"])
+    assert r["method"] == r["strategy"] == v["kept"] and plan.method == v["kept"]
+    assert v["overrode_simulator"] == (v["kept"] == v["baseline"])     # the search predicts the plan faster
+    assert len(r["measured_losses"]) == 3
+    assert sum(line.startswith("tag-deploy: verify: plan ") for line in err.splitlines()) == 1
+    assert "verify               plan " in out
+
+
+@pytest.mark.slow
+def test_run_verify_trains_reports_and_saves_the_baseline_it_kept(tmp_path, capsys, monkeypatch):
+    """The measurement is real; the decision is forced to the baseline to follow that path through."""
+    import tag.verify
+    monkeypatch.setattr(tag.verify, "keep", lambda plan, plan_s, baseline, baseline_s: baseline)
+    r, plan, out, err = _run_verify(tmp_path, capsys, verify_steps=3, steps=2)
+    kept = r["verify"]["kept"]
+    assert kept == r["verify"]["baseline"] != r["verify"]["plan"]
+    assert r["method"] == r["strategy"] == kept
+    assert r["predicted_step_time_s"] == pytest.approx(r["baselines"][kept])
+    assert r["verify"]["plan"] in r["baselines"] and r["search_seconds"] > 0     # the search is still reported
+    assert plan.method == kept and plan.report()["strategy"] == kept
+    assert f"strategy {kept}" in out and f"kept {kept}" in out

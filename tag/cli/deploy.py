@@ -8,6 +8,7 @@ Usage::
     tag-deploy --topo topologies/localhost.pbtxt --model my_step.pb --playouts 200 --run --steps 20
     tag-deploy --topo ... --model ... --strategy dp_allreduce          # predict a built-in, no search
     tag-deploy --topo ... --model ... --strategy-file plan/ --run      # deploy a saved strategy or plan
+    tag-deploy --topo ... --model ... --run --verify     # train the faster of the plan and the best built-in
 
     from tag.cli.deploy import main
     main(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp", "--playouts", "50"])
@@ -30,11 +31,13 @@ computed, through a temporary name, so an error never leaves a half-written file
 ``--run --steps N`` deploys the plan on TensorFlow's distributed runtime (local workers started for a
 loopback topology) beside the dp_allreduce baseline and adds the measured step times to the report;
 progress (step, seconds per step, loss) goes to stderr, a dead worker or an unreachable host is named
-(exit 1), no step blocks past ``--step-timeout``; ``--checkpoint-every K`` / ``--resume`` save and restore
-the plan's variables (``tag.cli.deploy_run``). ``--tensorboard DIR`` writes the rewritten graph for
-TensorBoard's graph view (ops coloured by device) and the predicted step's Chrome trace. A profile that
-serves no device type of the topology is a warning; the table says which profile entry served each
-device type. TensorFlow's own log lines are hidden unless ``--verbose``.
+(exit 1), no step blocks past ``--step-timeout``; ``--checkpoint-every K`` / ``--resume`` save and
+restore the plan's variables (``tag.cli.deploy_run``). ``--run --verify`` first runs the plan and the
+best feasible built-in strategy ``--verify-steps`` steps each (default 6, 2 untimed) on the same cluster
+and trains, reports and saves the one measured faster (report key ``verify``). ``--tensorboard DIR``
+writes the rewritten graph for TensorBoard's graph view (ops coloured by device) and the predicted
+step's Chrome trace. A profile that serves no device type of the topology is a warning; the table says
+which profile entry served each device type. TensorFlow's own log lines are hidden unless ``--verbose``.
 
 Exit codes: 0 success, 2 bad input (one line on stderr; no file written), 1 anything else.
 """
@@ -180,6 +183,20 @@ def _search(args: argparse.Namespace, analysis) -> Any:
         return plan
 
 
+CARRIED_KEYS = ("profile", "profile_use", "predict_seconds", "search_seconds", "evaluations", "search",
+                "strategy_file")
+
+
+def _kept_report(plan_report: dict, kept_report: dict, notes: list[str]) -> dict:
+    """KEPT_REPORT (the built-in --verify kept) with what PLAN_REPORT knew beyond its own strategy: the
+    profile, the search's figures, every strategy compared; NOTES added to its notes."""
+    kept_report.update({k: plan_report[k] for k in CARRIED_KEYS if k in plan_report})
+    for key in ("baselines", "baselines_feasible"):
+        kept_report[key] = {**plan_report[key], **kept_report[key]}
+    kept_report["notes"] = [*kept_report.get("notes", []), *notes]
+    return kept_report
+
+
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     _check_args(args)
@@ -224,8 +241,13 @@ def _body(argv: Sequence[str]) -> int:
         if not report.get("feasible", True):
             raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
                            f"{', '.join(report.get('oom_devices', [])) or 'some device'}); nothing was run")
-        measured, run_metadata = run_plan(args, analysis, name, strategy)
-        report.update(measured)
+        outcome = run_plan(args, analysis, name, strategy, report)
+        if outcome.name != name:        # --verify measured the built-in faster: it is the plan now
+            name, strategy = outcome.name, outcome.strategy
+            plan = plan_for(analysis, strategy, name=name)
+            report = _kept_report(report, plan.report(), [warning] if warning else [])
+        report.update(outcome.fields)
+        run_metadata = outcome.run_metadata
     trace_text = None
     if args.trace:
         trace_text = json.dumps(finite(analysis.simulator().trace(strategy, batch_size=analysis.batch)))

@@ -3,7 +3,7 @@
 Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each stays short:
 
 - ``add_run_arguments``: ``--run --steps N --step-timeout S --checkpoint-every K --checkpoint-dir DIR
-  --resume --tensorboard DIR``;
+  --resume --verify --verify-steps N --tensorboard DIR``;
 - ``check_run_arguments``: their cheap checks, before anything is built (exit 2 on bad input);
 - ``run_plan``: deploys the plan and the dp_allreduce baseline (``measure_strategies``), printing one
   progress line per step on stderr (``tag-deploy: ps: step 3/20  0.412 s/step  loss 2.301``, at most
@@ -11,6 +11,10 @@ Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each s
   worker that dies is named within seconds (exit 1); no step blocks past ``--step-timeout``. With
   ``--checkpoint-every K`` the plan's variables are saved to ``DIR/weights.npz`` every K steps;
   ``--resume`` restores them and continues the step count and the loss curve (``--steps`` is the total).
+  ``--verify`` first runs the plan and the best feasible built-in (by predicted time; ``tag.verify``) for
+  ``--verify-steps`` steps each on the same cluster start, prints one line of both medians, and trains the
+  faster (the report's ``verify`` keys). A searched or saved plan is verified; ``--strategy NAME``, already
+  a built-in, is refused, and so is ``--resume`` (the checkpoint fixes the strategy).
 - ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.tensorboard``).
 
 Example::
@@ -22,12 +26,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tag.errors import TagError
+from tag.verify import VERIFY_STEPS, VERIFY_WARMUP
 
 PROG = "tag-deploy"
 CHECKPOINT_FILE = "weights.npz"
@@ -50,6 +57,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"where checkpoints go and --resume reads them (default ./{DEFAULT_CHECKPOINT_DIR})")
     p.add_argument("--resume", action="store_true",
                    help="--run: continue from the last checkpoint (--steps counts from step 0)")
+    p.add_argument("--verify", action="store_true",
+                   help="--run: first run the plan and the best feasible built-in strategy for --verify-steps "
+                        "steps each and train the one measured faster (not with --strategy NAME)")
+    p.add_argument("--verify-steps", type=int, default=None, metavar="N",
+                   help=f"--verify: steps of each, the first {VERIFY_WARMUP} not timed (default {VERIFY_STEPS})")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write the rewritten graph (ops coloured by device) and the predicted step's trace")
 
@@ -64,9 +76,11 @@ def check_run_arguments(args: argparse.Namespace) -> None:
     if not args.step_timeout > 0:
         raise TagError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout:g}")
     needs_run = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume or None),
-                                ("--checkpoint-dir", args.checkpoint_dir)) if v is not None]
+                                ("--checkpoint-dir", args.checkpoint_dir), ("--verify", args.verify or None))
+                 if v is not None]
     if needs_run and not args.run:
         raise TagError(f"{', '.join(needs_run)} only apply to --run")
+    _check_verify_arguments(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise TagError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
     if args.checkpoint_every is not None:
@@ -82,6 +96,19 @@ def check_run_arguments(args: argparse.Namespace) -> None:
                            f"nothing left to run (--steps is the total; raise it)")
     if args.tensorboard is not None:
         check_writable(args.tensorboard, what="TensorBoard directory", directory=True)
+
+
+def _check_verify_arguments(args: argparse.Namespace) -> None:
+    if args.verify_steps is not None and not args.verify:
+        raise TagError("--verify-steps only applies to --verify")
+    if args.verify_steps is not None and args.verify_steps <= VERIFY_WARMUP:
+        raise TagError(f"--verify-steps must be over {VERIFY_WARMUP} (the first {VERIFY_WARMUP} are not timed), "
+                       f"got {args.verify_steps}")
+    if args.verify and args.strategy is not None:
+        raise TagError(f"--verify compares a searched or saved plan with the best built-in; --strategy "
+                       f"{args.strategy} already is a built-in (leave out --verify, or --strategy to search)")
+    if args.verify and args.resume:
+        raise TagError("--verify and --resume exclude each other: the checkpoint fixes the strategy")
 
 
 def _checkpoint_meta(args: argparse.Namespace, analysis: Any, name: str) -> dict[str, Any]:
@@ -123,38 +150,83 @@ class ProgressPrinter:
         print(line, file=self.stream or sys.stderr, flush=True)
 
 
-def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any) -> tuple[dict[str, Any], Any]:
-    """Deploy strategy NAME and the dp_allreduce baseline; (the report's measured_* keys, the plan's
-    RunMetadata of one traced step or None)."""
+@dataclass
+class RunOutcome:
+    """What ``run_plan`` did: the report's keys (``measured_*``, and ``verify``), the strategy trained (NAME,
+    STRATEGY: the plan's, or the baseline that ``--verify`` measured faster), a traced step's RunMetadata."""
+
+    fields: dict[str, Any]
+    name: str
+    strategy: Any
+    run_metadata: Any = None
+
+
+def _control(args: argparse.Namespace, **kw: Any) -> Any:
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.runtime.measure import measure_strategies
+    return RunControl(step_timeout_s=args.step_timeout, setup_timeout_s=max(args.step_timeout, 120.0), **kw)
+
+
+def _verified(args: argparse.Namespace, analysis: Any, measure: Any, name: str, strategy: Any,
+              report: dict[str, Any], printer: ProgressPrinter) -> tuple[str, Any, dict[str, Any]]:
+    """``--verify``: run NAME and the best feasible built-in for --verify-steps steps each; (the name and
+    strategy to train, the report's keys: ``verify``, or none when there is nothing to compare)."""
+    from tag.report import format_verify
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    from tag.verify import best_builtin, timed_median, verify_fields
+    rival = best_builtin(report.get("baselines") or {}, report.get("baselines_feasible") or {}, name)
+    if rival is None:
+        why = f"the plan is the built-in {name}" if name in BUILTIN_STRATEGIES else "no built-in fits in memory"
+        print(f"{PROG}: verify: nothing to compare: {why}", file=sys.stderr, flush=True)
+        return name, strategy, {}
+    rival_strategy, steps, t0 = analysis.builtin(rival), args.verify_steps or VERIFY_STEPS, time.perf_counter()
+    runs = measure({name: strategy, rival: rival_strategy}, steps=steps, warmup=VERIFY_WARMUP,
+                   controls={name: _control(args), rival: _control(args)},
+                   progress=lambda n, ev: printer(f"verify {n}", ev))
+    fields = verify_fields(name, timed_median(runs[name].step_times, runs[name].warmup),
+                           rival, timed_median(runs[rival].step_times, runs[rival].warmup), steps=steps,
+                           predicted={name: report["predicted_step_time_s"], rival: report["baselines"][rival]},
+                           seconds=time.perf_counter() - t0)
+    print(f"{PROG}: verify: {format_verify(fields)}", file=sys.stderr, flush=True)
+    if fields["kept"] == rival:
+        name, strategy = rival, rival_strategy
+    return name, strategy, {"verify": fields}
+
+
+def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, report: dict[str, Any]) -> RunOutcome:
+    """Deploy strategy NAME (predicted in REPORT) and the dp_allreduce baseline on one cluster start, after
+    ``--verify`` has measured NAME against the best feasible built-in and kept the faster."""
+    from tag.backend.runtime.guard import RunEvent
+    from tag.backend.runtime.measure import measure_strategies, open_cluster
     from tag.report import measured_fields
 
     if args.resume:
         _check_resume_matches(args, analysis, name)
-    wanted = {name: strategy}
-    wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
-    control = RunControl(step_timeout_s=args.step_timeout, setup_timeout_s=max(args.step_timeout, 120.0),
-                         checkpoint_every=args.checkpoint_every or 0,
-                         checkpoint_path=checkpoint_path(args) if args.checkpoint_every else None,
-                         checkpoint_meta=_checkpoint_meta(args, analysis, name),
-                         resume_from=checkpoint_path(args) if args.resume else None,
-                         trace_step=TRACED_STEP if args.tensorboard else None)
-    if args.checkpoint_every:
-        os.makedirs(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, exist_ok=True)
-    steps_of = {n: min(args.steps, BASELINE_MAX_STEPS) for n in wanted if n != name}
-    entry = analysis.entry
-    runs = measure_strategies(analysis.graph_def, analysis.graph, analysis.topology, wanted,
-                              batch_size=analysis.batch, steps=args.steps, warmup=min(3, args.steps - 1),
-                              train_op=entry.train_op, loss=entry.loss, init=entry.init,
-                              controls={name: control}, progress=ProgressPrinter(), steps_of=steps_of)
+    printer, entry, fields = ProgressPrinter(), analysis.entry, {}
+    with open_cluster(analysis.topology, say=lambda text: printer(name, RunEvent("phase", text))) as cluster:
+        measure = functools.partial(measure_strategies, analysis.graph_def, analysis.graph, analysis.topology,
+                                    batch_size=analysis.batch, train_op=entry.train_op, loss=entry.loss,
+                                    init=entry.init, cluster=cluster)
+        if args.verify:
+            name, strategy, fields = _verified(args, analysis, measure, name, strategy, report, printer)
+        wanted = {name: strategy}
+        wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
+        control = _control(args, checkpoint_every=args.checkpoint_every or 0,
+                           checkpoint_path=checkpoint_path(args) if args.checkpoint_every else None,
+                           checkpoint_meta=_checkpoint_meta(args, analysis, name),
+                           resume_from=checkpoint_path(args) if args.resume else None,
+                           trace_step=TRACED_STEP if args.tensorboard else None)
+        if args.checkpoint_every:
+            os.makedirs(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, exist_ok=True)
+        steps_of = {n: min(args.steps, BASELINE_MAX_STEPS) for n in wanted if n != name}
+        runs = measure(wanted, steps=args.steps, warmup=min(3, args.steps - 1), controls={name: control},
+                       progress=printer, steps_of=steps_of)
     mine, base = runs[name], runs["dp_allreduce"]
-    fields = measured_fields(mine, base, len(mine.step_times), mine.warmup)
+    fields.update(measured_fields(mine, base, len(mine.step_times), mine.warmup))
     fields["measured_start_step"] = mine.start_step
     fields["measured_baseline_steps"] = len(base.step_times)
     if args.checkpoint_every:
         fields["checkpoint"] = checkpoint_path(args)
-    return fields, mine.run_metadata
+    return RunOutcome(fields, name, strategy, mine.run_metadata)
 
 
 def write_tensorboard_dir(args: argparse.Namespace, analysis: Any, strategy: Any, graph_def: Any,

@@ -18,7 +18,8 @@ One module per concern:
 - ``guard``: deadlines and a watchdog around every blocking call, progress events (``RunControl``);
 - ``health``: are remote hosts answering (before a run, and as its watchdog);
 - ``checkpoint``: variable values as a plain ``.npz``, saved every K steps and restored to resume;
-- ``measure``: rewrite and time strategies on a topology's cluster (``tag-deploy --run``).
+- ``measure``: rewrite and time strategies on a topology's cluster, one start for several measurements
+  (``open_cluster``; ``tag-deploy --run``).
 
 Example::
 
@@ -47,13 +48,13 @@ from tag.backend.runtime.health import HostProbe, wait_for_hosts
 from tag.backend.runtime.inputs import random_input
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.runtime.local_cluster import LocalCluster
-from tag.backend.runtime.measure import measure_strategies
+from tag.backend.runtime.measure import Cluster, measure_strategies, open_cluster
 from tag.backend.runtime.ports import free_ports, is_loopback, port_bindable, port_listening
 from tag.backend.runtime.server import READY_WORD, serve
 from tag.backend.runtime.steps import RunResult, run_steps
 
-__all__ = ["COLLECTIVE_LEADER", "JOB", "READY_WORD", "Checkpointer", "ClusterError", "HostProbe", "LiveRegistry",
-           "LocalCluster", "RunControl", "RunEvent", "RunResult", "guarded", "read_checkpoint_meta", "wait_for_hosts",
-           "cluster_dict", "cluster_spec_from", "free_ports", "fresh_collective_keys", "host_has_gpu", "is_loopback",
-           "measure_strategies", "port_bindable", "port_listening", "random_input", "run_steps", "serve",
-           "session_config", "tf_config_task"]
+__all__ = ["COLLECTIVE_LEADER", "JOB", "READY_WORD", "Checkpointer", "Cluster", "ClusterError", "HostProbe",
+           "LiveRegistry", "LocalCluster", "RunControl", "RunEvent", "RunResult", "guarded", "read_checkpoint_meta",
+           "wait_for_hosts", "cluster_dict", "cluster_spec_from", "free_ports", "fresh_collective_keys",
+           "host_has_gpu", "is_loopback", "measure_strategies", "open_cluster", "port_bindable", "port_listening",
+           "random_input", "run_steps", "serve", "session_config", "tf_config_task"]

@@ -14,11 +14,16 @@ Example::
     runs = measure_strategies(graph_def, training_graph, topology, {"dp_allreduce": dp},
                               batch_size=64, steps=20, warmup=3)
     runs["dp_allreduce"].mean_step_time_s
+
+    with open_cluster(topology) as cluster:       # several measurements on one cluster start
+        first = measure_strategies(..., cluster=cluster)
+        then = measure_strategies(..., cluster=cluster)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from tag.backend.runtime.guard import RunControl, RunEvent
 from tag.backend.runtime.health import HOST_TIMEOUT_S, HostProbe, wait_for_hosts
@@ -32,6 +37,35 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.strategy.types import Strategy
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A cluster ready for runs: its session target and the watchdog naming a dead worker or host."""
+
+    target: str
+    watchdog: Callable[[], str | None]
+
+
+@contextlib.contextmanager
+def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = None,
+                 host_timeout_s: float = HOST_TIMEOUT_S) -> Iterator[Cluster]:
+    """TOPOLOGY's cluster for the ``with`` block: local workers started (and stopped) for a loopback
+    topology, else remote hosts that must all answer within HOST_TIMEOUT_S. SAY(text) hears what it does."""
+    say = say or (lambda text: None)
+    if all(is_loopback(h.address) for h in topology.hosts):
+        say(f"starting {len(topology.hosts)} local TF workers")
+        with LocalCluster(topology) as local:
+            yield Cluster(local.target, local.dead_worker)
+        return
+    say(f"checking that the {len(topology.hosts)} hosts answer")
+    wait_for_hosts(topology.hosts, timeout_s=host_timeout_s)
+    first = min(topology.hosts, key=lambda h: h.task_index)
+    probe = HostProbe(topology.hosts)
+    try:
+        yield Cluster(f"grpc://{first.address}:{first.port}", probe.dead_host)
+    finally:
+        probe.stop()
+
+
 def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topology",
                        strategies: Mapping[str, "Strategy"], *, batch_size: int, steps: int,
                        warmup: int, train_op: str = "train_op", loss: str | None = "loss",
@@ -39,7 +73,8 @@ def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topolo
                        controls: Mapping[str, RunControl] | None = None,
                        progress: Callable[[str, RunEvent], None] | None = None,
                        steps_of: Mapping[str, int] | None = None,
-                       host_timeout_s: float = HOST_TIMEOUT_S) -> dict[str, RunResult]:
+                       host_timeout_s: float = HOST_TIMEOUT_S,
+                       cluster: Cluster | None = None) -> dict[str, RunResult]:
     """{name: RunResult} for each strategy of STRATEGIES, in order, all on one cluster of TOPOLOGY.
 
     ``train_op`` / ``loss`` / ``init`` name GRAPH_DEF's entry points (``tag.frontend.entry_points``
@@ -47,37 +82,30 @@ def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topolo
     resume) of that strategy's run; its watchdog is set here (the local workers' processes, or a
     ``HostProbe`` of remote hosts). PROGRESS(name, RunEvent) sees every phase and step. Remote hosts
     must all answer within HOST_TIMEOUT_S before anything runs (``wait_for_hosts``). STEPS_OF: name ->
-its own number of steps (default STEPS; warm-up is cut to fit)."""
+    its own number of steps (default STEPS; warm-up is cut to fit). CLUSTER: one already opened
+    (``open_cluster``) instead of a cluster started for this call."""
     from tag.backend.rewrite import rewrite
 
     def say(name: str, text: str) -> None:
         if progress is not None:
             progress(name, RunEvent("phase", text))
 
-    def measure_all(target: str, watchdog: Callable[[], str | None]) -> dict[str, RunResult]:
+    def measure_all(on: Cluster) -> dict[str, RunResult]:
         out = {}
         for name, strategy in strategies.items():
             say(name, "rewriting the graph")
             plan = rewrite(graph_def, graph, strategy, topology, batch_size=batch_size, train_op=train_op, loss=loss,
                            init=init)
-            ctl = dataclasses.replace((controls or {}).get(name) or RunControl(), watchdog=watchdog)
+            ctl = dataclasses.replace((controls or {}).get(name) or RunControl(), watchdog=on.watchdog)
             if progress is not None:
                 ctl.progress = (lambda n: (lambda ev: progress(n, ev)))(name)
             n = int((steps_of or {}).get(name, steps))
-            out[name] = run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
-                                  steps=n, warmup=min(warmup, n - 1), synthetic=True, control=ctl)
+            out[name] = run_steps(plan.graph_def, on.target, train_op=plan.train_op, loss=plan.loss,
+                                  init=plan.init, steps=n, warmup=min(warmup, n - 1), synthetic=True, control=ctl)
         return out
 
+    if cluster is not None:
+        return measure_all(cluster)
     first_name = next(iter(strategies), "")
-    if all(is_loopback(h.address) for h in topology.hosts):
-        say(first_name, f"starting {len(topology.hosts)} local TF workers")
-        with LocalCluster(topology) as cluster:
-            return measure_all(cluster.target, cluster.dead_worker)
-    say(first_name, f"checking that the {len(topology.hosts)} hosts answer")
-    wait_for_hosts(topology.hosts, timeout_s=host_timeout_s)
-    first = min(topology.hosts, key=lambda h: h.task_index)
-    probe = HostProbe(topology.hosts)
-    try:
-        return measure_all(f"grpc://{first.address}:{first.port}", probe.dead_host)
-    finally:
-        probe.stop()
+    with open_cluster(topology, say=lambda text: say(first_name, text), host_timeout_s=host_timeout_s) as opened:
+        return measure_all(opened)
