@@ -7,9 +7,12 @@ HTB-shaped links with one shared egress per NIC, CFS CPU quotas per host; ``tag.
   tf_keras architecture, global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker
   per host in its namespace with ``TF_CONFIG``; ``tag.backend.mwms``);
 - ``dp``: tag's ``dp_allreduce`` (``tag.rewrite``) run with ``run_steps`` on TF servers in the namespaces;
-- ``plan``: the plan ``tag.optimize`` returns for the testbed topology, with a profile calibrated here
-  (``tag-profile`` on one core, ``profile_network``) whose per-host device speeds are the calibrated
-  single-core peak times the host's CPU quota (one device type per quota), and its predicted step time.
+- ``plan``: the plan ``tag.optimize`` returns for the testbed topology, and its predicted step time. The
+  topology and profile come from ``scripts/testbed_recipe.json`` (``_testbed_cases.py``): each quota is
+  profiled by ``tag-profile --sustained`` inside a cgroup of that quota (one device type per quota), plus
+  the runtime's network costs (``profile_network``);
+- the measured guard: ``tag.verify_plan`` runs the plan and the best feasible built-in ``--guard-steps``
+  steps each and keeps the faster; the row says whether it overrode the simulator and what it cost.
 
 Each time is the median of the steps after warm-up; every worker runs one intra-op thread. The machine
 is shared, so the 1-minute load average is printed beside each row: compare the columns of a row (run
@@ -20,13 +23,13 @@ Usage::
     python scripts/bench_e2e.py                  # 3 models x 2 configurations
     python scripts/bench_e2e.py --quick          # the MLP on configuration A
     python scripts/bench_e2e.py --json e2e.json  # {"rows", "geomean_speedup_vs_mwms", "worst_speedup_vs_mwms",
-                                                 #  "dp_over_mwms"}
-    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
+                                                 #  "dp_over_mwms", "guard_overrides", "guard_mean_seconds"}
+                                                 # and the profile used in e2e.profile.json
+    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile.json, ...
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -44,63 +47,12 @@ import tag  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
-from tag.cluster.topology import parse_topology  # noqa: E402
-from tag.cost.calibration import profile_network  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
+from _testbed_cases import calibrate_testbed, load_recipe, testbed_topology  # noqa: E402
 
 # (model, global batch): divisible by 3 hosts, as MWMS needs
 CASES = [("mlp", 96), ("cnn", 48), ("transformer", 48)]
-# name -> (CPU quota per host in cores, link bandwidths in Gbit/s: (h0-h1, h0-h2, h1-h2))
-CONFIGS = {
-    "A": ((1.0, 0.5, 0.25), (1.0, 0.2, 0.2)),
-    "B": ((1.0, 0.25, 0.25), (0.3, 0.3, 0.3)),
-}
-CALIBRATION_MODEL = "zoo:mlp,hidden=512x1024x1536x768"
 MWMS_PORT = 24600
-
-
-def device_type(quota: float) -> str:
-    return f"CPUq{int(round(quota * 100))}"
-
-
-def topology_text(name: str, quotas, links, peak_flops: float) -> str:
-    """Three one-CPU hosts; each device's peak is the calibrated one-core peak times the host's quota."""
-    hosts = "\n".join(
-        f'host {{ name: "h{i}" address: "127.0.0.1" port: {24461 + i}\n'
-        f'  device {{ type: "{device_type(q)}" kind: CPU count: 1 memory_gib: 4 '
-        f'peak_tflops: {peak_flops * q / 1e12:.6g} memory_bandwidth_gbs: {10 * q:.3g} }} }}'
-        for i, q in enumerate(quotas))
-    pairs = [("h0", "h1"), ("h0", "h2"), ("h1", "h2")]
-    text = "\n".join(f'link {{ a: "{a}" b: "{b}" bandwidth_gbps: {bw} latency_us: 50 }}'
-                     for (a, b), bw in zip(pairs, links))
-    return f'name: "testbed-{name}"\n{hosts}\n{text}\n'
-
-
-def calibrate(workdir: str) -> Profile:
-    """One core's profile (tag-profile pinned to core 0) and the runtime's network costs."""
-    out = os.path.join(workdir, "profile.json")
-    cmd = [sys.executable, "-m", "tag.cli.profile", "--model", CALIBRATION_MODEL, "--batch", "64",
-           "--steps", "20", "--out", out]
-    if os.path.exists("/usr/bin/taskset"):
-        cmd = ["taskset", "-c", "0"] + cmd
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-    profile = Profile.load(out)
-    profile.network = profile_network(steps=30)
-    d = profile.devices["CPU"]
-    print(f"calibration (one core): peak {d.peak_flops / 1e9:.1f} GFLOP/s, launch {d.launch_overhead_s * 1e6:.0f} us; "
-          f"runtime step overhead {profile.network.step_overhead_s * 1e3:.2f} ms", flush=True)
-    return profile
-
-
-def quota_profile(profile: Profile, quotas) -> Profile:
-    """PROFILE with one device type per quota: peak and memory bandwidth scaled by it, launches slowed by it."""
-    cpu = profile.devices["CPU"]
-    devices = dict(profile.devices)
-    for q in quotas:
-        devices[device_type(q)] = dataclasses.replace(
-            cpu, peak_flops=cpu.peak_flops * q, memory_bandwidth=cpu.memory_bandwidth * q,
-            launch_overhead_s=None if cpu.launch_overhead_s is None else cpu.launch_overhead_s / q)
-    return dataclasses.replace(profile, devices=devices)
 
 
 def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int) -> float:
@@ -135,10 +87,10 @@ def run_tag(tb: Testbed, gd, res_or_plan, steps: int, warmup: int) -> float:
     return float(np.median(r.step_times[warmup:]))
 
 
-def run_case(tb: Testbed, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
-             budget_s: float) -> dict:
-    """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB."""
-    quotas, links = CONFIGS[name]
+def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
+             budget_s: float, guard_steps: int) -> dict:
+    """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB, and what the
+    measured guard (``tag.verify_plan``) would keep."""
     gd = tf1_graph(model, batch)
     plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
     dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
@@ -146,37 +98,44 @@ def run_case(tb: Testbed, name: str, model: str, batch: int, profile: Profile, s
     try:
         dp = run_tag(tb, gd, dp_res, steps, warmup)
         planned = run_tag(tb, gd, plan, steps, warmup)
+        t0 = time.perf_counter()
+        guarded = tag.verify_plan(plan, tb.target, steps=guard_steps)
+        guard_s = time.perf_counter() - t0
     finally:
         tb.stop_workers()
     mwms = run_mwms(tb, model, batch, steps, warmup)
-    row = {"config": name, "model": model, "batch": batch, "quotas": list(quotas), "links_gbps": list(links),
+    overrode = guarded is not plan
+    row = {"config": name, "model": model, "batch": batch, "quotas": list(cfg["quotas"]),
+           "links_gbps": list(cfg["links_gbps"]),
            "mwms_s": mwms, "dp_s": dp, "plan_s": planned, "plan_method": plan.method,
            "plan_device_groups": sorted({int(d) for a in plan.strategy.actions for d in a.placement}),
            "predicted_plan_s": plan.predicted_step_time, "predicted_dp_s": plan.baselines.get("dp_allreduce"),
-           "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms, "load1": os.getloadavg()[0]}
+           "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms,
+           "guard_kept": guarded.method if overrode else plan.method, "guard_overrode": overrode,
+           "guard_seconds": guard_s, "guard_note": guarded.notes[-1] if guarded.notes else "",
+           "load1": os.getloadavg()[0]}
     print(f"{name:<3} {model:<12} {batch:>4}  mwms {mwms * 1e3:8.1f} ms  dp {dp * 1e3:8.1f} ms  "
           f"plan {planned * 1e3:8.1f} ms (pred {plan.predicted_step_time * 1e3:7.1f}, {plan.method})  "
-          f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  load {row['load1']:.1f}",
-          flush=True)
+          f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  "
+          f"guard {'overrode: ' + row['guard_kept'] if overrode else 'kept the plan'} ({guard_s:.0f} s)  "
+          f"load {row['load1']:.1f}", flush=True)
     return row
 
 
-def run_config(name: str, base: Profile, cases, steps: int, warmup: int, budget_s: float,
-               out_dir: str | None = None) -> list[dict]:
-    quotas, links = CONFIGS[name]
-    profile = quota_profile(base, quotas)
-    text = topology_text(name, quotas, links, base.devices["CPU"].peak_flops)
-    topo = parse_topology(text, path=f"<testbed {name}>")
-    if out_dir:   # the testbed's topology and calibrated profile, for tag-deploy / tag.optimize by hand
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"testbed-{name}.pbtxt"), "w") as f:
+def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[dict]:
+    cfg = recipe["configs"][name]
+    text, topo = testbed_topology(recipe, name, profile)
+    if args.out_dir:   # the testbed's topology and calibrated profile, for tag-deploy / tag.optimize by hand
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, f"testbed-{name}.pbtxt"), "w") as f:
             f.write(text)
-        profile.save(os.path.join(out_dir, f"profile-{name}.json"))
+        profile.save(os.path.join(args.out_dir, "profile.json"))
     rows = []
-    with Testbed(topo, cpu_quota=quotas) as tb:
+    with Testbed(topo, cpu_quota=cfg["quotas"]) as tb:
         for model, batch in cases:
             try:
-                row = run_case(tb, name, model, batch, profile, steps, warmup, budget_s)
+                row = run_case(tb, cfg, name, model, batch, profile, args.steps, args.warmup, args.budget,
+                               args.guard_steps)
             except Exception as err:  # noqa: BLE001 - report the case and go on with the others
                 tb.stop_workers()
                 print(f"{name:<3} {model:<12} {batch:>4}  FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
@@ -195,39 +154,46 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
+    p.add_argument("--guard-steps", type=int, default=6, help="steps per strategy of the measured guard")
     p.add_argument("--models", help="comma-separated subset of " + ",".join(m for m, _ in CASES))
-    p.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
-    p.add_argument("--json", help="write the rows and summary figures to this file")
-    p.add_argument("--out-dir", help="write each configuration's topology (device peaks: the calibrated one-core "
-                                     "peak times the quota) and profile here")
+    p.add_argument("--configs", help="comma-separated subset of the recipe's configurations")
+    p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
+    p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
+    p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
     args = p.parse_args(argv)
     from _common import testbed_missing
     if testbed_missing("bench_e2e"):
         return 2
+    recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
     cases = CASES[:1] if args.quick else CASES
-    configs = ["A"] if args.quick else list(CONFIGS)
+    configs = ["A"] if args.quick else list(recipe["configs"])
     if args.models:
         cases = [c for c in CASES if c[0] in args.models.split(",")]
     if args.configs:
-        configs = [c for c in CONFIGS if c in args.configs.split(",")]
+        configs = [c for c in recipe["configs"] if c in args.configs.split(",")]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as workdir:
-        base = calibrate(workdir)
+        profile = calibrate_testbed(recipe, workdir, configs)
+    if args.json:
+        profile.save(os.path.splitext(args.json)[0] + ".profile.json")
     rows = []
     for name in configs:
-        rows += run_config(name, base, cases, args.steps, args.warmup, args.budget, args.out_dir)
+        rows += run_config(recipe, name, profile, cases, args)
     if not rows:
         print("bench_e2e: no case ran", file=sys.stderr)
         return 1
     g = geomean([r["speedup_vs_mwms"] for r in rows])
     w = min(r["speedup_vs_mwms"] for r in rows)
     dpm = geomean([r["dp_over_mwms"] for r in rows])
+    overrides = sum(r["guard_overrode"] for r in rows)
+    guard_s = float(np.mean([r["guard_seconds"] for r in rows]))
     print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: geomean speedup vs MWMS {g:.2f}x (target >= 1.5), "
-          f"worst {w:.2f}x (>= 0.95), tag dp / MWMS {dpm:.2f} (<= 1.1)")
+          f"worst {w:.2f}x (>= 0.95), tag dp / MWMS {dpm:.2f} (<= 1.1); the guard overrode the simulator in "
+          f"{overrides} of {len(rows)} cases, {guard_s:.1f} s per case")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "geomean_speedup_vs_mwms": g, "worst_speedup_vs_mwms": w, "dp_over_mwms": dpm},
-                      f, indent=2)
+            json.dump({"rows": rows, "geomean_speedup_vs_mwms": g, "worst_speedup_vs_mwms": w, "dp_over_mwms": dpm,
+                       "guard_overrides": overrides, "guard_mean_seconds": guard_s}, f, indent=2)
     return 0
 
 

@@ -71,10 +71,13 @@ def _best_feasible(p):
 def test_optimize_is_never_slower_than_a_feasible_baseline(plan):
     r = plan.report()
     assert BUILTINS | {"best_uniform", "mcts"} <= set(plan.baselines)
-    for name, t in plan.baselines.items():
+    from tag.search.driver import DEFAULT_MIN_GAIN
+    for name, t in plan.baselines.items():     # searched strategies replace a built-in only by a margin
         if r["baselines_feasible"][name]:
-            assert plan.predicted_step_time <= t * (1 + 1e-9), name
-    assert plan.predicted_step_time == pytest.approx(_best_feasible(plan))
+            slack = 1e-9 if name in BUILTINS else DEFAULT_MIN_GAIN + 1e-9
+            assert plan.predicted_step_time <= t * (1 + slack), name
+    builtins = [t for n, t in r["baselines"].items() if n in BUILTINS and r["baselines_feasible"][n]]
+    assert plan.predicted_step_time in (pytest.approx(_best_feasible(plan)), pytest.approx(min(builtins)))
     assert plan.batch_size == BATCH and plan.topology == "localhost"
     names = {n.name for n in plan.graph_def.node}
     assert {plan.train_op, plan.loss, plan.init} <= names

@@ -210,3 +210,43 @@ def test_profile_network_measures_the_runtime_between_two_workers():
     assert 0 < net.step_overhead_s < 1.0
     assert net.transfer_latency_s >= 0
     assert 1e6 < net.transfer_bytes_per_s < 1e12
+
+
+def test_sustained_step_is_recorded_and_round_trips(mlp, tmp_path):
+    gd, tg = mlp
+    prof = profile_graph(gd, tg, steps=2, model=MLP_SPEC, sustain_s=0.3)
+    entry = prof.devices["CPU"]
+    assert entry.sustained_step_s is not None and 0 < entry.sustained_step_s < 5.0
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    assert Profile.load(str(path)).devices["CPU"].sustained_step_s == pytest.approx(entry.sustained_step_s)
+
+
+def test_profile_like_scales_the_base_entry_by_the_ratio_of_sustained_steps(mlp):
+    """A base whose recorded sustained step is twice this machine's: the new device is twice as fast."""
+    import dataclasses
+    from tag.cost.calibration import measure_sustained_step, profile_like
+    from tag.cost.model import DeviceProfile
+    gd, tg = mlp
+    here = measure_sustained_step(gd, tg, seconds=0.5)
+    base = Profile({"FULL": DeviceProfile(1e10, 5e9, 1e-5, {"MatMul": 0.5}, sustained_step_s=2 * here)}, "base")
+    like = profile_like(base, gd, tg, device_type="HALF", sustain_s=0.5)
+    d = like.devices["HALF"]
+    share = 2 * here / d.sustained_step_s
+    assert 1.2 < share < 3.5          # about 2 (the two timings are separate runs on a shared machine)
+    assert d.peak_flops == pytest.approx(1e10 * share) and d.memory_bandwidth == pytest.approx(5e9 * share)
+    assert d.launch_overhead_s == pytest.approx(1e-5 / share) and d.efficiency == {"MatMul": 0.5}
+    without = Profile({"FULL": dataclasses.replace(base.devices["FULL"], sustained_step_s=None)}, "base")
+    with pytest.raises(TagError, match="no sustained step"):
+        profile_like(without, gd, tg, device_type="HALF", sustain_s=0.1)
+
+
+def test_cli_like_needs_a_base_with_a_sustained_step(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    Profile.from_dict({"version": 1, "devices": {"CPU": {"peak_flops": 1e10, "memory_bandwidth": 1e9}}}).save(str(base))
+    out = tmp_path / "like.json"
+    rc = main(["--model", MLP_SPEC, "--batch", "8", "--like", str(base), "--device-type", "Q", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "no sustained step" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+    assert main(["--model", MLP_SPEC, "--sustained", "-1", "--out", str(out)]) == 2

@@ -154,7 +154,7 @@ def test_refine_never_gets_worse_and_reaches_a_local_optimum():
 
 def test_search_is_never_slower_than_the_best_feasible_builtin():
     env = _env()
-    found = search(env, playouts=50, seed=0)
+    found = search(env, playouts=50, seed=0, min_gain=0.0)
     feasible = [t for n, t in found.baselines.items() if found.baselines_feasible[n]]
     assert found.outcome.feasible
     assert found.step_time <= min(feasible) * (1 + 1e-9)
@@ -167,3 +167,19 @@ def test_search_on_one_device_returns_the_best_builtin_and_says_so():
     found = search(env, playouts=20, seed=0)
     assert found.method in env.builtin_results
     assert found.notes and "built-in" in found.notes[0]
+
+
+def test_a_searched_strategy_must_beat_the_best_builtin_by_the_margin():
+    """With min_gain 0 the search keeps the fastest predicted; with a margin larger than its predicted gain
+    over the best built-in, the built-in is the answer and the notes say why."""
+    env = _env(batch=512)
+    free = search(env, playouts=50, seed=0, min_gain=0.0)
+    builtins = {n: env.builtin_results[n].step_time for n in env.builtin_results if free.baselines_feasible[n]}
+    best = min(builtins, key=builtins.get)
+    assert free.method not in env.builtin_results          # this case has a mixed strategy that wins
+    gain = builtins[best] / free.step_time - 1.0
+    assert gain > 0
+    held = search(env, playouts=50, seed=0, min_gain=gain + 0.01)
+    assert held.method == best and held.step_time == pytest.approx(builtins[best])
+    assert any("margin" in n for n in held.notes)
+    assert search(env, playouts=50, seed=0, min_gain=gain / 2).method == free.method

@@ -70,22 +70,25 @@ def _encoder_layer(k: Any, x: Any, d_model: int, heads: int, d_ff: int) -> Any:
     return L.LayerNormalization(epsilon=1e-6)(L.Add()([x, ff]))
 
 
-def keras_model(name: str, k: Any, inputs: Any = None) -> Any:
-    """Model NAME built with the tf_keras module K (logits, NUM_CLASSES wide); INPUTS: a tensor to build on."""
+def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None) -> Any:
+    """Model NAME built with the tf_keras module K (logits, NUM_CLASSES wide); INPUTS: a tensor to build on.
+    WIDTH (default: the models above) sets the MLP's first layer (the others half of it), the CNN's first
+    stage's channels (then 2x and 4x) or the transformer's d_model: calibration graphs of the same families."""
     shape, dtype = input_spec(name)
     x0 = k.Input(shape=shape, dtype=dtype) if inputs is None else k.Input(tensor=inputs)
     L = k.layers
     if name == "mlp":
         x = x0
-        for units in (2048, 2048, 1024):
+        for units in ((2048, 2048, 1024) if width is None else (width, width, width // 2)):
             x = L.Dense(units, activation="relu")(x)
     elif name == "cnn":
-        x = L.Conv2D(16, 3, padding="same", activation="relu")(x0)
-        for channels, stride in ((16, 1), (32, 2), (64, 2)):
+        c = 16 if width is None else width
+        x = L.Conv2D(c, 3, padding="same", activation="relu")(x0)
+        for channels, stride in ((c, 1), (2 * c, 2), (4 * c, 2)):
             x = _residual(k, x, channels, stride)
         x = L.GlobalAveragePooling2D()(x)
     else:
-        d_model = 128
+        d_model = 128 if width is None else width
         x = L.Embedding(VOCAB, d_model)(x0)
         for _ in range(2):
             x = _encoder_layer(k, x, d_model, 4, 4 * d_model)
@@ -93,8 +96,9 @@ def keras_model(name: str, k: Any, inputs: Any = None) -> Any:
     return k.Model(x0, L.Dense(NUM_CLASSES)(x))
 
 
-def tf1_graph(name: str, batch: int, seed: int = 0) -> Any:
-    """The TF1 training step of model NAME at global batch BATCH (GraphDef; see the module docstring)."""
+def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None) -> Any:
+    """The TF1 training step of model NAME at global batch BATCH (GraphDef; see the module docstring);
+    WIDTH: ``keras_model``'s."""
     import tensorflow as tf
     import tf_keras
     v1 = tf.compat.v1
@@ -104,7 +108,7 @@ def tf1_graph(name: str, batch: int, seed: int = 0) -> Any:
         v1.set_random_seed(seed)
         x = v1.placeholder(dtype, [batch, *shape], name="input")
         labels = v1.placeholder(tf.int32, [batch], name="labels")
-        logits = keras_model(name, tf_keras, inputs=x).output
+        logits = keras_model(name, tf_keras, inputs=x, width=width).output
         loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                                                          logits=logits)), name="loss")
         v1.train.AdamOptimizer(LEARNING_RATE, epsilon=1e-7).minimize(loss, name="train_op")

@@ -10,6 +10,8 @@ Usage::
     tag-profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
     tag-profile --model zoo:mlp                         # writes default_profile_path()
     tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
+    tag-profile --model zoo:mlp --sustained 4 --out full.json              # + the mean step over 4 s
+    tag-profile --model zoo:mlp --like full.json --device-type CPUq50      # the same device, time-sliced
     tag-profile --merge v100.json gtx1080ti.json --out lab.json   # device types of a mixed cluster in one file
 
     from tag.cli.profile import main
@@ -36,13 +38,21 @@ PROG = "tag-profile"
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG,
                                 description="Profile a training step on this machine and write a cost profile.")
-    p.add_argument("--model", default=None, help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef")
+    p.add_argument("--model", default=None, nargs="+", metavar="SPEC",
+                   help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef; several are fitted together "
+                        "(with --like and --sustained, the first one is timed)")
     p.add_argument("--merge", nargs="+", default=None, metavar="P.json",
                    help="instead of profiling: merge profiles of different device types into --out")
     p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     p.add_argument("--steps", type=int, default=10, help="traced steps (default 10)")
     p.add_argument("--device-type", default="CPU", help="device type the profile describes (default CPU)")
     p.add_argument("--out", default=None, help=f"output JSON (default: ${PROFILE_ENV} or the user cache)")
+    p.add_argument("--sustained", type=float, default=None, metavar="S",
+                   help="also time S seconds of steps back to back and record the mean step (what --like scales "
+                        "from; default: off, 4 with --like)")
+    p.add_argument("--like", default=None, metavar="BASE.json",
+                   help="a device that runs BASE's kernels at another speed (a CPU quota, a shared GPU): time the "
+                        "model's sustained step here and scale BASE's one device entry (profiled with --sustained)")
     p.add_argument("--network", action="store_true",
                    help="also measure TF's distributed runtime between two local one-thread workers "
                         "(step overhead, transfer latency and throughput)")
@@ -92,17 +102,32 @@ def _body(argv: Sequence[str]) -> int:
         raise TagError(f"--batch must be positive, got {args.batch}")
     if args.steps < 1:
         raise TagError(f"--steps must be positive, got {args.steps}")
+    if args.sustained is not None and not 0 < args.sustained <= 600:
+        raise TagError(f"--sustained must be between 0 and 600 seconds, got {args.sustained:g}")
+    base = None
+    if args.like is not None:
+        from tag.cli.profiles import read_profile
+        base = read_profile(args.like)
     from tag.cli.model_size import check_model_spec
-    check_model_spec(args.model, args.batch)
     from tag import zoo
     from tag.cost.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze
-    name, gd = zoo.resolve_model(args.model, args.batch)
-    if not str(args.model).strip().startswith("zoo:"):
-        from tag.cli.graph_check import check_importable
-        check_importable(gd, args.model)
-    graph = analyze(gd, batch_size=args.batch)
-    prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=args.model)
+    items = []
+    for spec in args.model:
+        check_model_spec(spec, args.batch)
+        name, gd = zoo.resolve_model(spec, args.batch)
+        if not str(spec).strip().startswith("zoo:"):
+            from tag.cli.graph_check import check_importable
+            check_importable(gd, spec)
+        items.append((gd, analyze(gd, batch_size=args.batch), spec))
+    gd, graph, spec = items[0]
+    if base is not None:     # the first model's sustained step, against the one recorded in the base profile
+        from tag.cost.calibration import profile_like
+        prof = profile_like(base, gd, graph, device_type=args.device_type, sustain_s=args.sustained or 4.0,
+                            model=spec)
+    else:
+        prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=spec,
+                             sustain_s=args.sustained or 0.0, more=items[1:])
     if args.network:
         prof.network = profile_network()
         prof.source += "; network: two local one-thread TF workers over gRPC"

@@ -162,8 +162,11 @@ def _kernel_times(md: "v1.RunMetadata", index: dict[str, int]) -> dict[int, floa
 
 
 def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type: str = "CPU",
-                 warmup: int = 3, seed: int = 0) -> StepMeasurement:
-    """Run the training step and read each op's kernel time from TensorFlow's step stats."""
+                 warmup: int = 3, seed: int = 0, sustain_s: float = 0.0) -> StepMeasurement:
+    """Run the training step and read each op's kernel time from TensorFlow's step stats.
+
+    ``sustain_s`` > 0: also time default-settings steps back to back for that many seconds and record
+    their mean (``StepMeasurement.wall_sustained_s``), the speed a time-sliced device keeps up."""
     if steps < 1:
         raise TagError(f"steps must be at least 1, got {steps}")
     g = _import(graph_def, device_type)
@@ -204,8 +207,37 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
             t0 = time.perf_counter()
             sess.run(targets, feed_dict=feeds)
             par.append(time.perf_counter() - t0)
+        sustained = _sustained_step(sess, targets, feeds, sustain_s) if sustain_s > 0 else None
     op_times = np.array([np.min(s) if s else np.nan for s in samples], dtype=np.float64)
-    return StepMeasurement(op_times, float(np.min(walls)), float(np.min(par)), steps)
+    return StepMeasurement(op_times, float(np.min(walls)), float(np.min(par)), steps, sustained)
+
+
+def _sustained_step(sess, targets, feeds, seconds: float) -> float:
+    """Median time of steps run back to back for SECONDS (at least 5 steps; the median, not the mean, so
+    that a burst of another process's work on a shared machine does not count)."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 5 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        sess.run(targets, feed_dict=feeds)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_sustained_step(graph_def, graph: "TrainingGraph", seconds: float = 4.0, device_type: str = "CPU",
+                           warmup: int = 3, seed: int = 0) -> float:
+    """Median wall time of the training step (TensorFlow's default session settings) over SECONDS of steps
+    run back to back: the speed a time-sliced device keeps up, throttled slices included."""
+    g = _import(graph_def, device_type)
+    targets, init = _step_targets(graph), _init_ops(graph_def, graph)
+    with g.as_default():
+        feeds = _random_feeds(g, graph, np.random.default_rng(seed))
+    with v1.Session(graph=g, config=_session_config(serial=False)) as sess:
+        if init:
+            _initialise(sess, init, feeds)
+        for _ in range(warmup):
+            sess.run(targets, feed_dict=feeds)
+        return _sustained_step(sess, targets, feeds, seconds)
 
 
 def _best_kernel_time(sess, op, reps: int) -> float:
@@ -266,28 +298,67 @@ def _cpu_name() -> str:
 
 
 def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_type: str = "CPU",
-                  seed: int = 0, model: str | None = None) -> "Profile":
+                  seed: int = 0, model: str | None = None, sustain_s: float = 0.0,
+                  more: Sequence[tuple[object, "TrainingGraph", str]] = ()) -> "Profile":
     """Profile one training step on the local device and return the calibrated ``tag.cost.Profile``.
 
     ``graph`` is ``tag.analyze(graph_def)``; ``device_type`` names the entry in the profile (the
     topology's device type for this machine, "CPU" on a CPU host); ``steps`` traced steps are taken
     after a short warm-up; each op's fastest time is used. ``model`` names the graph in the profile's source.
+    ``more``: further (graph_def, graph, name) calibration graphs measured the same way and fitted together
+    with the first (e.g. a CNN and a transformer beside an MLP, so that each op family has its own fit).
+
+    ``sustain_s`` > 0: also record the first graph's median step over SUSTAIN_S seconds of steps
+    (``sustained_step_s``), which ``profile_like`` scales other devices from.
     """
     from tag.cost.model import Profile
-    m = measure_step(graph_def, graph, steps=steps, device_type=device_type, seed=seed)
+    items = [(graph_def, graph, model or graph.name or "graph"), *more]
+    ms = [measure_step(gd, g, steps=steps, device_type=device_type, seed=seed, sustain_s=sustain_s if i == 0 else 0.0)
+          for i, (gd, g, _) in enumerate(items)]
     peak = measure_peak_flops(device_type)
     bw = measure_memory_bandwidth(device_type)
-    fit = fit_profile(graph, m, peak, bw)
-    name = model or graph.name or "graph"
-    source = (f"tag.profile: {name} at batch {graph.batch_size}, {steps} traced steps on {_cpu_name()} "
-              f"({os.cpu_count()} cores, TensorFlow {tf.__version__}); step {m.wall_s * 1e3:.2f} ms ops one at a "
-              f"time, {m.wall_parallel_s * 1e3:.2f} ms with default settings; kernel floor "
-              f"{fit.kernel_floor_s * 1e6:.1f} us")
-    return Profile.from_dict({
-        "version": 1,
-        "devices": {device_type: {"peak_flops": peak, "memory_bandwidth": bw,
-                                  "launch_overhead_s": fit.launch_overhead_s, "efficiency": fit.efficiency}},
-        "source": source})
+    fit = fit_profile([g for _, g, _ in items], ms, peak, bw)
+    steps_text = "; ".join(f"{name} at batch {g.batch_size}: step {m.wall_s * 1e3:.2f} ms ops one at a time, "
+                           f"{m.wall_parallel_s * 1e3:.2f} ms with default settings"
+                           for (_, g, name), m in zip(items, ms))
+    source = (f"tag.profile: {steps} traced steps on {_cpu_name()} ({os.cpu_count()} cores, TensorFlow "
+              f"{tf.__version__}); {steps_text}; kernel floor {fit.kernel_floor_s * 1e6:.1f} us")
+    entry = {"peak_flops": peak, "memory_bandwidth": bw, "launch_overhead_s": fit.launch_overhead_s,
+             "efficiency": fit.efficiency}
+    if ms[0].wall_sustained_s:
+        source += f"; sustained step of {items[0][2]} {ms[0].wall_sustained_s * 1e3:.2f} ms over {sustain_s:g} s"
+        entry["sustained_step_s"] = ms[0].wall_sustained_s
+    return Profile.from_dict({"version": 1, "devices": {device_type: entry}, "source": source})
+
+
+def profile_like(base: "Profile", graph_def, graph: "TrainingGraph", *, device_type: str,
+                 base_type: str | None = None, sustain_s: float = 4.0, model: str | None = None) -> "Profile":
+    """Profile a device that runs the same kernels as BASE's device at another speed (a CPU quota, a lower
+    clock, a GPU shared with other jobs): time the same model's sustained step here and scale BASE's entry
+    (``sustained_step_s``, from ``profile_graph(..., sustain_s=...)``) by the ratio of the two steps.
+
+    Kernel times cannot be traced on a time-sliced device: its fastest kernels run at full speed between
+    the slices it is denied, while its steps do not. The ratio of sustained steps is the speed it keeps up.
+    """
+    import dataclasses
+    from tag.cost.model import Profile
+    types = [base_type] if base_type else list(base.devices)
+    if len(types) != 1 or types[0] not in base.devices:
+        raise TagError(f"the base profile describes {', '.join(sorted(base.devices)) or 'no device'}: name the "
+                       f"one to scale from")
+    ref = base.devices[types[0]]
+    if not ref.sustained_step_s:
+        raise TagError(f"the base profile's {types[0]!r} entry has no sustained step (profile it with --sustained)")
+    step = measure_sustained_step(graph_def, graph, seconds=sustain_s, device_type=device_type)
+    share = ref.sustained_step_s / step
+    entry = dataclasses.replace(
+        ref, peak_flops=ref.peak_flops * share, memory_bandwidth=ref.memory_bandwidth * share,
+        launch_overhead_s=None if ref.launch_overhead_s is None else ref.launch_overhead_s / share,
+        sustained_step_s=step)
+    source = (f"tag.profile: {model or graph.name or 'graph'} at batch {graph.batch_size}: {types[0]} of "
+              f"[{base.source}] scaled by {share:.3f} (sustained step {step * 1e3:.2f} ms here, "
+              f"{ref.sustained_step_s * 1e3:.2f} ms there, over {sustain_s:g} s)")
+    return Profile({device_type: entry}, source)
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ How the fit works (one device type, one graph):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -69,6 +69,7 @@ class StepMeasurement:
     wall_s: float                   # wall time of an untraced step, ops one at a time
     wall_parallel_s: float          # the same with TensorFlow's default session settings
     steps: int
+    wall_sustained_s: float | None = None   # mean default-settings step over a long window (``sustain_s``)
 
 
 def fit_efficiency(flops: np.ndarray, mem: np.ndarray, target_s: float, peak: float, bw: float) -> float:
@@ -96,25 +97,33 @@ class Fit:
     kernel_floor_s: float
 
 
-def fit_profile(graph: "TrainingGraph", m: StepMeasurement, peak: float, bw: float) -> Fit:
+def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasurement | Sequence[StepMeasurement]",
+                peak: float, bw: float) -> Fit:
     """Per-op-type efficiencies and the launch overhead from a step measurement (see module docstring).
 
+    GRAPH and M may be sequences (several calibration graphs measured on the same device): their ops are
+    fitted together, and the launch overhead spreads the sum of their steps' unexplained time over all ops.
     Matches ``tag.cost.CostModel.op_times``: ops of ``tag.cost.ZERO_COST_TYPES`` cost nothing there,
     so their measured time is folded into the launch overhead of the others.
     """
-    batch = float(graph.batch_size)
-    # per-op arrays, indexed like graph.ops: FLOPs and bytes at this batch, op type, charged by the cost model?
-    flops = np.array([op.flops.at(batch) for op in graph.ops], dtype=np.float64)
-    mem = np.array([op.mem_bytes.at(batch) for op in graph.ops], dtype=np.float64)
-    types = np.array([op.type for op in graph.ops])
+    graphs = [graph] if not isinstance(graph, (list, tuple)) else list(graph)
+    measurements = [m] if not isinstance(m, (list, tuple)) else list(m)
+    if len(graphs) != len(measurements) or not graphs:
+        raise ValueError("fit_profile needs one measurement per graph")
+    # per-op arrays over every graph's ops: FLOPs and bytes at its batch, op type, charged by the cost model?
+    flops = np.concatenate([[op.flops.at(float(g.batch_size)) for op in g.ops] for g in graphs]).astype(np.float64)
+    mem = np.concatenate([[op.mem_bytes.at(float(g.batch_size)) for op in g.ops] for g in graphs]).astype(np.float64)
+    types = np.concatenate([[op.type for op in g.ops] for g in graphs]).astype(str)
+    op_times = np.concatenate([x.op_times for x in measurements]).astype(np.float64)
+    wall_parallel = float(sum(x.wall_parallel_s for x in measurements))
     costed = np.array([t not in ZERO_COST_TYPES for t in types], dtype=bool)
-    seen = ~np.isnan(m.op_times)                      # per op: did the step stats show it?
+    seen = ~np.isnan(op_times)                        # per op: did the step stats show it?
     if not (seen & costed).any():
         raise GraphError("TensorFlow's step stats named none of the graph's ops; nothing to fit")
     zero = seen & (flops <= 0)
-    floor = float(np.median(m.op_times[zero])) if zero.any() else float(np.min(m.op_times[seen]))
+    floor = float(np.median(op_times[zero])) if zero.any() else float(np.min(op_times[seen]))
     floor = max(floor, _STEP_STATS_RESOLUTION_S)
-    busy = np.where(seen, np.maximum(m.op_times - floor, 0.0), 0.0)
+    busy = np.where(seen, np.maximum(op_times - floor, 0.0), 0.0)
     ideal = np.maximum(flops / peak, mem / bw)        # the roofline at efficiency 1
     candidates = seen & costed & (flops > 0)
     # a toy graph whose ops are all tiny: fit its largest ops (within 2x of the largest)
@@ -128,7 +137,7 @@ def fit_profile(graph: "TrainingGraph", m: StepMeasurement, peak: float, bw: flo
                       if fitted.any() else 0.5)
     e_op = np.array([eff.get(t, eff["default"]) for t in types])
     roofline = np.where(costed, np.maximum(flops / (peak * e_op), mem / bw), 0.0)
-    launch = max(floor, (m.wall_parallel_s - float(roofline.sum())) / max(int(costed.sum()), 1))
+    launch = max(floor, (wall_parallel - float(roofline.sum())) / max(int(costed.sum()), 1))
     return Fit(eff, float(launch), floor)
 
 

@@ -81,12 +81,15 @@ class DeviceProfile:
     memory_bandwidth: float = 0.0
     launch_overhead_s: float | None = None
     efficiency: dict[str, float] = field(default_factory=dict)
+    sustained_step_s: float | None = None    # the profiled model's mean step over seconds (tag-profile --like)
 
     def to_dict(self) -> dict:
         d = {"peak_flops": float(self.peak_flops), "memory_bandwidth": float(self.memory_bandwidth),
              "efficiency": {k: float(v) for k, v in sorted(self.efficiency.items())}}
         if self.launch_overhead_s is not None:
             d["launch_overhead_s"] = float(self.launch_overhead_s)
+        if self.sustained_step_s is not None:
+            d["sustained_step_s"] = float(self.sustained_step_s)
         return d
 
 
@@ -123,20 +126,28 @@ class NetworkProfile:
         per_step = max(self.collective_latency_s - 2 * self.transfer_latency_s, 0.0) / 2
         return per_step, per_byte
 
-    def calibrate(self, topology: Topology) -> Topology:
-        """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs."""
+    def calibrate(self, topology: Topology, slowdown: np.ndarray | None = None) -> Topology:
+        """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs.
+
+        SLOWDOWN (per device, >= 1): how much slower than the profiled worker the device's host does the
+        runtime's work (``CostModel.runtime_slowdown``); a transfer's runtime cost is charged at the slower
+        of its two ends."""
         host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
         inter_dev = host[:, None] != host[None, :]
         inter_host = ~np.eye(len(topology.hosts), dtype=bool)
+        dev_slow = np.ones(len(topology.devices)) if slowdown is None else np.asarray(slowdown, dtype=np.float64)
+        host_slow = np.ones(len(topology.hosts))
+        np.maximum.at(host_slow, host, dev_slow)
 
-        def slowed(bw: np.ndarray, lat: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def slowed(bw: np.ndarray, lat: np.ndarray, mask: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             bw, lat = bw.copy(), lat.copy()
-            bw[mask] = 1.0 / (1.0 / bw[mask] + 1.0 / self.transfer_bytes_per_s)
+            f = np.maximum(slow[:, None], slow[None, :])[mask]
+            bw[mask] = 1.0 / (1.0 / bw[mask] + f / self.transfer_bytes_per_s)
             lat[mask] = lat[mask] + self.transfer_latency_s
             return bw, lat
 
-        bw, lat = slowed(topology.bandwidth, topology.latency, inter_dev)
-        hbw, hlat = slowed(topology.host_bandwidth, topology.host_latency, inter_host)
+        bw, lat = slowed(topology.bandwidth, topology.latency, inter_dev, dev_slow)
+        hbw, hlat = slowed(topology.host_bandwidth, topology.host_latency, inter_host, host_slow)
         return dataclasses.replace(topology, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat)
 
 
@@ -179,11 +190,12 @@ class Profile:
         for dtype, entry in devices.items():
             if not isinstance(entry, dict):
                 raise bad(f"devices.{dtype} must be an object")
-            unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency"}
+            unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency",
+                                    "sustained_step_s"}
             if unknown:
                 raise bad(f"devices.{dtype}: unknown field {sorted(unknown)[0]!r}")
             nums = {}
-            for key in ("peak_flops", "memory_bandwidth", "launch_overhead_s"):
+            for key in ("peak_flops", "memory_bandwidth", "launch_overhead_s", "sustained_step_s"):
                 if key not in entry or entry[key] is None:
                     continue
                 v = entry[key]
@@ -199,7 +211,7 @@ class Profile:
                     raise bad(f"devices.{dtype}.efficiency.{op_type} must be in (0, 1], got {e!r}")
                 effs[str(op_type)] = float(e)
             out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
-                                            nums.get("launch_overhead_s"), effs)
+                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"))
         network = None
         if data.get("network") is not None:
             net = data["network"]
@@ -276,8 +288,7 @@ class CostModel:
     def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None):
         self.graph = graph
         self.profile = profile if profile is not None else Profile()
-        # with a network calibration, inter-host links carry the runtime's measured transfer costs
-        self.topology = self.profile.network.calibrate(topology) if self.profile.network else topology
+        self.topology = topology
         self.arrays = graph.arrays()
         types = [op.type for op in graph.ops]
         # efficiency key per op: (op type, op class); the class refines the type for the shipped GPU profiles
@@ -295,6 +306,27 @@ class CostModel:
         self._host_intra_bw = np.array([h.intra_bandwidth for h in topology.hosts], dtype=np.float64)
         self._host_intra_lat = np.array([h.intra_latency for h in topology.hosts], dtype=np.float64)
         self._nccl: tuple | None = None
+        # with a network calibration, inter-host links carry the runtime's measured transfer costs
+        self.runtime_slowdown = self._runtime_slowdown()
+        if self.profile.network:
+            self.topology = self.profile.network.calibrate(topology, self.runtime_slowdown)
+
+    def _runtime_slowdown(self) -> np.ndarray:
+        """Per device: how much slower its host does TF's runtime work (gRPC, the collective executor) than
+        the worker the network profile was measured on. On a CPU device the runtime shares the cores that
+        compute, so a CPU device slower than the fastest CPU device of the topology (fewer cores, a quota, a
+        lower clock) does it that much slower; elsewhere (GPUs: the host CPU does it) the factor is 1."""
+        slow = np.ones(len(self.topology.devices))
+        if self.profile.network is None:
+            return slow
+        cpu_peak = {g: self.rates(g).peak_flops for g, grp in enumerate(self.topology.groups)
+                    if grp.tf_device_type == "CPU" and self.rates(g).peak_flops > 0}
+        if len(cpu_peak) < 2:
+            return slow
+        fastest = max(cpu_peak.values())
+        for g, peak in cpu_peak.items():
+            slow[list(self.topology.groups[g].devices)] = fastest / peak
+        return slow
 
     # ---------------------------------------------------------------- compute
     def rates(self, device_group: int) -> DeviceRates:
@@ -450,6 +482,8 @@ class CostModel:
         # TF's collective runtime between hosts costs more than plain transfers (network calibration)
         step_x, byte_x = self.profile.network.collective_extra() if (
             self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
+        slow = float(self.runtime_slowdown[devices].max())       # the collective waits for its slowest host
+        byte_x = byte_x * slow
         _, call = self._nccl_defaults(devices)
         ring = (call + 2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
         if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):

@@ -9,7 +9,11 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
 5. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
 
 The answer is the best strategy any step found; it is never predicted slower than the best feasible
-built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so).
+built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so). A
+searched strategy must also be predicted at least ``min_gain`` (default ``DEFAULT_MIN_GAIN``, 5%) faster
+than the best feasible built-in: a smaller predicted gain is within the simulator's error on real runs
+(``scripts/bench_fidelity.py``), and a mixed strategy has more to mispredict (its transfers), so the
+simpler built-in is deployed.
 ``SearchResult.baselines`` holds each step's own best (the ``refine`` entry is the final answer when
 refinement found the winner).
 
@@ -34,6 +38,7 @@ from tag.sim.simulator import SimResult
 from tag.strategy.types import Strategy
 
 DEFAULT_PLAYOUTS = 400
+DEFAULT_MIN_GAIN = 0.05          # a searched strategy must be predicted this much faster than the best built-in
 REFINE_EVALUATIONS_PER_PLAYOUT = 8
 MIN_REFINE_EVALUATIONS = 2000
 
@@ -81,14 +86,15 @@ def best_uniform(env: SearchEnv) -> tuple[tuple[int, ...], Outcome]:
 
 def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | None = None, order: str = "auto",
            seed: int = 0, prior=None, progress: Callable[[SearchProgress], None] | None = None,
-           use_pase: bool = True, use_refine: bool = True) -> SearchResult:
+           use_pase: bool = True, use_refine: bool = True, min_gain: float = DEFAULT_MIN_GAIN) -> SearchResult:
     """Run the portfolio (module docstring) on ENV and return the best strategy found.
 
     ``playouts`` bounds the tree search by simulated playouts, ``budget_s`` the whole search by wall-clock
     seconds (both: whichever ends first; neither: ``DEFAULT_PLAYOUTS``). ``order`` is a decision order
     name of ``tag.search.orders`` or ``"auto"``; ``prior`` a callable giving the tree search a prior over a
     group's candidates (``tag.search.mcts.uniform_value_prior`` when None); ``seed`` makes the search
-    deterministic (under a playout budget).
+    deterministic (under a playout budget). ``min_gain``: how much faster than the best feasible built-in
+    a searched strategy must be predicted to replace it (0.05 = 5%; 0 keeps the fastest predicted).
     """
     from tag.search.local import refine
     from tag.search.mcts import mcts
@@ -127,9 +133,20 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     method = max(found, key=lambda n: found[n][1].rank)
     choice, outcome = found[method]
     notes = []
+    builtins = [n for n in env.builtin_results if found[n][1].feasible]
+    if choice is not None and outcome.feasible and builtins:
+        best_builtin = min(builtins, key=lambda n: found[n][1].step_time)
+        gain = found[best_builtin][1].step_time / outcome.step_time - 1.0
+        if gain < min_gain:
+            notes.append(f"the searched strategy ({method}) is predicted only {gain * 100:.1f}% faster than the "
+                         f"built-in {best_builtin!r}, less than the {min_gain * 100:g}% margin for the simulator's "
+                         f"error; the plan is that built-in")
+            method = best_builtin
+            choice, outcome = found[method]
     if choice is None:
         strategy, result = env.builtin_strategies[method], env.builtin_results[method]
-        notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
+        if not notes:
+            notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
     else:
         strategy, result = env.strategy(choice, name=method), env.result(choice)
     baselines = {n: float(v[1].step_time) for n, v in found.items()}

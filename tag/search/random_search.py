@@ -37,8 +37,8 @@ class RandomResult:
     evaluations: int        # choices evaluated (calls to env.evaluate, cached ones included)
 
 
-def _uniform(env: SearchEnv, rng: np.random.Generator) -> Choice:
-    """One allowed candidate per group, uniformly at random."""
+def random_choice(env: SearchEnv, rng: np.random.Generator) -> Choice:
+    """One allowed candidate per group, uniformly at random (a random mixed strategy: ``env.strategy(choice)``)."""
     return tuple(int(allowed[rng.integers(len(allowed))]) for allowed in env.allowed)
 
 
@@ -62,7 +62,7 @@ def random_search(env: SearchEnv, evaluations: int = 400, seed: int = 0) -> Rand
     best_choice, best_outcome = None, None
     uniform_draws = (evaluations + 1) // 2
     for i in range(evaluations):
-        choice = _uniform(env, rng) if i < uniform_draws else _mutation(env, best_choice, rng)
+        choice = random_choice(env, rng) if i < uniform_draws else _mutation(env, best_choice, rng)
         outcome = env.evaluate(choice)
         if best_outcome is None or outcome.rank > best_outcome.rank:
             best_choice, best_outcome = choice, outcome
