@@ -133,12 +133,16 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, required=True, help="global batch (split evenly over the workers)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
+    p.add_argument("--inter-threads", type=int, default=None,
+                   help="inter-op threads per worker (default: as tag's servers, as many as --threads, at least 2)")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import tf_keras
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    from tag.backend.runtime.server import MIN_INTER_THREADS
+    tf.config.threading.set_inter_op_parallelism_threads(
+        args.inter_threads if args.inter_threads is not None else max(args.threads, MIN_INTER_THREADS))
     comm = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)

@@ -502,8 +502,10 @@ class Testbed:
         return prefix + ["ip", "netns", "exec", self.namespace(i)]
 
     # -- workers ---------------------------------------------------------------------------------
-    def start_workers(self, *, threads_per_worker: int | None = None, startup_timeout_s: float = 90.0) -> str:
-        """Start one TF server per host inside its namespace (and cgroup); returns ``self.target``."""
+    def start_workers(self, *, threads_per_worker: int | None = None, inter_threads_per_worker: int | None = None,
+                      startup_timeout_s: float = 90.0) -> str:
+        """Start one TF server per host inside its namespace (and cgroup); returns ``self.target``.
+        ``threads_per_worker`` / ``inter_threads_per_worker``: intra- / inter-op threads (``LocalCluster``)."""
         if self.topology is None:
             raise TestbedError("set up the testbed first (use it as a context manager)")
         if self.cluster is not None:
@@ -514,6 +516,7 @@ class Testbed:
             return self.launch_prefix(host.name)
 
         cluster = LocalCluster(self.topology, threads_per_worker=threads_per_worker,
+                               inter_threads_per_worker=inter_threads_per_worker,
                                startup_timeout_s=startup_timeout_s, allow_remote=True, launcher=launcher)
         cluster.start()
         self.cluster = cluster

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="intra-op threads of this server (0: TensorFlow's default)")
     p.add_argument("--inter-threads", type=int, default=None, metavar="N",
-                   help="inter-op threads (default: same as --threads)")
+                   help="inter-op threads (default: as many as --threads, at least 2)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     add_verbose(p)
     return p

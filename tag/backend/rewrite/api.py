@@ -111,6 +111,7 @@ class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, Inst
         self._place_all()
         self._check_seeds()
         self._emit_all()
+        self._send_remote_slices_first()
         fetch_train, fetch_loss, fetch_init = self._fetches()
         out = graph_pb2.GraphDef()
         out.versions.CopyFrom(self.graph_def.versions)

@@ -61,10 +61,12 @@ class LocalCluster:
     Only loopback hosts are allowed unless ``allow_remote=True`` (the testbed uses that, together
     with ``launcher`` to start each worker inside its host's network namespace).
     ``threads_per_worker`` defaults to the CPU count divided by the number of hosts (at least 1),
-    so co-located servers do not oversubscribe the cores.
+    so co-located servers do not oversubscribe the cores. ``inter_threads_per_worker``: inter-op threads
+    (default: as many as intra-op threads).
     """
 
     def __init__(self, topology: "Topology", *, threads_per_worker: int | None = None,
+                 inter_threads_per_worker: int | None = None,
                  startup_timeout_s: float = 60.0, allow_remote: bool = False,
                  launcher: Callable[["Host"], list[str]] | None = None,
                  env: Mapping[str, str] | None = None):
@@ -78,6 +80,7 @@ class LocalCluster:
         self.topology = topology
         n = len(topology.hosts)
         self.threads_per_worker = int(threads_per_worker or max(1, (os.cpu_count() or 1) // n))
+        self.inter_threads_per_worker = inter_threads_per_worker
         self.startup_timeout_s = float(startup_timeout_s)
         self.launcher = launcher
         self.extra_env = dict(env or {})
@@ -134,6 +137,8 @@ class LocalCluster:
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", WORKER_MODULE, "--threads", str(self.threads_per_worker),
                "--parent-pid", str(os.getpid())]
+        if self.inter_threads_per_worker is not None:
+            cmd += ["--inter-threads", str(int(self.inter_threads_per_worker))]
         if self.launcher is not None:
             cmd = list(self.launcher(host)) + cmd
         assert self._logdir is not None
