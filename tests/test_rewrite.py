@@ -790,3 +790,26 @@ def test_batch_shares_follow_the_strategys_device_speeds():
     assert res.replicas == {0: [(0, 0, 2), (1, 2, 8)]}
     with pytest.raises(StrategyError, match="device speeds"):
         rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1), "allreduce")], device_speeds=(1.0,)), UNEVEN)
+
+
+def test_input_slices_for_remote_replicas_come_before_the_local_replica():
+    """Every local op that reads the batch (or its local slice) waits for the slices cut for the other
+    replicas: TF runs a ready chain inline, so otherwise the remote replicas would wait for their inputs."""
+    gd, ir = model("mlp")
+    topo = topology([1, 2, 3], [0.05, 0.05, 0.05])
+    res = rewrite(gd, ir, strategy("allreduce", ir, topo), topo, batch_size=BATCH)
+    nodes = {n.name: n for n in res.graph_def.node}
+    readers = {}
+    for n in res.graph_def.node:
+        for i in n.input:
+            if not i.startswith("^"):
+                readers.setdefault(i.split(":")[0], []).append(n)
+    remote = [n for n in res.graph_def.node if n.op == "StridedSlice" and n.name.startswith("tag/slice/")
+              and any(r.device != n.device for r in readers.get(n.name, ()))]
+    assert remote, "a 3-way data-parallel rewrite slices the batch for the other replicas"
+    for sl in remote:
+        local = [r for src in [sl.input[0].split(":")[0]] + [o.name for o in nodes.values() if o.op == "StridedSlice"
+                                                             and o.device == sl.device and o.name.startswith("tag/slice/")
+                                                             and o.input[0] == sl.input[0] and o not in remote]
+                 for r in readers.get(src, ()) if r.device == sl.device and not r.name.startswith("tag/slice/")]
+        assert local and all(f"^{sl.name}" in r.input for r in local), sl.name
