@@ -30,16 +30,18 @@ def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
     assert 7.5e6 < params < 8.5e6
 
 
-def test_testbed_topology_and_quota_profile():
-    b = bench()
-    quotas, links = b.CONFIGS["A"]
-    topo = parse_topology(b.topology_text("A", quotas, links, 2e10))
-    assert len(topo.hosts) == 3
+def test_testbed_recipe_and_topology_from_profiled_quotas():
+    """The recipe's configurations become three-host topologies whose device speeds are the profile's."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from _testbed_cases import all_quotas, device_type, load_recipe, testbed_topology
+    recipe = load_recipe()
+    quotas = all_quotas(recipe)
+    prof = Profile(devices={device_type(q): DeviceProfile(4e10 * q, 1e10 * q, 1e-5, {}) for q in quotas})
+    _, topo = testbed_topology(recipe, "A", prof)
+    assert len(topo.hosts) == 3 and [d.device_type for d in topo.devices] == ["CPUq100", "CPUq50", "CPUq25"]
+    assert [g.peak_flops for g in topo.groups] == pytest.approx([4e10, 2e10, 1e10])
     assert topo.host_bandwidth[0, 1] == pytest.approx(1e9 / 8) and topo.host_bandwidth[1, 2] == pytest.approx(0.2e9 / 8)
-    base = Profile(devices={"CPU": DeviceProfile(2e10, 1e10, 1e-4, {})})
-    prof = b.quota_profile(base, quotas)
-    assert prof.devices["CPUq25"].peak_flops == pytest.approx(5e9)
-    assert prof.devices["CPUq50"].launch_overhead_s == pytest.approx(2e-4)
 
 
 @pytest.mark.slow

@@ -203,9 +203,10 @@ def test_quotas_unequal_links_and_a_shared_nic():
     runs at its own rate alone, and h0's two concurrent streams share its 0.4 Gbit/s NIC."""
     import threading
     with Testbed(topo(3, links=UNEQUAL), cpu_quota=[1.0, 0.5, 0.25]) as tb:
-        for i, q in enumerate([100_000, 50_000, 25_000]):
+        from tag.backend.testbed import CFS_PERIOD_US
+        for i, q in enumerate([1.0, 0.5, 0.25]):
             with open(os.path.join(tb._cgroup(i), "cpu.cfs_quota_us")) as f:
-                assert int(f.read()) == q
+                assert int(f.read()) == int(q * CFS_PERIOD_US)
         # a busy loop in h2 is throttled to a quarter of a core
         res = subprocess.run(tb.launch_prefix("h2") + [sys.executable, "-c",
                              "import time\nt=time.process_time()\ns=time.time()\n"

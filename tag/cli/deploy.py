@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     add_verbose(p)
     p.add_argument("--no-sfb", action="store_true",
                    help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
+    p.add_argument("--min-gain", type=float, default=None, metavar="F",
+                   help="a searched strategy replaces the best built-in only when predicted this much faster "
+                        "(default 0.05 = 5%%, the simulator's error on real runs; 0 keeps the fastest predicted)")
     return p
 
 
@@ -116,7 +119,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.strategy is not None and args.strategy_file is not None:
         raise TagError("--strategy and --strategy-file exclude each other")
     search_flags = [f for f, v in (("--budget", args.budget), ("--playouts", args.playouts), ("--order", args.order),
-                                   ("--seed", args.seed), ("--prior", args.prior)) if v is not None]
+                                   ("--seed", args.seed), ("--prior", args.prior), ("--min-gain", args.min_gain))
+                    if v is not None]
     if search_flags and not _searching(args):
         raise TagError(f"{', '.join(search_flags)}: search options, but --strategy/--strategy-file turn the "
                        f"search off")
@@ -124,6 +128,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TagError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     if args.playouts is not None and args.playouts < 1:
         raise TagError(f"--playouts must be positive, got {args.playouts}")
+    if args.min_gain is not None and not 0 <= args.min_gain < 10:
+        raise TagError(f"--min-gain must be between 0 and 10 (a fraction: 0.05 = 5%), got {args.min_gain:g}")
     if args.order is not None and args.order not in ("auto", *ORDERS):
         raise TagError(f"unknown --order {args.order!r} (known: auto, {', '.join(ORDERS)})")
     for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
@@ -178,7 +184,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
                            seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
-                           prior=args.prior or "uniform")
+                           prior=args.prior or "uniform", min_gain=args.min_gain)
         bar.refresh()
         return plan
 
