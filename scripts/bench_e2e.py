@@ -11,7 +11,7 @@ HTB-shaped links with one shared egress per NIC, CFS CPU quotas per host; ``tag.
   topology and profile come from ``scripts/testbed_recipe.json`` (``_testbed_cases.py``): each quota is
   profiled by ``tag-profile --sustained`` inside a cgroup of that quota (one device type per quota), plus
   the runtime's network costs (``profile_network``);
-- the measured guard: ``tag.verify_plan`` runs the plan and the best feasible built-in ``--guard-steps``
+- the measured guard: ``tag.api.verify_plan`` runs the plan and the best feasible built-in ``--guard-steps``
   steps each and keeps the faster; the row says whether it overrode the simulator and what it cost.
 
 Each time is the median of the steps after warm-up; every worker runs one intra-op thread. The machine
@@ -44,6 +44,7 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
+from tag.api import verify_plan  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
@@ -90,7 +91,7 @@ def run_tag(tb: Testbed, gd, res_or_plan, steps: int, warmup: int) -> float:
 def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
              budget_s: float, guard_steps: int) -> dict:
     """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB, and what the
-    measured guard (``tag.verify_plan``) would keep."""
+    measured guard (``tag.api.verify_plan``) would keep."""
     gd = tf1_graph(model, batch)
     plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
     dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
@@ -99,7 +100,7 @@ def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile:
         dp = run_tag(tb, gd, dp_res, steps, warmup)
         planned = run_tag(tb, gd, plan, steps, warmup)
         t0 = time.perf_counter()
-        guarded = tag.verify_plan(plan, tb.target, steps=guard_steps)
+        guarded = verify_plan(plan, tb.target, steps=guard_steps)
         guard_s = time.perf_counter() - t0
     finally:
         tb.stop_workers()
