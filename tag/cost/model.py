@@ -81,7 +81,7 @@ class DeviceProfile:
     memory_bandwidth: float = 0.0
     launch_overhead_s: float | None = None
     efficiency: dict[str, float] = field(default_factory=dict)
-    sustained_step_s: float | None = None    # the profiled model's mean step over seconds (tag-profile --like)
+    sustained_step_s: float | None = None    # the profiled model's median step over seconds (tag-profile --like)
 
     def to_dict(self) -> dict:
         d = {"peak_flops": float(self.peak_flops), "memory_bandwidth": float(self.memory_bandwidth),

@@ -314,22 +314,26 @@ class BatchSplitMixin(RewriteContext):
         the other replicas of a small CNN started 145 ms into a 330 ms step). A control edge from each
         such slice to every local op that reads an input (or a local slice of one) sends them first."""
         inputs = set(self.inputs)
-        nodes = self.out_nodes
         readers: dict[str, list] = {}
-        for n in nodes:
+        for n in self.out_nodes:
             for i in n.input:
                 if not i.startswith("^"):
                     readers.setdefault(i.split(":")[0], []).append(n)
-        input_slices = [n for n in nodes if n.op == "StridedSlice" and n.name.startswith("tag/slice/")
-                        and n.input[0].split(":")[0] in inputs]
-        remote = [sl for sl in input_slices if any(r.device != sl.device for r in readers.get(sl.name, ()))]
-        for sl in remote:
-            local_sources = [sl.input[0].split(":")[0]] + [o.name for o in input_slices
-                                                           if o.device == sl.device and o not in remote]
-            for src in local_sources:
+        remote: dict[str, list] = {}      # device -> input slices on it read elsewhere
+        local_sources: dict[str, set] = {}   # device -> inputs and input slices read only there
+        for n in self.out_nodes:
+            if n.op == "StridedSlice" and n.name.startswith("tag/slice/") and n.input[0].split(":")[0] in inputs:
+                local_sources.setdefault(n.device, set()).add(n.input[0].split(":")[0])
+                if any(r.device != n.device for r in readers.get(n.name, ())):
+                    remote.setdefault(n.device, []).append(n)
+                else:
+                    local_sources[n.device].add(n.name)
+        for dev, slices in remote.items():
+            edges = [f"^{sl.name}" for sl in slices]
+            for src in local_sources[dev]:
                 for r in readers.get(src, ()):
-                    if r.device == sl.device and not r.name.startswith("tag/slice/") and f"^{sl.name}" not in r.input:
-                        r.input.append(f"^{sl.name}")
+                    if r.device == dev and not r.name.startswith("tag/slice/"):
+                        r.input.extend(e for e in edges if e not in r.input)
 
     def _slice(self, t: str, inst: Instance, begin: int, end: int, ax: int) -> str:
         """Rows BEGIN..END (axis AX) of INST's T, sliced on INST's device."""
