@@ -71,20 +71,38 @@ def graph_of(source: str, batch: int):
 
 
 def measure(tb: Testbed, graph_def, train_op, loss, init, predicted: float, budget_s: float) -> float:
-    """Median step time: 2-3 warm-up steps, then at least 5 timed (more when steps are short)."""
-    timed = int(np.clip(round(budget_s / max(predicted, 1e-3)), 5, 15))
+    """Median step time: 2-3 warm-up steps, then 5-40 timed (more when steps are short, so that a 10 ms step's
+    median is not a handful of samples)."""
+    timed = int(np.clip(round(budget_s / max(predicted, 1e-3)), 5, 40))   # short steps: more of them
     warmup = 2 if predicted > 1.0 else 3
     r = run_steps(graph_def, tb.target, train_op=train_op, loss=loss, init=init, steps=warmup + timed,
                   warmup=warmup, synthetic=True)
     return float(np.median(r.step_times[warmup:]))
 
 
+def one_device_placement(strategy) -> tuple | None:
+    """The device group of every op group when each runs on one device (None otherwise): two strategies with
+    the same one-device placement are the same program, whatever their modes say."""
+    if all(len(a.placement) == 1 for a in strategy.actions):
+        return tuple(a.placement for a in strategy.actions)
+    return None
+
+
 def group_cases(analysis, budget_s: float, randoms: int, seed: int) -> list[tuple[str, object, float]]:
-    """(name, runnable, predicted seconds) of every strategy of one group; runnable has graph_def etc."""
+    """(name, runnable, predicted seconds) of every distinct strategy of one group; runnable has graph_def etc.
+    A built-in that runs every op where an earlier one does (e.g. ``partition`` choosing one device, as
+    ``single``) is the same case and is measured once: otherwise measurement noise between two runs of one
+    program would count as ranking error."""
     sim, batch = analysis.simulator(), analysis.batch
-    cases = []
+    cases, seen = [], {}
     for name in BUILTIN_STRATEGIES:
         s = analysis.builtin(name)
+        same = seen.get(one_device_placement(s))
+        if same is not None:
+            print(f"  ({name} runs as {same})", flush=True)
+            continue
+        if one_device_placement(s) is not None:
+            seen[one_device_placement(s)] = name
         cases.append((name, analysis.rewrite(s), sim.evaluate(s, batch_size=batch).step_time))
     plan = search_plan(analysis, budget_s=budget_s, seed=seed)
     if plan.method in BUILTIN_STRATEGIES and not plan.report().get("sfb_gradients"):

@@ -192,9 +192,10 @@ def test_collective_calibration_charges_cross_host_all_reduce_only():
     assert calibrated.allreduce_time(1e6, [0, 1]) == pytest.approx(plain.allreduce_time(1e6, [0, 1]))  # one host
 
 
-def test_runtime_work_is_charged_at_the_speed_of_a_slower_cpu_host():
-    """On CPU devices TF's runtime shares the cores that compute: a transfer from a CPU host four times
-    slower than the fastest pays four times the runtime's per-byte cost; GPU hosts are not slowed."""
+def test_runtime_transfer_costs_are_the_same_from_a_slower_cpu_host():
+    """The network calibration adds the runtime's measured per-transfer latency and per-byte cost to every
+    inter-host link alike: a quarter-speed CPU host pays no more (measured on the 3-host testbed, charging
+    it at the slower host's speed predicted data parallelism of MLPs 15-40% too slow)."""
     from tiny import DeviceSpec, make_topology, mlp_graph
     from tag.cost.model import NetworkProfile, Profile
     net = NetworkProfile(transfer_latency_s=1e-3, transfer_bytes_per_s=1e9)
@@ -203,12 +204,7 @@ def test_runtime_work_is_charged_at_the_speed_of_a_slower_cpu_host():
     topo = make_topology([("h0", [("FAST", 1)]), ("h1", [("FAST", 1)]), ("h2", [("SLOW", 1)])], specs=specs,
                          inter_bandwidth=1e12)
     cm = CostModel(mlp_graph(batch=8, widths=(16, 16)), topo, Profile({}, "t", network=net))
-    assert list(cm.runtime_slowdown) == pytest.approx([1.0, 1.0, 4.0])
     nbytes = 1e8
-    fast = cm.topology.latency[0, 1] + nbytes / cm.topology.bandwidth[0, 1]
-    slow = cm.topology.latency[0, 2] + nbytes / cm.topology.bandwidth[0, 2]
-    assert fast == pytest.approx(20e-6 + 1e-3 + nbytes * (1e-12 + 1e-9), rel=1e-6)
-    assert slow == pytest.approx(20e-6 + 1e-3 + nbytes * (1e-12 + 4e-9), rel=1e-6)
-    gpus = make_topology([("h0", [("GPU", 1)]), ("h1", [("GPU", 1)])],
-                         specs={"GPU": DeviceSpec(peak_flops=10e12)})
-    assert list(CostModel(mlp_graph(batch=8, widths=(16, 16)), gpus, Profile({}, "t", network=net)).runtime_slowdown) == [1.0, 1.0]
+    for dst in (1, 2):
+        t = cm.topology.latency[0, dst] + nbytes / cm.topology.bandwidth[0, dst]
+        assert t == pytest.approx(20e-6 + 1e-3 + nbytes * (1e-12 + 1e-9), rel=1e-6)

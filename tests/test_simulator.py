@@ -240,13 +240,27 @@ def test_deterministic_and_trace_structure():
             assert any(e["cat"] == "comm" and e["name"].startswith("push") for e in xs)
 
 
+def test_nics_are_full_duplex_and_a_receiver_is_shared():
+    """A transfer holds the sender's NIC send side and the receiver's receive side: h0->h1 and h1->h0 share
+    no resource (full duplex), while h1->h0 and h2->h0 both wait on h0's receive side."""
+    from tag.sim.routing import Routing
+    from tag.sim.task_graph import TaskGraph
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
+    topo = _hosts(3, inter_bandwidth=1e9, inter_latency=1e-4)
+    routing = Routing(topo, CostModel(tg, topo), TaskGraph(tg, group_ops(tg, target_groups=2)))
+    there, back = routing.route(0, 1)[0], routing.route(1, 0)[0]
+    assert not set(there) & set(back)
+    assert set(routing.route(1, 0)[0]) & set(routing.route(2, 0)[0]) == {2 * 3 + 0}
+    assert routing.resource_names[2 * 3 + 0].endswith("receive")
+
+
 def test_trace_shows_the_transfer_on_the_network_rows():
     tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
     topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
     sim, gr = _sim(tg, topo)
     tr = sim.trace(Strategy(gr, [Action((0, 1), "partition")] * 2, partition={0: 0, 1: 1}))
     comm = [e for e in tr["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
-    assert sorted(e["tid"] for e in comm) == [2, 3]        # both hosts' network interfaces
+    assert sorted(e["tid"] for e in comm) == [2, 5]        # h0's network send side, h1's receive side
     assert all(e["args"]["bytes"] == 4e6 and e["ts"] == pytest.approx(1e3) for e in comm)
 
 

@@ -227,3 +227,32 @@ def test_quotas_unequal_links_and_a_shared_nic():
         total = (out["h1"] + out["h2"]) * 8 / 1e9
         assert total == pytest.approx(0.4 * goodput, rel=0.2)
         assert out["h2"] * 8 / 1e9 <= 0.1 * 1.2
+
+
+def _concurrent_bandwidths(tb, pairs, seconds=2.0) -> list[float]:
+    """Gbit/s of each (sender, receiver) stream of PAIRS, all run at once."""
+    import threading
+    out = {}
+    threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, tb.measure_bandwidth(*p, seconds=seconds)))
+               for p in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [out[p] * 8 / 1e9 for p in pairs]
+
+
+@needs_netns
+@pytest.mark.slow
+def test_a_host_receiving_from_two_hosts_is_capped_at_its_nic_and_sends_at_full_duplex():
+    """h0's NIC is 0.4 Gbit/s, its links to h1 and h2 too: what it receives from both at once adds up to 0.4
+    (the receive side is shaped), while it sends and receives 0.4 at the same time (full duplex)."""
+    links = ('link { a: "h0" b: "h1" bandwidth_gbps: 0.4 }\n'
+             'link { a: "h0" b: "h2" bandwidth_gbps: 0.4 }\nlink { a: "h1" b: "h2" bandwidth_gbps: 0.4 }\n')
+    goodput = 1448 / 1514
+    with Testbed(topo(3, links=links)) as tb:
+        into = _concurrent_bandwidths(tb, [("h1", "h0"), ("h2", "h0")])
+        assert sum(into) == pytest.approx(0.4 * goodput, rel=0.2)
+        both_ways = _concurrent_bandwidths(tb, [("h0", "h1"), ("h1", "h0")])
+        for got in both_ways:
+            assert got == pytest.approx(0.4 * goodput, rel=0.2)

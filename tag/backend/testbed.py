@@ -9,8 +9,10 @@ parent class, the host's NIC, at the NIC rate (by default the host's fastest dec
 host, selected by a u32 filter on the destination address, whose ceiling is the bandwidth the topology
 declares for that pair. A lone transfer to one destination therefore runs at the pair's bandwidth, and
 concurrent transfers from one host share its NIC (their sum is capped at the NIC rate), as the
-simulator's serialised NIC resource assumes. (Only egress is shaped: a host receiving from several
-others at once is not capped at its NIC rate, which the simulator does charge.) Latency: the topology's ``latency_us`` is
+simulator's serialised NIC send resource assumes. The receive side is shaped too: the root-namespace end
+of each host's veth carries what the host receives, and an HTB class at the host's NIC rate there, fed
+by a u32 filter on the other hosts' source addresses, caps what it receives from several hosts at once
+(the simulator's NIC receive resource). Sending and receiving do not share a cap (full duplex). Latency: the topology's ``latency_us`` is
 one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
 ``sch_netem``. Without it (e.g. minimal VM kernels) links are bandwidth-shaped only,
 ``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of microseconds.
@@ -415,11 +417,11 @@ class Testbed:
         return rates
 
     @staticmethod
-    def _htb_class(tc: list[str], parent: str, classid: str, rate: float, ceil: float) -> None:
+    def _htb_class(tc: list[str], parent: str, classid: str, rate: float, ceil: float, dev: str = "eth0") -> None:
         bits, cbits = (max(8_000, int(round(r * 8))) for r in (rate, ceil))
         quantum = int(min(max(rate / 100, 1514), 200_000))
         burst = int(max(ceil * 0.002, 15_140))  # 2 ms worth at the ceiling, at least 10 frames
-        _run(tc + ["class", "add", "dev", "eth0", "parent", parent, "classid", classid, "htb",
+        _run(tc + ["class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
                    "rate", f"{bits}bit", "ceil", f"{cbits}bit", "burst", str(burst),
                    "cburst", str(burst), "quantum", str(quantum)])
 
@@ -452,10 +454,22 @@ class Testbed:
                         netem_ok = self._netem(tc, ns, minor, rate, delay, netem_ok)
                 _run(tc + ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                            "match", "ip", "dst", f"{self.address(j)}/32", "flowid", f"1:{minor}"])
+            self._shape_receive(i, nic, pairs)
         self.latency_shaped = bool(netem_ok) or not wants_latency
         if wants_latency and not netem_ok:
             warnings.warn("this kernel has no sch_netem: testbed links are bandwidth-shaped only; the declared "
                           "latencies are not added", RuntimeWarning, stacklevel=3)
+
+    def _shape_receive(self, i: int, nic: float, senders: list[int]) -> None:
+        """Cap what host I receives from SENDERS together at its NIC rate: an HTB class on the egress of the
+        root-namespace end of its veth (the bridge sends the host's incoming frames through it). Traffic from
+        the root namespace (the client session) is not classified, so it passes unshaped."""
+        tc, veth = ["tc"], self._veth(i)
+        _run(tc + ["qdisc", "add", "dev", veth, "root", "handle", "1:", "htb"])
+        self._htb_class(tc, "1:", "1:1", nic, nic, dev=veth)
+        for j in senders:
+            _run(tc + ["filter", "add", "dev", veth, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                       "match", "ip", "src", f"{self.address(j)}/32", "flowid", "1:1"])
 
     @staticmethod
     def _netem(tc: list[str], ns: str, minor: str, rate: float, delay: float, netem_ok: bool | None) -> bool:

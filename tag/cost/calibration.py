@@ -208,8 +208,8 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
             sess.run(targets, feed_dict=feeds)
             par.append(time.perf_counter() - t0)
         sustained = _sustained_step(sess, targets, feeds, sustain_s) if sustain_s > 0 else None
-    op_times = np.array([np.min(s) if s else np.nan for s in samples], dtype=np.float64)
-    return StepMeasurement(op_times, float(np.min(walls)), float(np.min(par)), steps, sustained)
+    op_times = np.array([np.median(s) if s else np.nan for s in samples], dtype=np.float64)
+    return StepMeasurement(op_times, float(np.median(walls)), float(np.median(par)), steps, sustained)
 
 
 def _sustained_step(sess, targets, feeds, seconds: float) -> float:
@@ -304,7 +304,7 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
 
     ``graph`` is ``tag.analyze(graph_def)``; ``device_type`` names the entry in the profile (the
     topology's device type for this machine, "CPU" on a CPU host); ``steps`` traced steps are taken
-    after a short warm-up; each op's fastest time is used. ``model`` names the graph in the profile's source.
+    after a short warm-up; each op's median time is used. ``model`` names the graph in the profile's source.
     ``more``: further (graph_def, graph, name) calibration graphs measured the same way and fitted together
     with the first (e.g. a CNN and a transformer beside an MLP, so that each op family has its own fit).
 

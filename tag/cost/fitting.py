@@ -12,7 +12,7 @@ Example::
     from tag.cost.fitting import fit_profile
 
     graph = tag.analyze(graph_def)
-    m = measure_step(graph_def, graph)           # a StepMeasurement: fastest kernel time per op
+    m = measure_step(graph_def, graph)           # a StepMeasurement: median kernel time per op
     fit = fit_profile(graph, m, peak=measure_peak_flops(), bw=measure_memory_bandwidth())
     fit.efficiency["MatMul"], fit.launch_overhead_s, fit.kernel_floor_s
 
@@ -24,7 +24,7 @@ How the fit works (one device type, one graph):
 - ``kernel_floor``: the median kernel time of the zero-FLOP ops (a kernel's fixed cost; at least
   the step stats' resolution of 1 us).
 - Per op type with FLOPs, the efficiency ``e`` solves ``sum_i max(F_i / (peak * e), B_i / bw) =
-  sum_i max(t_i - kernel_floor, 0)`` over that type's ops (``t_i`` the fastest kernel time), so the
+  sum_i max(t_i - kernel_floor, 0)`` over that type's ops (``t_i`` the median kernel time), so the
   memory-bound ops are charged to bandwidth, not to efficiency; ``e`` is clipped to (0, 1]. Only
   ops whose roofline at ``e = 1`` is at least 20 us take part: a tiny op's time is its fixed cost,
   and fitting it as an efficiency would make the same op type absurdly slow on large tensors in
@@ -37,8 +37,10 @@ How the fit works (one device type, one graph):
   ops the cost model charges (not ``tag.cost.ZERO_COST_TYPES``, whose time is folded in here). The
   cost model's op times summed over the graph then reproduce the measured step (when the kernels
   alone do not already exceed it: TF overlaps independent ops, the simulator's device does not).
-- Every time is the fastest of the steps (peak and bandwidth: the fastest of several runs), the
-  figure closest to the device's own speed on a shared machine.
+- Every kernel time and step wall is the median of the steps, the statistic step times are reported
+  and benchmarked in: the fastest of each op taken separately add up to less than any real step, and a
+  noisy machine moves them more (peak and bandwidth are the fastest of several runs: they only set the
+  scale the efficiencies are fitted against).
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ _MIN_FIT_S = 20e-6                   # ops faster than this even at the roofline
 class StepMeasurement:
     """Kernel time per IR op (seconds; NaN where the step stats did not show the op) and step walls.
 
-    Every figure is the fastest of the steps: on a shared machine that is the closest to the device's
-    own speed, and it matches how the peak FLOP/s and bandwidth are measured (fastest of several runs).
+    Every figure is the median of the steps: what a step takes as step times are reported (medians), and
+    steadier on a shared machine than the fastest of each op taken separately.
     """
 
     op_times: np.ndarray

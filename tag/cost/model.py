@@ -126,28 +126,20 @@ class NetworkProfile:
         per_step = max(self.collective_latency_s - 2 * self.transfer_latency_s, 0.0) / 2
         return per_step, per_byte
 
-    def calibrate(self, topology: Topology, slowdown: np.ndarray | None = None) -> Topology:
-        """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs.
-
-        SLOWDOWN (per device, >= 1): how much slower than the profiled worker the device's host does the
-        runtime's work (``CostModel.runtime_slowdown``); a transfer's runtime cost is charged at the slower
-        of its two ends."""
+    def calibrate(self, topology: Topology) -> Topology:
+        """A copy of TOPOLOGY whose inter-host links carry the runtime's transfer costs."""
         host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
         inter_dev = host[:, None] != host[None, :]
         inter_host = ~np.eye(len(topology.hosts), dtype=bool)
-        dev_slow = np.ones(len(topology.devices)) if slowdown is None else np.asarray(slowdown, dtype=np.float64)
-        host_slow = np.ones(len(topology.hosts))
-        np.maximum.at(host_slow, host, dev_slow)
 
-        def slowed(bw: np.ndarray, lat: np.ndarray, mask: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def with_runtime(bw: np.ndarray, lat: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             bw, lat = bw.copy(), lat.copy()
-            f = np.maximum(slow[:, None], slow[None, :])[mask]
-            bw[mask] = 1.0 / (1.0 / bw[mask] + f / self.transfer_bytes_per_s)
+            bw[mask] = 1.0 / (1.0 / bw[mask] + 1.0 / self.transfer_bytes_per_s)
             lat[mask] = lat[mask] + self.transfer_latency_s
             return bw, lat
 
-        bw, lat = slowed(topology.bandwidth, topology.latency, inter_dev, dev_slow)
-        hbw, hlat = slowed(topology.host_bandwidth, topology.host_latency, inter_host, host_slow)
+        bw, lat = with_runtime(topology.bandwidth, topology.latency, inter_dev)
+        hbw, hlat = with_runtime(topology.host_bandwidth, topology.host_latency, inter_host)
         return dataclasses.replace(topology, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat)
 
 
@@ -307,26 +299,8 @@ class CostModel:
         self._host_intra_lat = np.array([h.intra_latency for h in topology.hosts], dtype=np.float64)
         self._nccl: tuple | None = None
         # with a network calibration, inter-host links carry the runtime's measured transfer costs
-        self.runtime_slowdown = self._runtime_slowdown()
         if self.profile.network:
-            self.topology = self.profile.network.calibrate(topology, self.runtime_slowdown)
-
-    def _runtime_slowdown(self) -> np.ndarray:
-        """Per device: how much slower its host does TF's runtime work (gRPC, the collective executor) than
-        the worker the network profile was measured on. On a CPU device the runtime shares the cores that
-        compute, so a CPU device slower than the fastest CPU device of the topology (fewer cores, a quota, a
-        lower clock) does it that much slower; elsewhere (GPUs: the host CPU does it) the factor is 1."""
-        slow = np.ones(len(self.topology.devices))
-        if self.profile.network is None:
-            return slow
-        cpu_peak = {g: self.rates(g).peak_flops for g, grp in enumerate(self.topology.groups)
-                    if grp.tf_device_type == "CPU" and self.rates(g).peak_flops > 0}
-        if len(cpu_peak) < 2:
-            return slow
-        fastest = max(cpu_peak.values())
-        for g, peak in cpu_peak.items():
-            slow[list(self.topology.groups[g].devices)] = fastest / peak
-        return slow
+            self.topology = self.profile.network.calibrate(topology)
 
     # ---------------------------------------------------------------- compute
     def rates(self, device_group: int) -> DeviceRates:
@@ -482,8 +456,6 @@ class CostModel:
         # TF's collective runtime between hosts costs more than plain transfers (network calibration)
         step_x, byte_x = self.profile.network.collective_extra() if (
             self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
-        slow = float(self.runtime_slowdown[devices].max())       # the collective waits for its slowest host
-        byte_x = byte_x * slow
         _, call = self._nccl_defaults(devices)
         ring = (call + 2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
         if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):

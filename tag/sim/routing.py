@@ -1,8 +1,10 @@
 """Routes of data between layouts, and the resources and coefficients of collectives (cached).
 
 The simulator's communication resources are numbered: ``0..H-1`` are the hosts' interconnects (bus),
-``H..2H-1`` their network interfaces (NIC). A transfer between two devices of one host holds that host's
-bus; across hosts it holds both hosts' NICs. Tensors crossing layouts move as the strategy semantics say
+``H..2H-1`` their network interfaces' send sides (NIC egress), ``2H..3H-1`` their receive sides (NIC
+ingress). A transfer between two devices of one host holds that host's bus; across hosts it holds the
+sender's egress and the receiver's ingress. NICs and links are full duplex: a host sends and receives at
+once, so transfers in opposite directions between two hosts do not wait for each other. Tensors crossing layouts move as the strategy semantics say
 (batch-axis tensors: the examples that change device; others: the whole tensor from one producer
 device, the best-connected one). ``Routing`` works out, once per pair of layouts, which lanes wait for
 which and which routes carry how many examples and whole copies; the schedule only multiplies by bytes.
@@ -39,8 +41,9 @@ class Routing:
         self._device_host = [d.host_index for d in topology.devices]
         self._bandwidth = cost.topology.bandwidth      # with the profile's network calibration, if any
         self._latency = cost.topology.latency
-        self.resource_names = [f"{h.name} interconnect" for h in topology.hosts] + \
-                              [f"{h.name} network" for h in topology.hosts]
+        self.resource_names = ([f"{h.name} interconnect" for h in topology.hosts] +
+                               [f"{h.name} network send" for h in topology.hosts] +
+                               [f"{h.name} network receive" for h in topology.hosts])
         # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
         self.moves: dict[tuple, tuple] = {}
         self._collectives: dict[tuple, tuple] = {}
@@ -48,7 +51,8 @@ class Routing:
     def route(self, p: int, c: int) -> tuple[tuple[int, ...], float, float]:
         """(resources, latency, seconds per byte) of a transfer from device P to device C."""
         hp, hc = self._device_host[p], self._device_host[c]
-        res = (hp,) if hp == hc else (self.num_hosts + hp, self.num_hosts + hc)
+        H = self.num_hosts
+        res = (hp,) if hp == hc else (H + hp, 2 * H + hc)
         return res, float(self._latency[p, c]), 1.0 / float(self._bandwidth[p, c])
 
     def best_source(self, sources: list[int], c: int) -> int:
@@ -198,8 +202,9 @@ class Routing:
             else:
                 (a1, b1), _ = self.cost.allgather_coeffs(devices)
                 wire = float(n * (n - 1))
+            # a ring across hosts sends and receives on every host's NIC
             res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
-                               ([H + h for h in by_host] if len(by_host) > 1 else [])))
+                               ([r for h in by_host for r in (H + h, 2 * H + h)] if len(by_host) > 1 else [])))
             c = (a1, b1, a1, b1, res, wire)
         else:
             workers = [d for d in devices if d != ps_device]
@@ -211,7 +216,7 @@ class Routing:
                 if wh == ph:
                     rs.add(ph)
                 else:
-                    rs.update((H + ph, H + wh))
+                    rs.update((H + ph, 2 * H + ph, H + wh, 2 * H + wh))   # push and pull, both ways
             c = (a, b, a, b, tuple(sorted(rs)), float(len(workers)))
         self._collectives[k] = c
         return c

@@ -2,7 +2,8 @@
 
 Each lane runs its tasks in the fixed priority order, one at a time, as soon as its inputs have arrived
 (an in-order list schedule). Tensors from one task to the tasks of one other layout travel together as
-a *flow* (one transfer per route). Every bus and NIC is one serialised resource: a transfer or
+a *flow* (one transfer per route). Every bus and each direction of every NIC is one serialised resource
+(``tag.sim.routing``): a transfer or
 collective starts when its inputs are ready and all its resources are free, and holds them for its
 duration (FIFO in issue order). Consecutive tasks on one layout form a *run*: their release times are
 all known when the run starts, so a run of several lanes is simulated with numpy at once.
@@ -63,7 +64,7 @@ class StepSchedule:
         self.plans = plans                    # partition group -> its plan (tag.sim.layouts.PartitionPlans)
         self.group_names = group_names
         self.record = record
-        self.resource_free = [0.0] * (2 * routing.num_hosts)     # resource -> when it is next free
+        self.resource_free = [0.0] * len(routing.resource_names)     # resource -> when it is next free
         self.lane_free = [0.0] * num_lanes                       # lane -> when it is next free
         self.release = [0.0] * T             # task -> earliest start (parameter-server pulls, collectives)
         self.comm_bytes = 0.0
