@@ -80,12 +80,21 @@ def measure(tb: Testbed, graph_def, train_op, loss, init, predicted: float, budg
     return float(np.median(r.step_times[warmup:]))
 
 
-def one_device_placement(strategy) -> tuple | None:
-    """The device group of every op group when each runs on one device (None otherwise): two strategies with
-    the same one-device placement are the same program, whatever their modes say."""
-    if all(len(a.placement) == 1 for a in strategy.actions):
-        return tuple(a.placement for a in strategy.actions)
-    return None
+def one_device_placement(strategy, topology) -> tuple | None:
+    """The device of every op group when each runs whole on one device (None otherwise): a one-device action,
+    or a partition whose ops all map to one device. Two strategies with the same such placement run the same
+    program, whatever their modes say."""
+    where = []
+    for g, a in enumerate(strategy.actions):
+        if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
+            where.append(topology.groups[a.placement[0]].devices[0])
+            continue
+        devices = {strategy.partition.get(int(i)) for i in strategy.grouping.members(g)} if a.mode == "partition" \
+            else set()
+        if len(devices) != 1 or None in devices:
+            return None
+        where.append(devices.pop())
+    return tuple(where)
 
 
 def group_cases(analysis, budget_s: float, randoms: int, seed: int) -> list[tuple[str, object, float]]:
@@ -97,12 +106,12 @@ def group_cases(analysis, budget_s: float, randoms: int, seed: int) -> list[tupl
     cases, seen = [], {}
     for name in BUILTIN_STRATEGIES:
         s = analysis.builtin(name)
-        same = seen.get(one_device_placement(s))
-        if same is not None:
-            print(f"  ({name} runs as {same})", flush=True)
+        where = one_device_placement(s, analysis.topology)
+        if where is not None and where in seen:
+            print(f"  ({name} runs as {seen[where]})", flush=True)
             continue
-        if one_device_placement(s) is not None:
-            seen[one_device_placement(s)] = name
+        if where is not None:
+            seen[where] = name
         cases.append((name, analysis.rewrite(s), sim.evaluate(s, batch_size=batch).step_time))
     plan = search_plan(analysis, budget_s=budget_s, seed=seed)
     if plan.method in BUILTIN_STRATEGIES and not plan.report().get("sfb_gradients"):

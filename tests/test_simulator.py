@@ -254,6 +254,23 @@ def test_nics_are_full_duplex_and_a_receiver_is_shared():
     assert routing.resource_names[2 * 3 + 0].endswith("receive")
 
 
+def test_transfers_hold_the_link_for_their_bytes_and_overlap_their_latencies():
+    """Two transfers issued at once on one route: the second waits only for the first one's bytes to leave
+    the wire, not for its latency (1 ms here), so it arrives one transfer time after the first."""
+    from tag.sim.routing import Routing
+    from tag.sim.schedule import StepSchedule
+    from tag.sim.task_graph import TaskGraph
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-3)
+    tasks = TaskGraph(tg, group_ops(tg, target_groups=2))
+    sched = StepSchedule(tasks, Routing(topo, CostModel(tg, topo), tasks), [], {}, 1, {}, ["a", "b"], None)
+    wire = 4e6 / 1e9
+    first = sched._transfer(0, 1, 4e6, 0.0, "first")
+    second = sched._transfer(0, 1, 4e6, 0.0, "second")
+    assert first == pytest.approx(1e-3 + wire)
+    assert second == pytest.approx(1e-3 + 2 * wire)
+
+
 def test_trace_shows_the_transfer_on_the_network_rows():
     tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
     topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
