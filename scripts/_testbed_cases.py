@@ -2,10 +2,11 @@
 
 ``testbed_recipe.json`` (beside this file) fixes the calibration (model, batch, steps) and the testbed
 configurations: per host a CPU quota (cores, CFS) and per host pair a link bandwidth. The topology's
-device speeds are *profiled*, not declared, each inside a cgroup of its quota and pinned to one core as a
-worker is: ``tag-profile --sustained`` traces the calibration model on the largest quota, and
-``tag-profile --like`` scales that profile to each smaller quota by the ratio of sustained step times
-(kernels cannot be traced under a quota: the fastest run between throttled slices). The profile holds one
+device speeds are *profiled*, not declared, each inside a cgroup of its quota and pinned to one core:
+``tag-profile --sustained`` traces the calibration models on the largest quota, and ``tag-profile --like``
+times every quota in a few rounds; each smaller quota is the traced profile scaled by its median share
+of the largest quota's sustained step (kernels cannot be traced under a quota: the fastest run between
+throttled slices). The profile holds one
 device type per quota (``CPUq50`` = half a core). Network costs of TensorFlow's runtime come from
 ``tag.cost.calibration.profile_network`` (two local one-thread workers).
 
@@ -59,43 +60,68 @@ def model_file(spec: str, batch: int, workdir: str) -> str:
 
 
 def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = True):
-    """A Profile with one device type per quota (``tag-profile --sustained`` inside a cgroup of that quota,
-    pinned to core 0) and the runtime's network costs."""
+    """A Profile with one device type per quota and the runtime's network costs.
+
+    The largest quota is traced (``tag-profile --sustained``, inside its cgroup, pinned to core 0 as every
+    calibration process is). Every quota, the largest included, is then timed ``share_rounds`` times in
+    turn with ``tag-profile --like`` against that profile; a quota's share of the largest is the median of
+    its rounds over the median of the largest's own. One sustained window per quota moved the
+    quarter-core host's share between 0.19 and 0.27 on this shared machine: the load drifts between
+    windows, and timing every quota in each round, the reference included, spreads the drift over all."""
+    import dataclasses
+    import numpy as np
     from tag.backend.testbed import Testbed
-    from tag.cli.profiles import merge_profiles
     from tag.cluster.topology import parse_topology
     from tag.cost.calibration import profile_network
     from tag.cost.model import Profile
     cal = recipe["calibration"]
     quotas = all_quotas(recipe, configs)
+    rounds = int(cal.get("share_rounds", 2))
     hosts = "\n".join(f'host {{ name: "cal{i}" address: "127.0.0.1" port: {25461 + i} device {{ type: "CPU" '
                       f'kind: CPU count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}'
                       for i in range(len(quotas)))
     topo = parse_topology(hosts + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n", path="<calibration>")
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     models = [model_file(spec, cal["batch"], workdir) for spec in cal["models"]]
-    base = ["--batch", str(cal["batch"]), "--sustained", str(cal["sustained_s"])]
-    items = []
+    base_args = ["--batch", str(cal["batch"]), "--sustained", str(cal["sustained_s"])]
+
+    def profile(i: int, how: list, out: str) -> Profile:
+        cmd = tb.launch_prefix(i) + pin + [sys.executable, "-m", "tag.cli.profile", *base_args, *how,
+                                           "--device-type", device_type(quotas[i]), "--out", out]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+        return Profile.load(out)
+
     with Testbed(topo, shape_links=False, cpu_quota=quotas) as tb:
-        for i, q in enumerate(quotas):   # the fastest first: the others are scaled from its kernels
-            out = os.path.join(workdir, f"profile-{device_type(q)}.json")
-            how = (["--model", *models, "--steps", str(cal["traced_steps"])] if i == 0
-                   else ["--model", models[0], "--like", items[0][0]])
-            cmd = tb.launch_prefix(i) + pin + [sys.executable, "-m", "tag.cli.profile", *base, *how,
-                                               "--device-type", device_type(q), "--out", out]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO,
-                           env=dict(os.environ, PYTHONPATH=REPO))
-            items.append((out, Profile.load(out)))
-    profile, _ = merge_profiles(items) if len(items) > 1 else (items[0][1], [])
-    profile.network = profile_network(steps=int(cal["network_steps"]))
-    profile.source = (f"testbed calibration ({', '.join(cal['models'])} at batch {cal['batch']}; "
-                      f"one device type per quota)")
+        base_path = os.path.join(workdir, f"profile-{device_type(quotas[0])}.json")
+        base = profile(0, ["--model", *models, "--steps", str(cal["traced_steps"])], base_path)
+        ref = base.devices[device_type(quotas[0])]
+        shares: dict[int, list[float]] = {i: [] for i in range(len(quotas))}
+        for r in range(rounds):
+            order = range(len(quotas)) if r % 2 == 0 else reversed(range(len(quotas)))
+            for i in order:
+                like = profile(i, ["--model", models[0], "--like", base_path],
+                               os.path.join(workdir, f"like-{device_type(quotas[i])}-{r}.json"))
+                shares[i].append(like.devices[device_type(quotas[i])].peak_flops / ref.peak_flops)
+    top = float(np.median(shares[0]))
+    devices = {}
+    for i, q in enumerate(quotas):
+        share = 1.0 if i == 0 else float(np.median(shares[i])) / top
+        devices[device_type(q)] = ref if i == 0 else dataclasses.replace(
+            ref, peak_flops=ref.peak_flops * share, memory_bandwidth=ref.memory_bandwidth * share,
+            launch_overhead_s=None if ref.launch_overhead_s is None else ref.launch_overhead_s / share,
+            sustained_step_s=ref.sustained_step_s / share)
+    profile_out = Profile(devices, network=profile_network(steps=int(cal["network_steps"])))
+    rounds_text = "; ".join(f"{device_type(q)} {', '.join(f'{x:.3f}' for x in shares[i])}"
+                            for i, q in enumerate(quotas))
+    profile_out.source = (f"testbed calibration ({', '.join(cal['models'])} at batch {cal['batch']}; one device "
+                          f"type per quota; shares of {device_type(quotas[0])}'s sustained step in {rounds} "
+                          f"rounds: {rounds_text})")
     if verbose:
-        n = profile.network
-        parts = [f"{t} {d.peak_flops / 1e9:.1f} GFLOP/s" for t, d in sorted(profile.devices.items(), reverse=True)]
-        print(f"calibration: {', '.join(parts)}; runtime step overhead {n.step_overhead_s * 1e3:.2f} ms, "
-              f"transfer latency {n.transfer_latency_s * 1e6:.0f} us", flush=True)
-    return profile
+        n = profile_out.network
+        parts = [f"{t} {d.peak_flops / 1e9:.1f} GFLOP/s" for t, d in sorted(devices.items(), reverse=True)]
+        print(f"calibration: {', '.join(parts)} (share rounds: {rounds_text}); runtime step overhead "
+              f"{n.step_overhead_s * 1e3:.2f} ms, transfer latency {n.transfer_latency_s * 1e6:.0f} us", flush=True)
+    return profile_out
 
 
 def testbed_topology(recipe: dict, name: str, profile):
