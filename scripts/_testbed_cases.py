@@ -68,7 +68,6 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
     its rounds over the median of the largest's own. One sustained window per quota moved the
     quarter-core host's share between 0.19 and 0.27 on this shared machine: the load drifts between
     windows, and timing every quota in each round, the reference included, spreads the drift over all."""
-    import dataclasses
     import numpy as np
     from tag.backend.testbed import Testbed
     from tag.cluster.topology import parse_topology
@@ -103,13 +102,9 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
                                os.path.join(workdir, f"like-{device_type(quotas[i])}-{r}.json"))
                 shares[i].append(like.devices[device_type(quotas[i])].peak_flops / ref.peak_flops)
     top = float(np.median(shares[0]))
-    devices = {}
-    for i, q in enumerate(quotas):
-        share = 1.0 if i == 0 else float(np.median(shares[i])) / top
-        devices[device_type(q)] = ref if i == 0 else dataclasses.replace(
-            ref, peak_flops=ref.peak_flops * share, memory_bandwidth=ref.memory_bandwidth * share,
-            launch_overhead_s=None if ref.launch_overhead_s is None else ref.launch_overhead_s / share,
-            sustained_step_s=ref.sustained_step_s / share)
+    devices = {device_type(quotas[0]): ref}
+    for i, q in enumerate(quotas[1:], start=1):
+        devices[device_type(q)] = ref.scaled(float(np.median(shares[i])) / top)
     profile_out = Profile(devices, network=profile_network(steps=int(cal["network_steps"])))
     rounds_text = "; ".join(f"{device_type(q)} {', '.join(f'{x:.3f}' for x in shares[i])}"
                             for i, q in enumerate(quotas))

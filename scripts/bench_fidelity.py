@@ -89,8 +89,9 @@ def one_device_placement(strategy, topology) -> tuple | None:
         if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
             where.append(topology.groups[a.placement[0]].devices[0])
             continue
-        devices = {strategy.partition.get(int(i)) for i in strategy.grouping.members(g)} if a.mode == "partition" \
-            else set()
+        if a.mode != "partition":
+            return None
+        devices = {strategy.partition.get(int(i)) for i in strategy.grouping.members(g)}
         if len(devices) != 1 or None in devices:
             return None
         where.append(devices.pop())

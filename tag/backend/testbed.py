@@ -12,8 +12,8 @@ concurrent transfers from one host share its NIC (their sum is capped at the NIC
 simulator's serialised NIC send resource assumes. The receive side is shaped too: the root-namespace end
 of each host's veth carries what the host receives, and an HTB class at the host's NIC rate there, fed
 by a u32 filter on the other hosts' source addresses, caps what it receives from several hosts at once
-(the simulator's NIC receive resource). Sending and receiving do not share a cap (full duplex). Latency: the topology's ``latency_us`` is
-one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
+(the simulator's NIC receive resource). Sending and receiving do not share a cap (full duplex).
+Latency: the topology's ``latency_us`` is one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
 ``sch_netem``. Without it (e.g. minimal VM kernels) links are bandwidth-shaped only,
 ``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of microseconds.
 Traffic to and from the root namespace (the client session) is not shaped.
@@ -22,7 +22,7 @@ Rates are link rates, as on a real NIC: TCP goodput is about 1448/1514 = 95.6% o
 IP and TCP headers at MTU 1500).
 
 Hosts of unequal, repeatable speed: ``cpu_quota`` gives each host a CFS bandwidth quota (cgroup v1
-``cpu.cfs_quota_us`` over a 100 ms ``cpu.cfs_period_us``) in cores, e.g. 1.0, 0.5 and 0.25: a host
+``cpu.cfs_quota_us`` over a 10 ms ``cpu.cfs_period_us``, ``CFS_PERIOD_US``) in cores, e.g. 1.0, 0.5 and 0.25: a host
 never gets more CPU time than that, whatever else runs. Optional CPU shares per host (``cpu.shares``)
 only weigh hosts against each other under contention -- a coarser stand-in for slower devices.
 
@@ -452,8 +452,7 @@ class Testbed:
                     wants_latency = True
                     if netem_ok is not False:
                         netem_ok = self._netem(tc, ns, minor, rate, delay, netem_ok)
-                _run(tc + ["filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                           "match", "ip", "dst", f"{self.address(j)}/32", "flowid", f"1:{minor}"])
+                self._u32_filter(tc, "eth0", "dst", self.address(j), f"1:{minor}")
             self._shape_receive(i, nic, pairs)
         self.latency_shaped = bool(netem_ok) or not wants_latency
         if wants_latency and not netem_ok:
@@ -468,8 +467,13 @@ class Testbed:
         _run(tc + ["qdisc", "add", "dev", veth, "root", "handle", "1:", "htb"])
         self._htb_class(tc, "1:", "1:1", nic, nic, dev=veth)
         for j in senders:
-            _run(tc + ["filter", "add", "dev", veth, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                       "match", "ip", "src", f"{self.address(j)}/32", "flowid", "1:1"])
+            self._u32_filter(tc, veth, "src", self.address(j), "1:1")
+
+    @staticmethod
+    def _u32_filter(tc: list[str], dev: str, field: str, address: str, flowid: str) -> None:
+        """Send DEV's packets whose IP FIELD ("src" or "dst") is ADDRESS to HTB class FLOWID."""
+        _run(tc + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                   "match", "ip", field, f"{address}/32", "flowid", flowid])
 
     @staticmethod
     def _netem(tc: list[str], ns: str, minor: str, rate: float, delay: float, netem_ok: bool | None) -> bool:

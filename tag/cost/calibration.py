@@ -340,7 +340,6 @@ def profile_like(base: "Profile", graph_def, graph: "TrainingGraph", *, device_t
     Kernel times cannot be traced on a time-sliced device: its fastest kernels run at full speed between
     the slices it is denied, while its steps do not. The ratio of sustained steps is the speed it keeps up.
     """
-    import dataclasses
     from tag.cost.model import Profile
     types = [base_type] if base_type else list(base.devices)
     if len(types) != 1 or types[0] not in base.devices:
@@ -351,10 +350,7 @@ def profile_like(base: "Profile", graph_def, graph: "TrainingGraph", *, device_t
         raise TagError(f"the base profile's {types[0]!r} entry has no sustained step (profile it with --sustained)")
     step = measure_sustained_step(graph_def, graph, seconds=sustain_s, device_type=device_type)
     share = ref.sustained_step_s / step
-    entry = dataclasses.replace(
-        ref, peak_flops=ref.peak_flops * share, memory_bandwidth=ref.memory_bandwidth * share,
-        launch_overhead_s=None if ref.launch_overhead_s is None else ref.launch_overhead_s / share,
-        sustained_step_s=step)
+    entry = ref.scaled(share, sustained_step_s=step)
     source = (f"tag.profile: {model or graph.name or 'graph'} at batch {graph.batch_size}: {types[0]} of "
               f"[{base.source}] scaled by {share:.3f} (sustained step {step * 1e3:.2f} ms here, "
               f"{ref.sustained_step_s * 1e3:.2f} ms there, over {sustain_s:g} s)")

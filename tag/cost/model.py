@@ -83,6 +83,15 @@ class DeviceProfile:
     efficiency: dict[str, float] = field(default_factory=dict)
     sustained_step_s: float | None = None    # the profiled model's median step over seconds (tag-profile --like)
 
+    def scaled(self, share: float, sustained_step_s: float | None = None) -> "DeviceProfile":
+        """The same kernels on a device SHARE times as fast (a CPU quota, a shared GPU): peak and bandwidth
+        times SHARE, launch overhead and sustained step divided by it (or SUSTAINED_STEP_S, when measured)."""
+        return dataclasses.replace(
+            self, peak_flops=self.peak_flops * share, memory_bandwidth=self.memory_bandwidth * share,
+            launch_overhead_s=None if self.launch_overhead_s is None else self.launch_overhead_s / share,
+            sustained_step_s=sustained_step_s if sustained_step_s is not None else (
+                None if self.sustained_step_s is None else self.sustained_step_s / share))
+
     def to_dict(self) -> dict:
         d = {"peak_flops": float(self.peak_flops), "memory_bandwidth": float(self.memory_bandwidth),
              "efficiency": {k: float(v) for k, v in sorted(self.efficiency.items())}}

@@ -4,10 +4,11 @@ The simulator's communication resources are numbered: ``0..H-1`` are the hosts' 
 ``H..2H-1`` their network interfaces' send sides (NIC egress), ``2H..3H-1`` their receive sides (NIC
 ingress). A transfer between two devices of one host holds that host's bus; across hosts it holds the
 sender's egress and the receiver's ingress. NICs and links are full duplex: a host sends and receives at
-once, so transfers in opposite directions between two hosts do not wait for each other. Tensors crossing layouts move as the strategy semantics say
-(batch-axis tensors: the examples that change device; others: the whole tensor from one producer
-device, the best-connected one). ``Routing`` works out, once per pair of layouts, which lanes wait for
-which and which routes carry how many examples and whole copies; the schedule only multiplies by bytes.
+once, so transfers in opposite directions between two hosts do not wait for each other. Tensors crossing
+layouts move as the strategy semantics say (batch-axis tensors: the examples that change device; others:
+the whole tensor from one producer device, the best-connected one). ``Routing`` works out, once per pair
+of layouts, which lanes wait for which and which routes carry how many examples and whole copies; the
+schedule only multiplies by bytes.
 
 Example::
 

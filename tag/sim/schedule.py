@@ -396,9 +396,10 @@ class StepSchedule:
                         continue
                     nbytes += nb
                     st = max(fk[sl], *(rfree[r] for r in res))
-                    end = st + lat + nb * ipb
+                    free = st + nb * ipb
+                    end = free + lat
                     for r in res:
-                        rfree[r] = end - lat
+                        rfree[r] = free
                     arrd[dl] = max(arrd[dl], end)
                     rec.transfers.append((res, st, end, nb, f"{names[tg_l[k]]} -> {names[tg_l[dst_task]]}"))
             self.comm_bytes += nbytes
@@ -409,8 +410,9 @@ class StepSchedule:
         """One transfer of NBYTES from device P to device C once READY: its arrival time."""
         res, lat, ipb = self.routing.route(p, c)
         st = earliest_start(self.resource_free, res, ready)
-        end = st + lat + nbytes * ipb
-        occupy(self.resource_free, res, end - lat)
+        free = st + nbytes * ipb                 # the links are busy while the bytes are on the wire
+        occupy(self.resource_free, res, free)
+        end = free + lat
         if self.record is not None:
             self.record.transfers.append((res, st, end, nbytes, label))
         return end
