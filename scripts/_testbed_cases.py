@@ -92,7 +92,8 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
 
     with Testbed(topo, shape_links=False, cpu_quota=quotas) as tb:
         base_path = os.path.join(workdir, f"profile-{device_type(quotas[0])}.json")
-        base = profile(0, ["--model", *models, "--steps", str(cal["traced_steps"])], base_path)
+        table = ["--matmul-table"] if cal.get("matmul_table") else []
+        base = profile(0, ["--model", *models, "--steps", str(cal["traced_steps"]), *table], base_path)
         ref = base.devices[device_type(quotas[0])]
         shares: dict[int, list[float]] = {i: [] for i in range(len(quotas))}
         for r in range(rounds):

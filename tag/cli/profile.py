@@ -11,6 +11,7 @@ Usage::
     tag-profile --model zoo:mlp                         # writes default_profile_path()
     tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
     tag-profile --model zoo:mlp --sustained 4 --out full.json              # + the mean step over 4 s
+    tag-profile --model zoo:mlp --matmul-table --out p.json   # + MatMul speed by shape (about 2 minutes)
     tag-profile --model zoo:mlp --like full.json --device-type CPUq50      # the same device, time-sliced
     tag-profile --merge v100.json gtx1080ti.json --out lab.json   # device types of a mixed cluster in one file
 
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--like", default=None, metavar="BASE.json",
                    help="a device that runs BASE's kernels at another speed (a CPU quota, a shared GPU): time the "
                         "model's sustained step here and scale BASE's one device entry (profiled with --sustained)")
+    p.add_argument("--matmul-table", action="store_true",
+                   help="also time MatMul products on a grid of shapes (about 2 minutes on one CPU core) and cost "
+                        "each MatMul op at its own shape and transposes")
     p.add_argument("--network", action="store_true",
                    help="also measure TF's distributed runtime between two local one-thread workers "
                         "(step overhead, transfer latency and throughput)")
@@ -104,6 +108,8 @@ def _body(argv: Sequence[str]) -> int:
         raise TagError(f"--steps must be positive, got {args.steps}")
     if args.sustained is not None and not 0 < args.sustained <= 600:
         raise TagError(f"--sustained must be between 0 and 600 seconds, got {args.sustained:g}")
+    if args.like is not None and args.matmul_table:
+        raise TagError("--matmul-table times this device's own MatMuls; with --like the base profile's table is used")
     base = None
     if args.like is not None:
         from tag.cli.profiles import read_profile
@@ -127,7 +133,7 @@ def _body(argv: Sequence[str]) -> int:
                             model=spec)
     else:
         prof = profile_graph(gd, graph, steps=args.steps, device_type=args.device_type, model=spec,
-                             sustain_s=args.sustained or 0.0, more=items[1:])
+                             sustain_s=args.sustained or 0.0, more=items[1:], matmul_table=args.matmul_table)
     if args.network:
         prof.network = profile_network()
         prof.source += "; network: two local one-thread TF workers over gRPC"

@@ -37,6 +37,7 @@ from tag.errors import GraphError, TagError  # noqa: E402
 from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
+    from tag.cost.matmul_table import MatmulTable
     from tag.cost.model import NetworkProfile, Profile
     from tag.ir.types import TrainingGraph
 
@@ -286,6 +287,53 @@ def measure_memory_bandwidth(device_type: str = "CPU", n: int = 1 << 22, reps: i
         return 12.0 * n / _best_kernel_time(sess, s.op, reps)
 
 
+def measure_matmul_rates(shapes: Sequence[tuple[str, int, int, int]], peak: float, device_type: str = "CPU",
+                         target_s: float = 0.003, runs: int = 3) -> dict[tuple[str, int, int, int], float]:
+    """FLOP/s of each (variant, m, k, n) MatMul (``tag.cost.matmul_table``), timed as the runtime runs it: copies
+    of the product grouped into one session run of about TARGET_S seconds at half of PEAK (so a small product's
+    time is its kernels, not the session's), ops one at a time, the median of RUNS runs after one warm-up.
+    One graph per (variant, m)."""
+    from tag.cost.matmul_table import VARIANTS
+    by_group: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for v, m, k, n in shapes:
+        if v not in VARIANTS:
+            raise TagError(f"unknown MatMul variant {v!r} (expected one of {', '.join(VARIANTS)})")
+        by_group.setdefault((v, m), []).append((k, n))
+    rates: dict[tuple[str, int, int, int], float] = {}
+    for (v, m), kns in by_group.items():
+        ta, tb = v == "tn", v == "nt"
+        g = tf.Graph()
+        with g.as_default(), tf.device(_tf_device(device_type)):
+            a_of = {k: tf.Variable(tf.random.normal([k, m] if ta else [m, k], seed=1)) for k in {k for k, _ in kns}}
+            groups = {}
+            for k, n in kns:
+                b = tf.Variable(tf.random.normal([n, k] if tb else [k, n], seed=2))
+                copies = int(np.clip(target_s * 0.5 * peak / (2.0 * m * k * n), 1, 16))
+                groups[(k, n)] = (copies, tf.group(*[tf.matmul(a_of[k], b, transpose_a=ta, transpose_b=tb)
+                                                    for _ in range(copies)]))
+            init = v1.global_variables_initializer()
+        with v1.Session(graph=g, config=_session_config(serial=True)) as sess:
+            sess.run(init)
+            for (k, n), (copies, group) in groups.items():
+                sess.run(group)                                   # warm-up (first-run allocations)
+                times = []
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    sess.run(group)
+                    times.append((time.perf_counter() - t0) / copies)
+                rates[(v, m, k, n)] = 2.0 * m * k * n / float(np.median(times))
+    return rates
+
+
+def measure_matmul_table(peak: float, device_type: str = "CPU", sides: Sequence[int] | None = None) -> "MatmulTable":
+    """The MatMul efficiency table of this device (``tag.cost.matmul_table``): every variant on the grid of
+    SIDES (default ``DEFAULT_SIDES``) up to 2^30 FLOPs per product, as fractions of PEAK. About a minute and a
+    half on one CPU core."""
+    from tag.cost.matmul_table import DEFAULT_SIDES, grid_shapes, table_from_rates
+    sides = tuple(sides or DEFAULT_SIDES)
+    return table_from_rates(measure_matmul_rates(grid_shapes(sides), peak, device_type), peak, sides)
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -299,7 +347,8 @@ def _cpu_name() -> str:
 
 def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_type: str = "CPU",
                   seed: int = 0, model: str | None = None, sustain_s: float = 0.0,
-                  more: Sequence[tuple[object, "TrainingGraph", str]] = ()) -> "Profile":
+                  more: Sequence[tuple[object, "TrainingGraph", str]] = (), matmul_table: bool = False,
+                  matmul_sides: Sequence[int] | None = None) -> "Profile":
     """Profile one training step on the local device and return the calibrated ``tag.cost.Profile``.
 
     ``graph`` is ``tag.analyze(graph_def)``; ``device_type`` names the entry in the profile (the
@@ -310,6 +359,10 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
 
     ``sustain_s`` > 0: also record the first graph's median step over SUSTAIN_S seconds of steps
     (``sustained_step_s``), which ``profile_like`` scales other devices from.
+
+    ``matmul_table``: also time MatMul products on a grid of shapes (``measure_matmul_table``, MATMUL_SIDES)
+    and cost MatMul ops by their shape (``tag.cost.matmul_table``), at the level the calibration graphs'
+    MatMuls run at (``Fit.matmul_scale``).
     """
     from tag.cost.model import Profile
     items = [(graph_def, graph, model or graph.name or "graph"), *more]
@@ -317,7 +370,8 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
           for i, (gd, g, _) in enumerate(items)]
     peak = measure_peak_flops(device_type)
     bw = measure_memory_bandwidth(device_type)
-    fit = fit_profile([g for _, g, _ in items], ms, peak, bw)
+    table = measure_matmul_table(peak, device_type, matmul_sides) if matmul_table else None
+    fit = fit_profile([g for _, g, _ in items], ms, peak, bw, matmul_table=table)
     steps_text = "; ".join(f"{name} at batch {g.batch_size}: step {m.wall_s * 1e3:.2f} ms ops one at a time, "
                            f"{m.wall_parallel_s * 1e3:.2f} ms with default settings"
                            for (_, g, name), m in zip(items, ms))
@@ -325,6 +379,10 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
               f"{tf.__version__}); {steps_text}; kernel floor {fit.kernel_floor_s * 1e6:.1f} us")
     entry = {"peak_flops": peak, "memory_bandwidth": bw, "launch_overhead_s": fit.launch_overhead_s,
              "efficiency": fit.efficiency}
+    if table is not None:
+        entry["matmul_table"] = table.scaled(fit.matmul_scale).to_dict()
+        source += (f"; MatMul table on sides {'/'.join(map(str, table.sides))}, a training step's MatMuls "
+                   f"{fit.matmul_scale:.2f}x as fast as lone products")
     if ms[0].wall_sustained_s:
         source += f"; sustained step of {items[0][2]} {ms[0].wall_sustained_s * 1e3:.2f} ms over {sustain_s:g} s"
         entry["sustained_step_s"] = ms[0].wall_sustained_s

@@ -44,19 +44,23 @@ How the fit works (one device type, one graph):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from tag.cost.matmul_table import matmul_dims
 from tag.cost.model import ZERO_COST_TYPES
 from tag.errors import GraphError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.cost.matmul_table import MatmulTable
     from tag.ir.types import TrainingGraph
 
 _STEP_STATS_RESOLUTION_S = 1e-6      # step stats count whole microseconds
 _MIN_FIT_S = 20e-6                   # ops faster than this even at the roofline: fixed costs, not efficiency
+_MAX_MATMUL_SCALE = 4.0              # in-graph MatMuls at most this much faster than the table's lone products
 
 
 @dataclass
@@ -74,13 +78,14 @@ class StepMeasurement:
     wall_sustained_s: float | None = None   # mean default-settings step over a long window (``sustain_s``)
 
 
-def fit_efficiency(flops: np.ndarray, mem: np.ndarray, target_s: float, peak: float, bw: float) -> float:
-    """The e in (0, 1] with sum max(flops / (peak e), mem / bw) = target_s (1 when even e = 1 is slower)."""
+def fit_efficiency(flops: np.ndarray, mem: np.ndarray, target_s: float, peak: float, bw: float,
+                   upper: float = 1.0) -> float:
+    """The e in (0, UPPER] with sum max(flops / (peak e), mem / bw) = target_s (UPPER when even that is slower)."""
     def model(e: float) -> float:
         return float(np.maximum(flops / (peak * e), mem / bw).sum())
-    if model(1.0) >= target_s:
-        return 1.0
-    lo, hi = -12.0, 0.0          # log10(e): model(10**lo) is huge, model(10**hi) too small
+    if model(upper) >= target_s:
+        return float(upper)
+    lo, hi = -12.0, math.log10(upper)   # log10(e): model(10**lo) is huge, model(10**hi) too small
     for _ in range(80):
         mid = 0.5 * (lo + hi)
         if model(10.0 ** mid) > target_s:
@@ -97,16 +102,21 @@ class Fit:
     efficiency: dict[str, float]
     launch_overhead_s: float
     kernel_floor_s: float
+    matmul_scale: float = 1.0       # in-graph MatMul speed over the MatMul table's (1 without a table)
 
 
 def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasurement | Sequence[StepMeasurement]",
-                peak: float, bw: float) -> Fit:
+                peak: float, bw: float, matmul_table: "MatmulTable | None" = None) -> Fit:
     """Per-op-type efficiencies and the launch overhead from a step measurement (see module docstring).
 
     GRAPH and M may be sequences (several calibration graphs measured on the same device): their ops are
     fitted together, and the launch overhead spreads the sum of their steps' unexplained time over all ops.
     Matches ``tag.cost.CostModel.op_times``: ops of ``tag.cost.ZERO_COST_TYPES`` cost nothing there,
-    so their measured time is folded into the launch overhead of the others.
+    so their measured time is folded into the launch overhead of the others. With a MATMUL_TABLE, the MatMul
+    ops whose shapes it covers take their efficiency from it in the step's roofline (as ``CostModel.op_times``
+    does), times one scale fitted over them like an efficiency (``Fit.matmul_scale``: the table times lone
+    products, a training step runs them among other ops); the per-type MatMul fit stays, for MatMul ops the
+    table cannot place (unknown shapes).
     """
     graphs = [graph] if not isinstance(graph, (list, tuple)) else list(graph)
     measurements = [m] if not isinstance(m, (list, tuple)) else list(m)
@@ -119,6 +129,13 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     op_times = np.concatenate([x.op_times for x in measurements]).astype(np.float64)
     wall_parallel = float(sum(x.wall_parallel_s for x in measurements))
     costed = np.array([t not in ZERO_COST_TYPES for t in types], dtype=bool)
+    tabled = np.full(len(types), np.nan)               # per op: its MatMul table efficiency (NaN: none)
+    if matmul_table is not None:
+        start = 0
+        for g in graphs:
+            dims = matmul_dims(g)
+            tabled[start + dims.ops] = matmul_table.lookup(dims.variant, *dims.at(float(g.batch_size)))
+            start += len(g.ops)
     seen = ~np.isnan(op_times)                        # per op: did the step stats show it?
     if not (seen & costed).any():
         raise GraphError("TensorFlow's step stats named none of the graph's ops; nothing to fit")
@@ -137,10 +154,15 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
         eff[str(t)] = fit_efficiency(flops[sel], mem[sel], float(busy[sel].sum()), peak, bw)
     eff["default"] = (fit_efficiency(flops[fitted], mem[fitted], float(busy[fitted].sum()), peak, bw)
                       if fitted.any() else 0.5)
-    e_op = np.array([eff.get(t, eff["default"]) for t in types])
+    # the table's shape dependence is measured on lone products; its level inside a training step is fitted here
+    in_table = fitted & ~np.isnan(tabled)
+    scale = (fit_efficiency(flops[in_table] / tabled[in_table], mem[in_table], float(busy[in_table].sum()), peak, bw,
+                            upper=_MAX_MATMUL_SCALE) if in_table.any() else 1.0)
+    tabled = np.minimum(tabled * scale, 1.0)
+    e_op = np.where(np.isnan(tabled), [eff.get(t, eff["default"]) for t in types], tabled)
     roofline = np.where(costed, np.maximum(flops / (peak * e_op), mem / bw), 0.0)
     launch = max(floor, (wall_parallel - float(roofline.sum())) / max(int(costed.sum()), 1))
-    return Fit(eff, float(launch), floor)
+    return Fit(eff, float(launch), floor, float(scale))
 
 
 def fit_line(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), mem_bytes / memory_bandwidth)
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
-device and stored as JSON) or from built-in defaults. Communication follows latency + bytes / bandwidth of
+device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
+(``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead. Communication follows latency + bytes / bandwidth of
 the path, with ring / hierarchical all-reduce, parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
 
@@ -34,6 +35,7 @@ for the group's TF device type (GPU or CPU) are used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -45,6 +47,7 @@ import numpy as np
 from tag.errors import TagError
 from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
+from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
 from tag.cost.op_classes import op_classes
 
 PROFILE_VERSION = 1
@@ -82,6 +85,7 @@ class DeviceProfile:
     launch_overhead_s: float | None = None
     efficiency: dict[str, float] = field(default_factory=dict)
     sustained_step_s: float | None = None    # the profiled model's median step over seconds (tag-profile --like)
+    matmul_table: MatmulTable | None = None  # MatMul efficiency by shape (tag.cost.matmul_table), fractions of peak
 
     def scaled(self, share: float, sustained_step_s: float | None = None) -> "DeviceProfile":
         """The same kernels on a device SHARE times as fast (a CPU quota, a shared GPU): peak and bandwidth
@@ -99,6 +103,8 @@ class DeviceProfile:
             d["launch_overhead_s"] = float(self.launch_overhead_s)
         if self.sustained_step_s is not None:
             d["sustained_step_s"] = float(self.sustained_step_s)
+        if self.matmul_table is not None:
+            d["matmul_table"] = self.matmul_table.to_dict()
         return d
 
 
@@ -192,7 +198,7 @@ class Profile:
             if not isinstance(entry, dict):
                 raise bad(f"devices.{dtype} must be an object")
             unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency",
-                                    "sustained_step_s"}
+                                    "sustained_step_s", "matmul_table"}
             if unknown:
                 raise bad(f"devices.{dtype}: unknown field {sorted(unknown)[0]!r}")
             nums = {}
@@ -211,8 +217,10 @@ class Profile:
                 if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or not 0 < e <= 1:
                     raise bad(f"devices.{dtype}.efficiency.{op_type} must be in (0, 1], got {e!r}")
                 effs[str(op_type)] = float(e)
+            table = (MatmulTable.from_dict(entry["matmul_table"], f"{where}: devices.{dtype}.matmul_table")
+                     if entry.get("matmul_table") is not None else None)
             out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
-                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"))
+                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"), table)
         network = None
         if data.get("network") is not None:
             net = data["network"]
@@ -272,6 +280,7 @@ class DeviceRates:
     launch_overhead_s: float
     efficiency: dict[str, float]
     lockstep_factor: float = 1.0    # op-time multiplier for replicas running in lockstep (shipped GPU defaults)
+    matmul_table: MatmulTable | None = None   # MatMul efficiency by shape, from the device's own profile entry
 
     def efficiency_of(self, op_type: str) -> float:
         return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
@@ -312,6 +321,11 @@ class CostModel:
             self.topology = self.profile.network.calibrate(topology)
 
     # ---------------------------------------------------------------- compute
+    @functools.cached_property
+    def matmul_dims(self) -> MatmulDims:
+        """The graph's MatMul shapes, for devices whose profile has a MatMul table."""
+        return matmul_dims(self.graph)
+
     def rates(self, device_group: int) -> DeviceRates:
         """The effective numbers of one device group (profile entry applied to the topology's spec).
 
@@ -347,7 +361,9 @@ class CostModel:
             # listed op types come from the profile; unlisted ones keep a built-in per-type value if there
             # is one, else the profile's "default"
             eff.update(entry.efficiency)
-        r = DeviceRates(float(peak), float(bw), float(overhead), eff)
+        # a MatMul table holds fractions of the peak it was measured against: only the device's own entry
+        table = entry.matmul_table if entry is not None and exact else None
+        r = DeviceRates(float(peak), float(bw), float(overhead), eff, matmul_table=table)
         self._rates[device_group] = r
         return r
 
@@ -390,6 +406,10 @@ class CostModel:
         flops = a.flops_fixed + a.flops_per_example * batch
         mem = a.mem_fixed + a.mem_per_example * batch
         t = np.maximum(flops * self._inv_compute_rate(device_group), mem / r.memory_bandwidth)
+        if r.matmul_table is not None and len(self.matmul_dims.ops):
+            mm = self.matmul_dims
+            eff = r.matmul_table.lookup(mm.variant, *mm.at(batch))
+            t[mm.ops] = np.maximum(flops[mm.ops] / (r.peak_flops * eff), mem[mm.ops] / r.memory_bandwidth)
         t = t + r.launch_overhead_s
         if r.lockstep_factor != 1.0:
             t = t * r.lockstep_factor

@@ -100,8 +100,16 @@ def op_infos(sg: StepGraph, inferred: InferredShapes, tensors: dict[str, list[Te
         ops.append(OpInfo(
             name=nm, type=n.type, device=n.nd.device, phase=phase[nm],  # type: ignore[arg-type]
             inputs=[f"{s}:{i}" for s, i in n.data_in], control_inputs=list(n.ctrl_in), outputs=outs,
-            flops=flops, mem_bytes=Linear(float(mf), float(mp)), has_flop_rule=known))
+            flops=flops, mem_bytes=Linear(float(mf), float(mp)), has_flop_rule=known, attrs=_cost_attrs(n)))
     return ops, unknown_types
+
+
+_COST_ATTRS = {"MatMul": ("transpose_a", "transpose_b"), "_FusedMatMul": ("transpose_a", "transpose_b")}
+
+
+def _cost_attrs(n: Node) -> dict[str, bool]:
+    """The attributes of N that change its speed at equal FLOPs (``tag.cost.matmul_table``: MatMul transposes)."""
+    return {a: bool(n.nd.attr[a].b) for a in _COST_ATTRS.get(n.type, ()) if a in n.nd.attr}
 
 
 def _op_flops(n: Node, sg: StepGraph, inferred: InferredShapes, in_infos: list[TensorInfo],

@@ -1,0 +1,193 @@
+"""MatMul speed by shape: a measured table of efficiencies, and the shape of every MatMul op of a graph.
+
+Why a table: on a CPU one efficiency per op type cannot follow how MatMul speed depends on its shape and
+transposes. Measured on one core (TensorFlow 2.21, Eigen): at 96 rows the forward product ``x . W`` of a
+2048 x 2048 layer runs at about 33 GFLOP/s, its input gradient ``dy . W^T`` at 11, and the same input
+gradient of a 512 x 512 layer at 23; halving the rows costs the input gradient a third of its speed and
+the forward product almost nothing. A profile measured on MLPs of other widths therefore predicted a
+2048-wide MLP 25% too fast and a 512-wide one 30% too slow. The table holds, per variant, the efficiency
+(FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the efficiency
+interpolated at its own shape, at the batch it runs at.
+
+Variants (``VARIANTS``): ``nn`` = ``A . B`` (a forward product), ``nt`` = ``A . B^T`` (an input gradient),
+``tn`` = ``A^T . B`` (a weight gradient); ``A^T . B^T`` is costed as ``nt``. Dimensions: ``m`` rows of
+the result, ``k`` the contracted side, ``n`` columns of the result. Lookup interpolates the logarithm of
+the efficiency multilinearly in ``(log m, log k, log n)``, clamped to the grid. numpy only.
+
+JSON (a device entry's ``matmul_table`` in a profile)::
+
+    {"sides": [16, 32, ..., 4096],
+     "efficiency": {"nn": [[[0.41, ...], ...], ...], "nt": ..., "tn": ...}}   # [m][k][n], each in (0, 1]
+
+Example::
+
+    from tag.cost.matmul_table import MatmulTable, matmul_dims
+    dims = matmul_dims(training_graph)                      # the graph's MatMul ops and their shapes
+    m, k, n = dims.at(batch=32.0)
+    eff = table.lookup(dims.variant, m, k, n)               # one efficiency per MatMul op
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tag.errors import TagError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.ir.types import TrainingGraph
+
+VARIANTS = ("nn", "nt", "tn")
+#: the grid's side lengths, for m, k and n alike (a MatMul's sides are model widths or batch rows)
+DEFAULT_SIDES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MATMUL_OP_TYPES = frozenset({"MatMul", "_FusedMatMul"})
+
+
+def variant_of(transpose_a: bool, transpose_b: bool) -> int:
+    """Index into VARIANTS of a MatMul with these transposes (both transposed: costed as ``nt``)."""
+    if transpose_a and not transpose_b:
+        return VARIANTS.index("tn")
+    return VARIANTS.index("nt") if transpose_b else VARIANTS.index("nn")
+
+
+@dataclass
+class MatmulTable:
+    """Efficiency per variant on a grid: ``efficiency[v][i, j, l]`` at m = sides[i], k = sides[j], n = sides[l]."""
+
+    sides: tuple[int, ...]
+    efficiency: dict[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        self._log_sides = np.log2(np.asarray(self.sides, dtype=np.float64))
+        self._log_eff = np.stack([np.log(self.efficiency[v]) for v in VARIANTS])   # [variant, m, k, n]
+
+    def lookup(self, variant: np.ndarray, m: np.ndarray, k: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Efficiency of each MatMul (arrays of equal length; VARIANT holds indices into VARIANTS)."""
+        coords = []
+        for dim in (m, k, n):
+            x = np.clip(np.log2(np.maximum(np.asarray(dim, dtype=np.float64), 1.0)),
+                        self._log_sides[0], self._log_sides[-1])
+            i = np.clip(np.searchsorted(self._log_sides, x, side="right") - 1, 0, len(self.sides) - 2)
+            w = (x - self._log_sides[i]) / (self._log_sides[i + 1] - self._log_sides[i])
+            coords.append((i, w))
+        v = np.asarray(variant, dtype=np.int64)
+        out = np.zeros(len(v))
+        for corner in range(8):
+            weight = np.ones(len(v))
+            idx = []
+            for axis, (i, w) in enumerate(coords):
+                upper = (corner >> axis) & 1
+                weight = weight * (w if upper else 1.0 - w)
+                idx.append(i + upper)
+            out += weight * self._log_eff[v, idx[0], idx[1], idx[2]]
+        return np.exp(out)
+
+    def scaled(self, factor: float) -> "MatmulTable":
+        """The table with every efficiency times FACTOR (clipped to 1): the level of a training step's MatMuls."""
+        return MatmulTable(self.sides, {v: np.clip(a * factor, 1e-6, 1.0) for v, a in self.efficiency.items()})
+
+    def to_dict(self) -> dict:
+        return {"sides": [int(s) for s in self.sides],
+                "efficiency": {v: np.round(self.efficiency[v], 5).tolist() for v in VARIANTS}}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> "MatmulTable":
+        """Validate plain data (as loaded from JSON); TagError naming WHERE on anything malformed."""
+        if not isinstance(data, dict) or set(data) != {"sides", "efficiency"}:
+            raise TagError(f"{where}: expected an object with 'sides' and 'efficiency'")
+        sides = data["sides"]
+        if (not isinstance(sides, list) or len(sides) < 2
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sides)
+                or any(a >= b for a, b in zip(sides, sides[1:]))):
+            raise TagError(f"{where}.sides: expected at least two increasing positive integers")
+        eff = data["efficiency"]
+        if not isinstance(eff, dict) or set(eff) != set(VARIANTS):
+            raise TagError(f"{where}.efficiency: expected the variants {', '.join(VARIANTS)}")
+        shape = (len(sides),) * 3
+        arrays = {}
+        for v in VARIANTS:
+            try:
+                a = np.asarray(eff[v], dtype=np.float64)
+            except (TypeError, ValueError):
+                raise TagError(f"{where}.efficiency.{v}: expected a {shape} grid of numbers") from None
+            if a.shape != shape:
+                raise TagError(f"{where}.efficiency.{v}: expected a {shape} grid, got {a.shape}")
+            if not (np.isfinite(a).all() and (a > 0).all() and (a <= 1).all()):
+                raise TagError(f"{where}.efficiency.{v}: every efficiency must be in (0, 1]")
+            arrays[v] = a
+        return cls(tuple(int(s) for s in sides), arrays)
+
+
+@dataclass
+class MatmulDims:
+    """The 2-D MatMul ops of a graph whose shapes are known: op indices, variant, and each side as
+    ``fixed + per_example * batch`` (a side grows with the batch when it holds the batch rows)."""
+
+    ops: np.ndarray
+    variant: np.ndarray
+    fixed: np.ndarray          # [ops, 3]: m, k, n at batch 0
+    per_example: np.ndarray    # [ops, 3]
+
+    def at(self, batch: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        sides = np.maximum(self.fixed + self.per_example * float(batch), 1.0)
+        return sides[:, 0], sides[:, 1], sides[:, 2]
+
+
+def matmul_dims(graph: "TrainingGraph") -> MatmulDims:
+    """Shapes of GRAPH's MatMul ops (those with 2-D operands of known shape), from the IR's tensor shapes
+    (at the reference batch) and the ops' ``transpose_a`` / ``transpose_b`` attributes."""
+    tensors = {t.name: t for op in graph.ops for t in op.outputs}
+    ref = float(max(graph.batch_size, 1))
+    ops, variants, fixed, per_example = [], [], [], []
+    for i, op in enumerate(graph.ops):
+        if op.type not in MATMUL_OP_TYPES or not op.inputs or not op.outputs:
+            continue
+        a, out = tensors.get(op.inputs[0]), op.outputs[0]
+        if a is None or not _known_2d(a.shape) or not _known_2d(out.shape):
+            continue
+        ta, tb = bool(op.attrs.get("transpose_a", False)), bool(op.attrs.get("transpose_b", False))
+        k_axis = 0 if ta else 1
+        sides = [(out.shape[0], out.batch_axis == 0), (a.shape[k_axis], a.batch_axis == k_axis),
+                 (out.shape[1], out.batch_axis == 1)]
+        ops.append(i)
+        variants.append(variant_of(ta, tb))
+        fixed.append([0.0 if grows else float(s) for s, grows in sides])
+        per_example.append([float(s) / ref if grows else 0.0 for s, grows in sides])
+    return MatmulDims(np.array(ops, dtype=np.int64), np.array(variants, dtype=np.int64),
+                      np.array(fixed, dtype=np.float64).reshape(-1, 3),
+                      np.array(per_example, dtype=np.float64).reshape(-1, 3))
+
+
+def _known_2d(shape) -> bool:
+    return shape is not None and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def grid_shapes(sides=DEFAULT_SIDES, max_flops: float = 2.0 ** 30) -> list[tuple[str, int, int, int]]:
+    """(variant, m, k, n) of every grid point worth timing: those of at most MAX_FLOPS (larger ones take the
+    efficiency of the largest timed m with the same k and n: a large product's speed no longer grows with m)."""
+    return [(v, m, k, n) for v in VARIANTS for m in sides for k in sides for n in sides
+            if 2.0 * m * k * n <= max_flops]
+
+
+def table_from_rates(rates: dict[tuple[str, int, int, int], float], peak: float,
+                     sides=DEFAULT_SIDES) -> MatmulTable:
+    """A MatmulTable from measured FLOP/s per (variant, m, k, n) grid point, as fractions of PEAK (clipped to
+    (0, 1]); untimed points copy the largest timed m of their (variant, k, n)."""
+    if not math.isfinite(peak) or peak <= 0:
+        raise TagError(f"peak FLOP/s must be positive, got {peak!r}")
+    eff = {}
+    for v in VARIANTS:
+        a = np.zeros((len(sides),) * 3)
+        for j, k in enumerate(sides):
+            for l, n in enumerate(sides):
+                last = None
+                for i, m in enumerate(sides):
+                    r = rates.get((v, m, k, n))
+                    last = r if r is not None else last
+                    if last is None:
+                        raise TagError(f"MatMul table: no timing for {v} m={m} k={k} n={n}")
+                    a[i, j, l] = last
+        eff[v] = np.clip(a / peak, 1e-6, 1.0)
+    return MatmulTable(tuple(sides), eff)

@@ -1,0 +1,140 @@
+"""tag.cost.matmul_table: the MatMul efficiency table (lookup, JSON), the MatMul shapes of a real graph, and
+how the cost model, the fit and the profiler use a table."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tag  # noqa: E402
+from tag.cluster.topology import load_topology  # noqa: E402
+from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
+from tag.cost.matmul_table import (VARIANTS, MatmulTable, grid_shapes, matmul_dims, table_from_rates,  # noqa: E402
+                                   variant_of)
+from tag.cost.model import CostModel, DeviceProfile, Profile  # noqa: E402
+from tag.errors import TagError  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCALHOST = os.path.join(ROOT, "topologies", "localhost.pbtxt")
+SIDES = (16, 64, 256)
+
+
+def _table(nn=0.5, nt=0.1, tn=0.4) -> MatmulTable:
+    return MatmulTable(SIDES, {"nn": np.full((3, 3, 3), nn), "nt": np.full((3, 3, 3), nt), "tn": np.full((3, 3, 3), tn)})
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return tag.analyze(tag.zoo.training_graph("mlp", batch_size=32, input_dim=64, hidden=(128, 256)))
+
+
+def test_lookup_is_exact_on_the_grid_and_log_linear_between_points():
+    eff = np.zeros((3, 3, 3))
+    eff[:, :, :] = 0.2
+    eff[1, :, :] = 0.8                                     # m = 64 is four times as fast as m = 16
+    t = MatmulTable(SIDES, {"nn": eff, "nt": eff / 2, "tn": eff})
+    nn, nt = VARIANTS.index("nn"), VARIANTS.index("nt")
+    got = t.lookup(np.array([nn, nn, nt, nn, nn]), np.array([16, 64, 64, 32, 1e6]), np.array([64, 64, 64, 64, 64]),
+                   np.array([64, 64, 64, 64, 64]))
+    assert got[0] == pytest.approx(0.2) and got[1] == pytest.approx(0.8) and got[2] == pytest.approx(0.4)
+    assert got[3] == pytest.approx(0.4)                    # halfway in log2(m): the geometric mean
+    assert got[4] == pytest.approx(0.2)                    # beyond the grid: clamped to its last point
+
+
+def test_variant_of_transposes():
+    assert VARIANTS[variant_of(False, False)] == "nn"
+    assert VARIANTS[variant_of(False, True)] == "nt"
+    assert VARIANTS[variant_of(True, False)] == "tn"
+    assert VARIANTS[variant_of(True, True)] == "nt"
+
+
+def test_matmul_dims_of_a_real_mlp(mlp):
+    dims = matmul_dims(mlp)
+    names = [mlp.ops[i].name for i in dims.ops]
+    assert len(names) == sum(op.type == "MatMul" for op in mlp.ops) > 0
+    by_name = dict(zip(names, range(len(names))))
+    fwd = next(n for n in names if n.endswith("dense_1/MatMul"))
+    dx = next(n for n in names if "dense_1/MatMul_grad/MatMul" in n and not n.endswith("_1"))
+    dw = next(n for n in names if n.endswith("dense_1/MatMul_grad/MatMul_1"))
+    for batch in (8.0, 32.0):
+        m, k, n = dims.at(batch)
+        i, j, l = by_name[fwd], by_name[dx], by_name[dw]
+        assert VARIANTS[dims.variant[i]] == "nn" and (m[i], k[i], n[i]) == (batch, 128, 256)
+        assert VARIANTS[dims.variant[j]] == "nt" and (m[j], k[j], n[j]) == (batch, 256, 128)
+        assert VARIANTS[dims.variant[l]] == "tn" and (m[l], k[l], n[l]) == (128, batch, 256)
+
+
+def test_json_round_trip_and_bad_tables_are_rejected():
+    t = _table()
+    back = MatmulTable.from_dict(json.loads(json.dumps(t.to_dict())), "p")
+    assert back.sides == SIDES and np.allclose(back.efficiency["nt"], 0.1)
+    bad = t.to_dict()
+    bad["efficiency"]["nn"][0][0][0] = 1.5
+    with pytest.raises(TagError, match=r"p\.efficiency\.nn: every efficiency must be in \(0, 1\]"):
+        MatmulTable.from_dict(bad, "p")
+    with pytest.raises(TagError, match="increasing"):
+        MatmulTable.from_dict({"sides": [64, 16], "efficiency": t.to_dict()["efficiency"]}, "p")
+    with pytest.raises(TagError, match="grid"):
+        MatmulTable.from_dict({"sides": [16, 64], "efficiency": t.to_dict()["efficiency"]}, "p")
+    prof = {"version": 1, "devices": {"CPU": {"peak_flops": 1e10, "matmul_table": {"sides": [1]}}}}
+    with pytest.raises(TagError, match="devices.CPU.matmul_table"):
+        Profile.from_dict(prof, "prof.json")
+
+
+def test_table_from_rates_fills_untimed_points_from_the_largest_timed_rows():
+    shapes = grid_shapes(SIDES, max_flops=2.0 * 64 * 256 * 256)
+    assert ("nn", 256, 256, 256) not in shapes and ("nn", 64, 256, 256) in shapes
+    rates = {s: 1e9 * (1 + SIDES.index(s[1])) for s in shapes}
+    t = table_from_rates(rates, peak=1e10, sides=SIDES)
+    assert t.efficiency["nn"][2, 2, 2] == pytest.approx(0.2)      # m = 256 copies m = 64
+    assert t.efficiency["nn"][0, 0, 0] == pytest.approx(0.1)
+    with pytest.raises(TagError, match="no timing"):
+        table_from_rates({}, peak=1e10, sides=SIDES)
+
+
+def test_cost_model_costs_each_matmul_at_its_shape(mlp):
+    topo = load_topology(LOCALHOST)
+    dtype = topo.groups[0].device_type
+    plain = Profile({dtype: DeviceProfile(1e10, 1e12, 0.0, {"MatMul": 0.5, "default": 0.5})})
+    tabled = Profile({dtype: DeviceProfile(1e10, 1e12, 0.0, {"MatMul": 0.5, "default": 0.5},
+                                           matmul_table=_table(nn=0.5, nt=0.1, tn=0.25))})
+    dims = matmul_dims(mlp)
+    before = CostModel(mlp, topo, plain).op_times(0, 32.0)[dims.ops]
+    after = CostModel(mlp, topo, tabled).op_times(0, 32.0)[dims.ops]
+    ratio = dict(zip((VARIANTS[v] for v in dims.variant), after / before))
+    assert ratio["nn"] == pytest.approx(1.0, rel=1e-6)
+    assert ratio["nt"] == pytest.approx(5.0, rel=1e-6)
+    assert ratio["tn"] == pytest.approx(2.0, rel=1e-6)
+    # scaled to a slower device (a CPU quota), the table travels with the entry
+    assert tabled.devices[dtype].scaled(0.5).matmul_table is tabled.devices[dtype].matmul_table
+
+
+def test_fit_scales_the_table_to_the_level_of_the_measured_step(mlp):
+    # a step whose MatMuls ran exactly 1.5x as fast as the table says (efficiencies well below 1)
+    peak, bw = 1e10, 1e13
+    table = _table(nn=0.2, nt=0.05, tn=0.1)
+    dims = matmul_dims(mlp)
+    eff = table.lookup(dims.variant, *dims.at(32.0))
+    times = np.full(len(mlp.ops), 2e-6)
+    flops = np.array([mlp.ops[i].flops.at(32.0) for i in dims.ops])
+    times[dims.ops] = flops / (peak * eff * 1.5) + 2e-6
+    m = StepMeasurement(times, wall_s=float(times.sum()), wall_parallel_s=float(times.sum()), steps=1)
+    fit = fit_profile(mlp, m, peak, bw, matmul_table=table)
+    assert fit.matmul_scale == pytest.approx(1.5, rel=0.02)
+    assert fit_profile(mlp, m, peak, bw).matmul_scale == 1.0
+
+
+def test_profile_graph_times_a_small_table_on_this_cpu():
+    from tag.cost.calibration import measure_matmul_rates, profile_graph
+    rates = measure_matmul_rates([("nn", 16, 64, 64), ("nt", 16, 64, 64), ("tn", 64, 16, 64)], peak=1e10)
+    assert len(rates) == 3 and all(r > 1e6 for r in rates.values())
+    gd = tag.zoo.training_graph("mlp", batch_size=16, input_dim=64, hidden=(64,))
+    prof = profile_graph(gd, tag.analyze(gd), steps=2, matmul_table=True, matmul_sides=(16, 64))
+    entry = prof.devices["CPU"]
+    assert entry.matmul_table is not None and entry.matmul_table.sides == (16, 64)
+    assert "MatMul table" in prof.source
+    assert Profile.from_dict(json.loads(json.dumps(prof.to_dict())), "p").devices["CPU"].matmul_table is not None
