@@ -4,7 +4,7 @@
 configurations: per host a CPU quota (cores, CFS) and per host pair a link bandwidth. The topology's
 device speeds are *profiled*, not declared, each inside a cgroup of its quota and pinned to one core:
 ``tag-profile --sustained`` traces the calibration models on the largest quota, and ``tag-profile --like``
-times every quota in a few rounds; each smaller quota is the traced profile scaled by its median share
+times every quota in a few rounds; each quota is the traced profile scaled by its median share
 of the largest quota's sustained step (kernels cannot be traced under a quota: the fastest run between
 throttled slices). The profile holds one
 device type per quota (``CPUq50`` = half a core). Network costs of TensorFlow's runtime come from
@@ -64,10 +64,11 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
 
     The largest quota is traced (``tag-profile --sustained``, inside its cgroup, pinned to core 0 as every
     calibration process is). Every quota, the largest included, is then timed ``share_rounds`` times in
-    turn with ``tag-profile --like`` against that profile; a quota's share of the largest is the median of
-    its rounds over the median of the largest's own. One sustained window per quota moved the
-    quarter-core host's share between 0.19 and 0.27 on this shared machine: the load drifts between
-    windows, and timing every quota in each round, the reference included, spreads the drift over all."""
+    turn with ``tag-profile --like`` against that profile; each quota's profile is the traced one scaled by the
+    median of its rounds (the largest quota's too: its rounds, not the traced run, set the level). One
+    sustained window per quota moved the quarter-core host's share between 0.19 and 0.27 on this shared
+    machine: the load drifts between windows, and timing every quota in each round, the reference included,
+    spreads the drift over all."""
     import numpy as np
     from tag.backend.testbed import Testbed
     from tag.cluster.topology import parse_topology
@@ -102,10 +103,9 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
                 like = profile(i, ["--model", models[0], "--like", base_path],
                                os.path.join(workdir, f"like-{device_type(quotas[i])}-{r}.json"))
                 shares[i].append(like.devices[device_type(quotas[i])].peak_flops / ref.peak_flops)
-    top = float(np.median(shares[0]))
-    devices = {device_type(quotas[0]): ref}
-    for i, q in enumerate(quotas[1:], start=1):
-        devices[device_type(q)] = ref.scaled(float(np.median(shares[i])) / top)
+    # every quota, the full one included, at the speed it sustained in the rounds: the largest quota's rounds
+    # ran at 0.89-1.02 of the traced run's own sustained step in eight calibrations, and the hosts run like the rounds
+    devices = {device_type(q): ref.scaled(float(np.median(shares[i]))) for i, q in enumerate(quotas)}
     profile_out = Profile(devices, network=profile_network(steps=int(cal["network_steps"])))
     rounds_text = "; ".join(f"{device_type(q)} {', '.join(f'{x:.3f}' for x in shares[i])}"
                             for i, q in enumerate(quotas))

@@ -138,3 +138,12 @@ def test_profile_graph_times_a_small_table_on_this_cpu():
     assert entry.matmul_table is not None and entry.matmul_table.sides == (16, 64)
     assert "MatMul table" in prof.source
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict())), "p").devices["CPU"].matmul_table is not None
+
+
+def test_cli_matmul_table_with_like_is_bad_input(tmp_path, capsys):
+    from tag.cli.profile import main
+    out = tmp_path / "p.json"
+    code = main(["--model", "zoo:mlp,input_dim=16,hidden=16", "--batch", "4", "--like", str(tmp_path / "base.json"),
+                 "--matmul-table", "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert "--matmul-table" in capsys.readouterr().err
