@@ -45,17 +45,76 @@ def all_quotas(recipe: dict, configs=None) -> list[float]:
     return sorted({float(q) for n in names for q in recipe["configs"][n]["quotas"]}, reverse=True)
 
 
+def calibration_graph(spec: str, batch: int):
+    """The training GraphDef of a recipe model SPEC: ``mwms:NAME[,width=W]`` (``tag.backend.mwms.tf1_graph``) or
+    a ``tag.zoo`` spec."""
+    if spec.startswith("mwms:"):
+        from tag.backend.mwms import tf1_graph
+        name, *opts = spec[len("mwms:"):].split(",")
+        width = next((int(o.split("=", 1)[1]) for o in opts if o.startswith("width=")), None)
+        return tf1_graph(name, batch, width=width)
+    from tag import zoo
+    return zoo.resolve_model(spec, batch)[1]
+
+
+def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> float:
+    """Median step of RUNNABLE (a ``tag.rewrite`` result) on the running testbed TB: 2-3 warm-up steps, then
+    5-40 timed (more when steps are short, so that a 10 ms step's median is not a handful of samples)."""
+    import numpy as np
+    from tag.backend.runtime import run_steps
+    timed = int(np.clip(round(budget_s / max(predicted_s, 1e-3)), 5, 40))
+    warmup = 2 if predicted_s > 1.0 else 3
+    r = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
+                  init=runnable.init, steps=warmup + timed, warmup=warmup, synthetic=True)
+    return float(np.median(r.step_times[warmup:]))
+
+
+def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True):
+    """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
+
+    Each calibration model runs whole on the first host of each device type, through tag's runtime (a TF
+    server per host, a client session: the path every measured case takes), and the type's entry is scaled by
+    the geometric mean over the models of predicted over measured step (each model family counts once).
+    Why: the profiling processes run the models in their own session, pinned to one core; on the servers the
+    same one-host steps ran 8-19% slower, every model alike."""
+    import numpy as np
+    from tag.api import prepare
+    from tag.cost.model import Profile
+    from tag.strategy.types import Action, Strategy
+    batch = int(recipe["calibration"]["batch"])
+    first_group = {}                                    # device type -> its first group (one host each here)
+    for group in tb.topology.groups:
+        first_group.setdefault(group.device_type, group)
+    ratios: dict[str, list[float]] = {t: [] for t in first_group}
+    for spec in recipe["calibration"]["models"]:
+        analysis = prepare(calibration_graph(spec, batch), tb.topology, batch_size=batch, profile=profile,
+                           name="calibration")
+        sim, n_groups, n_ops = analysis.simulator(), analysis.grouping.num_groups, len(analysis.graph.ops)
+        for dtype, group in first_group.items():
+            dev = group.devices[0]
+            whole = Strategy(analysis.grouping, [Action((group.index,), "partition")] * n_groups,
+                             partition={i: dev for i in range(n_ops)}, name=f"on device {dev}")
+            predicted = sim.evaluate(whole, batch_size=batch).step_time
+            measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
+            ratios[dtype].append(predicted / measured)
+    devices = dict(profile.devices)
+    for dtype, r in ratios.items():
+        devices[dtype] = devices[dtype].scaled(float(np.exp(np.mean(np.log(r)))))
+    notes = ", ".join(f"{t} x{np.exp(np.mean(np.log(r))):.3f} ({'/'.join(f'{x:.2f}' for x in r)})"
+                      for t, r in ratios.items())
+    if verbose:
+        print(f"runtime levels: {notes}", flush=True)
+    return Profile(devices, source=f"{profile.source}; runtime levels on the testbed: {notes}", network=profile.network)
+
+
 def model_file(spec: str, batch: int, workdir: str) -> str:
     """A ``tag-profile --model`` argument for SPEC: zoo specs as they are; ``mwms:NAME[,width=W]`` written as a
     GraphDef file (``tag.backend.mwms.tf1_graph``) into WORKDIR."""
     if not spec.startswith("mwms:"):
         return spec
-    from tag.backend.mwms import tf1_graph
-    name, *opts = spec[len("mwms:"):].split(",")
-    width = next((int(o.split("=", 1)[1]) for o in opts if o.startswith("width=")), None)
-    path = os.path.join(workdir, f"{name}-{width or 'default'}.pb")
+    path = os.path.join(workdir, spec[len("mwms:"):].replace(",", "-").replace("=", "") + ".pb")
     with open(path, "wb") as f:
-        f.write(tf1_graph(name, batch, width=width).SerializeToString())
+        f.write(calibration_graph(spec, batch).SerializeToString())
     return path
 
 

@@ -25,7 +25,7 @@ Usage::
     python scripts/bench_e2e.py --json e2e.json  # {"rows", "geomean_speedup_vs_mwms", "worst_speedup_vs_mwms",
                                                  #  "dp_over_mwms", "guard_overrides", "guard_mean_seconds"}
                                                  # and the profile used in e2e.profile.json
-    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile.json, ...
+    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from _testbed_cases import calibrate_testbed, load_recipe, testbed_topology  # noqa: E402
+from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels, testbed_topology  # noqa: E402
 
 # (model, global batch): divisible by 3 hosts, as MWMS needs
 CASES = [("mlp", 96), ("cnn", 48), ("transformer", 48)]
@@ -126,13 +126,18 @@ def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile:
 def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[dict]:
     cfg = recipe["configs"][name]
     text, topo = testbed_topology(recipe, name, profile)
-    if args.out_dir:   # the testbed's topology and calibrated profile, for tag-deploy / tag.optimize by hand
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f"testbed-{name}.pbtxt"), "w") as f:
-            f.write(text)
-        profile.save(os.path.join(args.out_dir, "profile.json"))
     rows = []
     with Testbed(topo, cpu_quota=cfg["quotas"]) as tb:
+        tb.start_workers(threads_per_worker=1)
+        try:
+            profile = runtime_levels(tb, recipe, profile)
+        finally:
+            tb.stop_workers()
+        if args.out_dir:   # the testbed's topology and calibrated profile, for tag-deploy / tag.optimize by hand
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"testbed-{name}.pbtxt"), "w") as f:
+                f.write(text)
+            profile.save(os.path.join(args.out_dir, f"profile-{name}.json"))
         for model, batch in cases:
             try:
                 row = run_case(tb, cfg, name, model, batch, profile, args.steps, args.warmup, args.budget,

@@ -9,7 +9,9 @@ built-in strategy (dp_allreduce, ps, single, partition; built with the calibrate
   ``scripts/testbed_recipe.json`` (``_testbed_cases.py``);
 - the prediction uses one profile per run: ``tag-profile --sustained`` on the recipe's calibration
   model (which shares no layer width with the cases) inside each quota's cgroup, plus the runtime's
-  network costs (``profile_network``); the testbed topology's device speeds are those profiles;
+  network costs (``profile_network``); the testbed topology's device speeds are those profiles, each set
+  to the speed the same calibration model then runs at on its host through tag's runtime
+  (``runtime_levels``; per configuration, written to F.runN.testbed-A.profile.json ...);
 - the measurement: the strategy rewritten by ``tag.rewrite`` and run on TF servers inside the
   namespaces, one one-thread worker per host; the median of at least 5 steps after warm-up.
 
@@ -43,11 +45,9 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 from scipy.stats import kendalltau, spearmanr  # noqa: E402
 
-from _testbed_cases import calibrate_testbed, load_recipe, testbed_topology  # noqa: E402
-from tag import zoo  # noqa: E402
+from _testbed_cases import (calibrate_testbed, calibration_graph, load_recipe, measure_on_testbed,  # noqa: E402
+                            runtime_levels, testbed_topology)
 from tag.api import prepare, search_plan  # noqa: E402
-from tag.backend.mwms import tf1_graph  # noqa: E402
-from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.random_search import random_choice  # noqa: E402
@@ -64,20 +64,6 @@ MODELS = [
 TARGETS = {"max_regret": 1.10, "median_abs_rel_error": 0.12, "spearman": 0.9, "cases": 36}
 
 
-def graph_of(source: str, batch: int):
-    if source.startswith("mwms:"):
-        return tf1_graph(source[len("mwms:"):], batch)
-    return zoo.resolve_model(source, batch)[1]
-
-
-def measure(tb: Testbed, graph_def, train_op, loss, init, predicted: float, budget_s: float) -> float:
-    """Median step time: 2-3 warm-up steps, then 5-40 timed (more when steps are short, so that a 10 ms step's
-    median is not a handful of samples)."""
-    timed = int(np.clip(round(budget_s / max(predicted, 1e-3)), 5, 40))   # short steps: more of them
-    warmup = 2 if predicted > 1.0 else 3
-    r = run_steps(graph_def, tb.target, train_op=train_op, loss=loss, init=init, steps=warmup + timed,
-                  warmup=warmup, synthetic=True)
-    return float(np.median(r.step_times[warmup:]))
 
 
 def one_device_placement(strategy, topology) -> tuple | None:
@@ -138,21 +124,23 @@ def rank_figures(pred: np.ndarray, meas: np.ndarray) -> dict:
             "measured_best": best_meas}
 
 
-def run_config(recipe: dict, name: str, profile, models, args) -> tuple[list[dict], list[dict]]:
+def run_config(recipe: dict, name: str, profile, models, args, audit: str | None) -> tuple[list[dict], list[dict]]:
     cfg = recipe["configs"][name]
     _, topo = testbed_topology(recipe, name, profile)
     rows, groups = [], []
     with Testbed(topo, cpu_quota=cfg["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
+            profile = runtime_levels(tb, recipe, profile)
+            if audit:
+                profile.save(f"{audit}.testbed-{name}.profile.json")
             for label, source, batch in models:
                 t0 = time.time()
-                analysis = prepare(graph_of(source, batch), tb.topology, batch_size=batch, profile=profile,
+                analysis = prepare(calibration_graph(source, batch), tb.topology, batch_size=batch, profile=profile,
                                    name=label)
                 group_rows = []
                 for strategy, runnable, predicted in group_cases(analysis, args.budget, args.randoms, args.seed):
-                    measured = measure(tb, runnable.graph_def, runnable.train_op, runnable.loss, runnable.init,
-                                       predicted, args.case_seconds)
+                    measured = measure_on_testbed(tb, runnable, predicted, args.case_seconds)
                     row = {"config": name, "model": label, "batch": batch, "strategy": strategy,
                            "predicted_s": float(predicted), "measured_s": measured,
                            "rel_error": (predicted - measured) / measured}
@@ -197,7 +185,7 @@ def one_run(recipe: dict, configs, models, args, tag_out: str | None) -> dict:
                 f.write(testbed_topology(recipe, name, profile)[0])
     rows, groups = [], []
     for name in configs:
-        r, g = run_config(recipe, name, profile, models, args)
+        r, g = run_config(recipe, name, profile, models, args, tag_out)
         rows += r
         groups += g
     s = summary(rows, groups)

@@ -147,3 +147,10 @@ def test_cli_matmul_table_with_like_is_bad_input(tmp_path, capsys):
                  "--matmul-table", "--out", str(out)])
     assert code == 2 and not out.exists()
     assert "--matmul-table" in capsys.readouterr().err
+
+
+def test_profile_summary_names_the_table():
+    from tag.cli.profile import _summary
+    prof = Profile({"CPU": DeviceProfile(1e10, 1e10, 1e-6, {"default": 0.5}, matmul_table=_table())})
+    line = _summary(prof, "CPU")[-1]
+    assert line.startswith("  MatMul by shape (sides 16-256)") and "nt 0.1-0.1" in line

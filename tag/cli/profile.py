@@ -78,6 +78,10 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
                  f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
     for t, e in sorted(d["efficiency"].items()):
         lines.append(f"  {t:<36} efficiency {e:.3g}")
+    table = prof.devices[device_type].matmul_table
+    if table is not None:
+        spans = ", ".join(f"{v} {a.min():.3g}-{a.max():.3g}" for v, a in table.efficiency.items())
+        lines.append(f"  MatMul by shape (sides {table.sides[0]}-{table.sides[-1]}): efficiency {spans}")
     return lines
 
 
