@@ -24,7 +24,8 @@ Usage::
     python scripts/bench_e2e.py --quick          # the MLP on configuration A
     python scripts/bench_e2e.py --json e2e.json  # {"rows", "geomean_speedup_vs_mwms", "worst_speedup_vs_mwms",
                                                  #  "dp_over_mwms", "guard_overrides", "guard_mean_seconds"}
-                                                 # and the profile used in e2e.profile.json
+                                                 # and the calibration's profile in e2e.profile.json (each
+                                                 # configuration then applies its runtime levels: --out-dir)
     python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
 """
 from __future__ import annotations

@@ -72,6 +72,8 @@ def test_json_round_trip_and_bad_tables_are_rejected():
     t = _table()
     back = MatmulTable.from_dict(json.loads(json.dumps(t.to_dict())), "p")
     assert back.sides == SIDES and np.allclose(back.efficiency["nt"], 0.1)
+    tiny = MatmulTable.from_dict(json.loads(json.dumps(_table(nt=1.234567e-6).to_dict())), "p")
+    assert tiny.efficiency["nt"][0, 0, 0] == pytest.approx(1.2346e-6)    # significant digits, never rounded to 0
     bad = t.to_dict()
     bad["efficiency"]["nn"][0][0][0] = 1.5
     with pytest.raises(TagError, match=r"p\.efficiency\.nn: every efficiency must be in \(0, 1\]"):

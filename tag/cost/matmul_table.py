@@ -4,8 +4,8 @@ Why a table: on a CPU one efficiency per op type cannot follow how MatMul speed 
 transposes. Measured on one core (TensorFlow 2.21, Eigen): at 96 rows the forward product ``x . W`` of a
 2048 x 2048 layer runs at about 33 GFLOP/s, its input gradient ``dy . W^T`` at 11, and the same input
 gradient of a 512 x 512 layer at 23; halving the rows costs the input gradient a third of its speed and
-the forward product almost nothing. A profile measured on MLPs of other widths therefore predicted a
-2048-wide MLP 25% too fast and a 512-wide one 30% too slow. The table holds, per variant, the efficiency
+the forward product almost nothing. Profiles fitted on MLPs of other widths therefore predicted one host's
+step of a 2048-wide MLP 8-28% too fast, and of a 512-wide one up to 60% too slow. The table holds, per variant, the efficiency
 (FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the efficiency
 interpolated at its own shape, at the batch it runs at.
 
@@ -89,8 +89,9 @@ class MatmulTable:
         return MatmulTable(self.sides, {v: np.clip(a * factor, 1e-6, 1.0) for v, a in self.efficiency.items()})
 
     def to_dict(self) -> dict:
-        return {"sides": [int(s) for s in self.sides],
-                "efficiency": {v: np.round(self.efficiency[v], 5).tolist() for v in VARIANTS}}
+        def significant(a: np.ndarray) -> list:      # 5 significant digits: small efficiencies stay positive
+            return np.vectorize(lambda x: float(f"{x:.5g}"))(a).tolist()
+        return {"sides": [int(s) for s in self.sides], "efficiency": {v: significant(self.efficiency[v]) for v in VARIANTS}}
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> "MatmulTable":
