@@ -80,7 +80,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     import numpy as np
     from tag.api import prepare
     from tag.cost.model import Profile
-    from tag.strategy.types import Action, Strategy
+    from tag.strategy.baselines import on_one_device
     batch = int(recipe["calibration"]["batch"])
     first_group = {}                                    # device type -> its first group (one host each here)
     for group in tb.topology.groups:
@@ -89,11 +89,9 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     for spec in recipe["calibration"]["models"]:
         analysis = prepare(calibration_graph(spec, batch), tb.topology, batch_size=batch, profile=profile,
                            name="calibration")
-        sim, n_groups, n_ops = analysis.simulator(), analysis.grouping.num_groups, len(analysis.graph.ops)
+        sim = analysis.simulator()
         for dtype, group in first_group.items():
-            dev = group.devices[0]
-            whole = Strategy(analysis.grouping, [Action((group.index,), "partition")] * n_groups,
-                             partition={i: dev for i in range(n_ops)}, name=f"on device {dev}")
+            whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), group.devices[0])
             predicted = sim.evaluate(whole, batch_size=batch).step_time
             measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
             ratios[dtype].append(predicted / measured)

@@ -13,17 +13,18 @@ simulator's serialised NIC send resource assumes. The receive side is shaped too
 of each host's veth carries what the host receives, and an HTB class at the host's NIC rate there, fed
 by a u32 filter on the other hosts' source addresses, caps what it receives from several hosts at once
 (the simulator's NIC receive resource). Sending and receiving do not share a cap (full duplex).
-Latency: the topology's ``latency_us`` is one-way, so each direction gets a netem delay equal to it (round trip = twice) -- when the kernel has
-``sch_netem``. Without it (e.g. minimal VM kernels) links are bandwidth-shaped only,
-``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of microseconds.
+Latency: the topology's ``latency_us`` is one-way, so each direction gets a netem delay equal to it
+(round trip = twice) -- when the kernel has ``sch_netem``. Without it (e.g. minimal VM kernels) links are
+bandwidth-shaped only, ``Testbed.latency_shaped`` is False and a warning says so; veth adds only tens of
+microseconds.
 Traffic to and from the root namespace (the client session) is not shaped.
 
 Rates are link rates, as on a real NIC: TCP goodput is about 1448/1514 = 95.6% of them (Ethernet,
 IP and TCP headers at MTU 1500).
 
 Hosts of unequal, repeatable speed: ``cpu_quota`` gives each host a CFS bandwidth quota (cgroup v1
-``cpu.cfs_quota_us`` over a 10 ms ``cpu.cfs_period_us``, ``CFS_PERIOD_US``) in cores, e.g. 1.0, 0.5 and 0.25: a host
-never gets more CPU time than that, whatever else runs. Optional CPU shares per host (``cpu.shares``)
+``cpu.cfs_quota_us`` over a 10 ms ``cpu.cfs_period_us``, ``CFS_PERIOD_US``) in cores, e.g. 1.0, 0.5 and
+0.25: a host never gets more CPU time than that, whatever else runs. Optional CPU shares per host (``cpu.shares``)
 only weigh hosts against each other under contention -- a coarser stand-in for slower devices.
 
 Needs root and iproute2 (``ip``, ``tc``); nothing is installed. Everything is torn down on exit, even

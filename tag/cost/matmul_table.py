@@ -5,9 +5,9 @@ transposes. Measured on one core (TensorFlow 2.21, Eigen): at 96 rows the forwar
 2048 x 2048 layer runs at about 33 GFLOP/s, its input gradient ``dy . W^T`` at 11, and the same input
 gradient of a 512 x 512 layer at 23; halving the rows costs the input gradient a third of its speed and
 the forward product almost nothing. Profiles fitted on MLPs of other widths therefore predicted one host's
-step of a 2048-wide MLP 8-28% too fast, and of a 512-wide one up to 60% too slow. The table holds, per variant, the efficiency
-(FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the efficiency
-interpolated at its own shape, at the batch it runs at.
+step of a 2048-wide MLP 8-28% too fast, and of a 512-wide one up to 60% too slow. The table holds, per
+variant, the efficiency (FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the
+efficiency interpolated at its own shape, at the batch it runs at.
 
 Variants (``VARIANTS``): ``nn`` = ``A . B`` (a forward product), ``nt`` = ``A . B^T`` (an input gradient),
 ``tn`` = ``A^T . B`` (a weight gradient); ``A^T . B^T`` is costed as ``nt``. Dimensions: ``m`` rows of
@@ -91,7 +91,8 @@ class MatmulTable:
     def to_dict(self) -> dict:
         def significant(a: np.ndarray) -> list:      # 5 significant digits: small efficiencies stay positive
             return np.vectorize(lambda x: float(f"{x:.5g}"))(a).tolist()
-        return {"sides": [int(s) for s in self.sides], "efficiency": {v: significant(self.efficiency[v]) for v in VARIANTS}}
+        return {"sides": [int(s) for s in self.sides],
+                "efficiency": {v: significant(self.efficiency[v]) for v in VARIANTS}}
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> "MatmulTable":

@@ -3,8 +3,9 @@
 Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), mem_bytes / memory_bandwidth)
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
 device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
-(``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead. Communication follows latency + bytes / bandwidth of
-the path, with ring / hierarchical all-reduce, parameter-server push/pull and all-gather models on top.
+(``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
+Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
+parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
 
 Example::

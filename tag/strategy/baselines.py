@@ -78,16 +78,19 @@ def _builtin(name: str, graph: "TrainingGraph", topology: "Topology", grouping: 
         ps = best_connected_device(topology)
         return Strategy(grouping, [Action(all_groups, "ps", ps_device=ps)] * n_groups, name=name)
     if name == "single":
-        dev = fastest_device(topology)
-        group = topology.devices[dev].group
-        return Strategy(grouping, [Action((group,), "partition")] * n_groups,
-                        partition={i: dev for i in range(len(graph.ops))}, name=name)
+        return on_one_device(grouping, topology, len(graph.ops), fastest_device(topology), name=name)
     if cost_model is None:
         from tag.cost.model import CostModel
         cost_model = CostModel(graph, topology)
     device_of_op = balanced_partition(graph, topology, grouping, cost_model)
     return Strategy(grouping, [Action(all_groups, "partition")] * n_groups,
                     partition={i: int(d) for i, d in enumerate(device_of_op)}, name=name)
+
+
+def on_one_device(grouping: "Grouping", topology: "Topology", n_ops: int, device: int, name: str = "") -> Strategy:
+    """Every op of the graph on DEVICE (a global device index), even when its group holds other devices."""
+    return Strategy(grouping, [Action((topology.devices[device].group,), "partition")] * grouping.num_groups,
+                    partition={i: device for i in range(n_ops)}, name=name or f"on device {device}")
 
 
 def best_connected_device(topology: "Topology") -> int:
