@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 
 from tag.errors import StrategyError
+from tag.strategy.pipeline import Pipeline, PipelineStage
 
 Mode = Literal["allreduce", "ps", "partition"]
 MODES: tuple[str, ...] = ("allreduce", "ps", "partition")
@@ -90,6 +91,9 @@ class Strategy:
     name: str = ""
     # examples/s per device (topology order) that batch shares follow; empty: the devices' peak FLOP/s
     device_speeds: tuple[float, ...] = ()
+    # stages, micro-batches and schedule of a pipelined strategy (tag/strategy/pipeline.py); None: no pipeline.
+    # Every op group of a stage carries the stage's action in ``actions``.
+    pipeline: Pipeline | None = None
 
     def __post_init__(self):
         if len(self.actions) != self.grouping.num_groups:
@@ -97,6 +101,21 @@ class Strategy:
         self.device_speeds = tuple(float(x) for x in self.device_speeds)
         if any(not (x > 0) for x in self.device_speeds):
             raise StrategyError("device speeds must be positive")
+        if self.pipeline is not None:
+            stage_of = self.pipeline.stage_of_group(self.grouping.num_groups)
+            for g, a in enumerate(self.actions):
+                want = self.pipeline.stages[int(stage_of[g])].action()
+                if a != want:
+                    raise StrategyError(f"op group {g} ({self.grouping.names[g]}): action {a.to_dict()} differs "
+                                        f"from its pipeline stage {int(stage_of[g])}'s {want.to_dict()}")
+
+    @classmethod
+    def pipelined(cls, grouping: Grouping, pipeline: Pipeline, name: str = "pipeline",
+                  device_speeds: tuple[float, ...] = ()) -> "Strategy":
+        """A strategy that runs PIPELINE: every op group gets its stage's action."""
+        stage_of = pipeline.stage_of_group(grouping.num_groups)
+        actions = [pipeline.stages[int(stage_of[g])].action() for g in range(grouping.num_groups)]
+        return cls(grouping, actions, name=name, device_speeds=device_speeds, pipeline=pipeline)
 
     def share_speeds(self, devices, topology) -> list[float]:
         """The speeds that batch shares over DEVICES follow: ``device_speeds`` when set, else peak FLOP/s."""
@@ -115,13 +134,15 @@ class Strategy:
         return {"name": self.name, "grouping": self.grouping.to_dict(),
                 "actions": [a.to_dict() for a in self.actions],
                 "partition": {str(k): int(v) for k, v in sorted(self.partition.items())},
-                "sfb": list(self.sfb), "device_speeds": list(self.device_speeds)}
+                "sfb": list(self.sfb), "device_speeds": list(self.device_speeds),
+                **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Strategy":
+        pipeline = Pipeline.from_dict(d["pipeline"]) if d.get("pipeline") else None
         return cls(Grouping.from_dict(d["grouping"]), [Action.from_dict(a) for a in d["actions"]],
                    {int(k): int(v) for k, v in d.get("partition", {}).items()}, list(d.get("sfb", [])),
-                   d.get("name", ""), tuple(d.get("device_speeds", ())))
+                   d.get("name", ""), tuple(d.get("device_speeds", ())), pipeline)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -144,6 +165,15 @@ class Strategy:
             msg.partition[int(op)] = int(dev)
         msg.sfb.extend(self.sfb)
         msg.device_speed.extend(self.device_speeds)
+        if self.pipeline is not None:
+            p = self.pipeline
+            msg.pipeline.micro_batches = p.micro_batches
+            msg.pipeline.schedule = p.schedule
+            for st in p.stages:
+                stage = msg.pipeline.stages.add(groups=list(st.groups), placement=list(st.placement),
+                                                mode=_MODE_TO_PB[st.mode])
+                if st.ps_device is not None:
+                    stage.ps_device = st.ps_device
         return msg
 
     @classmethod
@@ -164,8 +194,17 @@ class Strategy:
             actions.append(Action(tuple(a.placement), _MODE_FROM_PB[a.mode],
                                   int(a.ps_device) if a.HasField("ps_device") else None))
         grouping = Grouping(np.asarray(list(msg.grouping.group_of_op), dtype=np.int64), list(msg.grouping.names))
+        pipeline = None
+        if msg.HasField("pipeline"):
+            stages = []
+            for i, st in enumerate(msg.pipeline.stages):
+                if st.mode not in _MODE_FROM_PB:
+                    raise StrategyError(f"pipeline stage {i}: mode is unspecified")
+                stages.append(PipelineStage(tuple(st.groups), tuple(st.placement), _MODE_FROM_PB[st.mode],
+                                            int(st.ps_device) if st.HasField("ps_device") else None))
+            pipeline = Pipeline(tuple(stages), msg.pipeline.micro_batches, msg.pipeline.schedule or "1f1b")
         return cls(grouping, actions, {int(k): int(v) for k, v in sorted(msg.partition.items())},
-                   list(msg.sfb), msg.name, tuple(msg.device_speed))
+                   list(msg.sfb), msg.name, tuple(msg.device_speed), pipeline)
 
 
 _MODE_TO_PB = {"allreduce": 1, "ps": 2, "partition": 3}   # values of enum tag.Mode in proto/strategy.proto
