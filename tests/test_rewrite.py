@@ -24,6 +24,7 @@ from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from helpers import in_process_servers  # noqa: E402
+from bounded import bounded  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients  # noqa: E402
@@ -121,7 +122,7 @@ def local_config():
 
 
 def cluster_config():
-    cfg = session_config()
+    cfg = bounded(session_config())
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
     return cfg
 

@@ -10,6 +10,7 @@ import pytest
 
 from tag.cluster.topology import parse_topology
 from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from bounded import bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
@@ -24,12 +25,12 @@ def topo(n=2, fabric_gbps=0.2, latency_us=0, links=""):
 
 
 def netns_names() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=60).stdout
     return {line.split()[0] for line in out.splitlines() if line.split()}
 
 
 def link_names() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=60).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
@@ -172,7 +173,7 @@ def test_tf_cluster_inside_the_testbed_runs_a_two_task_graph():
                     outs.append(tf.raw_ops.CollectiveReduceV2(
                         input=tf.fill([1000], float(t + 1)), group_size=2, group_key=1, instance_key=1,
                         ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring"))
-        with tf.compat.v1.Session(target, graph=g, config=session_config()) as sess:
+        with tf.compat.v1.Session(target, graph=g, config=bounded(session_config())) as sess:
             for got in sess.run(outs):
                 np.testing.assert_allclose(got, np.full(1000, 3.0))
         pids = list(tb.cluster.pids)
@@ -223,7 +224,8 @@ def test_quotas_unequal_links_and_a_shared_nic():
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a bandwidth measurement did not end"
         total = (out["h1"] + out["h2"]) * 8 / 1e9
         assert total == pytest.approx(0.4 * goodput, rel=0.2)
         assert out["h2"] * 8 / 1e9 <= 0.1 * 1.2
@@ -238,7 +240,8 @@ def _concurrent_bandwidths(tb, pairs, seconds=2.0) -> list[float]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a bandwidth measurement did not end"
     return [out[p] * 8 / 1e9 for p in pairs]
 
 
