@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -70,6 +71,82 @@ def test_teardown_after_an_error_inside_the_block():
                 assert f.read().strip() == "256"
             raise RuntimeError("boom")
     assert ns not in netns_names() and not os.path.exists(cg)
+
+
+def _testbed_child(how: str) -> subprocess.Popen:
+    """A process that sets up a two-host testbed with CPU quotas (and with HOW == "workers", its TF
+    servers), prints the names of what it made as one JSON line, and sleeps."""
+    code = ("import json, os, signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job ignores SIGINT\n"
+            "from tag.cluster.topology import parse_topology\n"
+            "from tag.backend.testbed import Testbed\n"
+            f"with Testbed(parse_topology({topo_text_for_child()!r}), cpu_quota=[1.0, 0.5]) as tb:\n"
+            f"    if {how == 'workers'!r}:\n"
+            "        tb.start_workers(threads_per_worker=1)\n"
+            "    names = {'netns': [tb.namespace(i) for i in range(2)], 'links': [tb.bridge, tb._veth(0), tb._veth(1)],\n"
+            "             'cgroup': tb._cgroup(), 'pids': list(tb.cluster.pids) if tb.cluster else []}\n"
+            "    print(json.dumps(names), flush=True)\n"
+            "    time.sleep(600)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+
+
+def _left_behind(names: dict) -> list[str]:
+    left = [n for n in names["netns"] if n in netns_names()] + [n for n in names["links"] if n in link_names()]
+    left += [names["cgroup"]] if os.path.isdir(names["cgroup"]) else []
+    return left + [f"pid {p}" for p in names["pids"] if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, how, code", [(signal.SIGTERM, "workers", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
+def test_a_stopped_process_takes_its_testbed_down(signum, how, code):
+    """SIGTERM (a time limit, kill) or SIGINT (Ctrl-C) to a process with a testbed up: namespaces, bridge,
+    veths, cgroups and the TF servers in the namespaces are gone, and the process ends as the signal
+    says (SIGTERM: exit status 143; SIGINT: an uncaught KeyboardInterrupt, which Python ends by SIGINT)."""
+    import json
+    from bounded import LineReader, stop
+    proc = _testbed_child(how)
+    try:
+        line = LineReader(proc.stdout).next(timeout_s=180)
+        assert line is not None, "the child died before its testbed was up"
+        names = json.loads(line)
+        assert set(names["netns"]) <= netns_names() and os.path.isdir(names["cgroup"])
+        assert len(names["pids"]) == (2 if how == "workers" else 0)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code
+    finally:
+        stop(proc)
+    assert _left_behind(names) == []
+
+
+@needs_netns
+@pytest.mark.slow
+def test_a_new_testbed_clears_what_a_killed_run_left():
+    """A process killed with SIGKILL cannot clean up; the next Testbed start (cleanup_stale) removes its
+    namespaces, bridge, veths and cgroups."""
+    import json
+    from bounded import LineReader, stop
+    proc = _testbed_child("bare")
+    try:
+        line = LineReader(proc.stdout).next(timeout_s=180)
+        assert line is not None, "the child died before its testbed was up"
+        names = json.loads(line)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+    finally:
+        stop(proc)
+    assert sorted(_left_behind(names)) == sorted(names["netns"] + names["links"] + [names["cgroup"]])
+    with Testbed(topo(2)):
+        assert _left_behind(names) == []
 
 
 @needs_netns
