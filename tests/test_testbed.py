@@ -74,17 +74,25 @@ def test_teardown_after_an_error_inside_the_block():
 
 
 def _testbed_child(how: str) -> subprocess.Popen:
-    """A process that sets up a two-host testbed with CPU quotas (and with HOW == "workers", its TF
-    servers), prints the names of what it made as one JSON line, and sleeps."""
+    """A process that sets up a two-host testbed with CPU quotas (and with HOW == "processes", a process in
+    each namespace and cgroup, as a TF server runs), prints the names of what it made as one JSON line, and
+    sleeps."""
     code = ("import json, os, signal, sys, time\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job ignores SIGINT\n"
             "from tag.cluster.topology import parse_topology\n"
             "from tag.backend.testbed import Testbed\n"
             f"with Testbed(parse_topology({topo_text_for_child()!r}), cpu_quota=[1.0, 0.5]) as tb:\n"
-            f"    if {how == 'workers'!r}:\n"
-            "        tb.start_workers(threads_per_worker=1)\n"
+            "    import subprocess\n"
+            f"    inside = [subprocess.Popen(tb.launch_prefix(i) + ['sleep', '600']) for i in range(2 if {how == 'processes'!r} else 0)]\n"
+            "    def entered(i, p):  # the process runs inside host i's namespace (not still on its way in)\n"
+            "        out = subprocess.run(['ip', 'netns', 'pids', tb.namespace(i)], capture_output=True, text=True, timeout=30)\n"
+            "        return str(p.pid) in out.stdout.split()\n"
+            "    for _ in range(600):\n"
+            "        if all(entered(i, p) for i, p in enumerate(inside)):\n"
+            "            break\n"
+            "        time.sleep(0.05)\n"
             "    names = {'netns': [tb.namespace(i) for i in range(2)], 'links': [tb.bridge, tb._veth(0), tb._veth(1)],\n"
-            "             'cgroup': tb._cgroup(), 'pids': list(tb.cluster.pids) if tb.cluster else []}\n"
+            "             'cgroup': tb._cgroup(), 'pids': [p.pid for p in inside]}\n"
             "    print(json.dumps(names), flush=True)\n"
             "    time.sleep(600)\n")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -107,10 +115,10 @@ def _alive(pid: int) -> bool:
 
 @needs_netns
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, how, code", [(signal.SIGTERM, "workers", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
+@pytest.mark.parametrize("signum, how, code", [(signal.SIGTERM, "processes", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
 def test_a_stopped_process_takes_its_testbed_down(signum, how, code):
     """SIGTERM (a time limit, kill) or SIGINT (Ctrl-C) to a process with a testbed up: namespaces, bridge,
-    veths, cgroups and the TF servers in the namespaces are gone, and the process ends as the signal
+    veths, cgroups and the processes in the namespaces are gone, and the process ends as the signal
     says (SIGTERM: exit status 143; SIGINT: an uncaught KeyboardInterrupt, which Python ends by SIGINT)."""
     import json
     from bounded import LineReader, stop
@@ -120,8 +128,9 @@ def test_a_stopped_process_takes_its_testbed_down(signum, how, code):
         assert line is not None, "the child died before its testbed was up"
         names = json.loads(line)
         assert set(names["netns"]) <= netns_names() and os.path.isdir(names["cgroup"])
-        assert len(names["pids"]) == (2 if how == "workers" else 0)
-        proc.send_signal(signum)
+        assert len(names["pids"]) == (2 if how == "processes" else 0)
+        proc.send_signal(signum)        # as `timeout` does: the process, then its whole process group
+        os.killpg(proc.pid, signum)     # (a terminal's Ctrl-C, too, signals the whole foreground group)
         assert proc.wait(timeout=60) == code
     finally:
         stop(proc)

@@ -49,6 +49,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import ipaddress
@@ -277,6 +278,7 @@ class _TeardownOnSignal:
 
     def __init__(self) -> None:
         self._previous: dict[int, object] = {}
+        self._busy = False      # a handler is tearing down
 
     def arm(self) -> None:
         import threading
@@ -298,9 +300,29 @@ class _TeardownOnSignal:
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, handler)
 
+    @contextlib.contextmanager
+    def held(self):
+        """SIGTERM and SIGINT held back (blocked in the main thread) for the ``with`` block: delivered after it."""
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
     def _handle(self, signum: int, frame) -> None:
-        previous = self._previous.get(signum, signal.SIG_DFL)
-        _LIVE.stop_all()          # closes every testbed (and so disarms)
+        if self._busy:
+            return                # a second signal during the teardown (``timeout`` signals the process and
+                                  # its group): the first one ends the process once the teardown is done
+        self._busy = True
+        try:
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            _LIVE.stop_all()      # closes every testbed (and so disarms)
+        finally:
+            self._busy = False
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
         elif signum == signal.SIGINT:
@@ -668,7 +690,12 @@ class Testbed:
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice."""
+        """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice. SIGTERM and
+        SIGINT wait until it is done (a signal that cut a teardown short would leave the rest behind)."""
+        with _SIGNALS.held():
+            self._close()
+
+    def _close(self) -> None:
         errors: list[str] = []
         try:
             self.stop_workers()
@@ -678,6 +705,8 @@ class Testbed:
         for kind, name in created:
             if kind == "netns":
                 _kill_netns_processes(name)
+            elif kind == "cgroup":
+                _kill_cgroup_processes(name)     # one started a moment ago may not be in its namespace yet
         for kind, name in reversed(created):
             try:
                 if kind == "netns":
@@ -707,6 +736,19 @@ def _kill_netns_processes(ns: str) -> None:
                 os.kill(int(tok), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _kill_cgroup_processes(path: str) -> None:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            pids = [int(tok) for tok in f.read().split() if tok.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _rmdir_cgroup(path: str) -> None:
@@ -755,6 +797,7 @@ def cleanup_stale() -> list[str]:
             if os.path.isdir(path) and stale(name):
                 for child in os.listdir(path):
                     if os.path.isdir(os.path.join(path, child)):
+                        _kill_cgroup_processes(os.path.join(path, child))
                         try:
                             _rmdir_cgroup(os.path.join(path, child))
                         except OSError:
