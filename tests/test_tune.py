@@ -150,3 +150,23 @@ def test_optimize_refuses_a_bad_tune_k_before_anything_runs(bad):
     with pytest.raises(TagError, match="tune_k must be a positive number of candidates"):
         tag.optimize(b"not even a graph", os.path.join(REPO, "topologies", "localhost.pbtxt"),
                      tune_target="grpc://127.0.0.1:1", tune_k=bad)
+
+
+def test_a_given_builtin_meets_the_best_builtin_and_the_best_uniform_action():
+    """--strategy NAME (no search): the rivals are the other built-ins and the best uniform action, found
+    for it; every candidate is a distinct strategy."""
+    import tag
+    from tag.api import prepare, strategy_report
+    from tag.tune import analysis_candidates
+    gd = tag.zoo.training_graph("mlp", 24, hidden=(64, 64))
+    analysis = prepare(gd, os.path.join(REPO, "topologies", "localhost.pbtxt"), batch_size=24)
+    name, strategy, report = strategy_report(analysis, "ps")
+    cands = analysis_candidates(analysis, name, strategy, report)
+    assert cands[0].name == "ps" and PLAN in cands[0].roles
+    roles = {role: c.name for c in cands for role in c.roles}
+    assert set(roles) == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE}
+    best_builtin = min((n for n in ("dp_allreduce", "ps", "single", "partition")), key=report["baselines"].get)
+    assert roles[BEST_BUILTIN] == best_builtin or best_builtin in next(c.aliases for c in cands
+                                                                          if c.name == roles[BEST_BUILTIN])
+    assert len({strategy_key(c.strategy) for c in cands}) == len(cands)
+    assert [c.name for c in choose(cands, 1)][0] == "ps" and len(choose(cands, 1)) == len(set(roles.values()))
