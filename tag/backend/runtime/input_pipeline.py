@@ -129,7 +129,7 @@ def plan_pipelines(graph_def: Any, inputs: Sequence[str], batch_size: int) -> li
     for the whole batch on the host of the first input when the reads do not split the batch by host."""
     reads = _find_reads(graph_def, inputs, batch_size)
     nodes = {n.name: n for n in graph_def.node}
-    job = next((jt[0] for n in graph_def.node for jt in [_task_and_job(n.device)] if jt), "worker")
+    job = next((jt[0] for n in graph_def.node for jt in [_task_and_job(n.device)] if jt), None)
     if not inputs:
         raise GraphError("the graph has no batch inputs for a data set to fill")
     ref = max(inputs, key=lambda n: len({(r.lo, r.hi) for r in reads[n]}))
@@ -157,6 +157,8 @@ def plan_pipelines(graph_def: Any, inputs: Sequence[str], batch_size: int) -> li
         home = _task_and_job(nodes[inputs[0]].device)
         task = home[1] if home else 0
         merged = [(0, batch_size, task)]
+    if job is None:             # a graph without cluster devices (one process): the local CPU
+        return [PipelineSpec(0, 0, batch_size, "/device:CPU:0")]
     return [PipelineSpec(task, lo, hi, f"/job:{job}/task:{task}/device:CPU:0") for lo, hi, task in merged]
 
 
