@@ -150,7 +150,28 @@ def rule_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
         special = _einsum_axes(attrs, ins, outs)
     elif op_type in ("GatherV2", "ResourceGather", "Gather") and len(ins) >= 2:
         special = _gather_axes(op_type, ins, const_input)
+    elif op_type in _TRANSPOSES and len(ins) >= 2:
+        special = _transpose_axes(ins, outs, const_input)
     return special if special is not None else generic_axes(ins, outs)
+
+
+_TRANSPOSES = frozenset({"Transpose", "ConjugateTranspose"})
+
+
+def _transpose_axes(ins: ShapedInputs, outs: list, const_input: Callable[[int], Any],
+                    inverted: Callable[[Any], Any] | None = None) -> list | None:
+    """A transpose by a constant permutation (or, given INVERTED(node) -> the Const an
+    ``InvertPermutation`` NODE inverts, by the inverse of one: a transpose's gradient) moves the batch
+    where the permutation puts it."""
+    node = const_input(1)
+    perm = const_ints(node) if node is not None and node.op == "Const" else None
+    if node is not None and node.op == "InvertPermutation" and inverted is not None:
+        src = inverted(node)
+        forward = const_ints(src) if src is not None and src.op == "Const" else None
+        perm = [int(i) for i in np.argsort(forward)] if forward is not None else None
+    if perm is None or ins[0][1] is None or ins[0][1] not in perm:
+        return None
+    return [perm.index(ins[0][1])] + [None] * (len(outs) - 1)
 
 
 def _fused_batch_norm_axes(op_type: str, ins: ShapedInputs, outs: list) -> list:
@@ -351,10 +372,17 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
     if n.type in VARIABLE_TYPES or (n.type == "Const" and not second):
         return [None] * len(ss)
     res = list(axes[nm]) if second else list(inferred.probe_axes.get(nm, [None] * len(ss)))
-    if all(a is not None for a in res):
-        return res
     ins = [(shapes[s][i] if i < len(shapes[s]) else None,
             axes[s][i] if s in axes and i < len(axes[s]) else None) for s, i in n.data_in]
+    if n.type in _TRANSPOSES and len(ins) >= 2:
+        # unambiguous, and shape inference's verdict is not: a loop's stacked outputs have an unknown
+        # length, which a probe at an unknown batch would take for the batch
+        moved = _transpose_axes(ins, ss, lambda k: _const_input_node(nodes, n, k),
+                                lambda inv: _const_input_node(nodes, nodes[inv.name], 0))
+        if moved is not None:
+            return moved
+    if all(a is not None for a in res):
+        return res
     if any(a is not None for _, a in ins) and n.type in FUNCTION_CALL_TYPES:
         rule = _same_shape_axes(ins, ss)   # opaque bodies: only an input's exact shape tells
     elif any(a is not None for _, a in ins):
