@@ -173,11 +173,34 @@ class BatchSplitMixin(RewriteContext):
                 p = self._batch_axis(tensor_name(c, 0))
             else:
                 p = None
-            if p is None and v[0] == ref_batch:     # no tensor tells: time-major elements [batch, ...]
-                p = 0
+            if p is None and v[0] == ref_batch and not self._list_holds_weights(c):
+                p = 0                               # no tensor tells: time-major elements [batch, ...]
             if p is not None and p < v.size and v[p] > 0 and v[p] % ref_batch == 0:
                 pos.add(p)
         return pos
+
+    def _list_holds_weights(self, list_op: str) -> bool:
+        """Does the TensorList LIST_OP makes hold a weight in each element? (a loop's gradient accumulator of
+        a kernel it reads: ``[input_dim, 4 * units]`` elements whose first entry may equal the batch). Found
+        in the body of the loop the list enters: what is pushed into it is a ``ReadVariableOp``."""
+        fdefs = {f.signature.name: f for f in self.graph_def.library.function}
+        for c, k, slot in self.consumers.get(list_op, []):
+            node = self.nodes[c]
+            body = fdefs.get(node.attr["body"].func.name) if "body" in node.attr else None
+            if body is None or slot >= len(body.signature.input_arg):
+                continue
+            arg = body.signature.input_arg[slot].name
+            made = {n.name: n for n in body.node_def}
+            for n in body.node_def:
+                item = {"TensorListPushBack": 1, "TensorListSetItem": 2}.get(n.op)
+                if item is None or n.input[0].split(":")[0] != arg or item >= len(n.input):
+                    continue
+                src = made.get(n.input[item].split(":")[0])
+                while src is not None and src.op == "Identity":
+                    src = made.get(src.input[0].split(":")[0])
+                if src is not None and src.op == "ReadVariableOp":
+                    return True
+        return False
 
     def _folded_shape_positions(self, n: str, v: np.ndarray) -> set[int]:
         """R4: ``tf.shape(x)`` of a static x folded into Const N (``<scope>/Shape_k``): the batch entry, when

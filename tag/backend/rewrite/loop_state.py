@@ -113,6 +113,8 @@ class LoopStateMixin(RewriteContext):
         value = tf.make_ndarray(n.attr["value"].tensor)
         if value.ndim != 1 or value.size == 0 or value[0] != self.ref_batch:
             return False
+        if tuple(int(x) for x in value) in {tuple(v.shape) for v in self.ir.variables}:
+            return False       # a weight's shape (a kernel accumulated per step), not a batch of rows
         flat = value.copy()
         flat[0] = size
         n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.astype(np.dtype(dtype.as_numpy_dtype))))
