@@ -517,7 +517,7 @@ def test_run_steps_progress_checkpoint_and_resume_in_process(tmp_path):
     from tag.backend.runtime.guard import RunControl
     gd = mlp_graph(tasks=(None, None))
     events = []
-    path = str(tmp_path / "w.npz")
+    path = str(tmp_path / "ckpt")
     full = run_steps(gd, "", steps=8, warmup=1, synthetic=True, seed=2)
     ctl = RunControl(progress=events.append, checkpoint_every=3, checkpoint_path=path, checkpoint_meta={"k": 1})
     first = run_steps(gd, "", steps=5, warmup=1, synthetic=True, seed=2, control=ctl)
@@ -527,8 +527,8 @@ def test_run_steps_progress_checkpoint_and_resume_in_process(tmp_path):
     meta = read_checkpoint_meta(path)
     assert meta["step"] == 5 and meta["k"] == 1 and meta["losses"] == first.losses
     assert "w1" in meta["variables"] and not any(v.startswith("tag_synthetic/") for v in meta["variables"])
-    with np.load(path, allow_pickle=False) as npz:        # plain data, no pickle
-        assert all(npz[k].dtype != object for k in npz.files)
+    reader = tf.train.load_checkpoint(path)               # TensorFlow's own format, original names
+    assert sorted(reader.get_variable_to_shape_map()) == meta["variables"]
     resumed = run_steps(gd, "", steps=8, warmup=1, synthetic=True, seed=2, control=RunControl(resume_from=path))
     assert resumed.start_step == 5 and len(resumed.step_times) == 3
     assert resumed.losses[:5] == first.losses
@@ -538,9 +538,9 @@ def test_run_steps_progress_checkpoint_and_resume_in_process(tmp_path):
     other = mlp_graph(tasks=(None, None), hidden=32)
     with pytest.raises(TagError, match="shape"):
         run_steps(other, "", steps=8, warmup=1, synthetic=True, control=RunControl(resume_from=path))
-    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not a zip")
-    with pytest.raises(TagError, match="not a tag checkpoint"):
-        read_checkpoint_meta(tmp_path / "junk.npz")
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(TagError, match="no TensorFlow checkpoint"):
+        read_checkpoint_meta(tmp_path / "junk")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -587,7 +587,7 @@ def test_killed_worker_is_reported_and_the_run_resumes(tmp_path):
         reader = LineReader(proc.stderr)
         for line in reader.lines(total_timeout_s=300):
             lines.append(line + "\n")
-            if ": step " in line and (ckpt / "weights.npz").exists():
+            if ": step " in line and (ckpt / "checkpoint").exists():
                 step = int(line.split(": step ")[1].split("/")[0])
                 if step >= 12:
                     victim = [p for p in _children(proc.pid) if _task_of(p) == 1]
@@ -609,7 +609,7 @@ def test_killed_worker_is_reported_and_the_run_resumes(tmp_path):
     assert not _children(proc.pid)
 
     from tag.backend.runtime.checkpoint import read_checkpoint_meta
-    meta = read_checkpoint_meta(ckpt / "weights.npz")
+    meta = read_checkpoint_meta(ckpt)
     saved = meta["step"]
     assert saved >= 10 and saved % 5 == 0
     report = tmp_path / "r.json"

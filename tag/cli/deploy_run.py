@@ -3,14 +3,16 @@
 Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each stays short:
 
 - ``add_run_arguments``: ``--run --steps N --step-timeout S --checkpoint-every K --checkpoint-dir DIR
-  --resume --tune [K] --verify --tensorboard DIR``;
+  --resume --tune [K] --verify --tensorboard DIR --input MODULE:FUNCTION``;
 - ``check_run_arguments``: their cheap checks, before anything is built (exit 2 on bad input);
 - ``run_plan``: deploys the plan and the dp_allreduce baseline (``measure_strategies``), printing one
   progress line per step on stderr (``tag-deploy: ps: step 3/20  0.412 s/step  loss 2.301``, at most
   two a second), and returns the report's ``measured_*`` keys. Remote hosts must answer within 30 s; a
   worker that dies is named within seconds (exit 1); no step blocks past ``--step-timeout``. With
-  ``--checkpoint-every K`` the plan's variables are saved to ``DIR/weights.npz`` every K steps;
-  ``--resume`` restores them and continues the step count and the loss curve (``--steps`` is the total).
+  ``--checkpoint-every K`` the plan's variables are saved as a TensorFlow checkpoint in DIR every K
+  steps (original variable names, ``tag.backend.runtime.checkpoint``); ``--resume`` restores the newest
+  and continues the step count and the loss curve (``--steps`` is the total). ``--input MODULE:FUNCTION``
+  trains the plan on that data set function's per-host pipelines instead (``tag.cli.deploy_input``).
   ``--tune K`` first measures the K most promising distinct candidates on the same cluster start
   (``tag.tune``: the plan, the best built-in, the best uniform action, then the next fastest predicted; K
   left out: as many as cost about 30 steps of the slowest) in interleaved rounds, prints each one's
@@ -38,7 +40,6 @@ from typing import Any
 from tag.errors import TagError
 
 PROG = "tag-deploy"
-CHECKPOINT_FILE = "weights.npz"
 DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
 DEFAULT_STEP_TIMEOUT_S = 600.0
 BASELINE_MAX_STEPS = 20          # the dp_allreduce baseline is timed, not trained
@@ -65,10 +66,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true", help="--run: the same as --tune 2")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write the rewritten graph (ops coloured by device) and the predicted step's trace")
+    p.add_argument("--input", default=None, metavar="MODULE:FUNCTION",
+                   help="--run: train on the data sets FUNCTION(ctx) makes, one tf.data pipeline per worker host "
+                        "(MODULE from the current directory or PYTHONPATH), instead of synthetic batches")
 
 
 def checkpoint_path(args: argparse.Namespace) -> str:
-    return os.path.join(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, CHECKPOINT_FILE)
+    """The checkpoint directory (TensorFlow checkpoints ``model.ckpt-STEP`` and their descriptions)."""
+    return args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR
 
 
 def check_run_arguments(args: argparse.Namespace) -> None:
@@ -78,20 +83,23 @@ def check_run_arguments(args: argparse.Namespace) -> None:
         raise TagError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout:g}")
     needs_run = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume or None),
                                 ("--checkpoint-dir", args.checkpoint_dir), ("--verify", args.verify or None),
-                                ("--tune", args.tune))
+                                ("--tune", args.tune), ("--input", args.input))
                  if v is not None]
     if needs_run and not args.run:
         raise TagError(f"{', '.join(needs_run)} only apply to --run")
     _check_tune_arguments(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise TagError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
-    if args.checkpoint_every is not None:
+    if args.checkpoint_every is not None or args.input is not None:
         check_writable(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, what="checkpoint directory", directory=True)
+    if args.input is not None:
+        from tag.cli.deploy_input import load_dataset_fn
+        load_dataset_fn(args.input)         # exit 2 now if it does not import
     if args.resume:
-        from tag.backend.runtime.checkpoint import read_checkpoint_meta
+        from tag.backend.runtime.checkpoint import latest_checkpoint, read_checkpoint_meta
         path = checkpoint_path(args)
-        if not os.path.exists(path):
-            raise TagError(f"--resume: no checkpoint at {path} (--checkpoint-every K writes one)")
+        if latest_checkpoint(path) is None:
+            raise TagError(f"--resume: no checkpoint in {path} (--checkpoint-every K writes one)")
         meta = read_checkpoint_meta(path)
         if meta["step"] >= args.steps:
             raise TagError(f"--resume: the checkpoint {path} is at step {meta['step']}, --steps is {args.steps}: "
@@ -217,6 +225,13 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
                                     init=entry.init, cluster=cluster)
         if args.verify or args.tune is not None:
             name, strategy, fields = _tuned(args, analysis, cluster, name, strategy, report, searched or {})
+        if args.input is not None:      # train on the user's data sets; nothing else is timed
+            from tag.cli.deploy_input import train_on_input
+            fields.update(train_on_input(args, analysis, name, strategy, cluster,
+                                         _control(args, watchdog=cluster.watchdog),
+                                         checkpoint_path(args),     # the trained weights are always saved
+                                         _checkpoint_meta(args, analysis, name)))
+            return RunOutcome(fields, name, strategy)
         wanted = {name: strategy}
         wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
         control = _control(args, checkpoint_every=args.checkpoint_every or 0,
