@@ -18,11 +18,13 @@ micro-batches M and one micro-batch size b = batch / M, the DP picks the cuts:
 Device-set sequences (``stage_device_sets``) come from the topology's units (hosts; device groups when there
 is one host) sorted by this graph's throughput: one unit per stage over the k fastest units (fastest first
 and slowest first), and every unit in S contiguous chunks of about equal throughput (data parallel inside a
-stage over several hosts). Units of one symmetry class are interchangeable, so speed order is enough.
+stage over several hosts), the units taken in speed order or in connectivity order (the fastest, then each
+time the unit best linked to the last one: well-connected hosts share a stage). Units of one symmetry class
+are interchangeable, so these orders are enough.
 
 The best DP answers (by the objective above, over every sequence, M in ``MICRO_BATCHES`` dividing the
-batch, both schedules) are simulated (``Simulator.evaluate``, the same one every other search uses); the
-fastest feasible one is the answer.
+batch, both schedules) are simulated (``Simulator.evaluate``, the same one every other search uses); from
+the fastest, a hill-climb moves cuts, M and the schedule on the simulator; its best is the answer.
 
 Example::
 
@@ -49,6 +51,7 @@ from tag.strategy.types import Strategy, batch_shares
 MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 8
 TOP_K = 12          # DP answers simulated (plus the best of each stage count)
+REFINE_EVALUATIONS = 48   # simulations of the hill-climb from the best DP answer
 
 
 @dataclass
@@ -94,6 +97,13 @@ def stage_device_sets(topology, speeds: np.ndarray, max_stages: int = MAX_STAGES
     units = [u for u in units if u]
     throughput = [sum(float(speeds[d]) for g in u for d in topology.groups[g].devices) for u in units]
     order = sorted(range(len(units)), key=lambda i: (-throughput[i], i))
+    first = [topology.groups[u[0]].devices[0] for u in units]       # a device of each unit (for its links)
+    bandwidth = np.asarray(topology.bandwidth, dtype=np.float64)
+    # connectivity order: the fastest unit, then repeatedly the unit best connected to the last one taken
+    linked = [order[0]]
+    while len(linked) < len(units):
+        rest = [i for i in order if i not in linked]
+        linked.append(max(rest, key=lambda i: (bandwidth[first[linked[-1]], first[i]], throughput[i])))
     out: list[list[tuple[int, ...]]] = []
     seen: set[tuple] = set()
 
@@ -107,19 +117,20 @@ def stage_device_sets(topology, speeds: np.ndarray, max_stages: int = MAX_STAGES
         chosen = [units[i] for i in order[:k]]
         add(chosen)
         add(chosen[::-1])
-    for s in range(2, min(len(units) - 1, max_stages) + 1):      # every unit, S chunks of equal throughput
-        total = sum(throughput)
-        chunks, current, acc = [], [], 0.0
-        for pos, i in enumerate(order):
-            current.append(i)
-            acc += throughput[i]
-            left_units, left_chunks = len(order) - pos - 1, s - len(chunks) - 1
-            if left_chunks > 0 and (acc >= total * (len(chunks) + 1) / s - 1e-9 or left_units == left_chunks):
-                chunks.append(current)
-                current = []
-        chunks.append(current)
-        if len(chunks) == s and all(chunks):
-            add([tuple(sorted(g for i in c for g in units[i])) for c in chunks])
+    for unit_order in (order, linked):
+        for s in range(2, min(len(units) - 1, max_stages) + 1):      # every unit, S chunks of equal throughput
+            total = sum(throughput)
+            chunks, current, acc = [], [], 0.0
+            for pos, i in enumerate(unit_order):
+                current.append(i)
+                acc += throughput[i]
+                left_units, left_chunks = len(unit_order) - pos - 1, s - len(chunks) - 1
+                if left_chunks > 0 and (acc >= total * (len(chunks) + 1) / s - 1e-9 or left_units == left_chunks):
+                    chunks.append(current)
+                    current = []
+            chunks.append(current)
+            if len(chunks) == s and all(chunks):
+                add([tuple(sorted(g for i in c for g in units[i])) for c in chunks])
     return out
 
 
@@ -261,8 +272,10 @@ def _allreduce_estimate(tables: _Tables, placements: list[tuple[int, ...]], boun
 
 def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHES,
                 schedules: tuple[str, ...] = SCHEDULES, max_stages: int = MAX_STAGES, top_k: int = TOP_K,
-                budget_s: float | None = None) -> PipelineSearchResult:
-    """Search pipelines for ENV's graph and topology (module docstring): the fastest feasible simulated one."""
+                refine_evaluations: int = REFINE_EVALUATIONS, budget_s: float | None = None) -> PipelineSearchResult:
+    """Search pipelines for ENV's graph and topology (module docstring): the fastest feasible simulated one,
+    then hill-climbing from it (cuts moved by one or two groups, M doubled or halved, the other schedule;
+    at most REFINE_EVALUATIONS more simulations)."""
     t0 = time.perf_counter()
     sim, topo, batch = env.simulator, env.topology, env.batch_size
     G = env.num_groups
@@ -317,4 +330,61 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
         empty.seconds = time.perf_counter() - t0
         empty.tried = tried
         return empty
+    if refine_evaluations > 0:
+        left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+        best = _refine(env, chain, best, tried, refine_evaluations, left)
     return PipelineSearchResult(best[0], best[1], best[2], best[3], len(tried), time.perf_counter() - t0, tried)
+
+
+def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeline]:
+    """Pipelines one move from PIPELINE: a cut moved by one or two op groups, M doubled or halved (dividing
+    the batch), the other schedule."""
+    position = {g: i for i, g in enumerate(chain)}
+    bounds = [position[st.groups[0]] for st in pipeline.stages] + [len(chain)]
+    out = []
+    for s in range(1, len(bounds) - 1):
+        for step in (-2, -1, 1, 2):
+            cut = bounds[s] + step
+            if bounds[s - 1] < cut < bounds[s + 1]:
+                moved = bounds[:s] + [cut] + bounds[s + 1:]
+                out.append(Pipeline(tuple(PipelineStage(tuple(chain[moved[i]:moved[i + 1]]), st.placement, st.mode,
+                                                        st.ps_device) for i, st in enumerate(pipeline.stages)),
+                                    pipeline.micro_batches, pipeline.schedule))
+    m = pipeline.micro_batches
+    for other in (m * 2, m // 2):
+        if other >= 1 and batch % other == 0:
+            out.append(Pipeline(pipeline.stages, other, pipeline.schedule))
+    out.append(Pipeline(pipeline.stages, m, "1f1b" if pipeline.schedule == "fill_drain" else "fill_drain"))
+    return out
+
+
+def _refine(env: SearchEnv, chain: list[int], best: tuple, tried: list, max_evaluations: int,
+            budget_s: float | None) -> tuple:
+    """Hill-climb from BEST = (strategy, outcome, result, estimate) over ``_neighbours``, simulated, until no
+    move helps or MAX_EVALUATIONS / BUDGET_S run out."""
+    t0 = time.perf_counter()
+    seen = {t[0] for t in tried}
+    evaluations = 0
+    improved = True
+    while improved and evaluations < max_evaluations:
+        improved = False
+        for pipeline in _neighbours(best[0].pipeline, chain, env.batch_size):
+            if pipeline in seen:
+                continue
+            if evaluations >= max_evaluations or (budget_s is not None and time.perf_counter() - t0 > budget_s):
+                return best
+            seen.add(pipeline)
+            evaluations += 1
+            try:
+                strategy = Strategy.pipelined(env.grouping, pipeline, name="pipeline",
+                                              device_speeds=env.device_speeds)
+                result = env.simulator.evaluate(strategy, batch_size=env.batch_size)
+            except StrategyError:
+                continue
+            outcome = env.outcome_of(result)
+            tried.append((pipeline, float("nan"), outcome))
+            if outcome.rank > best[1].rank:
+                best = (strategy, outcome, result, best[3])
+                improved = True
+                break
+    return best
