@@ -151,6 +151,12 @@ def pipeline_fields(strategy: "Strategy", topology: "Topology", result: "SimResu
                          "bubble_fraction_ideal": p.bubble_fraction(), "bubble_fraction_predicted": predicted}}
 
 
+def oom_stages(report: dict) -> list[int]:
+    """The pipeline stages (of the report's ``pipeline``) holding a device that runs out of memory."""
+    oom = set(report.get("oom_devices") or ())
+    return [i for i, st in enumerate((report.get("pipeline") or {}).get("stages", ())) if oom & set(st["devices"])]
+
+
 def _pipeline_lines(report: dict) -> list[str]:
     """The pipeline block of the printed table (empty for strategies without a pipeline)."""
     p = report.get("pipeline")

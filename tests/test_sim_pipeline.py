@@ -119,3 +119,18 @@ def test_a_pipeline_that_does_not_fit_is_infeasible():
     one_f = sim.evaluate(_two_stages(grouping, 16, "1f1b"))
     assert not fill.feasible and 0 in fill.oom_devices
     assert one_f.activation_memory[0] < fill.activation_memory[0]
+
+
+def test_report_fields_name_stages_and_the_stages_out_of_memory():
+    from tag.report import oom_stages, pipeline_fields
+    tg, topo, grouping, sim = _setup(memory=3 << 20, batch=256)
+    st = _two_stages(grouping, 16, "fill_drain")
+    r = sim.evaluate(st)
+    report = {"oom_devices": [topo.devices[d].name for d in r.oom_devices], **pipeline_fields(st, topo, r)}
+    p = report["pipeline"]
+    assert [s["groups"] for s in p["stages"]] == ["dense_0 .. dense_1", "dense_2 .. loss"]
+    assert p["stages"][1]["devices"] == ["h1/GPU-A:0"] and p["micro_batches"] == 16
+    assert p["bubble_fraction_ideal"] == pytest.approx(1 / 17)
+    assert p["bubble_fraction_predicted"] == pytest.approx(r.bubble_fraction)
+    assert 0 in oom_stages(report)
+    assert pipeline_fields(Strategy(grouping, [Action((0,))] * 5), topo) == {}

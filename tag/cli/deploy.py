@@ -245,8 +245,11 @@ def _body(argv: Sequence[str]) -> int:
     run_metadata = None
     if args.run:
         if not report.get("feasible", True):
+            from tag.report import oom_stages
+            stages = oom_stages(report)
+            where = f", pipeline stage {', '.join(map(str, stages))}" if stages else ""
             raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
-                           f"{', '.join(report.get('oom_devices', [])) or 'some device'}); nothing was run")
+                           f"{', '.join(report.get('oom_devices', [])) or 'some device'}{where}); nothing was run")
         outcome = run_plan(args, analysis, name, strategy, report)
         if outcome.name != name:        # --verify measured the built-in faster: it is the plan now
             name, strategy = outcome.name, outcome.strategy
