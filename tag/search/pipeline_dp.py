@@ -52,6 +52,7 @@ MICRO_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 8
 TOP_K = 12          # DP answers simulated (plus the best of each stage count)
 REFINE_EVALUATIONS = 48   # simulations of the hill-climb from the best DP answer
+MIN_STAGE_WORK = 0.01     # a stage's least share of the forward/backward work (no stage of bookkeeping only)
 
 
 @dataclass
@@ -169,6 +170,10 @@ class _Tables:
                           minlength=tasks.num_groups) if len(mem.live_src_task) else np.zeros(tasks.num_groups)
         self.act_prefix = np.concatenate([[0.0], np.cumsum(act[chain])])
         self.weight_bytes = mem.weight_bytes[chain]
+        # a stage must carry real forward/backward work (not only update or bookkeeping groups): at least
+        # MIN_STAGE_WORK of the whole on a nominal device group (the first) at the full batch
+        nominal = self.prefix_times(0, float(env.batch_size))
+        self.empty_stage = (nominal[None, :] - nominal[:, None]) <= MIN_STAGE_WORK * max(float(nominal[-1]), 1e-30)
 
     def prefix_times(self, dg: int, batch: float) -> np.ndarray:
         """Prefix sums over the chain of forward + backward seconds on one device of DG at BATCH."""
@@ -199,6 +204,7 @@ def _stage_costs(tables: _Tables, placement: tuple[int, ...], micro: int, in_fli
     need = (tables.static_prefix[None, :] - tables.static_prefix[:, None]) + \
         in_flight * largest * (tables.act_prefix[None, :] - tables.act_prefix[:, None])
     cost[need > capacity] = np.inf
+    cost[tables.empty_stage] = np.inf
     return cost
 
 

@@ -238,8 +238,8 @@ class PipelineTasks:
 
 def bubble_fraction(pipeline_stage: np.ndarray, task_stage: np.ndarray, start: np.ndarray,
                     finish: np.ndarray) -> float:
-    """Predicted bubble: 1 - mean over stages of (the forward/backward seconds of the stage's busiest lane)
-    / (the span from the first forward start to the last backward end over all stages). Equal stages give
+    """Predicted bubble: 1 - mean over stages with forward/backward tasks of (the forward/backward seconds of
+    the stage's busiest lane) / (the span from the first forward start to the last backward end over all stages). Equal stages give
     the ideal (S - 1) / (M + S - 1). START, FINISH: [lane, expanded task] (finish -1: not run);
     PIPELINE_STAGE, TASK_STAGE: per expanded task."""
     ran = (finish >= 0) & (task_stage < UPDATE_STAGE)[None, :]
@@ -249,6 +249,7 @@ def bubble_fraction(pipeline_stage: np.ndarray, task_stage: np.ndarray, start: n
     if span <= 0:
         return 0.0
     busy = (finish - start) * ran
+    working = pipeline_stage[task_stage < UPDATE_STAGE]
     fractions = [float(busy[:, pipeline_stage == s].sum(axis=1).max()) / span
-                 for s in range(int(pipeline_stage.max()) + 1)]
+                 for s in range(int(pipeline_stage.max()) + 1) if (working == s).any()]
     return float(min(1.0, max(0.0, 1.0 - float(np.mean(fractions)))))
