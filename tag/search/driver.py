@@ -6,7 +6,8 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
 2. ``best_uniform``: every candidate action applied to every op group, the best kept;
 3. ``pase_dp``: PaSE-style dynamic programming on an additive cost model (``tag.search.pase``);
 4. ``pipeline``: stage boundaries, device sets, micro-batches and schedule by dynamic programming over the
-   op-group chain (``tag.search.pipeline_dp``); the best simulated pipeline competes with everything else.
+   op-group chain (``tag.search.pipeline_dp``); the best simulated pipeline competes with everything else
+   (it wins only when predicted ``PIPELINE_MIN_GAIN``, 1%, faster than the best per-group answer).
    Its stages' placements as per-group actions (``pipeline_stages``: the same stages without micro-batches)
    are also evaluated, so they seed the tree search and refinement when they are the best choice so far;
 5. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
@@ -47,6 +48,7 @@ DEFAULT_MIN_GAIN = 0.05          # a searched strategy must be predicted this mu
 REFINE_EVALUATIONS_PER_PLAYOUT = 8
 MIN_REFINE_EVALUATIONS = 2000
 PIPELINE_BUDGET_FRACTION = 0.25  # with budget_s: the pipeline search's share of what is left after steps 1-3
+PIPELINE_MIN_GAIN = 0.01         # a pipeline must be predicted this much faster than the best per-group answer
 _PIPELINE = ("pipeline",)        # the found-table's marker for the pipeline (not a per-group choice)
 
 
@@ -164,6 +166,14 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         found["refine"] = (refined.choice, refined.outcome)
 
     method = max(found, key=lambda n: found[n][1].rank)
+    if method == "pipeline" and found[method][1].feasible:
+        # a pipeline has more to mispredict (micro-batches, bubbles): a per-group answer within
+        # PIPELINE_MIN_GAIN of it is kept instead
+        others = [n for n in found if n != "pipeline"]
+        runner_up = max(others, key=lambda n: found[n][1].rank)
+        if found[runner_up][1].feasible and \
+                found[runner_up][1].step_time <= found[method][1].step_time * (1 + PIPELINE_MIN_GAIN):
+            method = runner_up
     choice, outcome = found[method]
     notes = []
     builtins = [n for n in env.builtin_results if found[n][1].feasible]
