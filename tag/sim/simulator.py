@@ -42,6 +42,10 @@ What is simulated (the strategy semantics of ARCHITECTURE.md / tag.strategy):
   live until their backward use); ops that only alias their input (Identity, Reshape, ReadVariableOp,
   ...) hold no buffer of their own; the running task adds its largest op's inputs + outputs.
   Compared with each device's memory.
+- A pipelined strategy (``Strategy.pipeline``) runs the task graph expanded per micro-batch
+  (``tag.sim.pipeline.PipelineTasks``: each forward/backward task once per micro-batch at the micro-batch's
+  per-device share, update tasks once, numbered so that each stage keeps its schedule) through the same
+  schedule, routing and memory model; ``SimResult.bubble_fraction`` is its predicted bubble.
 - Reported per op group (features for the GNN): ``group_makespan`` = last finish of the group's tasks or
   collective - first start; ``group_idle_after`` = mean, over the group's task instances, of the idle
   time of that lane before its next task (or the end of the step).
