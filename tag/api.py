@@ -159,7 +159,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
              sfb: bool = True, prior: str = "uniform", verify_target: str | None = None,
-             verify_steps: int = 6, min_gain: float | None = None) -> Plan:
+             verify_steps: int = 6, min_gain: float | None = None, pipeline: bool = True) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -171,6 +171,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
     ``sfb``: after the search, send the gradients that pay as sufficient factors (``tag.compress``; the
     report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
+    ``pipeline``: search pipelines too (``tag.search.pipeline_dp``: stages of op groups on hosts with
+    micro-batches; the report's ``pipeline`` and ``pipeline_search``); False searches per-group actions only.
     ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
     ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
     node costs a forward pass, 60-100 ms on this 2-core machine).
@@ -186,7 +188,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name)
     plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                       sfb=sfb, prior=prior, min_gain=min_gain)
+                       sfb=sfb, prior=prior, min_gain=min_gain, pipeline=pipeline)
     return plan if verify_target is None else verify_plan(plan, verify_target, steps=verify_steps)
 
 
@@ -307,18 +309,21 @@ def search_prior(name: str):
 def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
                 order: str = "auto", seed: int = 0,
                 progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True,
-                prior: str = "uniform", min_gain: float | None = None) -> Plan:
+                prior: str = "uniform", min_gain: float | None = None, pipeline: bool = True) -> Plan:
     """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan. ``min_gain``: how much faster than the best
-    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``)."""
+    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``).
+    ``pipeline``: search pipelines too. When a pipeline wins, the best per-group answer with SFB replaces
+    it if predicted faster (SFB is not deployed inside pipeline stages)."""
     from tag.report import pipeline_fields
     from tag.search.driver import DEFAULT_MIN_GAIN
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
     found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                   prior=search_prior(prior), min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain)
+                   prior=search_prior(prior), min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain,
+                   use_pipeline=pipeline)
     if not found.outcome.feasible:
         raise _memory_error(env, found)
     _check_not_slower(found)
@@ -326,22 +331,37 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     results.setdefault(found.method, found.result)
     baselines, feasible = dict(found.baselines), dict(found.baselines_feasible)
     strategy, notes, sfb_fields = found.strategy, list(found.notes), {}
-    if sfb and strategy.pipeline is None:        # SFB is not deployed inside pipeline stages
+    method = found.method
+    if sfb:
         from tag.compress import select_sfb
-        chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
+        if strategy.pipeline is None:
+            chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
+        else:
+            # SFB is not deployed inside pipeline stages: the best per-group answer with SFB may still win
+            chosen = None
+            if found.per_group is not None:
+                name, plain, _ = found.per_group
+                alternative = select_sfb(env.simulator, plain, analysis.batch)
+                if alternative.chosen and alternative.result.feasible and \
+                        alternative.step_time < found.step_time:
+                    chosen, method, strategy = alternative, name, plain
+                    results.setdefault(name, found.per_group[2])
+                    notes.append(f"{name} with sufficient factors ({alternative.step_time * 1e3:.3g} ms) is "
+                                 f"predicted faster than the pipeline ({found.step_time * 1e3:.3g} ms)")
+    if sfb and chosen is not None:
         if chosen.chosen:
             strategy = chosen.strategy
-            results[found.method] = chosen.result
-            baselines[found.method] = chosen.step_time
+            results[method] = chosen.result
+            baselines[method] = chosen.step_time
             baselines["without_sfb"], feasible["without_sfb"] = chosen.base_step_time, True
             notes.append(f"sfb: {len(chosen.chosen)} gradients travel as sufficient factors "
                          f"({chosen.base_step_time * 1e3:.3g} ms -> {chosen.step_time * 1e3:.3g} ms predicted)")
         sfb_fields = {"sfb_gradients": list(chosen.chosen), "sfb_bytes_saved": int(round(chosen.bytes_saved))}
-    report = _plan_report(analysis, found.method, results, baselines, feasible, {
+    report = _plan_report(analysis, method, results, baselines, feasible, {
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
-        "method": found.method, "reference": found.reference, "notes": notes,
+        "method": method, "reference": found.reference, "notes": notes,
         "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields,
-        **_pipeline_search_fields(found), **pipeline_fields(strategy, analysis.topology, results[found.method])})
+        **_pipeline_search_fields(found), **pipeline_fields(strategy, analysis.topology, results[method])})
     return _make_plan(analysis, strategy, report)
 
 

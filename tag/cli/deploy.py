@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     add_verbose(p)
     p.add_argument("--no-sfb", action="store_true",
                    help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="search per-group actions only (no pipelines of op-group stages with micro-batches)")
     p.add_argument("--min-gain", type=float, default=None, metavar="F",
                    help="a searched strategy replaces the best built-in only when predicted this much faster "
                         "(default 0.05 = 5%%, the simulator's error on real runs; 0 keeps the fastest predicted)")
@@ -184,7 +186,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
                            seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
-                           prior=args.prior or "uniform", min_gain=args.min_gain)
+                           prior=args.prior or "uniform", min_gain=args.min_gain, pipeline=not args.no_pipeline)
         bar.refresh()
         return plan
 

@@ -77,6 +77,9 @@ class SearchResult:
     evaluations: int
     notes: list[str] = field(default_factory=list)
     pipeline: PipelineSearchResult | None = None    # the pipeline search's answer (whether or not it won)
+    # when a pipeline won: the best per-group answer (method, strategy, result), which post-passes that do
+    # not apply to pipelines (SFB) may still make faster
+    per_group: tuple[str, Strategy, SimResult] | None = None
 
     @property
     def step_time(self) -> float:
@@ -165,6 +168,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         refined = refine(env, best_so_far()[0], order=tree.order, budget_s=left, max_evaluations=cap)
         found["refine"] = (refined.choice, refined.outcome)
 
+    per_group = None
     method = max(found, key=lambda n: found[n][1].rank)
     if method == "pipeline" and found[method][1].feasible:
         # a pipeline has more to mispredict (micro-batches, bubbles): a per-group answer within
@@ -192,10 +196,16 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
             notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
     elif choice is _PIPELINE:
         strategy, result = piped.strategy, piped.result
+        others = [n for n in found if n != "pipeline"]
+        runner_up = max(others, key=lambda n: found[n][1].rank)
+        runner_choice = found[runner_up][0]
+        per_group = (runner_up, env.builtin_strategies[runner_up], env.builtin_results[runner_up]) \
+            if runner_choice is None else (runner_up, env.strategy(runner_choice, name=runner_up),
+                                           env.result(runner_choice))
     else:
         strategy, result = env.strategy(choice, name=method), env.result(choice)
     baselines = {n: float(v[1].step_time) for n, v in found.items()}
     feasible = {n: bool(v[1].feasible) for n, v in found.items()}
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
                         time.perf_counter() - t0, env.evaluations + (piped.evaluated if piped else 0), notes,
-                        piped)
+                        piped, per_group)
