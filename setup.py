@@ -62,7 +62,8 @@ setup(
         "networkx>=3.0",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis", "grpcio-tools==1.85.1"]},
+    # pytest-timeout: the suite's per-test time limit (pyproject.toml), so that no test waits forever
+    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis", "grpcio-tools==1.85.1"]},
     entry_points={
         "console_scripts": [
             "tag-topo=tag.cli.topo:main",
