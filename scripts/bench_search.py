@@ -12,6 +12,11 @@ figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_unif
 ``cases_below_a_baseline`` (cases where the search's answer is slower than a feasible built-in or the
 best uniform action; must be 0).
 
+Pipelines (``tag.search.pipeline_dp``): the ``pipe`` column is the best simulated pipeline. On the
+large-batch heterogeneous cases the search is also run without pipelines (``use_pipeline=False``), and
+``geomean_speedup_vs_best_uniform_large_heterogeneous_with_pipeline`` / ``..._without_pipeline`` compare the
+plan's predicted speedup over the best uniform action with and without them.
+
 Usage::
 
     python scripts/bench_search.py --quick --json search.json      # CI-sized subset
@@ -66,7 +71,8 @@ def batches(tg, topo, which: list[str]) -> dict[str, int]:
     return out
 
 
-def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | None, seed: int) -> dict:
+def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | None, seed: int,
+             without_pipeline: bool = False) -> dict:
     env = SearchEnv(tg, topo, grouping, batch_size=batch)
     while not any(r.feasible for r in env.builtin_results.values()) and batch > topo.num_devices:
         batch //= 2                                       # lower the batch until something fits
@@ -95,7 +101,14 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            "speedup_vs_best_uniform": base["best_uniform"] / found.step_time,
            "below_a_baseline": bool(simple) and found.step_time > min(simple) * (1 + 1e-9),
            "search_seconds": search_s, "evaluations": evals, "mcts_alone_evaluations": tree_env.evaluations,
-           "load_average": os.getloadavg()[0]}
+           "pipeline_s": base.get("pipeline", float("nan")),
+           "pipeline": found.pipeline.strategy.pipeline.to_dict() if found.pipeline and found.pipeline.strategy
+           else None, "load_average": os.getloadavg()[0]}
+    if without_pipeline:
+        plain = search(SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator), playouts=playouts,
+                       budget_s=budget_s, seed=seed, min_gain=0.0, use_pipeline=False)
+        row["search_without_pipeline_s"] = plain.step_time
+        row["speedup_vs_best_uniform_without_pipeline"] = base["best_uniform"] / plain.step_time
     return row
 
 
@@ -118,7 +131,7 @@ def main(argv=None) -> int:
     topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
     rows = []
     header = (f"{'model':<13} {'topology':<20} {'batch':>6} {'dp':>9} {'ps':>9} {'single':>9} {'partition':>9} "
-              f"{'uniform':>9} {'pase':>9} {'random':>9} {'mcts':>9} {'search':>9} {'x dp':>6} {'x unif':>6} "
+              f"{'uniform':>9} {'pase':>9} {'pipe':>9} {'random':>9} {'mcts':>9} {'search':>9} {'x dp':>6} {'x unif':>6} "
               f"{'secs':>6} {'load':>5}  method")
     print(header)
     for model in models:
@@ -131,19 +144,26 @@ def main(argv=None) -> int:
             topo = tag.load_topology(os.path.join(ROOT, "topologies", f"{name}.pbtxt"))
             for label, batch in batches(tg, topo, args.batches).items():
                 row = {"model": model, "topology": name, "batch_kind": label,
-                       **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed)}
+                       **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed,
+                                  without_pipeline=label == "large" and heterogeneous(topo))}
                 rows.append(row)
 
                 def ms(key: str) -> str:
                     return f"{row[key] * 1e3:9.1f}"
                 print(f"{model:<13} {name:<20} {row['batch']:>6} {ms('dp_allreduce_s')} {ms('ps_s')} "
-                      f"{ms('single_s')} {ms('partition_s')} {ms('best_uniform_s')} {ms('pase_dp_s')} "
+                      f"{ms('single_s')} {ms('partition_s')} {ms('best_uniform_s')} {ms('pase_dp_s')} {ms('pipeline_s')} "
                       f"{ms('random_s')} {ms('mcts_alone_s')} {ms('search_s')} {row['speedup_vs_dp']:6.2f} "
                       f"{row['speedup_vs_best_uniform']:6.2f} {row['search_seconds']:6.1f} "
                       f"{row['load_average']:5.1f}  {row['method']}{'' if row['feasible'] else ' (OOM)'}",
                       flush=True)
     het = [r for r in rows if r["heterogeneous"]]
+    large_het = [r for r in het if "speedup_vs_best_uniform_without_pipeline" in r]
     summary = {"rows": rows,
+               "geomean_speedup_vs_best_uniform_large_heterogeneous_with_pipeline":
+                   geomean([r["speedup_vs_best_uniform"] for r in large_het]),
+               "geomean_speedup_vs_best_uniform_large_heterogeneous_without_pipeline":
+                   geomean([r["speedup_vs_best_uniform_without_pipeline"] for r in large_het]),
+               "large_heterogeneous_cases_won_by_pipeline": sum(1 for r in large_het if r["method"] == "pipeline"),
                "geomean_speedup_vs_dp_heterogeneous": geomean([r["speedup_vs_dp"] for r in het]),
                "geomean_speedup_vs_best_uniform_heterogeneous": geomean([r["speedup_vs_best_uniform"] for r in het]),
                "cases_below_a_baseline": sum(1 for r in rows if r["below_a_baseline"]),
@@ -153,6 +173,10 @@ def main(argv=None) -> int:
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
           f"{summary['cases_below_a_baseline']}")
+    print(f"large-batch heterogeneous cases: {len(large_het)}; geomean speedup vs best uniform with pipelines "
+          f"{summary['geomean_speedup_vs_best_uniform_large_heterogeneous_with_pipeline']:.3f}x, without "
+          f"{summary['geomean_speedup_vs_best_uniform_large_heterogeneous_without_pipeline']:.3f}x; the plan is a "
+          f"pipeline in {summary['large_heterogeneous_cases_won_by_pipeline']}")
     write_json(args.json, summary)
     return 0
 

@@ -162,7 +162,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
              sfb: bool = True, prior: str = "uniform", tune_target: Any = None, tune_k: int | None = None,
-             min_gain: float | None = None) -> Plan:
+             min_gain: float | None = None, pipeline: bool = True) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -174,6 +174,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
     ``sfb``: after the search, send the gradients that pay as sufficient factors (``tag.compress``; the
     report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
+    ``pipeline``: search pipelines too (``tag.search.pipeline_dp``: stages of op groups on hosts with
+    micro-batches; the report's ``pipeline`` and ``pipeline_search``); False searches per-group actions only.
     ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
     ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
     node costs a forward pass, 60-100 ms on this 2-core machine).
@@ -194,7 +196,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name)
     plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                       sfb=sfb, prior=prior, min_gain=min_gain)
+                       sfb=sfb, prior=prior, min_gain=min_gain, pipeline=pipeline)
     return plan if tune_target is None else tune_plan(plan, tune_target, k=tune_k)
 
 
@@ -284,17 +286,21 @@ def search_prior(name: str):
 def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
                 order: str = "auto", seed: int = 0,
                 progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True,
-                prior: str = "uniform", min_gain: float | None = None) -> Plan:
+                prior: str = "uniform", min_gain: float | None = None, pipeline: bool = True) -> Plan:
     """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan. ``min_gain``: how much faster than the best
-    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``)."""
+    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``).
+    ``pipeline``: search pipelines too. When a pipeline wins, the best per-group answer with SFB replaces
+    it if predicted faster (SFB is not deployed inside pipeline stages)."""
+    from tag.report import pipeline_fields
     from tag.search.driver import DEFAULT_MIN_GAIN
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
     found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                   prior=search_prior(prior), min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain)
+                   prior=search_prior(prior), min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain,
+                   use_pipeline=pipeline)
     if not found.outcome.feasible:
         raise _memory_error(env, found)
     _check_not_slower(found)
@@ -302,26 +308,52 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     results.setdefault(found.method, found.result)
     baselines, feasible = dict(found.baselines), dict(found.baselines_feasible)
     strategy, notes, sfb_fields = found.strategy, list(found.notes), {}
+    method = found.method
     candidates = dict(found.candidates)
     if sfb:
         from tag.compress import select_sfb
-        chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
+        if strategy.pipeline is None:
+            chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
+        else:
+            # SFB is not deployed inside pipeline stages: the best per-group answer with SFB may still win
+            chosen = None
+            if found.per_group is not None:
+                name, plain, _ = found.per_group
+                alternative = select_sfb(env.simulator, plain, analysis.batch)
+                if alternative.chosen and alternative.result.feasible and \
+                        alternative.step_time < found.step_time:
+                    chosen, method, strategy = alternative, name, plain
+                    results.setdefault(name, found.per_group[2])
+                    notes.append(f"{name} with sufficient factors ({alternative.step_time * 1e3:.3g} ms) is "
+                                 f"predicted faster than the pipeline ({found.step_time * 1e3:.3g} ms)")
+    if sfb and chosen is not None:
         if chosen.chosen:
+            candidates[method], candidates["without_sfb"] = chosen.strategy, strategy
             strategy = chosen.strategy
-            candidates[found.method], candidates["without_sfb"] = chosen.strategy, found.strategy
-            results[found.method] = chosen.result
-            baselines[found.method] = chosen.step_time
+            results[method] = chosen.result
+            baselines[method] = chosen.step_time
             baselines["without_sfb"], feasible["without_sfb"] = chosen.base_step_time, True
             notes.append(f"sfb: {len(chosen.chosen)} gradients travel as sufficient factors "
                          f"({chosen.base_step_time * 1e3:.3g} ms -> {chosen.step_time * 1e3:.3g} ms predicted)")
         sfb_fields = {"sfb_gradients": list(chosen.chosen), "sfb_bytes_saved": int(round(chosen.bytes_saved))}
-    report = _plan_report(analysis, found.method, results, baselines, feasible, {
+    report = _plan_report(analysis, method, results, baselines, feasible, {
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
-        "method": found.method, "reference": found.reference, "notes": notes,
-        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields})
+        "method": method, "reference": found.reference, "notes": notes,
+        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields,
+        **_pipeline_search_fields(found), **pipeline_fields(strategy, analysis.topology, results[method])})
     plan = _make_plan(analysis, strategy, report)
     plan.candidates = candidates
     return plan
+
+
+def _pipeline_search_fields(found: "SearchResult") -> dict:
+    """What the pipeline search did (the report's ``pipeline_search``), whether or not a pipeline won."""
+    piped = found.pipeline
+    if piped is None:
+        return {}
+    best = None if piped.strategy is None else {**piped.strategy.pipeline.to_dict(),
+                                                 "predicted_step_time_s": float(piped.outcome.step_time)}
+    return {"pipeline_search": {"simulated": int(piped.evaluated), "seconds": float(piped.seconds), "best": best}}
 
 
 def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,
@@ -329,6 +361,7 @@ def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str
     """Simulate a given STRATEGY (a Strategy or a built-in name) beside the built-ins, without search or
     rewrite: (its name in the report, the Strategy, the report). NAME labels it (default: the strategy's
     name, or "given")."""
+    from tag.report import pipeline_fields
     from tag.strategy.baselines import BUILTIN_STRATEGIES
     if isinstance(strategy, str):
         name, strategy = strategy, analysis.builtin(strategy)
@@ -346,7 +379,8 @@ def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str
     report = _plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
                           {n: bool(r.feasible) for n, r in results.items()},
                           {"search_seconds": 0.0, "evaluations": len(results), "method": name,
-                           "reference": "dp_allreduce", "notes": [], **sfb_fields})
+                           "reference": "dp_allreduce", "notes": [], **sfb_fields,
+                           **pipeline_fields(strategy, analysis.topology, results[name])})
     return name, strategy, report
 
 

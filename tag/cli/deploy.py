@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     add_verbose(p)
     p.add_argument("--no-sfb", action="store_true",
                    help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="search per-group actions only (no pipelines of op-group stages with micro-batches)")
     p.add_argument("--min-gain", type=float, default=None, metavar="F",
                    help="a searched strategy replaces the best built-in only when predicted this much faster "
                         "(default 0.05 = 5%%, the simulator's error on real runs; 0 keeps the fastest predicted)")
@@ -186,7 +188,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
                            seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
-                           prior=args.prior or "uniform", min_gain=args.min_gain)
+                           prior=args.prior or "uniform", min_gain=args.min_gain, pipeline=not args.no_pipeline)
         bar.refresh()
         return plan
 
@@ -247,8 +249,11 @@ def _body(argv: Sequence[str]) -> int:
     run_metadata = None
     if args.run:
         if not report.get("feasible", True):
+            from tag.report import oom_stages
+            stages = oom_stages(report)
+            where = f", pipeline stage {', '.join(map(str, stages))}" if stages else ""
             raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
-                           f"{', '.join(report.get('oom_devices', [])) or 'some device'}); nothing was run")
+                           f"{', '.join(report.get('oom_devices', [])) or 'some device'}{where}); nothing was run")
         outcome = run_plan(args, analysis, name, strategy, report, plan.candidates if plan is not None else None)
         if outcome.name != name:        # --tune measured another candidate faster: it is the plan now
             name, strategy = outcome.name, outcome.strategy
