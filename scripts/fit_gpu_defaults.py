@@ -60,6 +60,22 @@ CLASSES = {   # name: (patterns on tag.cost.gpu_defaults.normalise(name), spec s
     "RTX2080Ti": ([r"2080ti"], dict(peak_tflops=13.4, memory_bandwidth_gbs=616)),
     "RTX3090": ([r"3090"], dict(peak_tflops=35.6, memory_bandwidth_gbs=936)),
 }
+#: spec-sheet peaks in TFLOP/s by precision: FP32 (CUDA cores) and dense tensor-core TF32, FP16 with FP32
+#: accumulation, BF16 (NVIDIA's V100, A100, H100 SXM, P100 SXM2, T4 data sheets; the Turing and GA102
+#: architecture whitepapers for GeForce cards, whose FP16-with-FP32-accumulate rate is half the Quadro
+#: rate). A precision a GPU has no tensor cores for is absent (its MatMuls run at the FP32 peak), except
+#: P100's double-rate FP16 units; the GTX 1080 Ti runs half MatMuls with FP32 arithmetic (cuBLAS's FP32
+#: compute type), at its FP32 peak.
+PEAKS = {
+    "V100": {"fp32": 15.7, "fp16": 125.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "P100": {"fp32": 10.6, "fp16": 21.2},
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+    "GTX1080Ti": {"fp32": 11.3, "fp16": 11.3},
+    "RTX2080Ti": {"fp32": 13.4, "fp16": 53.8},
+    "RTX3090": {"fp32": 35.6, "tf32": 17.8, "fp16": 35.6, "bf16": 35.6},
+}
 #: classes without FP32 TensorFlow rows: (source class, compute factor, basis)
 DERIVED = {
     "A100": ("V100", 1.0, "derived from V100 (datacenter SXM part of the next generation); no FP32 TensorFlow "
@@ -153,7 +169,8 @@ def class_table(e, mem, launch, scales) -> dict:
                 basis = "fitted on the V100 fit rows (reference scale 1.0)"
         eff = {k: round(min(v * scale, 8.0), 4) if k not in ("default",) else round(min(v * scale, 1.0), 4)
                for k, v in shared.items()}
-        out[name] = {"patterns": patterns, "spec": spec, "efficiency": eff, "memory_efficiency": round(mem, 4),
+        out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name], "efficiency": eff,
+                     "memory_efficiency": round(mem, 4),
                      "launch_overhead_s": float(f"{launch:.3g}"), "compute_scale": round(scale, 4), "basis": basis}
     return out
 
