@@ -10,7 +10,10 @@ for CNNs and MLPs, 16 sequences per device for transformers, halved until some s
 Heterogeneous topologies (more than one device type, or unequal links between hosts) make the headline
 figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_uniform_heterogeneous``, and
 ``cases_below_a_baseline`` (cases where the search's answer is slower than a feasible built-in or the
-best uniform action; must be 0).
+best uniform action; must be 0). With ``--mixed`` every heterogeneous case is searched again on the graph
+after TensorFlow's ``mixed_float16`` rewrite (``tag.frontend.precision``) and
+``heterogeneous_cases_plan_changed_mixed`` counts the cases whose chosen plan differs (some op of the
+FP32 graph gets another placement or mode).
 
 Usage::
 
@@ -99,6 +102,33 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
     return row
 
 
+def mixed_ir(model: str):
+    """(IR, grouping) of MODEL after the mixed_float16 rewrite."""
+    from tag.frontend.precision import apply_precision
+    gd = apply_precision(tag.zoo.training_graph(model, batch_size=32), "mixed_float16", train_op="train_op",
+                         loss="loss", init="init")
+    tg = tag.analyze(gd)
+    return tg, group_ops(tg, target_groups=GROUPS)
+
+
+def op_actions(tg, strategy) -> dict[str, tuple]:
+    """Op name -> (placement, mode, partition device) in STRATEGY."""
+    part = strategy.partition or {}
+    acts = strategy.actions
+    return {op.name: (acts[int(g)].placement, acts[int(g)].mode, acts[int(g)].ps_device, part.get(i))
+            for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op))}
+
+
+def plan_changed(tg, grouping, tg_mixed, grouping_mixed, topo, batch: int, args) -> bool:
+    """Whether the search's plan for the mixed-precision graph places or runs some FP32-graph op otherwise."""
+    plans = []
+    for graph, groups in ((tg, grouping), (tg_mixed, grouping_mixed)):
+        env = SearchEnv(graph, topo, groups, batch_size=batch)
+        found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed, min_gain=0.0)
+        plans.append(op_actions(graph, found.strategy))
+    return any(plans[1].get(name, action) != action for name, action in plans[0].items())
+
+
 def geomean(xs: list[float]) -> float:
     return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else float("nan")
 
@@ -113,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds per search (default: playouts only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--mixed", action="store_true",
+                   help="search heterogeneous cases again in mixed_float16 and count changed plans")
     args = p.parse_args(argv)
     models = args.models or (QUICK_MODELS if args.quick else list(tag.zoo.names()))
     topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
@@ -127,11 +159,14 @@ def main(argv=None) -> int:
         grouping = group_ops(tg, target_groups=GROUPS)
         print(f"# {model}: IR and grouping in {time.perf_counter() - t0:.1f} s ({len(tg.ops)} ops, "
               f"{grouping.num_groups} groups)", flush=True)
+        mixed = mixed_ir(model) if args.mixed else None
         for name in topologies:
             topo = tag.load_topology(os.path.join(ROOT, "topologies", f"{name}.pbtxt"))
             for label, batch in batches(tg, topo, args.batches).items():
                 row = {"model": model, "topology": name, "batch_kind": label,
                        **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed)}
+                if mixed is not None and row["heterogeneous"]:
+                    row["plan_changed_mixed"] = plan_changed(tg, grouping, *mixed, topo, row["batch"], args)
                 rows.append(row)
 
                 def ms(key: str) -> str:
@@ -149,6 +184,10 @@ def main(argv=None) -> int:
                "cases_below_a_baseline": sum(1 for r in rows if r["below_a_baseline"]),
                "cases": len(rows), "heterogeneous_cases": len(het), "playouts": args.playouts,
                "budget_s": args.budget}
+    if args.mixed:
+        summary["heterogeneous_cases_plan_changed_mixed"] = sum(1 for r in het if r.get("plan_changed_mixed"))
+        print(f"heterogeneous cases whose plan changes in mixed_float16: "
+              f"{summary['heterogeneous_cases_plan_changed_mixed']} of {len(het)}")
     print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
