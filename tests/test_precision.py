@@ -152,3 +152,48 @@ def test_bad_precision_names_are_one_line_errors(capsys):
     assert main(["--topo", topo, "--model", "zoo:mlp", "--precision", "half"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown precision 'half'" in err[0]
+
+
+@pytest.mark.parametrize("policy, prec", [("mixed_float16", "fp16"), ("mixed_bfloat16", "bf16")])
+def test_a_keras_mixed_policy_graph_is_costed_as_it_is(policy, prec):
+    """A tf_keras model built under a mixed policy: its Dense MatMuls are half precision in the IR (and
+    costed at the tensor-core peak); variables and the gradients their updates receive (what tag
+    all-reduces) stay float32."""
+    import tf_keras
+    import tag
+    from tag.frontend.keras import training_graph_def
+
+    def build():
+        return tf_keras.Sequential([tf_keras.layers.Input((32,)), tf_keras.layers.Dense(256, activation="relu"),
+                                    tf_keras.layers.Dense(10, dtype="float32")])
+
+    old = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(policy)
+    try:
+        gd = training_graph_def(build, "sparse_categorical_crossentropy", "sgd", 16)
+    finally:
+        tf_keras.mixed_precision.set_global_policy(old)
+    tg = tag.analyze(gd)
+    precs = op_precisions(tg)
+    matmuls = [p for op, p in zip(tg.ops, precs) if op.type == "MatMul"]
+    assert prec in matmuls and "fp32" in matmuls            # the float32 output layer stays FP32
+    dtype_of = {t.name: t.dtype for op in tg.ops for t in op.outputs}
+    trained = [v for v in tg.variables if v.kind == "trainable"]
+    assert {v.dtype for v in trained} == {"float32"}
+    assert {dtype_of[v.gradient] for v in trained} == {"float32"}
+
+
+def test_tf32_and_xla_options_reach_the_cost_model_and_the_report():
+    import tag
+    from tag.api import plan_for, prepare
+    topo = tag.parse_topology('host { name: "a" address: "10.0.0.1" port: 2222 device { type: "A100" kind: GPU '
+                              'count: 2 memory_gib: 40 peak_tflops: 19.5 memory_bandwidth_gbs: 1555 } '
+                              'interconnect { kind: NVLINK bandwidth_gbs: 300 } }')
+    gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
+    plain = prepare(gd, topo)
+    fast = prepare(gd, topo, precision="tf32", xla=True)
+    assert fast.graph_def is plain.graph_def or fast.graph_def == plain.graph_def   # TF32: the graph as given
+    assert fast.cost_model.tf32 and fast.cost_model.xla and not plain.cost_model.tf32
+    assert fast.cost_model.compute_time(0, 4) < plain.cost_model.compute_time(0, 4)
+    report = plan_for(fast, "dp_allreduce").report()
+    assert report["precision"] == "tf32" and report["xla"] is True
