@@ -12,6 +12,10 @@ Each class holds:
   kernel size and stride, MatMul by shape, batched matmuls) or op type, ``default`` for the rest. The
   ``conv:3x3s1`` value may exceed 1: it is relative to the direct-convolution FLOP count, and Winograd
   needs fewer multiplications than that.
+- ``peaks``: the class's spec-sheet peaks by precision (FP32 and dense TF32 / FP16 / BF16 tensor cores);
+  a device's peak in a precision is its own FP32 peak times the class's ratio (``tag.cost.precision``).
+- ``tensor_efficiency``: per tensor-core precision, the fraction of that peak MatMuls and convolutions
+  reach, per op class (fitted on V100 mixed-precision rows, shared by every class with tensor cores).
 - ``memory_efficiency``: the fraction of the spec-sheet memory bandwidth that memory-bound kernels reach.
 - ``launch_overhead_s``: fixed cost per kernel (TensorFlow executor and launch).
 - ``basis``: how the class was calibrated (fitted on which GPU's rows, or derived from which class).

@@ -4,6 +4,9 @@ Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), m
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
 device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
 (``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
+MatMuls and convolutions use the peak of the precision the graph computes them in (FP16 / BF16 tensor
+cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs
+element-wise chains as XLA fuses them (one pass over memory).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -14,7 +17,7 @@ Example::
     from tag.cost.model import CostModel, Profile
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
-    cm = CostModel(tg, topo, Profile.load("profile.json"))
+    cm = CostModel(tg, topo, Profile.load("profile.json"))     # or CostModel(tg, topo, tf32=True, xla=True)
     t = cm.op_times(device_group=0, batch=32)          # seconds per IR op on one device of group 0
     cm.allreduce_time(100e6, list(range(topo.num_devices)))
     cm.transfer_time(4e6, 0, 5)
