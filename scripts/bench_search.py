@@ -13,7 +13,7 @@ figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_unif
 best uniform action; must be 0). With ``--mixed`` every heterogeneous case is searched again on the graph
 after TensorFlow's ``mixed_float16`` rewrite (``tag.frontend.precision``) and
 ``heterogeneous_cases_plan_changed_mixed`` counts the cases whose chosen plan differs (some op of the
-FP32 graph gets another placement or mode).
+FP32 graph gets another placement or mode; ``median_share_of_ops_changed_mixed``: how many of them).
 
 Usage::
 
@@ -98,7 +98,7 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            "speedup_vs_best_uniform": base["best_uniform"] / found.step_time,
            "below_a_baseline": bool(simple) and found.step_time > min(simple) * (1 + 1e-9),
            "search_seconds": search_s, "evaluations": evals, "mcts_alone_evaluations": tree_env.evaluations,
-           "load_average": os.getloadavg()[0]}
+           "load_average": os.getloadavg()[0], "_strategy": found.strategy}
     return row
 
 
@@ -119,14 +119,14 @@ def op_actions(tg, strategy) -> dict[str, tuple]:
             for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op))}
 
 
-def plan_changed(tg, grouping, tg_mixed, grouping_mixed, topo, batch: int, args) -> bool:
-    """Whether the search's plan for the mixed-precision graph places or runs some FP32-graph op otherwise."""
-    plans = []
-    for graph, groups in ((tg, grouping), (tg_mixed, grouping_mixed)):
-        env = SearchEnv(graph, topo, groups, batch_size=batch)
-        found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed, min_gain=0.0)
-        plans.append(op_actions(graph, found.strategy))
-    return any(plans[1].get(name, action) != action for name, action in plans[0].items())
+def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args) -> float:
+    """The share of the FP32 graph's ops that the search's plan for the mixed-precision graph places or
+    runs otherwise than STRATEGY (the FP32 graph's plan); 0 when the plan is the same."""
+    env = SearchEnv(tg_mixed, topo, grouping_mixed, batch_size=batch)
+    found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed, min_gain=0.0)
+    mixed = op_actions(tg_mixed, found.strategy)
+    fp32 = op_actions(tg, strategy)
+    return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)
 
 
 def geomean(xs: list[float]) -> float:
@@ -165,8 +165,9 @@ def main(argv=None) -> int:
             for label, batch in batches(tg, topo, args.batches).items():
                 row = {"model": model, "topology": name, "batch_kind": label,
                        **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed)}
+                strategy = row.pop("_strategy")
                 if mixed is not None and row["heterogeneous"]:
-                    row["plan_changed_mixed"] = plan_changed(tg, grouping, *mixed, topo, row["batch"], args)
+                    row["plan_changed_mixed"] = plan_changed(tg, strategy, *mixed, topo, row["batch"], args)
                 rows.append(row)
 
                 def ms(key: str) -> str:
@@ -185,9 +186,12 @@ def main(argv=None) -> int:
                "cases": len(rows), "heterogeneous_cases": len(het), "playouts": args.playouts,
                "budget_s": args.budget}
     if args.mixed:
-        summary["heterogeneous_cases_plan_changed_mixed"] = sum(1 for r in het if r.get("plan_changed_mixed"))
+        changed = [r["plan_changed_mixed"] for r in het if "plan_changed_mixed" in r]
+        summary["heterogeneous_cases_plan_changed_mixed"] = sum(1 for c in changed if c > 0)
+        summary["median_share_of_ops_changed_mixed"] = float(np.median(changed)) if changed else None
         print(f"heterogeneous cases whose plan changes in mixed_float16: "
-              f"{summary['heterogeneous_cases_plan_changed_mixed']} of {len(het)}")
+              f"{summary['heterogeneous_cases_plan_changed_mixed']} of {len(het)} (median share of ops placed or "
+              f"run otherwise: {100 * (summary['median_share_of_ops_changed_mixed'] or 0):.0f}%)")
     print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
