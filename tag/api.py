@@ -184,8 +184,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     mixed-precision pass first (FP16 with static loss scaling; ``tag.frontend.precision``), so the plan is
     made for, and deploys, the graph that will run; ``"tf32"`` costs FP32 MatMuls and convolutions at the
     devices' TF32 tensor-core peak; None / ``"fp32"``: the graph as given. ``xla``: cost element-wise and
-    normalisation chains as XLA fuses them (one pass over memory; the report's ``xla`` tells the runtime
-    to compile with XLA).
+    normalisation chains as XLA fuses them (one pass over memory) and mark those ops of the rewritten graph
+    for XLA (``tag.frontend.precision.mark_for_xla``), so TensorFlow compiles them when the plan runs.
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory.
@@ -263,8 +263,12 @@ class Analysis:
     def rewrite(self, strategy: "Strategy") -> "RewriteResult":
         """The graph rewritten for STRATEGY (entry points as found or given)."""
         from tag.backend.rewrite import rewrite as rewrite_graph
-        return rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
-                             train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
+        rr = rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
+                           train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
+        if self.xla:      # the deployed graph fuses what the cost model costs as fused
+            from tag.frontend.precision import mark_for_xla
+            mark_for_xla(rr.graph_def)
+        return rr
 
 
 def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,

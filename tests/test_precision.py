@@ -197,3 +197,38 @@ def test_tf32_and_xla_options_reach_the_cost_model_and_the_report():
     assert fast.cost_model.compute_time(0, 4) < plain.cost_model.compute_time(0, 4)
     report = plan_for(fast, "dp_allreduce").report()
     assert report["precision"] == "tf32" and report["xla"] is True
+
+
+def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
+    """With xla=True the rewritten graph's element-wise ops carry XLA's clustering attributes (one scope per
+    device) and TensorFlow compiles them: 3 steps match the same plan without XLA to float rounding."""
+    import tensorflow as tf
+    import tag
+    from tag.api import prepare
+    from tag.strategy.baselines import builtin_strategy
+    from helpers import in_process_servers, train_copies
+    ports, servers = in_process_servers(2)
+    topo = tag.parse_topology("\n".join(
+        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
+        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
+        + "\nfabric { bandwidth_gbps: 10 }\n")
+    gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
+    rng = np.random.RandomState(1)
+    batches = [{"input:0": rng.randn(8, 20).astype(np.float32), "labels:0": rng.randint(0, 5, 8).astype(np.int32)}
+               for _ in range(3)]
+    runs = []
+    for xla in (False, True):
+        analysis = prepare(gd, topo, xla=xla)
+        rr = analysis.rewrite(builtin_strategy("dp_allreduce", analysis.graph, topo, analysis.grouping,
+                                               analysis.cost_model))
+        marked = [n for n in rr.graph_def.node if n.attr["_XlaCompile"].b]
+        assert bool(marked) == xla
+        if xla:
+            assert {n.attr["_XlaScope"].s.decode() for n in marked} == {f"tag_xla:{n.device}" for n in marked}
+            assert len({n.device for n in marked}) == 2
+        runs.append(train_copies(rr, servers[0].target, analysis.graph, batches))
+    for plain, fused in zip(*runs):
+        for name, copies in plain.items():
+            for a, b in zip(copies, fused[name]):
+                assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(a))))
+    del tf

@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                         "with TensorFlow's automatic mixed precision first (FP16 with loss scaling); tf32 costs "
                         "FP32 MatMuls and convolutions at the TF32 tensor-core peak")
     p.add_argument("--xla", action="store_true",
-                   help="cost element-wise and normalisation chains as XLA fuses them (one pass over memory)")
+                   help="cost element-wise and normalisation chains as XLA fuses them (one pass over memory) and "
+                        "mark them for XLA in the deployed graph")
     p.add_argument("--no-sfb", action="store_true",
                    help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
     p.add_argument("--min-gain", type=float, default=None, metavar="F",

@@ -23,10 +23,14 @@ run, so the rewrite happens here, on the GraphDef, before the IR is built:
 A graph already built in mixed precision (a tf_keras ``mixed_float16`` / ``mixed_bfloat16`` policy)
 needs none of this: its half-precision ops are in the GraphDef, and the IR costs them as they are.
 
+``mark_for_xla`` marks a (rewritten) graph's element-wise and normalisation ops for XLA, so the deployed
+graph fuses what ``CostModel(..., xla=True)`` costs as fused (``tag.optimize(..., xla=True)``).
+
 Example::
 
-    from tag.frontend.precision import apply_precision
+    from tag.frontend.precision import apply_precision, mark_for_xla
     gd16 = apply_precision(graph_def, "mixed_float16", train_op="train_op", loss="loss")
+    mark_for_xla(gd16)
 """
 from __future__ import annotations
 
@@ -252,4 +256,20 @@ def _const(name: str, value: Any) -> Any:
     return node
 
 
-__all__ = ["LOSS_SCALE", "apply_precision"]
+def mark_for_xla(graph_def: Any) -> int:
+    """Mark (in place) the element-wise and normalisation ops the cost model fuses under ``xla=True``
+    (``tag.cost.precision.FUSIBLE_TYPES``) for XLA, with the attributes ``tf.xla.experimental.jit_scope``
+    sets (``_XlaCompile``, one ``_XlaScope`` per device, so no cluster spans devices); TensorFlow's
+    auto-clustering then compiles and fuses them when the session runs (also on CPU). Returns how many."""
+    from tag.cost.precision import FUSIBLE_TYPES
+    marked = 0
+    for n in graph_def.node:
+        if n.op in FUSIBLE_TYPES:
+            n.attr["_XlaCompile"].b = True
+            n.attr["_XlaScope"].s = f"tag_xla:{n.device}".encode()
+            n.attr["_XlaSeparateCompiledGradients"].b = False
+            marked += 1
+    return marked
+
+
+__all__ = ["LOSS_SCALE", "apply_precision", "mark_for_xla"]
