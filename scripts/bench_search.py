@@ -13,7 +13,8 @@ figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_unif
 best uniform action; must be 0). With ``--mixed`` every heterogeneous case is searched again on the graph
 after TensorFlow's ``mixed_float16`` rewrite (``tag.frontend.precision``) and
 ``heterogeneous_cases_plan_changed_mixed`` counts the cases whose chosen plan differs (some op of the
-FP32 graph gets another placement or mode; ``median_share_of_ops_changed_mixed``: how many of them).
+FP32 graph gets another placement or mode; ``median_share_of_ops_changed_mixed``: how many of them),
+beside the same counts for the FP32 graph searched again with another seed (the search's own noise).
 
 Usage::
 
@@ -119,11 +120,12 @@ def op_actions(tg, strategy) -> dict[str, tuple]:
             for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op))}
 
 
-def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args) -> float:
+def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args, seed: int | None = None) -> float:
     """The share of the FP32 graph's ops that the search's plan for the mixed-precision graph places or
     runs otherwise than STRATEGY (the FP32 graph's plan); 0 when the plan is the same."""
     env = SearchEnv(tg_mixed, topo, grouping_mixed, batch_size=batch)
-    found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed, min_gain=0.0)
+    found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed if seed is None else seed,
+                   min_gain=0.0)
     mixed = op_actions(tg_mixed, found.strategy)
     fp32 = op_actions(tg, strategy)
     return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)
@@ -168,6 +170,9 @@ def main(argv=None) -> int:
                 strategy = row.pop("_strategy")
                 if mixed is not None and row["heterogeneous"]:
                     row["plan_changed_mixed"] = plan_changed(tg, strategy, *mixed, topo, row["batch"], args)
+                    # the noise floor: the same FP32 graph searched with another seed
+                    row["plan_changed_seed"] = plan_changed(tg, strategy, tg, grouping, topo, row["batch"], args,
+                                                            seed=args.seed + 1)
                 rows.append(row)
 
                 def ms(key: str) -> str:
@@ -189,9 +194,14 @@ def main(argv=None) -> int:
         changed = [r["plan_changed_mixed"] for r in het if "plan_changed_mixed" in r]
         summary["heterogeneous_cases_plan_changed_mixed"] = sum(1 for c in changed if c > 0)
         summary["median_share_of_ops_changed_mixed"] = float(np.median(changed)) if changed else None
+        noise = [r["plan_changed_seed"] for r in het if "plan_changed_seed" in r]
+        summary["heterogeneous_cases_plan_changed_other_seed"] = sum(1 for c in noise if c > 0)
+        summary["median_share_of_ops_changed_other_seed"] = float(np.median(noise)) if noise else None
         print(f"heterogeneous cases whose plan changes in mixed_float16: "
               f"{summary['heterogeneous_cases_plan_changed_mixed']} of {len(het)} (median share of ops placed or "
-              f"run otherwise: {100 * (summary['median_share_of_ops_changed_mixed'] or 0):.0f}%)")
+              f"run otherwise: {100 * (summary['median_share_of_ops_changed_mixed'] or 0):.0f}%); FP32 again with "
+              f"another seed: {summary['heterogeneous_cases_plan_changed_other_seed']} "
+              f"({100 * (summary['median_share_of_ops_changed_other_seed'] or 0):.0f}%)")
     print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
