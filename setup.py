@@ -62,7 +62,11 @@ setup(
         "networkx>=3.0",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis", "grpcio-tools==1.85.1"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis", "grpcio-tools==1.85.1"],
+                    # examples/train_digits.py and its README figures: scikit-learn ships the real digits
+                    # data set as a file in its package (no download at run time), which the example's
+                    # workers read; tag itself does not import it, so it is not an install requirement.
+                    "examples": ["scikit-learn"]},
     entry_points={
         "console_scripts": [
             "tag-topo=tag.cli.topo:main",

@@ -11,8 +11,10 @@ HTB-shaped links with one shared egress per NIC, CFS CPU quotas per host; ``tag.
   topology and profile come from ``scripts/testbed_recipe.json`` (``_testbed_cases.py``): each quota is
   profiled by ``tag-profile --sustained`` inside a cgroup of that quota (one device type per quota), plus
   the runtime's network costs (``profile_network``);
-- the measured guard: ``tag.api.verify_plan`` runs the plan and the best feasible built-in ``--guard-steps``
-  steps each and keeps the faster; the row says whether it overrode the simulator and what it cost.
+- the measured tuning step: ``tag.tune.tune_plan`` measures ``--tune K`` candidates (the plan, the best
+  built-in, the best uniform action, then the next fastest predicted; default: as many as cost about 30
+  steps of the slowest) in interleaved rounds and keeps the fastest measured; the row says whether it
+  overrode the simulator, what it cost, and every candidate's predicted and measured time (``tune``).
 
 Each time is the median of the steps after warm-up; every worker runs one intra-op thread. The machine
 is shared, so the 1-minute load average is printed beside each row: compare the columns of a row (run
@@ -45,7 +47,7 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
-from tag.api import verify_plan  # noqa: E402
+from tag.tune import tune_plan  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
@@ -90,9 +92,9 @@ def run_tag(tb: Testbed, gd, res_or_plan, steps: int, warmup: int) -> float:
 
 
 def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
-             budget_s: float, guard_steps: int) -> dict:
+             budget_s: float, tune_k: int | None) -> dict:
     """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB, and what the
-    measured guard (``tag.api.verify_plan``) would keep."""
+    measured tuning step (``tag.tune.tune_plan``) keeps."""
     gd = tf1_graph(model, batch)
     plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
     dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
@@ -101,12 +103,12 @@ def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile:
         dp = run_tag(tb, gd, dp_res, steps, warmup)
         planned = run_tag(tb, gd, plan, steps, warmup)
         t0 = time.perf_counter()
-        guarded = verify_plan(plan, tb.target, steps=guard_steps)
+        guarded = tune_plan(plan, tb, k=tune_k)
         guard_s = time.perf_counter() - t0
     finally:
         tb.stop_workers()
     mwms = run_mwms(tb, model, batch, steps, warmup)
-    overrode = guarded is not plan
+    overrode = guarded.method != plan.method
     row = {"config": name, "model": model, "batch": batch, "quotas": list(cfg["quotas"]),
            "links_gbps": list(cfg["links_gbps"]),
            "mwms_s": mwms, "dp_s": dp, "plan_s": planned, "plan_method": plan.method,
@@ -115,12 +117,16 @@ def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile:
            "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms,
            "guard_kept": guarded.method if overrode else plan.method, "guard_overrode": overrode,
            "guard_seconds": guard_s, "guard_note": guarded.notes[-1] if guarded.notes else "",
+           "tune": guarded.report()["tune"],
            "load1": os.getloadavg()[0]}
     print(f"{name:<3} {model:<12} {batch:>4}  mwms {mwms * 1e3:8.1f} ms  dp {dp * 1e3:8.1f} ms  "
           f"plan {planned * 1e3:8.1f} ms (pred {plan.predicted_step_time * 1e3:7.1f}, {plan.method})  "
           f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  "
           f"guard {'overrode: ' + row['guard_kept'] if overrode else 'kept the plan'} ({guard_s:.0f} s)  "
           f"load {row['load1']:.1f}", flush=True)
+    from tag.report import format_tune
+    for line in format_tune(row["tune"]):
+        print(f"    tune: {line}", flush=True)
     return row
 
 
@@ -142,7 +148,7 @@ def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[d
         for model, batch in cases:
             try:
                 row = run_case(tb, cfg, name, model, batch, profile, args.steps, args.warmup, args.budget,
-                               args.guard_steps)
+                               args.tune)
             except Exception as err:  # noqa: BLE001 - report the case and go on with the others
                 tb.stop_workers()
                 print(f"{name:<3} {model:<12} {batch:>4}  FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
@@ -161,7 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
-    p.add_argument("--guard-steps", type=int, default=6, help="steps per strategy of the measured guard")
+    p.add_argument("--tune", type=int, default=None, metavar="K",
+                   help="candidates the measured tuning step runs (default: as many as cost about 30 steps of "
+                        "the slowest)")
     p.add_argument("--models", help="comma-separated subset of " + ",".join(m for m, _ in CASES))
     p.add_argument("--configs", help="comma-separated subset of the recipe's configurations")
     p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")

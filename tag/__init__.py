@@ -32,6 +32,7 @@ _LAZY = {
     "Plan": ("tag.api", "Plan"),
     "rewrite": ("tag.api", "rewrite"),
     "find_entry_points": ("tag.frontend.entry_points", "find_entry_points"),
+    "train": ("tag.training", "train"),
 }
 
 __all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",

@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.strategy.types import Grouping, Strategy
 
 __all__ = ["Analysis", "Plan", "optimize", "plan_for", "prepare", "rewrite", "search_plan", "load_strategy",
-           "strategy_report", "verify_plan",
+           "strategy_report",
            "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
@@ -81,7 +81,9 @@ class Plan:
     ``strategy``: the chosen ``Strategy``. ``predicted_step_time``: seconds. ``baselines``: name ->
     predicted seconds of every built-in strategy and of each search step (``best_uniform``, ``mcts``).
     ``train_op`` / ``loss`` / ``init``: names to run in ``graph_def``. ``inputs``: the batch inputs to
-    feed (full global batches). ``method``: which step found the strategy.
+    feed (full global batches). ``method``: which step found the strategy. ``candidates``: name -> the
+    best strategy of each search step and each built-in (a plan made by a search in this process; not saved),
+    what the measured tuning step (``tag.tune``) chooses from.
     """
 
     graph_def: Any = field(repr=False)
@@ -98,6 +100,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     _report: dict = field(default_factory=dict, repr=False)
     analysis: "Analysis | None" = field(default=None, repr=False, compare=False)   # not saved
+    candidates: dict = field(default_factory=dict, repr=False, compare=False)      # not saved
 
     def report(self) -> dict:
         """The plan's report: a JSON-serialisable dict (keys in ``tag.report``; a copy)."""
@@ -158,9 +161,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
-             sfb: bool = True, prior: str = "uniform", verify_target: str | None = None,
-             verify_steps: int = 6, min_gain: float | None = None, precision: str | None = None,
-             xla: bool = False) -> Plan:
+             sfb: bool = True, prior: str = "uniform", tune_target: Any = None, tune_k: int | None = None,
+             min_gain: float | None = None, precision: str | None = None, xla: bool = False) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -175,9 +177,12 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
     ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
     node costs a forward pass, 60-100 ms on this 2-core machine).
-    ``verify_target``: a running cluster's session target (e.g. ``Testbed.target``); the plan and the
-    best feasible built-in are each run ``verify_steps`` steps there on synthetic batches and the one
-    measured faster is returned (``verify_plan``; its notes give both medians). ``min_gain``: a searched
+    ``tune_target``: where to measure before returning (``tag.tune.tune_plan``): a session target
+    ("grpc://host:port"), a running cluster (``LocalCluster``, ``Testbed``) or a ``Topology`` (its cluster
+    is opened for it); the ``tune_k`` most promising distinct candidates (the plan, the best built-in, the
+    best uniform action, then the next fastest predicted; None: as many as cost about 30 steps of the
+    slowest) run there in interleaved rounds on synthetic batches and the one measured fastest is returned,
+    its report's ``tune`` keys listing every candidate's predicted and measured time. ``min_gain``: a searched
     strategy replaces the best feasible built-in only when predicted at least this much faster (default
     0.05: smaller gains are within the simulator's error on real runs; 0 keeps the fastest predicted).
     ``precision``: ``"mixed_float16"`` / ``"mixed_bfloat16"`` rewrite the graph with TensorFlow's automatic
@@ -188,44 +193,15 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     for XLA (``tag.frontend.precision.mark_for_xla``), so TensorFlow compiles them when the plan runs.
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
-    strategy evaluated fits the devices' memory.
+    strategy evaluated fits the devices' memory; TagError for a bad ``tune_k``.
     """
+    from tag.tune import check_k, tune_plan
+    check_k(tune_k)
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name, precision=precision, xla=xla)
     plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
                        sfb=sfb, prior=prior, min_gain=min_gain)
-    return plan if verify_target is None else verify_plan(plan, verify_target, steps=verify_steps)
-
-
-def verify_plan(plan: Plan, target: str, *, steps: int = 6, warmup: int = 2) -> Plan:
-    """Run PLAN and the best feasible built-in strategy for STEPS steps on the cluster at TARGET (synthetic
-    batches, first WARMUP steps not timed) and return whichever is measured faster, with a note of both
-    median step times (``tag.verify``). Needs ``plan.analysis`` (a plan made in this process)."""
-    import time
-
-    from tag.backend.runtime import run_steps
-    from tag.report import format_verify
-    from tag.verify import best_builtin, timed_median, verify_fields
-    if plan.analysis is None:
-        raise TagError("verify_plan needs a plan made in this process (a loaded plan has no analysis)")
-    best = best_builtin(plan.baselines, plan.report().get("baselines_feasible") or {}, plan.method)
-    if best is None:
-        return plan
-    t0 = time.perf_counter()
-    other = plan_for(plan.analysis, best)
-
-    def measured(p: Plan) -> float:
-        r = run_steps(p.graph_def, target, train_op=p.train_op, loss=p.loss, init=p.init, steps=steps,
-                      warmup=warmup, synthetic=True)
-        return timed_median(r.step_times, warmup)
-
-    t_plan, t_best = measured(plan), measured(other)
-    fields = verify_fields(plan.method, t_plan, best, t_best, steps=steps, warmup=warmup,
-                           predicted={plan.method: plan.predicted_step_time, best: plan.baselines[best]},
-                           seconds=time.perf_counter() - t0)
-    keep = plan if fields["kept"] == plan.method else other
-    keep.notes.append(f"verified on {target}: {format_verify(fields)}")
-    return keep
+    return plan if tune_target is None else tune_plan(plan, tune_target, k=tune_k)
 
 
 @dataclass
@@ -344,11 +320,13 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     results.setdefault(found.method, found.result)
     baselines, feasible = dict(found.baselines), dict(found.baselines_feasible)
     strategy, notes, sfb_fields = found.strategy, list(found.notes), {}
+    candidates = dict(found.candidates)
     if sfb:
         from tag.compress import select_sfb
         chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
         if chosen.chosen:
             strategy = chosen.strategy
+            candidates[found.method], candidates["without_sfb"] = chosen.strategy, found.strategy
             results[found.method] = chosen.result
             baselines[found.method] = chosen.step_time
             baselines["without_sfb"], feasible["without_sfb"] = chosen.base_step_time, True
@@ -359,7 +337,9 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
         "method": found.method, "reference": found.reference, "notes": notes,
         "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields})
-    return _make_plan(analysis, strategy, report)
+    plan = _make_plan(analysis, strategy, report)
+    plan.candidates = candidates
+    return plan
 
 
 def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,

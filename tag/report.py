@@ -139,13 +139,22 @@ def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup
             "measured_losses": [float(x) for x in mine.losses]}
 
 
-def format_verify(verify: dict) -> str:
-    """The report's ``verify`` keys (``tag.verify.verify_fields``) as one line: both medians, which was kept."""
-    kept = "the plan" if verify["kept"] == verify["plan"] else verify["kept"]
-    against = ", overriding the simulator" if verify["overrode_simulator"] else ""
-    return (f"plan {verify['plan']} {format_time(verify['plan_ms'] / 1e3)}, {verify['baseline']} "
-            f"{format_time(verify['baseline_ms'] / 1e3)} (median of {verify['steps'] - verify['warmup_steps']} "
-            f"steps): kept {kept}{against}")
+def format_tune(fields: Mapping[str, Any]) -> list[str]:
+    """The report's ``tune`` keys (``tag.tune.tune_fields``) as lines: a header, then per candidate its
+    predicted and measured step time (median +- MAD), the simulator's error and why it was measured."""
+    kept = fields["kept"]
+    verdict = "the plan" if kept == fields["plan"] else f"{kept}, overriding the simulator's {fields['plan']}"
+    lines = [f"measured {len(fields['candidates'])} candidates in {fields['rounds']} interleaved rounds of "
+             f"{fields['warmup_per_round']}+{fields['steps_per_round']} steps ({fields['seconds']:.1f} s); "
+             f"kept {verdict}"]
+    width = max(len(r["name"]) for r in fields["candidates"])
+    for r in fields["candidates"]:
+        why = ", ".join(r["roles"] + ([f"same as {', '.join(r['aliases'])}"] if r["aliases"] else []))
+        mark = "  <- kept" if r["name"] == kept else ""
+        lines.append(f"  {r['name']:<{width}}  predicted {format_time(r['predicted_ms'] / 1e3):>10}  measured "
+                     f"{format_time(r['measured_ms'] / 1e3):>10} +- {format_time(r['mad_ms'] / 1e3):>9}  "
+                     f"({r['error'] * 100:+.0f}%, {r['steps']} steps){'  ' + why if why else ''}{mark}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,15 +188,16 @@ def _measured_lines(report: dict) -> list[str]:
 
 def _search_lines(report: dict) -> list[str]:
     """How the plan was found: the search's figures and notes, or the file a saved strategy came from, and
-    ``--verify``'s measured check."""
+    ``--tune``'s measurements."""
     lines = []
     if report.get("search_seconds"):
         lines.append(f"search               {report.get('evaluations', 0)} strategies simulated in "
                      f"{report['search_seconds']:.2f} s; the plan is {report.get('method', report['strategy'])!r}")
     if report.get("strategy_file"):
         lines.append(f"strategy file        {report['strategy_file']}")
-    if report.get("verify"):
-        lines.append(f"verify               {format_verify(report['verify'])}")
+    if report.get("tune"):
+        first, *rest = format_tune(report["tune"])
+        lines += [f"tune                 {first}", *rest]
     return lines + [f"  note: {n}" for n in report.get("notes", [])]
 
 

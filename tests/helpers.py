@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from bounded import bounded
 from tag.backend.runtime import free_ports, session_config
 
 tf1 = tf.compat.v1
@@ -42,7 +43,7 @@ def train_copies(res, target: str, ir, batches) -> list[dict[str, list[np.ndarra
         reads = {v.name: [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(c + ":0"),
                                                     dtype=g.get_operation_by_name(c).get_attr("dtype"))
                           for c in res.variables[v.name]] for v in ir.variables if v.kind == "trainable"}
-    cfg = session_config()
+    cfg = bounded(session_config())
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
     out = []
     with tf1.Session(target, graph=g, config=cfg) as s:

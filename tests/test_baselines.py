@@ -222,7 +222,8 @@ def test_generated_strategy_module_matches_the_proto(tmp_path):
     from tag._proto import strategy_pb2
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     result = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"-I{include}",
-                             f"--python_out={tmp_path}", "strategy.proto"], cwd=ROOT, capture_output=True, text=True)
+                             f"--python_out={tmp_path}", "strategy.proto"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert filecmp.cmp(tmp_path / "strategy_pb2.py", strategy_pb2.__file__, shallow=False), (
         "tag/_proto/strategy_pb2.py is stale: run `pip install -e . --no-deps` to regenerate it")

@@ -324,7 +324,7 @@ def test_run_deploys_the_searched_plan(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# --run --verify: the plan against the best feasible built-in, measured, before training
+# --run --tune K: the most promising candidates measured on the cluster before training
 # ------------------------------------------------------------------------------------------------
 
 def _two_host_topology(tmp_path) -> str:
@@ -341,13 +341,16 @@ def _two_host_topology(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("extra, message", [
+    (["--tune", "3"], "--tune only apply to --run"),
     (["--verify"], "--verify only apply to --run"),
-    (["--verify-steps", "4"], "--verify-steps only applies to --verify"),
-    (["--run", "--verify", "--verify-steps", "2"], "--verify-steps must be over 2"),
-    (["--strategy", "ps", "--run", "--verify"], "--strategy ps already is a built-in"),
+    (["--run", "--tune", "0"], "--tune must be a positive number of candidates to measure, got 0"),
+    (["--run", "--tune", "-2"], "--tune must be a positive number of candidates to measure, got -2"),
+    (["--run", "--tune", "many"], "--tune must be a positive number of candidates to measure, got 'many'"),
+    (["--run", "--verify", "--tune", "3"], "--verify is --tune 2: give one of them"),
+    (["--run", "--tune", "3", "--resume"], "--tune and --resume exclude each other"),
     (["--run", "--verify", "--resume"], "--verify and --resume exclude each other"),
 ])
-def test_verify_flags_bad_input_exit_2_nothing_written(tmp_path, capsys, extra, message):
+def test_tune_flags_bad_input_exit_2_nothing_written(tmp_path, capsys, extra, message):
     rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", *extra,
                          "--report", str(tmp_path / "r.json"), "--save", str(tmp_path / "plan")], capsys)
     assert rc == 2, err
@@ -356,63 +359,59 @@ def test_verify_flags_bad_input_exit_2_nothing_written(tmp_path, capsys, extra, 
     assert os.listdir(tmp_path) == []
 
 
-def test_verify_keeps_the_baseline_when_it_is_measured_faster():
-    from tag.report import format_verify
-    from tag.verify import best_builtin, keep, timed_median, verify_fields
-    predicted = {"refine": 0.010, "dp_allreduce": 0.012}
-    v = verify_fields("refine", 0.150, "dp_allreduce", 0.140, predicted=predicted, steps=6, seconds=2.5)
-    assert v == {"plan": "refine", "plan_ms": pytest.approx(150), "baseline": "dp_allreduce",
-                 "baseline_ms": pytest.approx(140), "steps": 6, "warmup_steps": 2, "kept": "dp_allreduce",
-                 "overrode_simulator": True, "seconds": 2.5}
-    assert format_verify(v) == ("plan refine 150.00 ms, dp_allreduce 140.00 ms (median of 4 steps): kept "
-                                "dp_allreduce, overriding the simulator")
-    faster = verify_fields("refine", 0.130, "dp_allreduce", 0.140, predicted=predicted, steps=6, seconds=2.5)
-    assert faster["kept"] == "refine" and not faster["overrode_simulator"]
-    assert "kept the plan" in format_verify(faster)
-    assert keep("refine", 0.1, "ps", 0.1) == "refine"           # a tie keeps the plan
-    assert timed_median([9.0, 9.0, 1.0, 3.0, 2.0]) == 2.0       # the first two steps are not timed
-    # the best feasible built-in by predicted time; search steps, infinite and unfit ones do not count
-    baselines = {"dp_allreduce": 0.3, "ps": 0.1, "single": None, "partition": 0.2, "mcts": 0.05, "refine": 0.05}
-    assert best_builtin(baselines, {"ps": False}, "refine") == "partition"
-    assert best_builtin(baselines, {}, "saved") == "ps"
-    assert best_builtin(baselines, {}, "ps") is None            # the plan is a built-in: nothing to compare
-    assert best_builtin({"mcts": 0.1}, {}, "mcts") is None
-
-
-def _run_verify(tmp_path, capsys, verify_steps: int, steps: int):
-    """tag-deploy --run --verify of TINY_MLP on two local workers: (report, saved plan, stdout, stderr)."""
+def _run_tune(tmp_path, capsys, tune: list[str], steps: int, topo: str | None = None):
+    """tag-deploy --run --tune ... of TINY_MLP on local workers: (report, saved plan, stdout, stderr)."""
     import tag
     report, plan_dir = tmp_path / "r.json", tmp_path / "plan"
-    rc, out, err = _run(["--topo", _two_host_topology(tmp_path), "--model", TINY_MLP, "--batch", "12",
-                         "--playouts", "5", "--min-gain", "0", "--run", "--verify", "--verify-steps", str(verify_steps),
-                         "--steps", str(steps), "--report", str(report), "--save", str(plan_dir)], capsys)
+    rc, out, err = _run(["--topo", topo or _two_host_topology(tmp_path), "--model", TINY_MLP, "--batch", "12",
+                         "--playouts", "5", "--min-gain", "0", "--run", *tune, "--steps", str(steps),
+                         "--report", str(report), "--save", str(plan_dir)], capsys)
     assert rc == 0, err
     return json.loads(report.read_text()), tag.Plan.load(plan_dir), out, err
 
 
-@pytest.mark.slow
-def test_run_verify_measures_plan_and_best_builtin_on_two_local_workers(tmp_path, capsys):
-    r, plan, out, err = _run_verify(tmp_path, capsys, verify_steps=4, steps=3)
-    v = r["verify"]
-    assert v["plan_ms"] > 0 and v["baseline_ms"] > 0 and v["steps"] == 4 and v["seconds"] > 0
-    assert v["baseline"] in BUILTINS and v["kept"] in (v["plan"], v["baseline"])
-    assert r["method"] == r["strategy"] == v["kept"] and plan.method == v["kept"]
-    assert v["overrode_simulator"] == (v["kept"] == v["baseline"])     # the search predicts the plan faster
-    assert len(r["measured_losses"]) == 3
-    assert sum(line.startswith("tag-deploy: verify: plan ") for line in err.splitlines()) == 1
-    assert "verify               plan " in out
+def _three_host_topology(tmp_path) -> str:
+    from tag.backend.runtime import free_ports
+    text = open(LOCALHOST).read()
+    for old, new in zip(("23451", "23452", "23453"), free_ports(3)):
+        text = text.replace(f"port: {old}", f"port: {new}")
+    path = tmp_path / "three.pbtxt"
+    path.write_text(text)
+    return str(path)
 
 
 @pytest.mark.slow
-def test_run_verify_trains_reports_and_saves_the_baseline_it_kept(tmp_path, capsys, monkeypatch):
-    """The measurement is real; the decision is forced to the baseline to follow that path through."""
-    import tag.verify
-    monkeypatch.setattr(tag.verify, "keep", lambda plan, plan_s, baseline, baseline_s: baseline)
-    r, plan, out, err = _run_verify(tmp_path, capsys, verify_steps=3, steps=2)
-    kept = r["verify"]["kept"]
-    assert kept == r["verify"]["baseline"] != r["verify"]["plan"]
-    assert r["method"] == r["strategy"] == kept
+def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_the_fastest(tmp_path, capsys):
+    r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=_three_host_topology(tmp_path))
+    t = r["tune"]
+    rows = t["candidates"]
+    assert len(rows) == 3 and len({x["name"] for x in rows}) == 3 and rows[0]["name"] == t["plan"]
+    assert sorted(role for x in rows for role in x["roles"]) == ["best built-in", "best uniform action", "the plan"]
+    assert all(x["measured_ms"] > 0 and x["mad_ms"] >= 0 and x["steps"] == 6 for x in rows)
+    kept = min(rows, key=lambda x: x["measured_ms"])["name"]
+    assert t["kept"] == kept == r["method"] == r["strategy"] == plan.method       # trained, reported, saved
     assert r["predicted_step_time_s"] == pytest.approx(r["baselines"][kept])
-    assert r["verify"]["plan"] in r["baselines"] and r["search_seconds"] > 0     # the search is still reported
-    assert plan.method == kept and plan.report()["strategy"] == kept
-    assert f"strategy {kept}" in out and f"kept {kept}" in out
+    assert t["plan"] in r["baselines"] and r["search_seconds"] > 0                # the search is still reported
+    assert len(r["measured_losses"]) == 3 and t["seconds"] > 0
+    tune_lines = [line for line in err.splitlines() if line.startswith("tag-deploy: tune: ")]
+    rounds = [line for line in tune_lines if ": round " in line]
+    assert len(rounds) == 3 * 3 and rounds[0].endswith(f"round 1/3: {rows[0]['name']}")   # interleaved rounds
+    assert len(tune_lines) == 1 + 9 + 1 + 3       # what is measured, the rounds, the verdict, one per candidate
+    assert all(f"{x['name']} " in "\n".join(tune_lines) for x in rows)
+    assert "tune                 measured 3 candidates" in out and out.count("  <- kept") == 1
+
+
+@pytest.mark.slow
+def test_run_verify_is_tune_2_and_the_kept_candidate_is_trained_and_saved(tmp_path, capsys, monkeypatch):
+    """--verify measures the plan, the best built-in and the best uniform action; the measurement is real,
+    the decision is forced to the slowest predicted candidate to follow the path where the plan is replaced."""
+    import tag.tune
+    monkeypatch.setattr(tag.tune.Measured, "median_s", property(lambda m: 1.0 / m.candidate.predicted_s))
+    r, plan, out, err = _run_tune(tmp_path, capsys, ["--verify"], steps=2)
+    t = r["tune"]
+    assert 2 <= len(t["candidates"]) <= 3 and {"the plan", "best built-in"} <= {
+        role for x in t["candidates"] for role in x["roles"]}
+    kept = max(t["candidates"], key=lambda x: x["predicted_ms"])["name"]
+    assert t["kept"] == kept != t["plan"] and t["overrode_simulator"]
+    assert r["method"] == r["strategy"] == kept and plan.method == kept and plan.report()["strategy"] == kept
+    assert f"strategy {kept}" in out and f"kept {kept}, overriding the simulator's {t['plan']}" in out

@@ -20,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.backend.runtime import session_config  # noqa: E402
 from helpers import in_process_servers  # noqa: E402
+from bounded import bounded  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.errors import GraphError, RewriteError  # noqa: E402
 from tag.frontend import real_graphs as rg  # noqa: E402
@@ -313,7 +314,7 @@ def check_same_training(name, cluster_fixture):
         g = _import(res.graph_def)
         copies = [c for v in weights for c in res.variables[v]]
         reads = dict(zip(copies, _value_tensors(g, copies)))
-        with tf1.Session(target, graph=g, config=_config(session_config())) as s:
+        with tf1.Session(target, graph=g, config=bounded(_config(session_config()))) as s:
             s.run(res.init)
             for step, fd in enumerate(feeds(gd, ir)):
                 loss = float(s.run([res.loss + ":0", res.train_op], fd)[0])

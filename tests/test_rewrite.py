@@ -24,6 +24,7 @@ from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
 from helpers import in_process_servers  # noqa: E402
+from bounded import bounded  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients  # noqa: E402
@@ -121,7 +122,7 @@ def local_config():
 
 
 def cluster_config():
-    cfg = session_config()
+    cfg = bounded(session_config())
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
     return cfg
 
@@ -225,7 +226,7 @@ def run_rewritten(res: RewriteResult, target: str, ir, batches):
     return out
 
 
-def assert_same_training(got, ref, grads0, ir, learning_rate):
+def assert_same_training(got, ref, grads0, ir, learning_rate, rtol=RTOL):
     """Loss and every trainable weight within RTOL (relative to the weight's largest magnitude).
 
     Parameters whose exact gradient is zero by construction (a conv bias before BatchNorm, an
@@ -238,7 +239,7 @@ def assert_same_training(got, ref, grads0, ir, learning_rate):
     noise = {v.name for v, g in zip(vs, grads0) if float(np.max(np.abs(g))) <= 1e-6 * gmax}
     assert len(noise) < len(vs) / 3, f"too many zero-gradient parameters: {sorted(noise)}"
     for step, ((loss, weights), (ref_loss, ref_weights)) in enumerate(zip(got, ref)):
-        assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
+        assert abs(loss - ref_loss) <= rtol * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
         for v, r in zip(vs, ref_weights):
             copies = weights[v.name]
             scale = float(np.max(np.abs(r))) or 1.0
@@ -248,7 +249,7 @@ def assert_same_training(got, ref, grads0, ir, learning_rate):
             if v.name in noise:
                 assert err <= 2 * (step + 1) * learning_rate, f"step {step}: {v.name} moved {err}"
             else:
-                assert err <= RTOL * scale, f"step {step}: {v.name} differs by {err / scale:.2e} (relative)"
+                assert err <= rtol * scale, f"step {step}: {v.name} differs by {err / scale:.2e} (relative)"
 
 
 # ------------------------------------------------------------------------------------------------

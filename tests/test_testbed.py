@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from tag.cluster.topology import parse_topology
 from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from bounded import bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
@@ -24,12 +26,12 @@ def topo(n=2, fabric_gbps=0.2, latency_us=0, links=""):
 
 
 def netns_names() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=60).stdout
     return {line.split()[0] for line in out.splitlines() if line.split()}
 
 
 def link_names() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=60).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
@@ -69,6 +71,91 @@ def test_teardown_after_an_error_inside_the_block():
                 assert f.read().strip() == "256"
             raise RuntimeError("boom")
     assert ns not in netns_names() and not os.path.exists(cg)
+
+
+def _testbed_child(how: str) -> subprocess.Popen:
+    """A process that sets up a two-host testbed with CPU quotas (and with HOW == "processes", a process in
+    each namespace and cgroup, as a TF server runs), prints the names of what it made as one JSON line, and
+    sleeps."""
+    code = ("import json, os, signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job ignores SIGINT\n"
+            "from tag.cluster.topology import parse_topology\n"
+            "from tag.backend.testbed import Testbed\n"
+            f"with Testbed(parse_topology({topo_text_for_child()!r}), cpu_quota=[1.0, 0.5]) as tb:\n"
+            "    import subprocess\n"
+            f"    inside = [subprocess.Popen(tb.launch_prefix(i) + ['sleep', '600']) for i in range(2 if {how == 'processes'!r} else 0)]\n"
+            "    def entered(i, p):  # the process runs inside host i's namespace (not still on its way in)\n"
+            "        out = subprocess.run(['ip', 'netns', 'pids', tb.namespace(i)], capture_output=True, text=True, timeout=30)\n"
+            "        return str(p.pid) in out.stdout.split()\n"
+            "    for _ in range(600):\n"
+            "        if all(entered(i, p) for i, p in enumerate(inside)):\n"
+            "            break\n"
+            "        time.sleep(0.05)\n"
+            "    names = {'netns': [tb.namespace(i) for i in range(2)], 'links': [tb.bridge, tb._veth(0), tb._veth(1)],\n"
+            "             'cgroup': tb._cgroup(), 'pids': [p.pid for p in inside]}\n"
+            "    print(json.dumps(names), flush=True)\n"
+            "    time.sleep(600)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+
+
+def _left_behind(names: dict) -> list[str]:
+    left = [n for n in names["netns"] if n in netns_names()] + [n for n in names["links"] if n in link_names()]
+    left += [names["cgroup"]] if os.path.isdir(names["cgroup"]) else []
+    return left + [f"pid {p}" for p in names["pids"] if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, how, code", [(signal.SIGTERM, "processes", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
+def test_a_stopped_process_takes_its_testbed_down(signum, how, code):
+    """SIGTERM (a time limit, kill) or SIGINT (Ctrl-C) to a process with a testbed up: namespaces, bridge,
+    veths, cgroups and the processes in the namespaces are gone, and the process ends as the signal
+    says (SIGTERM: exit status 143; SIGINT: an uncaught KeyboardInterrupt, which Python ends by SIGINT)."""
+    import json
+    from bounded import LineReader, stop
+    proc = _testbed_child(how)
+    try:
+        line = LineReader(proc.stdout).next(timeout_s=180)
+        assert line is not None, "the child died before its testbed was up"
+        names = json.loads(line)
+        assert set(names["netns"]) <= netns_names() and os.path.isdir(names["cgroup"])
+        assert len(names["pids"]) == (2 if how == "processes" else 0)
+        proc.send_signal(signum)        # as `timeout` does: the process, then its whole process group
+        os.killpg(proc.pid, signum)     # (a terminal's Ctrl-C, too, signals the whole foreground group)
+        assert proc.wait(timeout=60) == code
+    finally:
+        stop(proc)
+    assert _left_behind(names) == []
+
+
+@needs_netns
+@pytest.mark.slow
+def test_a_new_testbed_clears_what_a_killed_run_left():
+    """A process killed with SIGKILL cannot clean up; the next Testbed start (cleanup_stale) removes its
+    namespaces, bridge, veths and cgroups."""
+    import json
+    from bounded import LineReader, stop
+    proc = _testbed_child("bare")
+    try:
+        line = LineReader(proc.stdout).next(timeout_s=180)
+        assert line is not None, "the child died before its testbed was up"
+        names = json.loads(line)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+    finally:
+        stop(proc)
+    assert sorted(_left_behind(names)) == sorted(names["netns"] + names["links"] + [names["cgroup"]])
+    with Testbed(topo(2)):
+        assert _left_behind(names) == []
 
 
 @needs_netns
@@ -172,7 +259,7 @@ def test_tf_cluster_inside_the_testbed_runs_a_two_task_graph():
                     outs.append(tf.raw_ops.CollectiveReduceV2(
                         input=tf.fill([1000], float(t + 1)), group_size=2, group_key=1, instance_key=1,
                         ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring"))
-        with tf.compat.v1.Session(target, graph=g, config=session_config()) as sess:
+        with tf.compat.v1.Session(target, graph=g, config=bounded(session_config())) as sess:
             for got in sess.run(outs):
                 np.testing.assert_allclose(got, np.full(1000, 3.0))
         pids = list(tb.cluster.pids)
@@ -223,7 +310,8 @@ def test_quotas_unequal_links_and_a_shared_nic():
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a bandwidth measurement did not end"
         total = (out["h1"] + out["h2"]) * 8 / 1e9
         assert total == pytest.approx(0.4 * goodput, rel=0.2)
         assert out["h2"] * 8 / 1e9 <= 0.1 * 1.2
@@ -238,7 +326,8 @@ def _concurrent_bandwidths(tb, pairs, seconds=2.0) -> list[float]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a bandwidth measurement did not end"
     return [out[p] * 8 / 1e9 for p in pairs]
 
 

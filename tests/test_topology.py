@@ -393,7 +393,7 @@ def test_generated_module_matches_the_proto(tmp_path):
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     result = subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"-I{include}", f"--python_out={tmp_path}",
-         "topology.proto"], cwd=ROOT, capture_output=True, text=True)
+         "topology.proto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     from tag._proto import topology_pb2
 

@@ -54,3 +54,32 @@ def write_tensorboard(logdir: str | os.PathLike, graph_def: Any, *, trace: dict 
         write_atomic(path, json.dumps(finite(trace)))
         written.append(path)
     return written
+
+
+class ScalarWriter:
+    """Training curves for TensorBoard's Scalars tab: ``add(step, {"loss": 2.3, ...})`` appends one event
+    per value to an event file in LOGDIR (written by TensorFlow's own ``FileWriter``); ``close()`` flushes.
+
+    Example::
+
+        curves = ScalarWriter("tb/")
+        curves.add(1, {"train/loss": 2.30, "train/examples_per_s": 812.0})
+        curves.close()                 # then: tensorboard --logdir tb/
+    """
+
+    def __init__(self, logdir: str | os.PathLike):
+        tf = import_tf()
+        os.makedirs(os.fspath(logdir), exist_ok=True)
+        self._tf = tf
+        with tf.Graph().as_default():          # TF1 FileWriter refuses to run eagerly
+            self._writer = tf.compat.v1.summary.FileWriter(os.fspath(logdir), filename_suffix=".tag-train")
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        tf = self._tf
+        summary = tf.compat.v1.Summary(value=[tf.compat.v1.Summary.Value(tag=k, simple_value=float(v))
+                                              for k, v in values.items()])
+        self._writer.add_summary(summary, int(step))
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()

@@ -28,7 +28,12 @@ Hosts of unequal, repeatable speed: ``cpu_quota`` gives each host a CFS bandwidt
 only weigh hosts against each other under contention -- a coarser stand-in for slower devices.
 
 Needs root and iproute2 (``ip``, ``tc``); nothing is installed. Everything is torn down on exit, even
-after an error; ``cleanup_stale()`` removes what a killed run left behind (names ``tag<pid>t<n>...``).
+after an error, and when the process is stopped: while a testbed is up, SIGTERM and SIGINT (a time
+limit, ``kill``, Ctrl-C) first tear down every live testbed of the process, then end it as the signal
+would have (``SystemExit(143)`` for SIGTERM, ``KeyboardInterrupt`` for SIGINT; a signal that was ignored
+stays ignored, a handler of the program's own runs after the teardown). A process killed with SIGKILL
+cannot clean up: ``cleanup_stale()`` removes what it left (names ``tag<pid>t<n>...`` of dead pids), and
+every testbed start calls it.
 
 Example::
 
@@ -44,6 +49,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import ipaddress
@@ -257,6 +263,77 @@ _LIVE = LiveRegistry("close")   # testbeds set up and not yet closed; closed at 
 _COUNTER = 0                     # testbeds set up so far in this process (names their interfaces)
 
 
+class _TeardownOnSignal:
+    """SIGTERM and SIGINT handlers that close every live testbed before the process ends.
+
+    ``arm()`` when a testbed is set up installs them (main thread only: Python delivers signals there);
+    ``disarm()`` when the last one is closed puts the previous handlers back. Each handler closes the
+    live testbeds, then does what the previous handler would have: a Python handler of the program is
+    called, the default ends the process by an exception (so ``finally`` blocks and ``with`` exits still
+    run); an ignored signal is left alone. tag's runs wait for TensorFlow in short polls
+    (``tag.backend.runtime.guard``), so the handler runs within a fraction of a second.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, object] = {}
+        self._busy = False      # a handler is tearing down
+
+    def arm(self) -> None:
+        import threading
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.SIGNALS:
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_IGN, None):
+                continue          # ignored (a background job's SIGINT) or set outside Python: leave it
+            self._previous[signum] = current
+            signal.signal(signum, self._handle)
+
+    def disarm(self) -> None:
+        import threading
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)
+
+    @contextlib.contextmanager
+    def held(self):
+        """SIGTERM and SIGINT held back (blocked in the main thread) for the ``with`` block: delivered after it."""
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._busy:
+            return                # a second signal during the teardown (``timeout`` signals the process and
+                                  # its group): the first one ends the process once the teardown is done
+        self._busy = True
+        try:
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            _LIVE.stop_all()      # closes every testbed (and so disarms)
+        finally:
+            self._busy = False
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        else:
+            raise SystemExit(128 + signum)
+
+
+_SIGNALS = _TeardownOnSignal()
+
+
 class Testbed:
     """Network namespaces, a bridge and shaped veth links that emulate TOPOLOGY's hosts and links.
 
@@ -340,11 +417,13 @@ class Testbed:
             raise TestbedError(why)
         if self._token is not None:
             raise TestbedError("this testbed is already set up")
+        cleanup_stale()           # what a killed (SIGKILL) run left behind
         global _COUNTER
         with _LIVE.lock:
             self._token = f"{os.getpid()}t{_COUNTER}"
             _COUNTER += 1
             _LIVE.add(self)
+            _SIGNALS.arm()
         if len(f"{PREFIX}{self._token}r{len(self.source.hosts) - 1}") > 15:
             raise TestbedError("interface names would exceed 15 characters (too many testbeds in one process)")
         try:
@@ -611,7 +690,12 @@ class Testbed:
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice."""
+        """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice. SIGTERM and
+        SIGINT wait until it is done (a signal that cut a teardown short would leave the rest behind)."""
+        with _SIGNALS.held():
+            self._close()
+
+    def _close(self) -> None:
         errors: list[str] = []
         try:
             self.stop_workers()
@@ -621,6 +705,8 @@ class Testbed:
         for kind, name in created:
             if kind == "netns":
                 _kill_netns_processes(name)
+            elif kind == "cgroup":
+                _kill_cgroup_processes(name)     # one started a moment ago may not be in its namespace yet
         for kind, name in reversed(created):
             try:
                 if kind == "netns":
@@ -632,7 +718,10 @@ class Testbed:
                     _rmdir_cgroup(name)
             except Exception as err:  # noqa: BLE001
                 errors.append(str(err))
-        _LIVE.discard(self)
+        with _LIVE.lock:
+            _LIVE.discard(self)
+            if not _LIVE.members():
+                _SIGNALS.disarm()
         self.topology = None
         if errors:
             warnings.warn(f"testbed teardown left something behind: {'; '.join(errors)}", RuntimeWarning,
@@ -647,6 +736,19 @@ def _kill_netns_processes(ns: str) -> None:
                 os.kill(int(tok), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _kill_cgroup_processes(path: str) -> None:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            pids = [int(tok) for tok in f.read().split() if tok.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _rmdir_cgroup(path: str) -> None:
@@ -695,6 +797,7 @@ def cleanup_stale() -> list[str]:
             if os.path.isdir(path) and stale(name):
                 for child in os.listdir(path):
                     if os.path.isdir(os.path.join(path, child)):
+                        _kill_cgroup_processes(os.path.join(path, child))
                         try:
                             _rmdir_cgroup(os.path.join(path, child))
                         except OSError:

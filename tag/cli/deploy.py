@@ -8,7 +8,7 @@ Usage::
     tag-deploy --topo topologies/localhost.pbtxt --model my_step.pb --playouts 200 --run --steps 20
     tag-deploy --topo ... --model ... --strategy dp_allreduce          # predict a built-in, no search
     tag-deploy --topo ... --model ... --strategy-file plan/ --run      # deploy a saved strategy or plan
-    tag-deploy --topo ... --model ... --run --verify     # train the faster of the plan and the best built-in
+    tag-deploy --topo ... --model ... --run --tune 4     # measure 4 candidates, train the fastest measured
 
     from tag.cli.deploy import main
     main(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp", "--playouts", "50"])
@@ -32,9 +32,11 @@ computed, through a temporary name, so an error never leaves a half-written file
 loopback topology) beside the dp_allreduce baseline and adds the measured step times to the report;
 progress (step, seconds per step, loss) goes to stderr, a dead worker or an unreachable host is named
 (exit 1), no step blocks past ``--step-timeout``; ``--checkpoint-every K`` / ``--resume`` save and
-restore the plan's variables (``tag.cli.deploy_run``). ``--run --verify`` first runs the plan and the
-best feasible built-in strategy ``--verify-steps`` steps each (default 6, 2 untimed) on the same cluster
-and trains, reports and saves the one measured faster (report key ``verify``). ``--tensorboard DIR``
+restore the plan's variables (``tag.cli.deploy_run``). ``--run --tune K`` first measures the K most
+promising distinct candidates (the plan, the best built-in, the best uniform action, then the next
+fastest predicted; ``tag.tune``) on the same cluster in interleaved rounds, prints each one's predicted
+and measured step time, and trains, reports and saves the fastest measured (report key ``tune``);
+``--verify`` is ``--tune 2``. ``--tensorboard DIR``
 writes the rewritten graph for TensorBoard's graph view (ops coloured by device) and the predicted
 step's Chrome trace. A profile that serves no device type of the topology is a warning; the table says
 which profile entry served each device type. TensorFlow's own log lines are hidden unless ``--verbose``.
@@ -204,7 +206,7 @@ CARRIED_KEYS = ("profile", "profile_use", "predict_seconds", "search_seconds", "
 
 
 def _kept_report(plan_report: dict, kept_report: dict, notes: list[str]) -> dict:
-    """KEPT_REPORT (the built-in --verify kept) with what PLAN_REPORT knew beyond its own strategy: the
+    """KEPT_REPORT (the candidate --tune kept) with what PLAN_REPORT knew beyond its own strategy: the
     profile, the search's figures, every strategy compared; NOTES added to its notes."""
     kept_report.update({k: plan_report[k] for k in CARRIED_KEYS if k in plan_report})
     for key in ("baselines", "baselines_feasible"):
@@ -257,8 +259,8 @@ def _body(argv: Sequence[str]) -> int:
         if not report.get("feasible", True):
             raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
                            f"{', '.join(report.get('oom_devices', [])) or 'some device'}); nothing was run")
-        outcome = run_plan(args, analysis, name, strategy, report)
-        if outcome.name != name:        # --verify measured the built-in faster: it is the plan now
+        outcome = run_plan(args, analysis, name, strategy, report, plan.candidates if plan is not None else None)
+        if outcome.name != name:        # --tune measured another candidate faster: it is the plan now
             name, strategy = outcome.name, outcome.strategy
             plan = plan_for(analysis, strategy, name=name)
             report = _kept_report(report, plan.report(), [warning] if warning else [])

@@ -3,18 +3,22 @@
 Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each stays short:
 
 - ``add_run_arguments``: ``--run --steps N --step-timeout S --checkpoint-every K --checkpoint-dir DIR
-  --resume --verify --verify-steps N --tensorboard DIR``;
+  --resume --tune [K] --verify --tensorboard DIR --input MODULE:FUNCTION``;
 - ``check_run_arguments``: their cheap checks, before anything is built (exit 2 on bad input);
 - ``run_plan``: deploys the plan and the dp_allreduce baseline (``measure_strategies``), printing one
   progress line per step on stderr (``tag-deploy: ps: step 3/20  0.412 s/step  loss 2.301``, at most
   two a second), and returns the report's ``measured_*`` keys. Remote hosts must answer within 30 s; a
   worker that dies is named within seconds (exit 1); no step blocks past ``--step-timeout``. With
-  ``--checkpoint-every K`` the plan's variables are saved to ``DIR/weights.npz`` every K steps;
-  ``--resume`` restores them and continues the step count and the loss curve (``--steps`` is the total).
-  ``--verify`` first runs the plan and the best feasible built-in (by predicted time; ``tag.verify``) for
-  ``--verify-steps`` steps each on the same cluster start, prints one line of both medians, and trains the
-  faster (the report's ``verify`` keys). A searched or saved plan is verified; ``--strategy NAME``, already
-  a built-in, is refused, and so is ``--resume`` (the checkpoint fixes the strategy).
+  ``--checkpoint-every K`` the plan's variables are saved as a TensorFlow checkpoint in DIR every K
+  steps (original variable names, ``tag.backend.runtime.checkpoint``); ``--resume`` restores the newest
+  and continues the step count and the loss curve (``--steps`` is the total). ``--input MODULE:FUNCTION``
+  trains the plan on that data set function's per-host pipelines instead (``tag.cli.deploy_input``).
+  ``--tune K`` first measures the K most promising distinct candidates on the same cluster start
+  (``tag.tune``: the plan, the best built-in, the best uniform action, then the next fastest predicted; K
+  left out: as many as cost about 30 steps of the slowest) in interleaved rounds, prints each one's
+  predicted and measured step time (median +- MAD), and trains the fastest measured (the report's ``tune``
+  keys). ``--verify`` is ``--tune 2`` (the plan, the best built-in and the best uniform action). Not with
+  ``--resume`` (the checkpoint fixes the strategy).
 - ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.tensorboard``).
 
 Example::
@@ -34,10 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tag.errors import TagError
-from tag.verify import VERIFY_STEPS, VERIFY_WARMUP
 
 PROG = "tag-deploy"
-CHECKPOINT_FILE = "weights.npz"
 DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
 DEFAULT_STEP_TIMEOUT_S = 600.0
 BASELINE_MAX_STEPS = 20          # the dp_allreduce baseline is timed, not trained
@@ -57,17 +59,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"where checkpoints go and --resume reads them (default ./{DEFAULT_CHECKPOINT_DIR})")
     p.add_argument("--resume", action="store_true",
                    help="--run: continue from the last checkpoint (--steps counts from step 0)")
-    p.add_argument("--verify", action="store_true",
-                   help="--run: first run the plan and the best feasible built-in strategy for --verify-steps "
-                        "steps each and train the one measured faster (not with --strategy NAME)")
-    p.add_argument("--verify-steps", type=int, default=None, metavar="N",
-                   help=f"--verify: steps of each, the first {VERIFY_WARMUP} not timed (default {VERIFY_STEPS})")
+    p.add_argument("--tune", nargs="?", const=TUNE_DEFAULT, default=None, metavar="K",
+                   help="--run: first measure the K most promising distinct candidates (the plan, the best "
+                        "built-in, the best uniform action, then the next fastest predicted) on the cluster and "
+                        "train the fastest measured (K left out: as many as cost about 30 steps of the slowest)")
+    p.add_argument("--verify", action="store_true", help="--run: the same as --tune 2")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write the rewritten graph (ops coloured by device) and the predicted step's trace")
+    p.add_argument("--input", default=None, metavar="MODULE:FUNCTION",
+                   help="--run: train on the data sets FUNCTION(ctx) makes, one tf.data pipeline per worker host "
+                        "(MODULE from the current directory or PYTHONPATH), instead of synthetic batches")
 
 
 def checkpoint_path(args: argparse.Namespace) -> str:
-    return os.path.join(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, CHECKPOINT_FILE)
+    """The checkpoint directory (TensorFlow checkpoints ``model.ckpt-STEP`` and their descriptions)."""
+    return args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR
 
 
 def check_run_arguments(args: argparse.Namespace) -> None:
@@ -76,20 +82,24 @@ def check_run_arguments(args: argparse.Namespace) -> None:
     if not args.step_timeout > 0:
         raise TagError(f"--step-timeout must be a positive number of seconds, got {args.step_timeout:g}")
     needs_run = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume or None),
-                                ("--checkpoint-dir", args.checkpoint_dir), ("--verify", args.verify or None))
+                                ("--checkpoint-dir", args.checkpoint_dir), ("--verify", args.verify or None),
+                                ("--tune", args.tune), ("--input", args.input))
                  if v is not None]
     if needs_run and not args.run:
         raise TagError(f"{', '.join(needs_run)} only apply to --run")
-    _check_verify_arguments(args)
+    _check_tune_arguments(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise TagError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
-    if args.checkpoint_every is not None:
+    if args.checkpoint_every is not None or args.input is not None:
         check_writable(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, what="checkpoint directory", directory=True)
+    if args.input is not None:
+        from tag.cli.deploy_input import load_dataset_fn
+        load_dataset_fn(args.input)         # exit 2 now if it does not import
     if args.resume:
-        from tag.backend.runtime.checkpoint import read_checkpoint_meta
+        from tag.backend.runtime.checkpoint import latest_checkpoint, read_checkpoint_meta
         path = checkpoint_path(args)
-        if not os.path.exists(path):
-            raise TagError(f"--resume: no checkpoint at {path} (--checkpoint-every K writes one)")
+        if latest_checkpoint(path) is None:
+            raise TagError(f"--resume: no checkpoint in {path} (--checkpoint-every K writes one)")
         meta = read_checkpoint_meta(path)
         if meta["step"] >= args.steps:
             raise TagError(f"--resume: the checkpoint {path} is at step {meta['step']}, --steps is {args.steps}: "
@@ -98,17 +108,30 @@ def check_run_arguments(args: argparse.Namespace) -> None:
         check_writable(args.tensorboard, what="TensorBoard directory", directory=True)
 
 
-def _check_verify_arguments(args: argparse.Namespace) -> None:
-    if args.verify_steps is not None and not args.verify:
-        raise TagError("--verify-steps only applies to --verify")
-    if args.verify_steps is not None and args.verify_steps <= VERIFY_WARMUP:
-        raise TagError(f"--verify-steps must be over {VERIFY_WARMUP} (the first {VERIFY_WARMUP} are not timed), "
-                       f"got {args.verify_steps}")
-    if args.verify and args.strategy is not None:
-        raise TagError(f"--verify compares a searched or saved plan with the best built-in; --strategy "
-                       f"{args.strategy} already is a built-in (leave out --verify, or --strategy to search)")
-    if args.verify and args.resume:
-        raise TagError("--verify and --resume exclude each other: the checkpoint fixes the strategy")
+TUNE_DEFAULT = "default"          # --tune without K
+VERIFY_K = 2                      # --verify is --tune 2
+
+
+def tune_k(args: argparse.Namespace) -> int | None:
+    """--tune's K (None: the default K); call only when tuning (``args.tune`` set, or ``--verify``)."""
+    if args.tune is None:
+        return VERIFY_K
+    return None if args.tune == TUNE_DEFAULT else int(args.tune)
+
+
+def _check_tune_arguments(args: argparse.Namespace) -> None:
+    if args.verify and args.tune is not None:
+        raise TagError("--verify is --tune 2: give one of them")
+    if args.tune not in (None, TUNE_DEFAULT):
+        try:
+            k = int(args.tune)
+        except ValueError:
+            raise TagError(f"--tune must be a positive number of candidates to measure, got {args.tune!r}") from None
+        if k < 1:
+            raise TagError(f"--tune must be a positive number of candidates to measure, got {k}")
+    if (args.verify or args.tune is not None) and args.resume:
+        raise TagError(f"{'--verify' if args.verify else '--tune'} and --resume exclude each other: the checkpoint "
+                       f"fixes the strategy")
 
 
 def _checkpoint_meta(args: argparse.Namespace, analysis: Any, name: str) -> dict[str, Any]:
@@ -152,8 +175,8 @@ class ProgressPrinter:
 
 @dataclass
 class RunOutcome:
-    """What ``run_plan`` did: the report's keys (``measured_*``, and ``verify``), the strategy trained (NAME,
-    STRATEGY: the plan's, or the baseline that ``--verify`` measured faster), a traced step's RunMetadata."""
+    """What ``run_plan`` did: the report's keys (``measured_*``, and ``tune``), the strategy trained (NAME,
+    STRATEGY: the plan's, or the candidate that ``--tune`` measured fastest), a traced step's RunMetadata."""
 
     fields: dict[str, Any]
     name: str
@@ -166,35 +189,29 @@ def _control(args: argparse.Namespace, **kw: Any) -> Any:
     return RunControl(step_timeout_s=args.step_timeout, setup_timeout_s=max(args.step_timeout, 120.0), **kw)
 
 
-def _verified(args: argparse.Namespace, analysis: Any, measure: Any, name: str, strategy: Any,
-              report: dict[str, Any], printer: ProgressPrinter) -> tuple[str, Any, dict[str, Any]]:
-    """``--verify``: run NAME and the best feasible built-in for --verify-steps steps each; (the name and
-    strategy to train, the report's keys: ``verify``, or none when there is nothing to compare)."""
-    from tag.report import format_verify
-    from tag.strategy.baselines import BUILTIN_STRATEGIES
-    from tag.verify import best_builtin, timed_median, verify_fields
-    rival = best_builtin(report.get("baselines") or {}, report.get("baselines_feasible") or {}, name)
-    if rival is None:
-        why = f"the plan is the built-in {name}" if name in BUILTIN_STRATEGIES else "no built-in fits in memory"
-        print(f"{PROG}: verify: nothing to compare: {why}", file=sys.stderr, flush=True)
-        return name, strategy, {}
-    rival_strategy, steps, t0 = analysis.builtin(rival), args.verify_steps or VERIFY_STEPS, time.perf_counter()
-    runs = measure({name: strategy, rival: rival_strategy}, steps=steps, warmup=VERIFY_WARMUP,
-                   controls={name: _control(args), rival: _control(args)},
-                   progress=lambda n, ev: printer(f"verify {n}", ev))
-    fields = verify_fields(name, timed_median(runs[name].step_times, runs[name].warmup),
-                           rival, timed_median(runs[rival].step_times, runs[rival].warmup), steps=steps,
-                           predicted={name: report["predicted_step_time_s"], rival: report["baselines"][rival]},
-                           seconds=time.perf_counter() - t0)
-    print(f"{PROG}: verify: {format_verify(fields)}", file=sys.stderr, flush=True)
-    if fields["kept"] == rival:
-        name, strategy = rival, rival_strategy
-    return name, strategy, {"verify": fields}
+def _tuned(args: argparse.Namespace, analysis: Any, cluster: Any, name: str, strategy: Any,
+           report: dict[str, Any], searched: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+    """``--tune K``: measure the K most promising distinct candidates on CLUSTER (``tag.tune``); (the name and
+    strategy to train: the fastest measured, the report's ``tune`` keys)."""
+    from tag.report import format_tune
+    from tag.tune import analysis_candidates, candidate_runner, choose, tune, tune_fields
+    chosen = choose(analysis_candidates(analysis, name, strategy, report, searched), tune_k(args))
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(f"{PROG}: tune: measuring {len(chosen)} candidates: {', '.join(c.name for c in chosen)}")
+    measure = candidate_runner(analysis, cluster.target, watchdog=cluster.watchdog, step_timeout_s=args.step_timeout)
+    result = tune(chosen, measure, say=lambda text: say(f"{PROG}: tune: {text}"))
+    fields = tune_fields(result)
+    for line in format_tune(fields):
+        say(f"{PROG}: tune: {line}")
+    kept = result.kept.candidate
+    return kept.name, kept.strategy, {"tune": fields}
 
 
-def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, report: dict[str, Any]) -> RunOutcome:
+def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, report: dict[str, Any],
+             searched: dict[str, Any] | None = None) -> RunOutcome:
     """Deploy strategy NAME (predicted in REPORT) and the dp_allreduce baseline on one cluster start, after
-    ``--verify`` has measured NAME against the best feasible built-in and kept the faster."""
+    ``--tune`` has measured the most promising candidates (SEARCHED: name -> each search step's best and the
+    built-ins, ``Plan.candidates``) and kept the fastest."""
     from tag.backend.runtime.guard import RunEvent
     from tag.backend.runtime.measure import measure_strategies, open_cluster
     from tag.report import measured_fields
@@ -206,8 +223,15 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
         measure = functools.partial(measure_strategies, analysis.graph_def, analysis.graph, analysis.topology,
                                     batch_size=analysis.batch, train_op=entry.train_op, loss=entry.loss,
                                     init=entry.init, cluster=cluster)
-        if args.verify:
-            name, strategy, fields = _verified(args, analysis, measure, name, strategy, report, printer)
+        if args.verify or args.tune is not None:
+            name, strategy, fields = _tuned(args, analysis, cluster, name, strategy, report, searched or {})
+        if args.input is not None:      # train on the user's data sets; nothing else is timed
+            from tag.cli.deploy_input import train_on_input
+            fields.update(train_on_input(args, analysis, name, strategy, cluster,
+                                         _control(args, watchdog=cluster.watchdog),
+                                         checkpoint_path(args),     # the trained weights are always saved
+                                         _checkpoint_meta(args, analysis, name)))
+            return RunOutcome(fields, name, strategy)
         wanted = {name: strategy}
         wanted.setdefault("dp_allreduce", analysis.builtin("dp_allreduce"))
         control = _control(args, checkpoint_every=args.checkpoint_every or 0,

@@ -68,6 +68,16 @@ def _same_shape_axes(ins: ShapedInputs, outs: list) -> list:
     return res
 
 
+def _completed(shape: Shape, total: int | None) -> Shape:
+    """SHAPE with its one unknown dim solved from the element count TOTAL of a reshape's output (a loop's
+    stacked outputs have an unknown length); SHAPE as it is otherwise."""
+    unknown = [j for j, d in enumerate(shape) if d is None]
+    known = prod([d for d in shape if d is not None])
+    if len(unknown) != 1 or total is None or not known or total % known:
+        return shape
+    return tuple(total // known if d is None else d for d in shape)
+
+
 def generic_axes(ins: ShapedInputs, outs: list) -> list:
     """Batch axis of each output: same shape, same element count, or a dim equal to an input's batch dim."""
     batch_ins = [(s, ax) for s, ax in ins if ax is not None and s is not None]
@@ -84,6 +94,7 @@ def generic_axes(ins: ShapedInputs, outs: list) -> list:
         if found is None:
             n_o = numel(o)
             for s, ax in batch_ins:
+                s = _completed(s, n_o)
                 if n_o is not None and n_o == numel(s) and s[ax] != 1:
                     found = _axis_by_prefix(s, ax, o)
                     if found is not None:
@@ -139,7 +150,28 @@ def rule_axes(op_type: str, attrs: Any, ins: ShapedInputs, outs: list,
         special = _einsum_axes(attrs, ins, outs)
     elif op_type in ("GatherV2", "ResourceGather", "Gather") and len(ins) >= 2:
         special = _gather_axes(op_type, ins, const_input)
+    elif op_type in _TRANSPOSES and len(ins) >= 2:
+        special = _transpose_axes(ins, outs, const_input)
     return special if special is not None else generic_axes(ins, outs)
+
+
+_TRANSPOSES = frozenset({"Transpose", "ConjugateTranspose"})
+
+
+def _transpose_axes(ins: ShapedInputs, outs: list, const_input: Callable[[int], Any],
+                    inverted: Callable[[Any], Any] | None = None) -> list | None:
+    """A transpose by a constant permutation (or, given INVERTED(node) -> the Const an
+    ``InvertPermutation`` NODE inverts, by the inverse of one: a transpose's gradient) moves the batch
+    where the permutation puts it."""
+    node = const_input(1)
+    perm = const_ints(node) if node is not None and node.op == "Const" else None
+    if node is not None and node.op == "InvertPermutation" and inverted is not None:
+        src = inverted(node)
+        forward = const_ints(src) if src is not None and src.op == "Const" else None
+        perm = [int(i) for i in np.argsort(forward)] if forward is not None else None
+    if perm is None or ins[0][1] is None or ins[0][1] not in perm:
+        return None
+    return [perm.index(ins[0][1])] + [None] * (len(outs) - 1)
 
 
 def _fused_batch_norm_axes(op_type: str, ins: ShapedInputs, outs: list) -> list:
@@ -265,8 +297,12 @@ def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec,
     axes: dict[str, list[int | None]] = {}
     input_tensors = {(nm, i) for nm, i, _ in batch.inputs}   # (op, output index) fed with a batch
     order = list(sg.order) + list(context or [])   # CONTEXT: forward ops outside the step (the loss's tail)
+    graph_batch = batch.graph_batch or batch.batch
     for nm in order:
         axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False)
+        if sg.nodes[nm].type in _LIST_READS and all(a is None for a in axes[nm]):
+            axes[nm] = _tensor_list_axes(sg.nodes[nm], inferred.shapes.get(nm, []), sg.nodes, graph_batch) \
+                or axes[nm]
     for _ in range(3):   # pass 2, again while the sibling rule finds batch-sized constants
         adopted = False
         for nm in order:
@@ -336,10 +372,17 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
     if n.type in VARIABLE_TYPES or (n.type == "Const" and not second):
         return [None] * len(ss)
     res = list(axes[nm]) if second else list(inferred.probe_axes.get(nm, [None] * len(ss)))
-    if all(a is not None for a in res):
-        return res
     ins = [(shapes[s][i] if i < len(shapes[s]) else None,
             axes[s][i] if s in axes and i < len(axes[s]) else None) for s, i in n.data_in]
+    if n.type in _TRANSPOSES and len(ins) >= 2:
+        # unambiguous, and shape inference's verdict is not: a loop's stacked outputs have an unknown
+        # length, which a probe at an unknown batch would take for the batch
+        moved = _transpose_axes(ins, ss, lambda k: _const_input_node(nodes, n, k),
+                                lambda inv: _const_input_node(nodes, nodes[inv.name], 0))
+        if moved is not None:
+            return moved
+    if all(a is not None for a in res):
+        return res
     if any(a is not None for _, a in ins) and n.type in FUNCTION_CALL_TYPES:
         rule = _same_shape_axes(ins, ss)   # opaque bodies: only an input's exact shape tells
     elif any(a is not None for _, a in ins):
@@ -349,6 +392,24 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
     else:
         rule = [None] * len(ss)
     return [a if a is not None else r for a, r in zip(res, rule)]
+
+
+# TensorList reads -> (input index of the element shape, output axis of the element's first entry)
+_LIST_READS = {"TensorListStack": (1, 1), "TensorListGather": (2, 1), "TensorListGetItem": (2, 0)}
+
+
+def _tensor_list_axes(n: Node, ss: list, nodes: dict[str, Node], graph_batch: int) -> list | None:
+    """The batch axis of a tensor read from a TensorList whose constant element shape starts with the batch
+    the graph was built at (a recurrent layer's time-major loop state, ``[batch, units]`` per step): the
+    list itself is a variant without a shape, so no input carries the batch to it."""
+    k, out_axis = _LIST_READS[n.type]
+    node = _const_input_node(nodes, n, k)
+    vals = const_ints(node) if node is not None and node.op == "Const" else None
+    if not vals or vals[0] != graph_batch or not ss or ss[0] is None:
+        return None
+    if out_axis < len(ss[0]) and ss[0][out_axis] == graph_batch:
+        return [out_axis] + [None] * (len(ss) - 1)
+    return None
 
 
 def _const_input_node(nodes: dict[str, Node], n: Node, k: int) -> Any:

@@ -15,7 +15,9 @@ than the best feasible built-in: a smaller predicted gain is within the simulato
 (``scripts/bench_fidelity.py``), and a mixed strategy has more to mispredict (its transfers), so the
 simpler built-in is deployed.
 ``SearchResult.baselines`` holds each step's own best (the ``refine`` entry is the final answer when
-refinement found the winner).
+refinement found the winner), and ``SearchResult.candidates`` each step's best strategy and every
+built-in (name -> Strategy): the distinct ones among them are what the measured tuning step
+(``tag.tune``) runs on the cluster.
 
 Budgets: with ``budget_s`` the tree search gets half of what is left after steps 1-3 and refinement
 the rest; with ``playouts`` (and no seconds) the tree search runs that many playouts and refinement at
@@ -67,6 +69,7 @@ class SearchResult:
     search_seconds: float
     evaluations: int
     notes: list[str] = field(default_factory=list)
+    candidates: dict[str, Strategy] = field(default_factory=dict, repr=False)   # name -> each step's best
 
     @property
     def step_time(self) -> float:
@@ -151,5 +154,6 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         strategy, result = env.strategy(choice, name=method), env.result(choice)
     baselines = {n: float(v[1].step_time) for n, v in found.items()}
     feasible = {n: bool(v[1].feasible) for n, v in found.items()}
+    candidates = {n: env.builtin_strategies[n] if c is None else env.strategy(c, name=n) for n, (c, _) in found.items()}
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
-                        time.perf_counter() - t0, env.evaluations, notes)
+                        time.perf_counter() - t0, env.evaluations, notes, candidates)

@@ -2,7 +2,7 @@
 
 ``Rewriter`` combines the concerns, each a mixin over ``RewriteContext`` in its own module:
 ``placement`` (which instances each op gets), ``variables``, ``batch_split``, ``instances`` (emission
-and input resolution), ``collectives``, ``parameter_server``, ``sfb`` and ``loss``. The passes run in
+and input resolution), ``loop_state`` (per-batch copies of loop bodies), ``collectives``, ``parameter_server``, ``sfb`` and ``loss``. The passes run in
 this order: prune and order the graph, find batch-following constants, flag batch/gradient-dependent
 ops, place variables, place instances, emit, fetch, check the result imports.
 
@@ -34,6 +34,7 @@ from .batch_split import BatchSplitMixin
 from .collectives import CollectivesMixin
 from .graph_edit import check_imports
 from .instances import InstancesMixin
+from .loop_state import LoopStateMixin
 from .loss import LossMixin
 from .parameter_server import ParameterServerMixin
 from .placement import PlacementMixin
@@ -98,8 +99,8 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
             gc.enable()
 
 
-class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, InstancesMixin, BatchSplitMixin,
-               VariablesMixin, PlacementMixin):
+class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, InstancesMixin, LoopStateMixin,
+               BatchSplitMixin, VariablesMixin, PlacementMixin):
     """One rewrite: the context (constructor arguments as for ``rewrite``) plus every concern."""
 
     def run(self, validate: bool) -> RewriteResult:
@@ -115,7 +116,8 @@ class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, Inst
         fetch_train, fetch_loss, fetch_init = self._fetches()
         out = graph_pb2.GraphDef()
         out.versions.CopyFrom(self.graph_def.versions)
-        out.library.CopyFrom(self.graph_def.library)    # the function library is copied unchanged
+        out.library.CopyFrom(self.graph_def.library)    # the function library is copied unchanged,
+        out.library.function.extend(getattr(self, "added_functions", []))   # plus per-batch loop bodies
         out.node.extend(self.out_nodes)
         if validate:
             check_imports(out)

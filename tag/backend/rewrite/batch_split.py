@@ -45,6 +45,14 @@ _SHAPE_OPERAND = {
     "DepthwiseConv2dNativeBackpropInput": 0, "AvgPoolGrad": 0, "AvgPool3DGrad": 0, "Empty": 0,
     "ScatterNd": 2,
 }
+# TensorList op type -> input index of its element_shape. Loops built with a static batch (a tf_keras LSTM on
+# placeholders of fixed shape) keep that batch in the element shapes of their loop state: the time-major
+# lists of a recurrent layer hold [batch, units] elements.
+_ELEMENT_SHAPE_OPERAND = {
+    "TensorListFromTensor": 1, "TensorListReserve": 0, "EmptyTensorList": 0, "TensorListStack": 1,
+    "TensorListGather": 2, "TensorListGetItem": 2, "TensorListPopBack": 1, "TensorListConcatV2": 1,
+    "TensorListSplit": 1,
+}
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
 _FOLDED_SHAPE_RE = re.compile(r"^Shape(_\d+)?$")   # tf.shape of a static shape, folded into a Const
 
@@ -105,6 +113,8 @@ class BatchSplitMixin(RewriteContext):
         """Positions of the flat value V of Const N that hold (a multiple of) the reference batch."""
         is_int = dtype in (tf.int32, tf.int64)
         pos = self._shape_operand_positions(n, v, is_int)
+        if is_int:
+            pos |= self._element_shape_positions(n, v)
         if is_int and "/" in n and _FOLDED_SHAPE_RE.match(n.rsplit("/", 1)[1]):
             pos |= self._folded_shape_positions(n, v)
         m = _GRAD_SCOPE_RE.search(n)
@@ -138,6 +148,59 @@ class BatchSplitMixin(RewriteContext):
                         and v[ax] > 0:
                     pos.add(ax)
         return pos
+
+    def _element_shape_positions(self, n: str, v: np.ndarray) -> set[int]:
+        """R5: the batch entry of the element shape of a TensorList (the loop state of a recurrent layer
+        built at a static batch). The element's batch axis is the listed tensor's minus one (lists run over
+        axis 0, time) where the IR knows that tensor (``TensorListFromTensor``'s input, ``TensorListStack``'s
+        output); a list made empty or reserved (``EmptyTensorList``, ``TensorListReserve``: gradient
+        accumulators and outputs of a loop) has no such tensor -- nor has a list whose tensor's batch axis
+        the IR could not tell -- and then its element's first entry is the batch when it equals the batch
+        the graph was built for (time-major elements ``[batch, units]``)."""
+        pos: set[int] = set()
+        ref_batch = self.ref_batch
+        for c, _, slot in self.consumers[n]:
+            cop = self.nodes[c].op
+            if _ELEMENT_SHAPE_OPERAND.get(cop) != slot or v.ndim != 1 or v.size == 0:
+                continue
+            if cop == "TensorListFromTensor":
+                ax = self._batch_axis(self.nodes[c].input[0])
+                p = ax - 1 if ax is not None and ax >= 1 else None
+            elif cop in ("TensorListStack", "TensorListGather", "TensorListConcatV2"):
+                ax = self._batch_axis(tensor_name(c, 0))
+                p = (ax - 1 if cop != "TensorListConcatV2" else ax) if ax is not None and ax >= 1 else None
+            elif cop == "TensorListGetItem":
+                p = self._batch_axis(tensor_name(c, 0))
+            else:
+                p = None
+            if p is None and v[0] == ref_batch and not self._list_holds_weights(c):
+                p = 0                               # no tensor tells: time-major elements [batch, ...]
+            if p is not None and p < v.size and v[p] > 0 and v[p] % ref_batch == 0:
+                pos.add(p)
+        return pos
+
+    def _list_holds_weights(self, list_op: str) -> bool:
+        """Does the TensorList LIST_OP makes hold a weight in each element? (a loop's gradient accumulator of
+        a kernel it reads: ``[input_dim, 4 * units]`` elements whose first entry may equal the batch). Found
+        in the body of the loop the list enters: what is pushed into it is a ``ReadVariableOp``."""
+        fdefs = {f.signature.name: f for f in self.graph_def.library.function}
+        for c, k, slot in self.consumers.get(list_op, []):
+            node = self.nodes[c]
+            body = fdefs.get(node.attr["body"].func.name) if "body" in node.attr else None
+            if body is None or slot >= len(body.signature.input_arg):
+                continue
+            arg = body.signature.input_arg[slot].name
+            made = {n.name: n for n in body.node_def}
+            for n in body.node_def:
+                item = {"TensorListPushBack": 1, "TensorListSetItem": 2}.get(n.op)
+                if item is None or n.input[0].split(":")[0] != arg or item >= len(n.input):
+                    continue
+                src = made.get(n.input[item].split(":")[0])
+                while src is not None and src.op == "Identity":
+                    src = made.get(src.input[0].split(":")[0])
+                if src is not None and src.op == "ReadVariableOp":
+                    return True
+        return False
 
     def _folded_shape_positions(self, n: str, v: np.ndarray) -> set[int]:
         """R4: ``tf.shape(x)`` of a static x folded into Const N (``<scope>/Shape_k``): the batch entry, when

@@ -106,6 +106,8 @@ class InstancesMixin(RewriteContext):
             for s in node.attr["output_shapes"].list.shape:
                 s.Clear()
                 s.unknown_rank = True
+        if size != self.ref_batch:
+            self._rescale_function_attrs(node, size)     # loop bodies with batch-sized list elements
         del node.input[:]
         data, ctrl = [], []
         for i in orig.input:

@@ -17,7 +17,10 @@ One module per concern:
 - ``steps``: ``run_steps`` and ``RunResult``;
 - ``guard``: deadlines and a watchdog around every blocking call, progress events (``RunControl``);
 - ``health``: are remote hosts answering (before a run, and as its watchdog);
-- ``checkpoint``: variable values as a plain ``.npz``, saved every K steps and restored to resume;
+- ``checkpoint``: TensorFlow checkpoints under the original variable names, saved every K steps and
+  restored to resume (``.npz`` only as an explicit export);
+- ``input_pipeline``: a ``tf.data`` pipeline on every worker host that reads the training data there;
+- ``training``: ``train_graph``, the training loop behind ``tag.train`` (data sets, evaluation, curves);
 - ``measure``: rewrite and time strategies on a topology's cluster, one start for several measurements
   (``open_cluster``; ``tag-deploy --run``).
 

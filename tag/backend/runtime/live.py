@@ -38,6 +38,11 @@ class LiveRegistry:
         with self.lock:
             self._members.discard(obj)
 
+    def members(self) -> list[Any]:
+        """The live objects now."""
+        with self.lock:
+            return list(self._members)
+
     def stop_all(self) -> None:
         """Call every member's stop method (best effort: errors are ignored)."""
         with self.lock:

@@ -239,7 +239,7 @@ def _step_loop(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", fetches:
         done = step + 1
         if ckpt is not None and ctl.checkpoint_every > 0 and ctl.checkpoint_path and (
                 done % ctl.checkpoint_every == 0 or done == steps):
-            _guard(ctl, lambda: ckpt.save(sess, ctl.checkpoint_path, step=done, losses=losses,
-                                          meta=ctl.checkpoint_meta), "saving a checkpoint", setup=True)
-            ctl.emit(RunEvent("checkpoint", ctl.checkpoint_path, step=done, steps=steps))
+            prefix = _guard(ctl, lambda: ckpt.save(sess, ctl.checkpoint_path, step=done, losses=losses,
+                                                   meta=ctl.checkpoint_meta), "saving a checkpoint", setup=True)
+            ctl.emit(RunEvent("checkpoint", prefix, step=done, steps=steps))
     return times

@@ -1,0 +1,357 @@
+"""The measured tuning step: run the most promising distinct candidates on the real cluster, keep the fastest.
+
+The simulator ranks strategies well on average but can misjudge one cluster (bench_fidelity: mixed plans
+predicted 20-37% too fast). Before training, ``tag-deploy --run --tune K`` and
+``tag.optimize(..., tune_target=..., tune_k=K)`` measure K candidates there and keep the one measured
+fastest, printing each one's predicted and measured step time so that users see the simulator's error on
+their own cluster.
+
+- The candidates (``distinct_candidates``): the plan and the best strategy of every search step (best
+  uniform action, PaSE DP, tree search, refinement, ...) and every built-in, feasible ones only, one per
+  distinct strategy (a search step that found a built-in is that built-in). ``choose`` always takes the
+  plan, the best built-in and the best uniform action (even when the plan is itself a built-in), then the
+  next fastest predicted until there are K.
+- The measurement (``tune``): ``TUNE_ROUNDS`` interleaved rounds (every candidate once per round, the order
+  rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
+  opens a session (``TUNE_WARMUP`` untimed steps, a new session's first step sets up the graph on the
+  workers) and times ``TUNE_STEPS`` steps. Each candidate's median over all its timed steps is kept
+  beside the median absolute deviation (MAD) of those steps, its noise.
+- The default K (``default_k``): as many candidates, in the order above, as cost at most
+  ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
+  always measured).
+
+The report's ``tune`` keys (``tune_fields``) list every candidate with predicted and measured times, the
+one kept and the seconds it cost; ``tag.report.format_tune`` prints them. ``tune_plan`` runs all of it for a Plan on
+a cluster (TensorFlow is imported only there).
+
+Example::
+
+    import tag
+    from tag.backend.runtime import LocalCluster
+    from tag.tune import tune_plan
+
+    topo = tag.load_topology("topologies/localhost.pbtxt")
+    plan = tag.optimize(tag.zoo.training_graph("mlp", 32, hidden=(64, 64)), topo, playouts=8)
+    with LocalCluster(topo) as cluster:
+        plan = tune_plan(plan, cluster, k=3)         # or tag.optimize(..., tune_target=cluster, tune_k=3)
+    print(plan.report()["tune"]["kept"])
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from tag.errors import TagError
+from tag.strategy.baselines import BUILTIN_STRATEGIES
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.api import Plan
+    from tag.strategy.types import Strategy
+
+TUNE_ROUNDS = 3          # interleaved rounds
+TUNE_STEPS = 2           # timed steps of each candidate per round
+TUNE_WARMUP = 1          # untimed steps that open each candidate's turn (a new session)
+TUNE_BUDGET_STEPS = 30   # the default K costs at most about this many steps of the slowest candidate
+BEST_UNIFORM = "best_uniform"
+
+PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE = "the plan", "best built-in", "best uniform action"
+
+
+@dataclass
+class Candidate:
+    """A strategy to measure: its NAME, the STRATEGY, its predicted step time (s) and why it is measured
+    (``roles``: the plan, the best built-in, the best uniform action; ``aliases``: other names of the same
+    strategy, e.g. the search step that found a built-in)."""
+
+    name: str
+    strategy: Any = field(repr=False)
+    predicted_s: float
+    roles: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Measured:
+    """A candidate's timed steps (all rounds together): median and median absolute deviation."""
+
+    candidate: Candidate
+    step_times: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return float(statistics.median(self.step_times))
+
+    @property
+    def mad_s(self) -> float:
+        return median_absolute_deviation(self.step_times)
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` measured: every candidate in the order chosen, the kept one, the seconds it took."""
+
+    measured: list[Measured]
+    kept: Measured
+    plan: str
+    rounds: int
+    steps: int
+    warmup: int
+    seconds: float
+
+
+def median_absolute_deviation(values: Sequence[float]) -> float:
+    """The median of |v - median(VALUES)|: the spread of step times that one slow step does not move."""
+    mid = statistics.median(values)
+    return float(statistics.median(abs(v - mid) for v in values))
+
+
+def strategy_key(strategy: "Strategy") -> str:
+    """What makes two strategies run the same program (their name aside): actions, partitions, SFB
+    gradients, batch-share speeds and pipeline."""
+    d = strategy.to_dict()
+    return json.dumps({k: v for k, v in d.items() if k not in ("name", "grouping")}, sort_keys=True)
+
+
+def check_k(k: Any, what: str = "tune_k") -> int | None:
+    """K as a positive int (None: the default); TagError for anything else."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise TagError(f"{what} must be a positive number of candidates to measure, got {k!r}")
+    return k
+
+
+def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predicted: Mapping[str, float],
+                        feasible: Mapping[str, bool]) -> list[Candidate]:
+    """Every feasible strategy of STRATEGIES (name -> Strategy; PREDICTED: name -> seconds, FEASIBLE: name ->
+    fits in memory, missing means it fits) once, the PLAN first, then by predicted time; a strategy found
+    under several names keeps the plan's name, else a built-in's, else the fastest one's, and lists the
+    others as aliases. Roles mark the plan, the best built-in and the best uniform action."""
+    def usable(n: str) -> bool:
+        t = predicted.get(n)
+        return n in strategies and t is not None and math.isfinite(t) and feasible.get(n, True)
+
+    names = [n for n in strategies if usable(n)]
+    if plan not in names:
+        raise TagError(f"the plan {plan!r} has no feasible prediction to tune against")
+    rank = {n: (n != plan, n not in BUILTIN_STRATEGIES, predicted[n], i) for i, n in enumerate(names)}
+    by_key: dict[str, Candidate] = {}
+    for n in sorted(names, key=rank.get):
+        key = strategy_key(strategies[n])
+        if key in by_key:
+            by_key[key].aliases.append(n)
+        else:
+            by_key[key] = Candidate(n, strategies[n], float(predicted[n]))
+    out = sorted(by_key.values(), key=lambda c: (c.name != plan, c.predicted_s))
+
+    def mark(role: str, among: list[str]) -> None:
+        named = [c for c in out if c.name in among or set(c.aliases) & set(among)]
+        if named:
+            min(named, key=lambda c: c.predicted_s).roles.append(role)
+
+    mark(PLAN, [plan])
+    mark(BEST_BUILTIN, [n for n in names if n in BUILTIN_STRATEGIES])
+    mark(BEST_UNIFORM_ROLE, [BEST_UNIFORM])
+    return out
+
+
+def choose(candidates: Sequence[Candidate], k: int | None) -> list[Candidate]:
+    """The candidates to measure: every one with a role (the plan, the best built-in, the best uniform
+    action), then the next fastest predicted until there are K (None: ``default_k``)."""
+    if k is None:
+        k = default_k(candidates)
+    must = [c for c in candidates if c.roles]
+    rest = [c for c in candidates if not c.roles]
+    chosen = must + rest[:max(0, k - len(must))]
+    return sorted(chosen, key=lambda c: (PLAN not in c.roles, c.predicted_s))
+
+
+def steps_per_candidate(rounds: int = TUNE_ROUNDS, steps: int = TUNE_STEPS, warmup: int = TUNE_WARMUP) -> int:
+    return rounds * (steps + warmup)
+
+
+def default_k(candidates: Sequence[Candidate], budget_steps: int = TUNE_BUDGET_STEPS) -> int:
+    """The largest K whose chosen candidates cost at most BUDGET_STEPS steps of the slowest of them (by
+    predicted time; ``steps_per_candidate`` each); at least the candidates that are always measured."""
+    must = [c for c in candidates if c.roles]
+    rest = [c for c in candidates if not c.roles]
+    k = len(must)
+    for extra in range(1, len(rest) + 1):
+        times = [c.predicted_s for c in must + rest[:extra]]
+        if steps_per_candidate() * sum(times) > budget_steps * max(times):
+            break
+        k = len(must) + extra
+    return max(k, 1)
+
+
+MeasureFn = Callable[[Candidate, int, int], Sequence[float]]
+
+
+def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = TUNE_ROUNDS,
+         steps: int = TUNE_STEPS, warmup: int = TUNE_WARMUP,
+         say: Callable[[str], None] | None = None) -> TuneResult:
+    """Measure CANDIDATES (the first is the plan) in ROUNDS interleaved rounds: MEASURE(candidate,
+    total_steps, warmup) runs WARMUP + STEPS steps and returns every step's seconds; the first WARMUP are
+    dropped. The candidate with the lowest median is kept (a tie keeps the earlier: the plan first)."""
+    if not candidates:
+        raise TagError("nothing to tune: no candidate")
+    t0 = time.perf_counter()
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for r in range(rounds):
+        order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
+        for c in order:
+            if say is not None:
+                say(f"round {r + 1}/{rounds}: {c.name}")
+            got = list(measure(c, warmup + steps, warmup))
+            times[c.name].extend(float(t) for t in got[warmup:])
+    measured = [Measured(c, times[c.name]) for c in candidates]
+    kept = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
+    return TuneResult(measured, kept, candidates[0].name, rounds, steps, warmup, time.perf_counter() - t0)
+
+
+def tune_fields(result: TuneResult) -> dict[str, Any]:
+    """The report's ``tune`` keys: ``candidates`` [{name, roles, aliases, predicted_ms, measured_ms, mad_ms,
+    error (measured / predicted - 1), steps}], ``plan`` (the simulator's pick), ``kept``,
+    ``overrode_simulator``, ``rounds``, ``steps_per_round``, ``warmup_per_round``, ``seconds``."""
+    rows = [{"name": m.candidate.name, "roles": list(m.candidate.roles), "aliases": list(m.candidate.aliases),
+             "predicted_ms": m.candidate.predicted_s * 1e3, "measured_ms": m.median_s * 1e3,
+             "mad_ms": m.mad_s * 1e3, "error": m.median_s / m.candidate.predicted_s - 1.0,
+             "steps": len(m.step_times)} for m in result.measured]
+    return {"candidates": rows, "plan": result.plan, "kept": result.kept.candidate.name,
+            "overrode_simulator": result.kept.candidate.name != result.plan, "rounds": result.rounds,
+            "steps_per_round": result.steps, "warmup_per_round": result.warmup, "seconds": result.seconds}
+
+
+# ------------------------------------------------------------------------------------------------ on a cluster
+def plan_candidates(plan: "Plan") -> list[Candidate]:
+    """The distinct candidates of PLAN (made in this process; ``analysis_candidates``)."""
+    if plan.analysis is None:
+        raise TagError("tuning needs a plan made in this process (a loaded plan has no analysis)")
+    return analysis_candidates(plan.analysis, plan.method, plan.strategy, plan.report(), plan.candidates)
+
+
+def analysis_candidates(analysis: Any, name: str, strategy: "Strategy", report: Mapping[str, Any],
+                        searched: Mapping[str, "Strategy"] | None = None) -> list[Candidate]:
+    """The distinct candidates for strategy NAME of ANALYSIS (REPORT: its plan report, with every compared
+    strategy's predicted time): SEARCHED (name -> each search step's best and the built-ins, as
+    ``SearchResult.candidates``), or for a strategy that was not searched the built-ins and the best uniform
+    action, which are found here."""
+    strategies = dict(searched or {})
+    predicted = {n: float(t) for n, t in (report.get("baselines") or {}).items() if t is not None}
+    feasible = dict(report.get("baselines_feasible") or {})
+    strategies[name] = strategy
+    predicted[name] = float(report["predicted_step_time_s"])
+    feasible[name] = bool(report.get("feasible", True))
+    for n in BUILTIN_STRATEGIES:
+        if n not in strategies and n in predicted:
+            strategies[n] = analysis.builtin(n)
+    if BEST_UNIFORM not in strategies:
+        strategies[BEST_UNIFORM], predicted[BEST_UNIFORM], feasible[BEST_UNIFORM] = best_uniform_of(analysis)
+    return distinct_candidates(name, strategies, predicted, feasible)
+
+
+def best_uniform_of(analysis: Any) -> tuple["Strategy", float, bool]:
+    """(strategy, predicted seconds, fits in memory) of ANALYSIS's best uniform action."""
+    from tag.search import SearchEnv
+    from tag.search.driver import best_uniform
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch, simulator=analysis.simulator())
+    choice, outcome = best_uniform(env)
+    return env.strategy(choice, name=BEST_UNIFORM), float(outcome.step_time), bool(outcome.feasible)
+
+
+def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str | None] | None = None,
+                     step_timeout_s: float | None = 600.0,
+                     progress: Callable[[str, Any], None] | None = None) -> MeasureFn:
+    """A ``tune`` MEASURE that runs a candidate on the cluster at TARGET: its graph rewritten once
+    (``analysis.rewrite``), then ``run_steps`` on synthetic batches, guarded (WATCHDOG names a dead worker;
+    no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step."""
+    from tag.backend.runtime import run_steps
+    from tag.backend.runtime.guard import RunControl
+    rewritten: dict[str, Any] = {}
+
+    def measure(candidate: Candidate, steps: int, warmup: int) -> list[float]:
+        if candidate.name not in rewritten:
+            rewritten[candidate.name] = analysis.rewrite(candidate.strategy)
+        rr = rewritten[candidate.name]
+        control = RunControl(step_timeout_s=step_timeout_s, setup_timeout_s=max(step_timeout_s or 0.0, 120.0),
+                             watchdog=watchdog)
+        if progress is not None:
+            control.progress = lambda ev: progress(candidate.name, ev)
+        r = run_steps(rr.graph_def, target, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
+                      warmup=warmup, synthetic=True, control=control)
+        return r.step_times
+
+    return measure
+
+
+def tune_plan(plan: "Plan", target: Any, *, k: int | None = None, rounds: int = TUNE_ROUNDS,
+              steps: int = TUNE_STEPS, warmup: int = TUNE_WARMUP,
+              say: Callable[[str], None] | None = None) -> "Plan":
+    """Measure PLAN's K most promising distinct candidates (``choose``) on the cluster TARGET and return the
+    one measured fastest as a Plan whose report has the ``tune`` keys and whose notes say what was kept.
+
+    TARGET: a session target ("grpc://host:port"), an object with ``.target`` (``LocalCluster``, a running
+    ``Testbed``, ``tag.backend.runtime.measure.open_cluster``'s cluster; its watchdog is used), or a
+    ``Topology`` (its cluster is opened for the measurement: local workers for loopback hosts, else every
+    host's ``tag-worker`` must answer)."""
+    from tag.cluster.topology import Topology
+    k = check_k(k)
+    chosen = choose(plan_candidates(plan), k)
+    if isinstance(target, Topology):
+        from tag.backend.runtime.measure import open_cluster
+        with open_cluster(target) as cluster:
+            return tune_plan(plan, cluster, k=len(chosen), rounds=rounds, steps=steps, warmup=warmup, say=say)
+    address, watchdog = _target_and_watchdog(target)
+    result = tune(chosen, candidate_runner(plan.analysis, address, watchdog=watchdog), rounds=rounds,
+                  steps=steps, warmup=warmup, say=say)
+    fields = tune_fields(result)
+    return kept_plan(plan, result.kept.candidate, fields)
+
+
+def kept_plan(plan: "Plan", kept: Candidate, fields: dict[str, Any]) -> "Plan":
+    """PLAN itself, or a Plan of the KEPT candidate that keeps what PLAN's report knew (every strategy
+    compared, the search's figures), with FIELDS as its ``tune`` keys and a note."""
+    import copy
+    import dataclasses
+
+    from tag.api import plan_for
+    note = (f"tuned on the cluster: {len(fields['candidates'])} candidates measured in {fields['seconds']:.1f} s; "
+            + ("the plan was measured fastest" if kept.name == plan.method else
+               f"{kept.name} was measured fastest and replaces the plan {plan.method}"))
+    if kept.name == plan.method:
+        report = plan.report()
+        report["tune"] = fields
+        report["notes"] = [*report.get("notes", []), note]
+        return dataclasses.replace(plan, notes=[*plan.notes, note], _report=report, analysis=plan.analysis)
+    other = plan_for(plan.analysis, kept.strategy, name=kept.name)
+    report = other.report()
+    before = plan.report()
+    for key in ("baselines", "baselines_feasible"):
+        report[key] = {**before.get(key, {}), **report.get(key, {})}
+    for key in ("search_seconds", "evaluations", "search", "profile"):
+        if key in before:
+            report[key] = copy.deepcopy(before[key])
+    report["tune"] = fields
+    report["notes"] = [*report.get("notes", []), note]
+    return dataclasses.replace(other, notes=[*other.notes, note], _report=report, analysis=plan.analysis,
+                               candidates=plan.candidates)
+
+
+def _target_and_watchdog(target: Any) -> tuple[str, Callable[[], str | None] | None]:
+    if isinstance(target, str):
+        return target, None
+    address = getattr(target, "target", None)
+    if not isinstance(address, str) or not address:
+        raise TagError(f"tune_target must be a session target (grpc://host:port), a running cluster or a "
+                       f"Topology, got {type(target).__name__}")
+    for obj in (target, getattr(target, "cluster", None)):
+        for attr in ("watchdog", "dead_worker"):
+            fn = getattr(obj, attr, None)
+            if callable(fn):
+                return address, fn
+    return address, None

@@ -1,0 +1,172 @@
+"""tag.tune: which candidates the measured tuning step runs, how it measures them, what it keeps and reports.
+
+Fast tests check the choice (distinct strategies, the plan, the best built-in and the best uniform action
+always in, the default K's step budget), the interleaved rounds and the statistics with a given measuring
+function. The slow test tunes a searched plan on three local TF servers.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tag.errors import TagError
+from tag.report import format_tune
+from tag.strategy.types import Action, Grouping, Strategy
+from tag.tune import (BEST_BUILTIN, BEST_UNIFORM_ROLE, PLAN, Candidate, check_k, choose, default_k,
+                      distinct_candidates, median_absolute_deviation, steps_per_candidate, strategy_key, tune,
+                      tune_fields)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GROUPING = Grouping(np.array([0, 0, 1, 1]), ["a", "b"])
+
+
+def strat(*actions: Action, name: str = "") -> Strategy:
+    return Strategy(GROUPING, list(actions), name=name)
+
+
+ONE = Action((0,), "allreduce")
+ALL = Action((0, 1, 2), "allreduce")
+PS = Action((0, 1, 2), "ps", ps_device=0)
+MIXED = strat(ALL, ONE, name="refine")
+STRATEGIES = {"dp_allreduce": strat(ALL, ALL), "ps": strat(PS, PS), "single": strat(ONE, ONE),
+              "partition": strat(ONE, ONE), "best_uniform": strat(ALL, ALL), "pase_dp": strat(ALL, ONE),
+              "mcts": strat(PS, ONE), "refine": MIXED}
+PREDICTED = {"dp_allreduce": 0.30, "ps": 0.50, "single": 0.20, "partition": 0.20, "best_uniform": 0.30,
+             "pase_dp": 0.15, "mcts": 0.18, "refine": 0.15}
+
+
+def test_distinct_candidates_one_per_strategy_with_roles():
+    cands = distinct_candidates("refine", STRATEGIES, PREDICTED, {"ps": False})
+    names = [c.name for c in cands]
+    # the plan first, then by predicted time; ps does not fit; duplicates fold into one name
+    assert names == ["refine", "mcts", "single", "dp_allreduce"]
+    by = {c.name: c for c in cands}
+    assert by["refine"].aliases == ["pase_dp"]                 # the same strategy found by two steps
+    assert by["single"].aliases == ["partition"]               # a built-in's name wins over a search step's
+    assert by["dp_allreduce"].aliases == ["best_uniform"]
+    assert by["refine"].roles == [PLAN] and by["single"].roles == [BEST_BUILTIN]
+    assert by["dp_allreduce"].roles == [BEST_UNIFORM_ROLE] and by["mcts"].roles == []
+    assert strategy_key(STRATEGIES["single"]) == strategy_key(STRATEGIES["partition"])
+    assert strategy_key(STRATEGIES["single"]) != strategy_key(MIXED)
+
+
+def test_the_plan_is_a_builtin_and_still_meets_the_best_uniform_action():
+    predicted = dict(PREDICTED, refine=0.25, pase_dp=0.25, mcts=0.25, best_uniform=0.22)
+    strategies = dict(STRATEGIES, best_uniform=strat(ONE, ALL))
+    cands = distinct_candidates("single", strategies, predicted, {})
+    chosen = choose(cands, 1)           # K=1 still measures the roles: the plan (= best built-in), best uniform
+    assert [c.name for c in chosen] == ["single", "best_uniform"]
+    assert chosen[0].roles == [PLAN, BEST_BUILTIN] and chosen[1].roles == [BEST_UNIFORM_ROLE]
+    third = choose(cands, 3)[2]      # then the fastest predicted other: the mix that pase_dp and refine found
+    assert {third.name, *third.aliases} == {"pase_dp", "refine"} and strategy_key(third.strategy) == strategy_key(MIXED)
+    assert len(choose(cands, 100)) == len(cands)
+
+
+def test_default_k_costs_about_30_steps_of_the_slowest():
+    assert steps_per_candidate() == 9
+    same = [Candidate(f"c{i}", None, 0.1, [PLAN] if i == 0 else []) for i in range(6)]
+    assert default_k(same) == 3                      # 3 x 9 steps = 27 <= 30 steps of the slowest
+    fast_rest = same[:1] + [Candidate(f"f{i}", None, 0.01) for i in range(10)]
+    assert default_k(fast_rest) == 11                # 9 x (0.1 + 10 x 0.01) = 1.8 s <= 30 x 0.1 s
+    slow_plan_roles = [Candidate("p", None, 0.1, [PLAN]), Candidate("b", None, 0.1, [BEST_BUILTIN]),
+                       Candidate("u", None, 0.1, [BEST_UNIFORM_ROLE]), Candidate("x", None, 0.1)]
+    assert default_k(slow_plan_roles) == 3           # the roles are always measured, nothing more fits
+    assert len(choose(slow_plan_roles, None)) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True])
+def test_bad_k_is_an_input_error(bad):
+    with pytest.raises(TagError, match="positive number of candidates"):
+        check_k(bad)
+    assert check_k(None) is None and check_k(4) == 4
+
+
+def test_tune_interleaves_rounds_keeps_the_fastest_median_and_reports_every_candidate():
+    cands = [Candidate("plan", None, 0.10, [PLAN]), Candidate("dp", None, 0.20, [BEST_BUILTIN]),
+             Candidate("uni", None, 0.30, [BEST_UNIFORM_ROLE])]
+    true_time = {"plan": 0.15, "dp": 0.12, "uni": 0.40}
+    calls = []
+
+    def measure(c: Candidate, steps: int, warmup: int) -> list[float]:
+        calls.append((c.name, steps, warmup))
+        return [5.0] * warmup + [true_time[c.name] + 0.01 * (i % 2) for i in range(steps - warmup)]
+
+    result = tune(cands, measure, rounds=3, steps=2, warmup=1)
+    assert [n for n, _, _ in calls] == ["plan", "dp", "uni", "dp", "uni", "plan", "uni", "plan", "dp"]
+    assert all(s == 3 and w == 1 for _, s, w in calls)
+    assert result.kept.candidate.name == "dp"       # measured fastest, though predicted slower than the plan
+    fields = tune_fields(result)
+    rows = {r["name"]: r for r in fields["candidates"]}
+    assert list(rows) == ["plan", "dp", "uni"] and fields["kept"] == "dp" and fields["plan"] == "plan"
+    assert fields["overrode_simulator"] and fields["rounds"] == 3 and fields["seconds"] >= 0
+    assert rows["dp"]["steps"] == 6 and rows["dp"]["measured_ms"] == pytest.approx(125.0)   # warm-up dropped
+    assert rows["dp"]["mad_ms"] == pytest.approx(5.0) and rows["dp"]["predicted_ms"] == pytest.approx(200.0)
+    assert rows["uni"]["error"] == pytest.approx(0.405 / 0.3 - 1)
+    lines = format_tune(fields)
+    assert len(lines) == 4 and "kept dp, overriding the simulator's plan" in lines[0]
+    assert "measured" in lines[2] and "+-" in lines[2] and lines[2].endswith("<- kept")
+    tie = tune(cands[:2], lambda c, s, w: [0.1] * s, rounds=1, steps=2, warmup=1)
+    assert tie.kept.candidate.name == "plan"         # a tie keeps the plan
+
+
+def test_median_absolute_deviation():
+    assert median_absolute_deviation([1.0, 1.0, 2.0, 2.0, 4.0, 6.0, 9.0]) == 1.0
+    assert median_absolute_deviation([3.0]) == 0.0
+
+
+@pytest.mark.slow
+def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastest():
+    """tag.optimize(..., tune_target=TARGET, tune_k=3) on three real TF servers (in this process, on
+    loopback): three distinct candidates measured (the plan, the best built-in, the best uniform action
+    among them), every one in the report with predicted and measured times, and the returned plan is the
+    one measured fastest."""
+    import tag
+    from helpers import in_process_servers
+    from tag.cluster.topology import parse_topology
+    ports, servers = in_process_servers(3)
+    text = open(os.path.join(REPO, "topologies", "localhost.pbtxt")).read()
+    for old, new in zip(("23451", "23452", "23453"), ports):
+        text = text.replace(f"port: {old}", f"port: {new}")
+    topo = parse_topology(text)
+    gd = tag.zoo.training_graph("mlp", 24, hidden=(64, 64))
+    plan = tag.optimize(gd, topo, batch_size=24, playouts=8, tune_target=servers[0].target, tune_k=3)
+    t = plan.report()["tune"]
+    rows = t["candidates"]
+    assert len(rows) == 3 and len({r["name"] for r in rows}) == 3
+    roles = [role for r in rows for role in r["roles"]]
+    assert sorted(roles) == sorted([PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE])
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["mad_ms"] >= 0 and r["steps"] == 6 for r in rows)
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    assert t["kept"] == fastest["name"] == plan.method and plan.report()["strategy"] == fastest["name"]
+    assert t["overrode_simulator"] == (t["kept"] != rows[0]["name"]) and t["seconds"] > 0
+    assert plan.notes[-1].startswith("tuned on the cluster: 3 candidates measured")
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_optimize_refuses_a_bad_tune_k_before_anything_runs(bad):
+    import tag
+    with pytest.raises(TagError, match="tune_k must be a positive number of candidates"):
+        tag.optimize(b"not even a graph", os.path.join(REPO, "topologies", "localhost.pbtxt"),
+                     tune_target="grpc://127.0.0.1:1", tune_k=bad)
+
+
+def test_a_given_builtin_meets_the_best_builtin_and_the_best_uniform_action():
+    """--strategy NAME (no search): the rivals are the other built-ins and the best uniform action, found
+    for it; every candidate is a distinct strategy."""
+    import tag
+    from tag.api import prepare, strategy_report
+    from tag.tune import analysis_candidates
+    gd = tag.zoo.training_graph("mlp", 24, hidden=(64, 64))
+    analysis = prepare(gd, os.path.join(REPO, "topologies", "localhost.pbtxt"), batch_size=24)
+    name, strategy, report = strategy_report(analysis, "ps")
+    cands = analysis_candidates(analysis, name, strategy, report)
+    assert cands[0].name == "ps" and PLAN in cands[0].roles
+    roles = {role: c.name for c in cands for role in c.roles}
+    assert set(roles) == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE}
+    best_builtin = min((n for n in ("dp_allreduce", "ps", "single", "partition")), key=report["baselines"].get)
+    assert roles[BEST_BUILTIN] == best_builtin or best_builtin in next(c.aliases for c in cands
+                                                                          if c.name == roles[BEST_BUILTIN])
+    assert len({strategy_key(c.strategy) for c in cands}) == len(cands)
+    assert [c.name for c in choose(cands, 1)][0] == "ps" and len(choose(cands, 1)) == len(set(roles.values()))
