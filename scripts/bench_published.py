@@ -1,4 +1,4 @@
-"""Predicted against published FP32 training throughput, with no user profile (tag's shipped GPU defaults).
+"""Predicted against published training throughput, with no user profile (tag's shipped GPU defaults).
 
 Every row of ``data/published_throughput.csv`` names a model, a GPU system, a GPU count, a per-GPU batch
 (and a sequence length for BERT) and the throughput its source published. The prediction is the
@@ -7,7 +7,13 @@ the built-in ``dp_allreduce`` strategy on a topology of N such GPUs in one host 
 ``tag.parse_topology`` from the system's spec sheet in ``SYSTEMS`` below), op groups from
 ``group_ops(graph, 64)`` as ``tag-deploy`` uses by default. The error is predicted / published - 1; the
 medians and the maximum are reported for the fit rows (those ``scripts/fit_gpu_defaults.py`` fitted the
-shipped profiles on) and the validation rows separately.
+shipped profiles on) and the validation rows separately, for FP32 rows and for mixed-precision / TF32
+rows (``*_mixed`` keys). A row's ``precision`` says how it is costed: ``fp32`` as built; ``tf32`` the
+same graph with ``CostModel(tf32=True)``; ``mixed`` the graph after ``tag.frontend.precision``'s
+``mixed_float16`` rewrite (TensorFlow's automatic mixed-precision pass), so its MatMuls and convolutions
+are half precision in the IR. ``xla`` rows are costed with ``CostModel(xla=True)``. For every 8-GPU
+validation row with a 1-GPU row of the same configuration, the predicted 1->8 scaling is compared with
+the published one (``scaling``, ``max_abs_scaling_error_8gpu_validation``).
 
 One IR is built per model (10-60 s each; the simulator takes the batch); ``--cache DIR`` keeps them as
 pickles between runs. ``vgg16`` is not a zoo model: it is built here with ``tf_keras.applications.VGG16``
@@ -15,7 +21,7 @@ under the zoo's conventions (placeholders, mean cross-entropy, Momentum 0.9).
 
 Usage::
 
-    python scripts/bench_published.py [--json FILE] [--cache DIR] [--data data/published_throughput.csv]
+    python scripts/bench_published.py [--json FILE] [--cache DIR] [--quick] [--data data/published_throughput.csv]
 """
 from __future__ import annotations
 
@@ -46,6 +52,19 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     # DGX-2 / Lambda Hyperplane (V100 SXM3 32 GB on NVSwitch): 6 x 25 GB/s per GPU to the switches
     "dgx2-v100": dict(type="V100-SXM3-32GB", tflops=15.7, gbs=900, gib=32, link="NVLINK", link_gbs=150),
     "lambda-v100": dict(type="V100-SXM3-32GB", tflops=15.7, gbs=900, gib=32, link="NVLINK", link_gbs=150),
+    # DGX A100 (A100 SXM4 40 GB): 19.5 TFLOP/s FP32, 1555 GB/s; NVLink 3 through NVSwitch, 300 GB/s each way;
+    # tensor-core peaks from tag's shipped A100 class (156 TF32, 312 FP16/BF16)
+    "dgx-a100": dict(type="A100-SXM4-40GB", tflops=19.5, gbs=1555, gib=40, link="NVLINK", link_gbs=300),
+    # Lambda servers with PCIe 4.0 x16 (31.5 GB/s each way): A100 PCIe 40 GB (its peaks from the A100 class)
+    # and RTX A6000 (38.7 FP32; tensor cores from its data sheet, dense: 77.4 TF32, 154.8 FP16/BF16 with
+    # FP32 accumulation -- a workstation card, full rate, unlike the GeForce RTX 3090 tag's class models)
+    "lambda-a100-pcie": dict(type="A100-PCIe-40GB", tflops=19.5, gbs=1555, gib=40, link="PCIE", link_gbs=31.5),
+    "lambda-a6000": dict(type="RTXA6000", tflops=38.7, gbs=768, gib=48, link="PCIE", link_gbs=31.5,
+                         peaks=dict(tf32=77.4, fp16=154.8, bf16=154.8)),
+    # Quadro RTX 8000 (Turing, 16.3 TFLOP/s FP32, 672 GB/s): FP16 tensor cores with FP32 accumulation at full
+    # rate, 130.5 TFLOP/s (Turing whitepaper), twice the GeForce rate tag's RTX 2080 Ti class has; PCIe 3.0
+    "lambda-rtx8000": dict(type="QuadroRTX8000", tflops=16.3, gbs=672, gib=48, link="PCIE", link_gbs=15.75,
+                           peaks=dict(fp16=130.5)),
     # Lambda workstations / 8-GPU PCIe server (PCIe 3.0 x16: 15.75 GB/s each way)
     "lambda-2080ti": dict(type="RTX2080Ti", tflops=13.4, gbs=616, gib=11, link="PCIE", link_gbs=15.75),
     "lambda-2080ti-pcie": dict(type="RTX2080Ti", tflops=13.4, gbs=616, gib=11, link="PCIE", link_gbs=15.75),
@@ -58,6 +77,9 @@ def read_rows(path: str = DATA) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     for r in rows:
+        r["xla"] = r.get("xla") in ("1", "true", "True")
+        if r["precision"] not in ("fp32", "tf32", "mixed"):
+            raise SystemExit(f"{path}: row {r['id']}: precision must be fp32, tf32 or mixed")
         r["gpu_count"] = int(r["gpu_count"])
         r["per_gpu_batch"] = int(r["per_gpu_batch"])
         r["seq_len"] = int(r["seq_len"]) if r["seq_len"] else None
@@ -86,7 +108,9 @@ def _vgg16_graph_def(batch_size: int):
 
 
 def model_key(row: dict[str, Any]) -> str:
-    return row["model"] + (f"-s{row['seq_len']}" if row["seq_len"] else "")
+    """The IR a row needs: its model (and sequence length), mixed-precision rows their rewritten graph."""
+    return row["model"] + (f"-s{row['seq_len']}" if row["seq_len"] else "") + (
+        "-mixed" if row["precision"] == "mixed" else "")
 
 
 def build_ir(row: dict[str, Any], cache: str | None = None):
@@ -102,6 +126,9 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
     else:
         opts = {"seq_len": row["seq_len"]} if row["seq_len"] else {}
         gd = tag.zoo.training_graph(row["model"], batch_size=IR_BATCH, **opts)
+    if row["precision"] == "mixed":
+        from tag.frontend.precision import apply_precision
+        gd = apply_precision(gd, "mixed_float16", train_op="train_op", loss="loss", init="init")
     tg = tag.analyze(gd, name=key)
     if path:
         os.makedirs(cache, exist_ok=True)
@@ -115,9 +142,10 @@ def topology_text(system: str, n: int) -> str:
     s = SYSTEMS[system]
     link = (f'interconnect {{ kind: {s["link"]} bandwidth_gbs: {s["link_gbs"]} latency_us: {2 if s["link"] == "NVLINK" else 5} }}'
             if n > 1 else "")
+    peaks = " ".join(f"peak_{p}_tflops: {v}" for p, v in s.get("peaks", {}).items())
     return (f'name: "{system}-x{n}"\nhost {{ name: "node" address: "10.0.0.1" port: 2222\n'
             f'  device {{ type: "{s["type"]}" kind: GPU count: {n} memory_gib: {s["gib"]} '
-            f'peak_tflops: {s["tflops"]} memory_bandwidth_gbs: {s["gbs"]} }}\n  {link}\n}}\n')
+            f'peak_tflops: {s["tflops"]} memory_bandwidth_gbs: {s["gbs"]} {peaks} }}\n  {link}\n}}\n')
 
 
 def predict(row: dict[str, Any], graph) -> dict[str, Any]:
@@ -130,25 +158,55 @@ def predict(row: dict[str, Any], graph) -> dict[str, Any]:
     n, per = row["gpu_count"], row["per_gpu_batch"]
     topo = tag.parse_topology(topology_text(row["system"], n), path=f"<{row['system']}>")
     grouping = group_ops(graph, target_groups=GROUPS)
-    cm = CostModel(graph, topo)
+    cm = CostModel(graph, topo, tf32=row["precision"] == "tf32", xla=row["xla"])
     strategy = builtin_strategy("dp_allreduce", graph, topo, grouping, cm)
     res = Simulator(graph, topo, grouping, cm).evaluate(strategy, batch_size=n * per)
     pred = n * per / res.step_time
     return {"id": row["id"], "split": row["split"], "model": row["model"], "gpu": row["gpu"], "gpus": n,
-            "per_gpu_batch": per, "seq_len": row["seq_len"], "published": row["throughput"],
+            "per_gpu_batch": per, "seq_len": row["seq_len"], "precision": row["precision"], "xla": row["xla"],
+            "system": row["system"], "published": row["throughput"],
             "predicted": pred, "rel_error": pred / row["throughput"] - 1.0, "unit": row["unit"],
             "profile": cm.profile_source(0), "source_id": row["source_id"]}
 
 
+def _config(r: dict[str, Any]) -> tuple:
+    return (r["system"], r["model"], r["seq_len"], r["precision"], r["xla"], r["per_gpu_batch"])
+
+
+def scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """1 -> 8 GPU scaling of every 8-GPU validation row that has a 1-GPU row of the same configuration:
+    predicted ratio against the published one."""
+    one = {_config(r): r for r in results if r["gpus"] == 1}
+    out = []
+    for r in results:
+        base = one.get(_config(r))
+        if r["split"] == "validation" and r["gpus"] == 8 and base is not None:
+            pub, pred = r["published"] / base["published"], r["predicted"] / base["predicted"]
+            out.append({"id": r["id"], "published": pub, "predicted": pred, "rel_error": pred / pub - 1.0})
+    return out
+
+
 def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
-    fit = [abs(r["rel_error"]) for r in results if r["split"] == "fit"]
-    val = [abs(r["rel_error"]) for r in results if r["split"] == "validation"]
+    def errs(split: str, mixed: bool) -> list[float]:
+        return [abs(r["rel_error"]) for r in results if r["split"] == split and (r["precision"] != "fp32") == mixed]
+
+    fit, val, fit_m, val_m = errs("fit", False), errs("validation", False), errs("fit", True), errs("validation", True)
+    scale = scaling(results)
     return {"rows": results,
             "median_abs_rel_error_fit": statistics.median(fit) if fit else None,
             "max_abs_rel_error_fit": max(fit) if fit else None,
             "median_abs_rel_error_validation": statistics.median(val) if val else None,
             "max_abs_rel_error_validation": max(val) if val else None,
-            "validation_rows": len(val), "fit_rows": len(fit)}
+            "validation_rows": len(val), "fit_rows": len(fit),
+            "median_abs_rel_error_fit_mixed": statistics.median(fit_m) if fit_m else None,
+            "max_abs_rel_error_fit_mixed": max(fit_m) if fit_m else None,
+            "median_abs_rel_error_validation_mixed": statistics.median(val_m) if val_m else None,
+            "max_abs_rel_error_validation_mixed": max(val_m) if val_m else None,
+            "validation_rows_mixed": len(val_m), "fit_rows_mixed": len(fit_m),
+            "validation_gpu_types_mixed": sorted({r["gpu"] for r in results
+                                                  if r["split"] == "validation" and r["precision"] != "fp32"}),
+            "scaling": scale,
+            "max_abs_scaling_error_8gpu_validation": max((abs(x["rel_error"]) for x in scale), default=None)}
 
 
 def run(rows: list[dict[str, Any]], cache: str | None = None, quiet: bool = False) -> list[dict[str, Any]]:
@@ -166,17 +224,33 @@ def run(rows: list[dict[str, Any]], cache: str | None = None, quiet: bool = Fals
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    lines = [f"{'id':22} {'split':10} {'model':12} {'gpu':15} {'n':>2} {'b/gpu':>5} {'published':>10} "
-             f"{'predicted':>10} {'error':>7}"]
+    lines = [f"{'id':24} {'split':10} {'model':12} {'gpu':15} {'prec':5} {'xla':3} {'n':>2} {'b/gpu':>5} "
+             f"{'published':>10} {'predicted':>10} {'error':>7}"]
     for r in summary["rows"]:
-        lines.append(f"{r['id']:22} {r['split']:10} {r['model']:12} {r['gpu']:15} {r['gpus']:>2} "
+        lines.append(f"{r['id']:24} {r['split']:10} {r['model']:12} {r['gpu']:15} {r['precision']:5} "
+                     f"{'yes' if r['xla'] else 'no':3} {r['gpus']:>2} "
                      f"{r['per_gpu_batch']:>5} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                      f"{100 * r['rel_error']:>+6.1f}%")
     s = summary
-    lines.append(f"fit rows: {s['fit_rows']}, median |error| {100 * s['median_abs_rel_error_fit']:.1f}%, "
-                 f"max {100 * s['max_abs_rel_error_fit']:.1f}%")
-    lines.append(f"validation rows: {s['validation_rows']}, median |error| "
-                 f"{100 * s['median_abs_rel_error_validation']:.1f}%, max {100 * s['max_abs_rel_error_validation']:.1f}%")
+    if s["fit_rows"]:
+        lines.append(f"fit rows: {s['fit_rows']}, median |error| {100 * s['median_abs_rel_error_fit']:.1f}%, "
+                     f"max {100 * s['max_abs_rel_error_fit']:.1f}%")
+    if s["validation_rows"]:
+        lines.append(f"validation rows: {s['validation_rows']}, median |error| "
+                     f"{100 * s['median_abs_rel_error_validation']:.1f}%, max {100 * s['max_abs_rel_error_validation']:.1f}%")
+    if s["fit_rows_mixed"]:
+        lines.append(f"mixed/TF32 fit rows: {s['fit_rows_mixed']}, median |error| "
+                     f"{100 * s['median_abs_rel_error_fit_mixed']:.1f}%, max {100 * s['max_abs_rel_error_fit_mixed']:.1f}%")
+    if s["validation_rows_mixed"]:
+        lines.append(f"mixed/TF32 validation rows: {s['validation_rows_mixed']} on {len(s['validation_gpu_types_mixed'])} "
+                     f"GPU types, median |error| {100 * s['median_abs_rel_error_validation_mixed']:.1f}%, "
+                     f"max {100 * s['max_abs_rel_error_validation_mixed']:.1f}%")
+    for x in s["scaling"]:
+        lines.append(f"scaling 1->8 {x['id']:24} published {x['published']:.2f}x predicted {x['predicted']:.2f}x "
+                     f"({100 * x['rel_error']:+.1f}%)")
+    if s["scaling"]:
+        lines.append(f"max |scaling error| over {len(s['scaling'])} 8-GPU validation rows: "
+                     f"{100 * s['max_abs_scaling_error_8gpu_validation']:.1f}%")
     return "\n".join(lines)
 
 
@@ -185,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=DATA, help="the published-throughput CSV")
     p.add_argument("--json", metavar="FILE", help="write the rows and error summary as JSON")
     p.add_argument("--cache", metavar="DIR", help="keep built IRs here (pickles) between runs")
+    p.add_argument("--quick", action="store_true", help="ResNet-50 rows on 1 and 8 GPUs only (no BERT IRs)")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
-    summary = summarise(run(read_rows(args.data), args.cache))
+    rows = read_rows(args.data)
+    if args.quick:
+        rows = [r for r in rows if r["model"] == "resnet50" and r["gpu_count"] in (1, 8)]
+    summary = summarise(run(rows, args.cache))
     print(format_table(summary))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

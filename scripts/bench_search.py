@@ -10,7 +10,11 @@ for CNNs and MLPs, 16 sequences per device for transformers, halved until some s
 Heterogeneous topologies (more than one device type, or unequal links between hosts) make the headline
 figures: ``geomean_speedup_vs_dp_heterogeneous``, ``geomean_speedup_vs_best_uniform_heterogeneous``, and
 ``cases_below_a_baseline`` (cases where the search's answer is slower than a feasible built-in or the
-best uniform action; must be 0).
+best uniform action; must be 0). With ``--mixed`` every heterogeneous case is searched again on the graph
+after TensorFlow's ``mixed_float16`` rewrite (``tag.frontend.precision``) and
+``heterogeneous_cases_plan_changed_mixed`` counts the cases whose chosen plan differs (some op of the
+FP32 graph gets another placement or mode; ``median_share_of_ops_changed_mixed``: how many of them),
+beside the same counts for the FP32 graph searched again with another seed (the search's own noise).
 
 Pipelines (``tag.search.pipeline_dp``): the ``pipe`` column is the best simulated pipeline. On the
 large-batch heterogeneous cases the search is also run without pipelines (``use_pipeline=False``), and
@@ -103,13 +107,41 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            "search_seconds": search_s, "evaluations": evals, "mcts_alone_evaluations": tree_env.evaluations,
            "pipeline_s": base.get("pipeline", float("nan")),
            "pipeline": found.pipeline.strategy.pipeline.to_dict() if found.pipeline and found.pipeline.strategy
-           else None, "load_average": os.getloadavg()[0]}
+           else None, "load_average": os.getloadavg()[0], "_strategy": found.strategy}
     if without_pipeline:
         plain = search(SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator), playouts=playouts,
                        budget_s=budget_s, seed=seed, min_gain=0.0, use_pipeline=False)
         row["search_without_pipeline_s"] = plain.step_time
         row["speedup_vs_best_uniform_without_pipeline"] = base["best_uniform"] / plain.step_time
     return row
+
+
+def mixed_ir(model: str):
+    """(IR, grouping) of MODEL after the mixed_float16 rewrite."""
+    from tag.frontend.precision import apply_precision
+    gd = apply_precision(tag.zoo.training_graph(model, batch_size=32), "mixed_float16", train_op="train_op",
+                         loss="loss", init="init")
+    tg = tag.analyze(gd)
+    return tg, group_ops(tg, target_groups=GROUPS)
+
+
+def op_actions(tg, strategy) -> dict[str, tuple]:
+    """Op name -> (placement, mode, partition device) in STRATEGY."""
+    part = strategy.partition or {}
+    acts = strategy.actions
+    return {op.name: (acts[int(g)].placement, acts[int(g)].mode, acts[int(g)].ps_device, part.get(i))
+            for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op))}
+
+
+def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args, seed: int | None = None) -> float:
+    """The share of the FP32 graph's ops that the search's plan for the mixed-precision graph places or
+    runs otherwise than STRATEGY (the FP32 graph's plan); 0 when the plan is the same."""
+    env = SearchEnv(tg_mixed, topo, grouping_mixed, batch_size=batch)
+    found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed if seed is None else seed,
+                   min_gain=0.0)
+    mixed = op_actions(tg_mixed, found.strategy)
+    fp32 = op_actions(tg, strategy)
+    return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)
 
 
 def geomean(xs: list[float]) -> float:
@@ -126,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds per search (default: playouts only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--mixed", action="store_true",
+                   help="search heterogeneous cases again in mixed_float16 and count changed plans")
     args = p.parse_args(argv)
     models = args.models or (QUICK_MODELS if args.quick else list(tag.zoo.names()))
     topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
@@ -140,12 +174,19 @@ def main(argv=None) -> int:
         grouping = group_ops(tg, target_groups=GROUPS)
         print(f"# {model}: IR and grouping in {time.perf_counter() - t0:.1f} s ({len(tg.ops)} ops, "
               f"{grouping.num_groups} groups)", flush=True)
+        mixed = mixed_ir(model) if args.mixed else None
         for name in topologies:
             topo = tag.load_topology(os.path.join(ROOT, "topologies", f"{name}.pbtxt"))
             for label, batch in batches(tg, topo, args.batches).items():
                 row = {"model": model, "topology": name, "batch_kind": label,
                        **run_case(tg, grouping, topo, batch, args.playouts, args.budget, args.seed,
                                   without_pipeline=label == "large" and heterogeneous(topo))}
+                strategy = row.pop("_strategy")
+                if mixed is not None and row["heterogeneous"]:
+                    row["plan_changed_mixed"] = plan_changed(tg, strategy, *mixed, topo, row["batch"], args)
+                    # the noise floor: the same FP32 graph searched with another seed
+                    row["plan_changed_seed"] = plan_changed(tg, strategy, tg, grouping, topo, row["batch"], args,
+                                                            seed=args.seed + 1)
                 rows.append(row)
 
                 def ms(key: str) -> str:
@@ -169,6 +210,18 @@ def main(argv=None) -> int:
                "cases_below_a_baseline": sum(1 for r in rows if r["below_a_baseline"]),
                "cases": len(rows), "heterogeneous_cases": len(het), "playouts": args.playouts,
                "budget_s": args.budget}
+    if args.mixed:
+        changed = [r["plan_changed_mixed"] for r in het if "plan_changed_mixed" in r]
+        summary["heterogeneous_cases_plan_changed_mixed"] = sum(1 for c in changed if c > 0)
+        summary["median_share_of_ops_changed_mixed"] = float(np.median(changed)) if changed else None
+        noise = [r["plan_changed_seed"] for r in het if "plan_changed_seed" in r]
+        summary["heterogeneous_cases_plan_changed_other_seed"] = sum(1 for c in noise if c > 0)
+        summary["median_share_of_ops_changed_other_seed"] = float(np.median(noise)) if noise else None
+        print(f"heterogeneous cases whose plan changes in mixed_float16: "
+              f"{summary['heterogeneous_cases_plan_changed_mixed']} of {len(het)} (median share of ops placed or "
+              f"run otherwise: {100 * (summary['median_share_of_ops_changed_mixed'] or 0):.0f}%); FP32 again with "
+              f"another seed: {summary['heterogeneous_cases_plan_changed_other_seed']} "
+              f"({100 * (summary['median_share_of_ops_changed_other_seed'] or 0):.0f}%)")
     print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
           f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
           f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "

@@ -8,6 +8,12 @@ What is fitted (everything in log space, least squares on log(predicted / publis
   the memory-bandwidth efficiency and the per-kernel launch overhead;
 - one compute scale per GPU with fit rows (P100, GTX 1080 Ti, RTX 2080 Ti; V100 is the reference, 1.0).
 
+Those come from the FP32 fit rows. Then the tensor-core efficiencies per op class (the fraction of the
+FP16 / TF32 / BF16 tensor-core peak that MatMuls, batched matmuls and convolutions reach) are fitted the
+same way on the one-GPU mixed-precision fit rows, which are all V100 rows (the FP32 efficiencies fixed);
+every class gets those values for every tensor-core precision: no other GPU's mixed or TF32 row is
+fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
+
 One-GPU step time is the sum of the cost model's op times (the simulator's single device runs its ops
 back to back), so the compute fit evaluates that sum directly. The collective defaults (bus bandwidth as
 a fraction of the declared link, fixed cost per NCCL call) are then chosen on the multi-GPU fit rows with
@@ -60,6 +66,25 @@ CLASSES = {   # name: (patterns on tag.cost.gpu_defaults.normalise(name), spec s
     "RTX2080Ti": ([r"2080ti"], dict(peak_tflops=13.4, memory_bandwidth_gbs=616)),
     "RTX3090": ([r"3090"], dict(peak_tflops=35.6, memory_bandwidth_gbs=936)),
 }
+#: spec-sheet peaks in TFLOP/s by precision: FP32 (CUDA cores) and dense tensor-core TF32, FP16 with FP32
+#: accumulation, BF16 (NVIDIA's V100, A100, H100 SXM, P100 SXM2, T4 data sheets; the Turing and GA102
+#: architecture whitepapers for GeForce cards, whose FP16-with-FP32-accumulate rate is half the Quadro
+#: rate). A precision a GPU has no tensor cores for is absent (its MatMuls run at the FP32 peak), except
+#: P100's double-rate FP16 units; the GTX 1080 Ti runs half MatMuls with FP32 arithmetic (cuBLAS's FP32
+#: compute type), at its FP32 peak.
+PEAKS = {
+    "V100": {"fp32": 15.7, "fp16": 125.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "P100": {"fp32": 10.6, "fp16": 21.2},
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+    "GTX1080Ti": {"fp32": 11.3, "fp16": 11.3},
+    "RTX2080Ti": {"fp32": 13.4, "fp16": 53.8},
+    "RTX3090": {"fp32": 35.6, "tf32": 17.8, "fp16": 35.6, "bf16": 35.6},
+}
+#: GPUs without tensor cores: their half-precision MatMuls and convolutions run on the ordinary units, at
+#: their FP32 efficiencies (P100 at its double FP16 rate, the GTX 1080 Ti at its FP32 rate)
+NO_TENSOR_CORES = ("P100", "GTX1080Ti")
 #: classes without FP32 TensorFlow rows: (source class, compute factor, basis)
 DERIVED = {
     "A100": ("V100", 1.0, "derived from V100 (datacenter SXM part of the next generation); no FP32 TensorFlow "
@@ -93,15 +118,30 @@ COLLECTIVE_NOTES = {
 }
 
 
-def op_arrays(graph, batch: int):
-    """(flops, bytes, parameter index per op, charged mask) at BATCH for the shared parameters."""
+TENSOR = ("conv:3x3s1", "conv:1x1", "conv:strided", "conv:kxk", "conv:thin", "matmul", "matmul:small", "bmm")
+#: prior (centre, log-space standard deviation) of each tensor-core efficiency
+TENSOR_PRIOR = {"conv:3x3s1": (0.35, 0.7), "conv:1x1": (0.35, 0.7), "conv:strided": (0.3, 0.7),
+                "conv:kxk": (0.3, 0.7), "conv:thin": (0.1, 0.7), "matmul": (0.5, 0.7), "matmul:small": (0.1, 0.7),
+                "bmm": (0.2, 0.7)}
+
+
+def op_arrays(graph, batch: int, xla: bool = False):
+    """(flops, bytes, parameter index per op, charged mask, fused mask, tensor-core index or -1) at BATCH."""
     from tag.cost.model import ZERO_COST_TYPES
     from tag.cost.op_classes import op_classes
+    from tag.cost.precision import fusion_bytes, op_precisions
     a = graph.arrays()
     cls = op_classes(graph)
     idx = np.array([SHARED.index(c) if c in SHARED else SHARED.index("default") for c in cls], dtype=np.int64)
     charged = np.array([op.type not in ZERO_COST_TYPES for op in graph.ops])
-    return a.flops(batch), a.mem_bytes(batch), idx, charged
+    if xla:
+        mf, mp, fused = fusion_bytes(graph)
+        mem = mf + mp * batch
+    else:
+        mem, fused = a.mem_bytes(batch), np.zeros(len(graph.ops), dtype=bool)
+    tensor = np.array([TENSOR.index(c) if c in TENSOR and p in ("fp16", "bf16") else -1
+                       for c, p in zip(cls, op_precisions(graph))], dtype=np.int64)
+    return a.flops(batch), mem, idx, charged, fused, tensor
 
 
 def unpack(x: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
@@ -111,16 +151,22 @@ def unpack(x: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
     return e, mem, launch, scales
 
 
-def step_time(arr, spec, e, mem, launch, scale) -> float:
-    flops, mbytes, idx, charged = arr
-    t = np.maximum(flops / (spec["tflops"] * 1e12 * e[idx] * scale), mbytes / (spec["gbs"] * 1e9 * mem)) + launch
+def step_time(arr, spec, e, mem, launch, scale, tensor_e=None, tensor_peak: float = 0.0) -> float:
+    """One-GPU step: the cost model's roofline summed over ops (tensor-core ops at TENSOR_PEAK x TENSOR_E)."""
+    flops, mbytes, idx, charged, fused, tensor = arr
+    rate = spec["tflops"] * 1e12 * e[idx] * scale
+    if tensor_e is not None:
+        on_tc = tensor >= 0
+        rate = np.where(on_tc, tensor_peak * tensor_e[np.maximum(tensor, 0)], rate)
+    t = np.maximum(flops / rate, mbytes / (spec["gbs"] * 1e9 * mem)) + np.where(fused, 0.0, launch)
     return float(t[charged].sum())
 
 
 def fit_compute(rows, graphs):
     from scipy.optimize import least_squares
-    one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1]
-    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"]), bench.SYSTEMS[r["system"]]) for r in one]
+    one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "fp32"]
+    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"]), bench.SYSTEMS[r["system"]])
+            for r in one]
     prior = np.log([PRIOR[k][0] for k in SHARED] + [PRIOR["memory_efficiency"][0], PRIOR["launch_overhead_s"][0]]
                    + [1.0] * len(FITTED_GPUS))
     sd = np.array([PRIOR[k][1] for k in SHARED] + [PRIOR["memory_efficiency"][1], PRIOR["launch_overhead_s"][1]]
@@ -139,7 +185,31 @@ def fit_compute(rows, graphs):
     return unpack(sol.x)
 
 
-def class_table(e, mem, launch, scales) -> dict:
+def fit_tensor(rows, graphs, e, mem, launch) -> np.ndarray:
+    """Tensor-core efficiency per TENSOR class from the one-GPU mixed-precision fit rows (V100 only)."""
+    from scipy.optimize import least_squares
+    one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "mixed"]
+    assert all(r["gpu"].startswith("V100") for r in one), "mixed fit rows must be V100 rows (held out by GPU type)"
+    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"]), bench.SYSTEMS[r["system"]])
+            for r in one]
+    prior = np.log([TENSOR_PRIOR[k][0] for k in TENSOR])
+    sd = np.array([TENSOR_PRIOR[k][1] for k in TENSOR])
+
+    def residuals(x):
+        te = np.exp(x)
+        res = []
+        for r, arr, spec in data:
+            peak = PEAKS["V100"]["fp16"] / PEAKS["V100"]["fp32"] * spec["tflops"] * 1e12
+            pred = r["per_gpu_batch"] / step_time(arr, spec, e, mem, launch, 1.0, te, peak)
+            res.append(math.log(pred / r["throughput"]))
+        return np.concatenate([res, PRIOR_WEIGHT * (x - prior) / sd])
+
+    sol = least_squares(residuals, prior, method="trf", bounds=(np.log(1e-3), 0.0))
+    print("  mixed fit rows:", {r["id"]: round(float(v), 3) for (r, _, _), v in zip(data, residuals(sol.x))})
+    return np.exp(sol.x)
+
+
+def class_table(e, mem, launch, scales, tensor_e=None) -> dict:
     shared = {k: float(v) for k, v in zip(SHARED, e)}
     shared["conv:depthwise"] = 0.2           # no rows: memory-bound in practice; the built-in value
     out = {}
@@ -153,7 +223,13 @@ def class_table(e, mem, launch, scales) -> dict:
                 basis = "fitted on the V100 fit rows (reference scale 1.0)"
         eff = {k: round(min(v * scale, 8.0), 4) if k not in ("default",) else round(min(v * scale, 1.0), 4)
                for k, v in shared.items()}
-        out[name] = {"patterns": patterns, "spec": spec, "efficiency": eff, "memory_efficiency": round(mem, 4),
+        tensor = {}
+        if tensor_e is not None:
+            table = {k: round(float(v), 4) for k, v in zip(TENSOR, tensor_e)}
+            tensor = {p: dict(table) for p in ("tf32", "fp16", "bf16") if p in PEAKS[name]
+                      and name not in NO_TENSOR_CORES}
+        out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name], "efficiency": eff,
+                     "tensor_efficiency": tensor, "memory_efficiency": round(mem, 4),
                      "launch_overhead_s": float(f"{launch:.3g}"), "compute_scale": round(scale, 4), "basis": basis}
     return out
 
@@ -185,7 +261,7 @@ def fit_lockstep(path, rows, graphs, classes, pcie_eff: float) -> float:
     ``1 + s log2(n)``, so s minimises sum (e - log(1 + s log2 n))^2."""
     from scipy.optimize import minimize_scalar
     import tag.cost.gpu_defaults as gd
-    multi = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1
+    multi = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and r["precision"] == "fp32"
              and bench.SYSTEMS[r["system"]]["link"] == "NVLINK"]
     write(path, classes, collectives_table(NVLINK_CALL, pcie_eff, NVLINK_CALL), 0.0)
     gd.gpu_profiles.cache_clear()
@@ -201,7 +277,8 @@ def fit_lockstep(path, rows, graphs, classes, pcie_eff: float) -> float:
 def fit_pcie(path, rows, graphs, classes, lockstep: float) -> float:
     """The PCIe all-reduce efficiency that best explains the PCIe multi-GPU fit rows (bisection on log error)."""
     import tag.cost.gpu_defaults as gd
-    pcie = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and bench.SYSTEMS[r["system"]]["link"] == "PCIE"]
+    pcie = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and r["precision"] == "fp32"
+            and bench.SYSTEMS[r["system"]]["link"] == "PCIE"]
 
     def err(eff: float) -> float:
         write(path, classes, collectives_table(NVLINK_CALL, eff, NVLINK_CALL), lockstep)
@@ -240,7 +317,9 @@ def main(argv=None) -> int:
     e, mem, launch, scales = fit_compute(rows, graphs)
     print("shared:", {k: round(float(v), 3) for k, v in zip(SHARED, e)}, "memory", round(mem, 3),
           "launch", f"{launch:.2e}", "scales", {k: round(v, 3) for k, v in scales.items()})
-    classes = class_table(e, mem, launch, scales)
+    tensor_e = fit_tensor(rows, graphs, e, mem, launch)
+    print("tensor-core efficiencies:", {k: round(float(v), 3) for k, v in zip(TENSOR, tensor_e)})
+    classes = class_table(e, mem, launch, scales, tensor_e)
     lockstep = fit_lockstep(args.out, rows, graphs, classes, 0.5)
     pcie_eff = fit_pcie(args.out, rows, graphs, classes, lockstep)
     write(args.out, classes, collectives_table(NVLINK_CALL, pcie_eff, NVLINK_CALL), lockstep)

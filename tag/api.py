@@ -162,7 +162,8 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              train_op: str | None = None, loss: str | None = None, init: str | None = None,
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
              sfb: bool = True, prior: str = "uniform", tune_target: Any = None, tune_k: int | None = None,
-             min_gain: float | None = None, pipeline: bool = True) -> Plan:
+             min_gain: float | None = None, pipeline: bool = True, precision: str | None = None,
+             xla: bool = False) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -187,6 +188,12 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     its report's ``tune`` keys listing every candidate's predicted and measured time. ``min_gain``: a searched
     strategy replaces the best feasible built-in only when predicted at least this much faster (default
     0.05: smaller gains are within the simulator's error on real runs; 0 keeps the fastest predicted).
+    ``precision``: ``"mixed_float16"`` / ``"mixed_bfloat16"`` rewrite the graph with TensorFlow's automatic
+    mixed-precision pass first (FP16 with static loss scaling; ``tag.frontend.precision``), so the plan is
+    made for, and deploys, the graph that will run; ``"tf32"`` costs FP32 MatMuls and convolutions at the
+    devices' TF32 tensor-core peak; None / ``"fp32"``: the graph as given. ``xla``: cost element-wise and
+    normalisation chains as XLA fuses them (one pass over memory) and mark those ops of the rewritten graph
+    for XLA (``tag.frontend.precision.mark_for_xla``), so TensorFlow compiles them when the plan runs.
 
     Raises GraphError (graph), TopologyError, StrategyError, RewriteError, and MemoryBudgetError when no
     strategy evaluated fits the devices' memory; TagError for a bad ``tune_k``.
@@ -194,7 +201,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     from tag.tune import check_k, tune_plan
     check_k(tune_k)
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
-                       train_op=train_op, loss=loss, init=init, name=name)
+                       train_op=train_op, loss=loss, init=init, name=name, precision=precision, xla=xla)
     plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
                        sfb=sfb, prior=prior, min_gain=min_gain, pipeline=pipeline)
     return plan if tune_target is None else tune_plan(plan, tune_target, k=tune_k)
@@ -214,6 +221,8 @@ class Analysis:
     cost_model: "CostModel"
     batch: int
     profile_source: str | None
+    precision: str = "fp32"    # tag.cost.precision.PLAN_PRECISIONS: what the graph was rewritten / costed for
+    xla: bool = False          # element-wise chains costed as XLA fuses them
     _simulator: Any = field(default=None, repr=False)
 
     def simulator(self) -> "Simulator":
@@ -233,28 +242,37 @@ class Analysis:
     def rewrite(self, strategy: "Strategy") -> "RewriteResult":
         """The graph rewritten for STRATEGY (entry points as found or given)."""
         from tag.backend.rewrite import rewrite as rewrite_graph
-        return rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
-                             train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
+        rr = rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
+                           train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
+        if self.xla:      # the deployed graph fuses what the cost model costs as fused
+            from tag.frontend.precision import mark_for_xla
+            mark_for_xla(rr.graph_def)
+        return rr
 
 
 def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,
             profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
             grouping: "Grouping | None" = None, train_op: str | None = None, loss: str | None = None,
-            init: str | None = None, name: str | None = None) -> Analysis:
+            init: str | None = None, name: str | None = None, precision: str | None = None,
+            xla: bool = False) -> Analysis:
     """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
     and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``optimize``."""
     from tag.cost.model import CostModel
+    from tag.cost.precision import check_plan_precision
     from tag.frontend.analyze import analyze
+    from tag.frontend.precision import apply_precision
     from tag.frontend.entry_points import find_entry_points
     from tag.frontend.graph_import import coerce_graph_def
     from tag.strategy.grouping import group_ops
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise TagError(f"groups must be a positive integer, got {groups!r}")
+    precision = check_plan_precision(precision)
     topo = _topology(topology)
     prof, prof_source = _profile(profile)
     gd = coerce_graph_def(graph_def)
     entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
     gd = entry.apply(gd)
+    gd = apply_precision(gd, precision, train_op=entry.train_op, loss=entry.loss, init=entry.init)
     graph = analyze(gd, batch_size=batch_size, name=name or "")
     batch = int(batch_size if batch_size is not None else graph.batch_size)
     if batch < topo.num_devices:
@@ -266,7 +284,8 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
         raise StrategyError(f"the strategy was made for a graph of {len(grouping.group_of_op)} ops; this graph "
                             f"has {len(graph.ops)} (another model, or another batch size?)")
     model = name or graph.name or "model"
-    return Analysis(model, gd, entry, graph, topo, grouping, CostModel(graph, topo, prof), batch, prof_source)
+    cost_model = CostModel(graph, topo, prof, tf32=precision == "tf32", xla=bool(xla))
+    return Analysis(model, gd, entry, graph, topo, grouping, cost_model, batch, prof_source, precision, bool(xla))
 
 
 PRIORS: tuple[str, ...] = ("uniform", "gnn")
@@ -466,6 +485,7 @@ def _plan_report(analysis: Analysis, name: str, results: dict, baselines: dict, 
         "baselines_feasible": {n: bool(f) for n, f in feasible.items()},
         "sfb_bytes_saved": 0,
         "profile": analysis.profile_source,
+        "precision": analysis.precision, "xla": analysis.xla,
         "entry_points": {"train_op": analysis.entry.train_op, "loss": analysis.entry.loss,
                          "init": analysis.entry.init, "found": list(analysis.entry.notes)},
         **extra})

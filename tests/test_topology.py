@@ -435,3 +435,24 @@ def test_random_bytes_never_raise_anything_else(tmp_path_factory, content):
         load_topology(path)
     except TopologyError as err:
         assert str(err).startswith(str(path)) and "\n" not in str(err)
+
+
+def test_tensor_core_peaks_are_optional_declared_or_from_the_shipped_class(tmp_path):
+    from tag.cost.precision import device_peak
+    plain = parse_topology(host(body=gpu(type='"A100-40G"', peak_tflops=19.5)))
+    g = plain.groups[0]
+    assert g.declared_peaks == () and g.declared_peak("fp32") == pytest.approx(19.5e12)
+    # a file naming only the type and its FP32 peak gets the A100 spec sheet's ratios
+    assert [device_peak(g, p) / 1e12 for p in ("tf32", "fp16", "bf16")] == pytest.approx([156, 312, 312])
+    declared = parse_topology(host(body=gpu(type='"A100-40G"', peak_tflops=19.5, peak_fp16_tflops=250)))
+    assert device_peak(declared.groups[0], "fp16") == pytest.approx(250e12)
+    assert device_peak(declared.groups[0], "tf32") == pytest.approx(156e12)
+    # no tensor cores (V100 in BF16) or an unknown GPU / a CPU: the FP32 peak
+    v100 = parse_topology(host(body=gpu())).groups[0]
+    assert device_peak(v100, "bf16") == pytest.approx(15.7e12) and device_peak(v100, "fp16") == pytest.approx(125e12)
+    cpu = parse_topology(host()).groups[0]
+    assert device_peak(cpu, "fp16") == pytest.approx(0.05e12)
+    path = tmp_path / "bad.pbtxt"
+    path.write_text(host(body=gpu(peak_bf16_tflops=-3)))
+    with pytest.raises(TopologyError, match=r"bad\.pbtxt:5: host 'a' device 'V100': peak_bf16_tflops must be positive"):
+        load_topology(path)

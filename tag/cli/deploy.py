@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
     add_run_arguments(p)
     add_verbose(p)
+    p.add_argument("--precision", default=None, metavar="P",
+                   help="fp32 (default), tf32, mixed_float16 or mixed_bfloat16: the mixed ones rewrite the graph "
+                        "with TensorFlow's automatic mixed precision first (FP16 with loss scaling); tf32 costs "
+                        "FP32 MatMuls and convolutions at the TF32 tensor-core peak")
+    p.add_argument("--xla", action="store_true",
+                   help="cost element-wise and normalisation chains as XLA fuses them (one pass over memory) and "
+                        "mark them for XLA in the deployed graph")
     p.add_argument("--no-sfb", action="store_true",
                    help="keep every gradient all-reduced (no sufficient-factor broadcasting after the search)")
     p.add_argument("--no-pipeline", action="store_true",
@@ -134,6 +141,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TagError(f"--playouts must be positive, got {args.playouts}")
     if args.min_gain is not None and not 0 <= args.min_gain < 10:
         raise TagError(f"--min-gain must be between 0 and 10 (a fraction: 0.05 = 5%), got {args.min_gain:g}")
+    from tag.cost.precision import check_plan_precision
+    check_plan_precision(args.precision)
     if args.order is not None and args.order not in ("auto", *ORDERS):
         raise TagError(f"unknown --order {args.order!r} (known: auto, {', '.join(ORDERS)})")
     for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
@@ -170,7 +179,8 @@ def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
         bar.set_postfix_str("analysing the graph")
         analysis = prepare(graph_def, topology, batch_size=args.batch, profile=profile, groups=args.groups,
                            grouping=saved.grouping if saved is not None else None, train_op=args.train_op,
-                           loss=args.loss, init=args.init, name=model_name)
+                           loss=args.loss, init=args.init, name=model_name, precision=args.precision,
+                           xla=args.xla)
         bar.update()
     return analysis
 

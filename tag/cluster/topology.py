@@ -50,6 +50,8 @@ TFLOPS = 1e12
 GBYTES_PER_S = 1e9
 GBITS_PER_S = 1e9 / 8
 MICROSECOND = 1e-6
+#: tensor-core precisions a device entry may give a peak for (``peak_<precision>_tflops``)
+TENSOR_PRECISIONS = ("tf32", "fp16", "bf16")
 
 @dataclass(frozen=True)
 class Host:
@@ -74,6 +76,14 @@ class DeviceGroup:
     memory_bytes: int               # per device
     peak_flops: float               # per device, FLOP/s
     memory_bandwidth: float         # per device, bytes/s
+    #: tensor-core peaks the file declares, FLOP/s per device: (("tf32", x), ("fp16", y), ...); others omitted
+    declared_peaks: tuple[tuple[str, float], ...] = ()
+
+    def declared_peak(self, precision: str) -> float | None:
+        """The peak FLOP/s the file declares for PRECISION ("fp32", "tf32", "fp16", "bf16"), or None."""
+        if precision == "fp32":
+            return self.peak_flops
+        return dict(self.declared_peaks).get(precision)
 
 
 @dataclass(frozen=True)
@@ -543,6 +553,8 @@ class _HostBuilder:
         memory = check.positive(d, "memory_gib", dloc, dwhat, 2**20, low=1e-3)
         tflops = check.positive(d, "peak_tflops", dloc, dwhat, 1e6)
         membw = check.positive(d, "memory_bandwidth_gbs", dloc, dwhat, 1e7)
+        peaks = tuple((prec, check.positive(d, f"peak_{prec}_tflops", dloc, dwhat, 1e6) * TFLOPS)
+                      for prec in TENSOR_PRECISIONS if d.HasField(f"peak_{prec}_tflops"))
         first = len(self.devices)
         if first + count > MAX_DEVICES:
             raise check.fail(dloc + ("count",), f"the cluster has more than {MAX_DEVICES} devices, "
@@ -551,7 +563,7 @@ class _HostBuilder:
             index=len(self.groups), name=f"{h.name}/{d.type}", host=h.name, device_type=d.type,
             tf_device_type=tf_type, devices=tuple(range(first, first + count)),
             memory_bytes=int(round(memory * GIB)), peak_flops=tflops * TFLOPS,
-            memory_bandwidth=membw * GBYTES_PER_S)
+            memory_bandwidth=membw * GBYTES_PER_S, declared_peaks=peaks)
 
     def _interconnect(self, h: Any, loc: tuple, what: str, n_host_devices: int) -> tuple[float, float]:
         """(bytes/s, seconds) between devices of host H; records its interconnect kind."""

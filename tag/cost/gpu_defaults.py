@@ -12,6 +12,10 @@ Each class holds:
   kernel size and stride, MatMul by shape, batched matmuls) or op type, ``default`` for the rest. The
   ``conv:3x3s1`` value may exceed 1: it is relative to the direct-convolution FLOP count, and Winograd
   needs fewer multiplications than that.
+- ``peaks``: the class's spec-sheet peaks by precision (FP32 and dense TF32 / FP16 / BF16 tensor cores);
+  a device's peak in a precision is its own FP32 peak times the class's ratio (``tag.cost.precision``).
+- ``tensor_efficiency``: per tensor-core precision, the fraction of that peak MatMuls and convolutions
+  reach, per op class (fitted on V100 mixed-precision rows, shared by every class with tensor cores).
 - ``memory_efficiency``: the fraction of the spec-sheet memory bandwidth that memory-bound kernels reach.
 - ``launch_overhead_s``: fixed cost per kernel (TensorFlow executor and launch).
 - ``basis``: how the class was calibrated (fitted on which GPU's rows, or derived from which class).
@@ -74,6 +78,15 @@ class GpuClass:
     launch_overhead_s: float
     spec: dict[str, float] = field(default_factory=dict)    # the class's own spec sheet (for reference)
     basis: str = ""
+    #: the class's spec-sheet peaks in TFLOP/s by precision ("fp32", "tf32", "fp16", "bf16"; dense tensor cores)
+    peaks: dict[str, float] = field(default_factory=dict)
+    #: fraction of the tensor-core peak reached per op class, by precision ("tf32", "fp16", "bf16")
+    tensor_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def peak_ratio(self, precision: str) -> float | None:
+        """This class's PRECISION peak over its FP32 peak (None: the spec sheet lists none)."""
+        p, base = self.peaks.get(precision), self.peaks.get("fp32")
+        return p / base if p and base else None
 
 
 @dataclass(frozen=True)
@@ -164,11 +177,21 @@ def _parse(data: object, where: str) -> GpuProfiles:
         eff = {str(k): num(v, f"classes.{name}.efficiency.{k}", hi=8.0) for k, v in c["efficiency"].items()}
         if "default" not in eff:
             raise bad(f"classes.{name}.efficiency needs a 'default' entry")
+        peaks = {str(k): num(v, f"classes.{name}.peaks.{k}", hi=1e6) for k, v in (c.get("peaks") or {}).items()}
+        if peaks and "fp32" not in peaks:
+            raise bad(f"classes.{name}.peaks needs an 'fp32' entry")
+        tensor = {}
+        for prec, table in (c.get("tensor_efficiency") or {}).items():
+            if not isinstance(table, dict):
+                raise bad(f"classes.{name}.tensor_efficiency.{prec} must be an object")
+            tensor[str(prec)] = {str(k): num(v, f"classes.{name}.tensor_efficiency.{prec}.{k}", hi=1.0)
+                                 for k, v in table.items()}
         classes[str(name)] = GpuClass(
             str(name), tuple(str(p) for p in c["patterns"]), eff,
             num(c.get("memory_efficiency"), f"classes.{name}.memory_efficiency", hi=1.0),
             num(c.get("launch_overhead_s"), f"classes.{name}.launch_overhead_s", hi=1e-2),
-            {str(k): float(v) for k, v in (c.get("spec") or {}).items()}, str(c.get("basis", "")))
+            {str(k): float(v) for k, v in (c.get("spec") or {}).items()}, str(c.get("basis", "")),
+            peaks, tensor)
     if not classes:
         raise bad("no GPU classes")
     related = []

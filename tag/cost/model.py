@@ -4,6 +4,9 @@ Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), m
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
 device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
 (``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
+MatMuls and convolutions use the peak of the precision the graph computes them in (FP16 / BF16 tensor
+cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs
+element-wise chains as XLA fuses them (one pass over memory).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -14,7 +17,7 @@ Example::
     from tag.cost.model import CostModel, Profile
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
-    cm = CostModel(tg, topo, Profile.load("profile.json"))
+    cm = CostModel(tg, topo, Profile.load("profile.json"))     # or CostModel(tg, topo, tf32=True, xla=True)
     t = cm.op_times(device_group=0, batch=32)          # seconds per IR op on one device of group 0
     cm.allreduce_time(100e6, list(range(topo.num_devices)))
     cm.transfer_time(4e6, 0, 5)
@@ -50,6 +53,7 @@ from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
 from tag.cost.op_classes import op_classes
+from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, op_precisions
 
 PROFILE_VERSION = 1
 
@@ -282,32 +286,60 @@ class DeviceRates:
     efficiency: dict[str, float]
     lockstep_factor: float = 1.0    # op-time multiplier for replicas running in lockstep (shipped GPU defaults)
     matmul_table: MatmulTable | None = None   # MatMul efficiency by shape, from the device's own profile entry
+    #: peak FLOP/s by precision ("fp32" is ``peak_flops``; others: ``tag.cost.precision.device_peak``)
+    peaks: dict[str, float] = field(default_factory=dict)
+    #: tensor-core efficiency per op class by precision (shipped GPU classes); else the FP32 efficiencies
+    tensor_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def efficiency_of(self, op_type: str) -> float:
         return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
 
-    def efficiency_for(self, op_type: str, op_class: str | None) -> float:
-        """The efficiency of an op: its class's entry (``tag.cost.op_classes``), else its type's, else default."""
+    def efficiency_for(self, op_type: str, op_class: str | None, precision: str = "fp32") -> float:
+        """The efficiency of an op: for a tensor-core PRECISION the class's tensor-core entry where the
+        device has one; else its class's entry (``tag.cost.op_classes``), else its type's, else default."""
+        table = self.tensor_efficiency.get(precision) if precision != "fp32" else None
+        if table and op_class is not None and op_class in table:
+            return table[op_class]
         if op_class is not None and op_class in self.efficiency:
             return self.efficiency[op_class]
         return self.efficiency_of(op_type)
+
+    def peak_for(self, precision: str) -> float:
+        """Peak FLOP/s in PRECISION (the FP32 peak where none is known)."""
+        return self.peaks.get(precision, self.peak_flops)
 
 
 class CostModel:
     """Compute and communication times for one TrainingGraph on one Topology (see module docstring)."""
 
-    def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None):
+    def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None, *,
+                 tf32: bool = False, xla: bool = False):
         self.graph = graph
         self.profile = profile if profile is not None else Profile()
         self.topology = topology
         self.arrays = graph.arrays()
+        self.tf32, self.xla = bool(tf32), bool(xla)
         types = [op.type for op in graph.ops]
-        # efficiency key per op: (op type, op class); the class refines the type for the shipped GPU profiles
-        keys = list(zip(types, op_classes(graph)))
-        self._keys = sorted(set(keys), key=lambda k: (k[0], k[1] or ""))
+        # efficiency key per op: (op type, op class, precision); the class refines the type for the shipped
+        # GPU profiles; the precision (tag.cost.precision) picks the peak: MatMuls and convolutions run on
+        # tensor cores in the dtype the graph has them in, everything else on the FP32 units
+        classes = op_classes(graph)
+        precs = [p if c is not None and c != "conv:depthwise" and p is not None else "fp32"
+                 for c, p in zip(classes, op_precisions(graph))]
+        if self.tf32:
+            precs = ["tf32" if p == "fp32" and c is not None and c != "conv:depthwise" else p
+                     for c, p in zip(classes, precs)]
+        keys = list(zip(types, classes, precs))
+        self._keys = sorted(set(keys), key=lambda k: (k[0], k[1] or "", k[2]))
         key_id = {k: i for i, k in enumerate(self._keys)}
         self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
         self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
+        # with XLA, element-wise / normalisation chains cost one pass over memory and one launch
+        if self.xla:
+            self._mem_fixed, self._mem_per_example, self._fused = fusion_bytes(graph)
+        else:
+            self._mem_fixed, self._mem_per_example = self.arrays.mem_fixed, self.arrays.mem_per_example
+            self._fused = np.zeros(len(graph.ops), dtype=bool)
         self._rates: dict[int, DeviceRates] = {}
         self._gpu_res: dict[int, object] = {}
         self._inv_rate: dict[int, np.ndarray] = {}
@@ -349,7 +381,8 @@ class CostModel:
             n = len(g.devices)
             lockstep = 1.0 + gpu_profiles().lockstep_per_doubling * math.log2(n) if n > 1 else 1.0
             r = DeviceRates(float(peak), float(bw) * gpu.cls.memory_efficiency, gpu.cls.launch_overhead_s,
-                            dict(gpu.cls.efficiency), lockstep)
+                            dict(gpu.cls.efficiency), lockstep, peaks=self._peaks(g),
+                            tensor_efficiency={k: dict(v) for k, v in gpu.cls.tensor_efficiency.items()})
             self._rates[device_group] = r
             return r
         if entry is not None:
@@ -364,9 +397,16 @@ class CostModel:
             eff.update(entry.efficiency)
         # a MatMul table holds fractions of the peak it was measured against: only the device's own entry
         table = entry.matmul_table if entry is not None and exact else None
-        r = DeviceRates(float(peak), float(bw), float(overhead), eff, matmul_table=table)
+        # a measured peak replaces the spec's FP32 peak: the other precisions keep their ratio to it
+        scale = peak / g.peak_flops if g.peak_flops > 0 else 1.0
+        peaks = {k: v * scale for k, v in self._peaks(g).items()}
+        r = DeviceRates(float(peak), float(bw), float(overhead), eff, matmul_table=table, peaks=peaks)
         self._rates[device_group] = r
         return r
+
+    @staticmethod
+    def _peaks(group) -> dict[str, float]:
+        return {p: device_peak(group, p) for p in PRECISIONS}
 
     def _gpu_class(self, device_group: int):
         """The shipped GPU class serving DEVICE_GROUP when no exact profile entry does (else None)."""
@@ -389,7 +429,7 @@ class CostModel:
         inv = self._inv_rate.get(device_group)
         if inv is None:
             r = self.rates(device_group)
-            per_key = np.array([1.0 / (r.peak_flops * r.efficiency_for(t, c)) for t, c in self._keys])
+            per_key = np.array([1.0 / (r.peak_for(p) * r.efficiency_for(t, c, p)) for t, c, p in self._keys])
             inv = per_key[self._op_key_id] if len(self._op_key_id) else np.zeros(0)
             self._inv_rate[device_group] = inv
         return inv
@@ -405,13 +445,13 @@ class CostModel:
         a = self.arrays
         r = self.rates(device_group)
         flops = a.flops_fixed + a.flops_per_example * batch
-        mem = a.mem_fixed + a.mem_per_example * batch
+        mem = self._mem_fixed + self._mem_per_example * batch
         t = np.maximum(flops * self._inv_compute_rate(device_group), mem / r.memory_bandwidth)
         if r.matmul_table is not None and len(self.matmul_dims.ops):
             mm = self.matmul_dims
             eff = r.matmul_table.lookup(mm.variant, *mm.at(batch))
             t[mm.ops] = np.maximum(flops[mm.ops] / (r.peak_flops * eff), mem[mm.ops] / r.memory_bandwidth)
-        t = t + r.launch_overhead_s
+        t = t + np.where(self._fused, 0.0, r.launch_overhead_s)
         if r.lockstep_factor != 1.0:
             t = t * r.lockstep_factor
         t[self._zero] = 0.0

@@ -1,0 +1,120 @@
+"""Numeric precision in the cost model: which precision each op computes in, each device's peak in it,
+and which element-wise / normalisation ops XLA fuses into one pass over memory.
+
+The IR already holds what precision means for an op: its tensors' dtypes (``half`` and ``bfloat16``
+MatMuls and convolutions after a ``mixed_float16`` / ``mixed_bfloat16`` policy or TensorFlow's automatic
+mixed-precision rewrite, the ``Cast`` ops between them), and their byte sizes (so memory-bound ops are
+already charged at their dtype's bytes, and collectives at the gradient dtype's bytes). This module
+reads the compute precision of each op from those dtypes and gives a device's peak FLOP/s in it:
+
+- MatMuls, batched matmuls and convolutions (``tag.cost.op_classes``: every class but depthwise) in
+  ``half`` / ``bfloat16`` run on tensor cores at the ``fp16`` / ``bf16`` peak; in ``float32`` at the FP32
+  peak, or at the ``tf32`` peak where TF32 math is on (``CostModel(..., tf32=True)``, Ampere and later);
+- every other op runs on the ordinary FP32 units (element-wise ops are memory-bound anyway).
+
+A device's peak in a precision (``device_peak``): the topology's ``peak_<precision>_tflops`` where the
+file declares it; else, for a GPU tag ships a class for (``tag.cost.gpu_defaults``), the class's spec
+sheet ratio of that precision's peak to its FP32 peak times the device's own FP32 peak (so a file giving
+only "A100-80G" and 19.5 TFLOP/s plans an A100 at 156 TF32 / 312 FP16 / 312 BF16 TFLOP/s); else the
+FP32 peak (a CPU, a GPU tag does not know, a precision the GPU has no tensor cores for).
+
+Example::
+
+    from tag.cost.precision import op_precisions, device_peak, fusion_bytes
+    precs = op_precisions(training_graph)          # 'fp32' / 'fp16' / 'bf16' / None per op
+    device_peak(topology.groups[0], "fp16")        # FLOP/s
+    mem_fixed, mem_per_example, fused = fusion_bytes(training_graph)   # XLA's one pass per fused chain
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tag.errors import TagError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.cluster.topology import DeviceGroup
+    from tag.ir.types import TrainingGraph
+
+#: compute precisions the cost model tells apart
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+#: what ``tag.optimize(precision=...)`` / ``tag-deploy --precision`` accept
+PLAN_PRECISIONS = ("fp32", "tf32", "mixed_float16", "mixed_bfloat16")
+#: IR dtype name -> compute precision
+DTYPE_PRECISION = {"float32": "fp32", "half": "fp16", "float16": "fp16", "bfloat16": "bf16"}
+
+#: ops XLA fuses into their neighbours: element-wise arithmetic, activations and their gradients, bias
+#: additions and batch/layer normalisation pieces (what a layer's epilogue is made of)
+FUSIBLE_TYPES = frozenset("""
+Abs Neg Sign Reciprocal Square Sqrt Rsqrt Exp Expm1 Log Log1p Tanh Sigmoid Relu Relu6 Elu Selu Softplus
+LeakyRelu Erf Erfc Floor Ceil Round Cast Gelu Add AddV2 AddN Sub Mul MulNoNan Div DivNoNan RealDiv Maximum
+Minimum Pow SquaredDifference Select SelectV2 BiasAdd BiasAddV1 BiasAddGrad ReluGrad Relu6Grad
+LeakyReluGrad EluGrad SeluGrad SigmoidGrad TanhGrad RsqrtGrad SqrtGrad ReciprocalGrad GeluGrad ClipByValue
+FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3 FusedBatchNormGrad FusedBatchNormGradV2
+FusedBatchNormGradV3 Mean Sum Softmax LogSoftmax""".split())
+
+
+def check_plan_precision(precision: str | None) -> str:
+    """PRECISION as ``tag.optimize`` accepts it (None: "fp32"); TagError naming the choices otherwise."""
+    if precision is None:
+        return "fp32"
+    if precision not in PLAN_PRECISIONS:
+        raise TagError(f"unknown precision {precision!r}: choose one of {', '.join(PLAN_PRECISIONS)}")
+    return precision
+
+
+def op_precisions(graph: "TrainingGraph") -> list[str | None]:
+    """The precision each op of GRAPH computes in, from its first output's dtype (None: not floating point)."""
+    return [DTYPE_PRECISION.get(op.outputs[0].dtype) if op.outputs else None for op in graph.ops]
+
+
+def device_peak(group: "DeviceGroup", precision: str) -> float:
+    """Peak FLOP/s of one device of GROUP in PRECISION (see the module docstring for the fallbacks)."""
+    declared = group.declared_peak(precision)
+    if declared is not None:
+        return float(declared)
+    if group.tf_device_type == "GPU" and precision != "fp32":
+        from tag.cost.gpu_defaults import resolve
+        res = resolve(group.device_type)
+        ratio = res.cls.peak_ratio(precision) if res is not None else None
+        if ratio is not None:
+            return float(group.peak_flops * ratio)
+    return float(group.peak_flops)
+
+
+def fusion_bytes(graph: "TrainingGraph") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(memory bytes fixed, per example, fused mask) per op when XLA fuses FUSIBLE_TYPES chains.
+
+    A chain of fusible ops reads its outside inputs once and writes the outputs that leave it once: an
+    op does not pay for an input another fusible op of the same phase produced, nor for an output that
+    only fusible ops of its phase read (those stay in registers). ``fused`` marks ops that are not the
+    first of their chain (they launch no kernel of their own)."""
+    ops = graph.ops
+    fusible = np.array([op.type in FUSIBLE_TYPES for op in ops], dtype=bool)
+    producer: dict[str, tuple[int, object]] = {}
+    for i, op in enumerate(ops):
+        for t in op.outputs:
+            producer[t.name] = (i, t)
+    consumers: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for name in op.inputs:
+            consumers.setdefault(name, []).append(i)
+    mem_fixed = np.array([op.mem_bytes.fixed for op in ops], dtype=np.float64)
+    mem_per = np.array([op.mem_bytes.per_example for op in ops], dtype=np.float64)
+    fused = np.zeros(len(ops), dtype=bool)
+    for i, op in enumerate(ops):
+        if not fusible[i]:
+            continue
+        for name in op.inputs:
+            src = producer.get(name)
+            if src is not None and fusible[src[0]] and ops[src[0]].phase == op.phase:
+                mem_fixed[i] -= src[1].nbytes.fixed
+                mem_per[i] -= src[1].nbytes.per_example
+                fused[i] = True
+        for t in op.outputs:
+            readers = consumers.get(t.name, [])
+            if readers and all(fusible[j] and ops[j].phase == op.phase for j in readers):
+                mem_fixed[i] -= t.nbytes.fixed
+                mem_per[i] -= t.nbytes.per_example
+    return np.maximum(mem_fixed, 0.0), np.maximum(mem_per, 0.0), fused

@@ -1,0 +1,234 @@
+"""Precision in the cost model (tag.cost.precision) and the mixed-precision graph rewrite
+(tag.frontend.precision): tensor-core peaks by dtype, TF32, XLA fusion, the rewritten graph's step."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tag.cost.model import CostModel
+from tag.cost.precision import fusion_bytes, op_precisions
+
+from tiny import DeviceSpec, GraphBuilder, make_topology
+
+
+def _graph(dtype: str):
+    """x -> MatMul (256x256x256) -> BiasAdd -> Relu -> Identity, all in DTYPE."""
+    size = 2 if dtype in ("half", "bfloat16") else 4
+    b = GraphBuilder(batch_size=256)
+    b.op("x", "Placeholder", out_pe=256 * size, dtype=dtype)
+    b.op("mm", "MatMul", inputs=("x",), flops=2e11, out_pe=256 * size, dtype=dtype)
+    b.op("bias", "BiasAdd", inputs=("mm",), flops_pe=256, out_pe=256 * size, dtype=dtype)
+    b.op("relu", "Relu", inputs=("bias",), flops_pe=256, out_pe=256 * size, dtype=dtype)
+    b.op("out", "Square", inputs=("relu",), flops_pe=256, out_pe=256 * size, dtype=dtype)
+    tg = b.build()
+    for op in tg.ops[:2]:
+        op.outputs[0].shape = (256, 256)
+    return tg
+
+
+def _topo(device_type: str = "A100", peak: float = 19.5e12):
+    return make_topology([("h0", [(device_type, 1)])],
+                         specs={device_type: DeviceSpec(peak_flops=peak, memory_bandwidth=1555e9)})
+
+
+def test_half_matmuls_run_at_the_tensor_core_peak_and_tf32_only_where_enabled():
+    fp32, half = _graph("float32"), _graph("half")
+    assert op_precisions(half)[1] == "fp16" and op_precisions(fp32)[1] == "fp32"
+    topo = _topo()
+    t32 = CostModel(fp32, topo).op_times(0, 256)
+    t16 = CostModel(half, topo).op_times(0, 256)
+    ttf = CostModel(fp32, topo, tf32=True).op_times(0, 256)
+    r = CostModel(half, topo).rates(0)
+    assert r.peak_for("fp16") == pytest.approx(312e12) and r.peak_for("tf32") == pytest.approx(156e12)
+    # the MatMul: FP32 peak x class efficiency vs the FP16 tensor-core peak x its efficiency
+    assert t16[1] < t32[1] / 4 and t16[1] < ttf[1] < t32[1] / 2
+    # memory-bound ops at the bytes of their dtype: half the bytes of FP32
+    assert (t32[3] - r.launch_overhead_s) == pytest.approx(2 * (t16[3] - r.launch_overhead_s))
+    # a GPU with no TF32 (V100) keeps its FP32 time with tf32=True
+    v100 = _topo("V100", 15.7e12)
+    assert CostModel(fp32, v100, tf32=True).op_times(0, 256)[1] == pytest.approx(CostModel(fp32, v100).op_times(0, 256)[1])
+
+
+def test_xla_fuses_elementwise_chains_into_one_pass_over_memory():
+    tg = _graph("float32")
+    fixed, per, fused = fusion_bytes(tg)
+    # BiasAdd reads the MatMul output (not fusible: paid) and hands on to Relu (not written);
+    # Relu reads and writes nothing outside; Square writes the chain's output
+    assert list(fused) == [False, False, False, True, True]
+    assert per[2] == pytest.approx(256 * 4) and per[3] == 0.0 and per[4] == pytest.approx(256 * 4)
+    topo = _topo()
+    plain = CostModel(tg, topo).op_times(0, 256)
+    xla = CostModel(tg, topo, xla=True).op_times(0, 256)
+    assert xla[1] == plain[1]                      # the MatMul is untouched
+    assert xla[2:].sum() < plain[2:].sum() / 2     # three passes and launches become one
+
+
+# ------------------------------------------------------------------------------------------------
+# the mixed-precision rewrite of a GraphDef, and a plan made for it
+# ------------------------------------------------------------------------------------------------
+
+MLP = dict(input_dim=20, hidden=(32, 16), num_classes=5)
+
+
+def _half_ops(gd) -> dict[str, int]:
+    import tensorflow as tf
+    out: dict[str, int] = {}
+    for n in gd.node:
+        if n.op in ("MatMul", "Conv2D") and "T" in n.attr:
+            name = tf.as_dtype(n.attr["T"].type).name
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("precision, dtype, rtol", [("mixed_bfloat16", "bfloat16", 5e-2),
+                                                    ("mixed_float16", "float16", 1e-2)])
+def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dtype, rtol):
+    """The graph rewritten by TF's mixed-precision pass has half-precision MatMuls (with FP16 loss scaling),
+    the IR costs them at the tensor-core peak, and tag's data-parallel plan of it trains like the
+    rewritten graph on one device: over 3 steps every weight within RTOL of the reference's update so far
+    (half-precision tolerance: bfloat16 has an 8-bit mantissa, float16 10 bits, and the replicas' half-size
+    batches round differently; measured 1.3% and 0.14%)."""
+    import tensorflow as tf
+    import tag
+    from tag.api import prepare
+    from helpers import in_process_servers, train_copies
+    ports, servers = in_process_servers(2)
+    topo = tag.parse_topology("\n".join(
+        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
+        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
+        + "\nfabric { bandwidth_gbps: 10 }\n")
+    gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
+    analysis = prepare(gd, topo, precision=precision)
+    assert _half_ops(analysis.graph_def).get(dtype, 0) >= 6 and "float32" not in _half_ops(analysis.graph_def)
+    assert "fp16" in op_precisions(analysis.graph) or "bf16" in op_precisions(analysis.graph)
+    if precision == "mixed_float16":      # static loss scaling: a scaled seed, an unscale per update
+        names = [n.name for n in analysis.graph_def.node]
+        assert any(n.endswith("/loss_scale") for n in names) and sum(n.endswith("/unscale") for n in names) == 6
+    # gradients reach the optimizer (and the all-reduce) in float32, as the variables are
+    assert {v.dtype for v in analysis.graph.variables if v.kind == "trainable"} == {"float32"}
+    from tag.strategy.baselines import builtin_strategy
+    rr = analysis.rewrite(builtin_strategy("dp_allreduce", analysis.graph, topo, analysis.grouping,
+                                           analysis.cost_model))
+    rng = np.random.RandomState(0)
+    batches = [{"input:0": rng.randn(8, 20).astype(np.float32), "labels:0": rng.randint(0, 5, 8).astype(np.int32)}
+               for _ in range(3)]
+    trained = [v for v in analysis.graph.variables if v.kind == "trainable"]
+    # the rewritten graph on one device
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(analysis.graph_def, name="")
+        reads = [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(v.name + ":0"), dtype=tf.float32)
+                 for v in trained]
+    cfg = tf.compat.v1.ConfigProto()
+    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    ref = []
+    with tf.compat.v1.Session(graph=g, config=cfg) as s:
+        s.run(analysis.entry.init)
+        initial = s.run(reads)
+        for fd in batches:
+            loss, _ = s.run([analysis.entry.loss + ":0", analysis.entry.train_op], fd)
+            ref.append((float(loss), s.run(reads)))
+    got = train_copies(rr, servers[0].target, analysis.graph, batches)
+    worst = 0.0
+    for step, (copies, (_, weights)) in enumerate(zip(got, ref)):
+        for v, w, w0 in zip(trained, weights, initial):
+            moved = float(np.max(np.abs(w - w0)))       # the reference's update so far
+            assert moved > 0
+            for c in copies[v.name]:
+                worst = max(worst, float(np.max(np.abs(c - w))) / moved)
+    print(precision, "largest weight difference / update", worst)
+    assert worst <= rtol
+
+
+def test_bad_precision_names_are_one_line_errors(capsys):
+    from tag.cli.deploy import main
+    from tag.errors import TagError
+    from tag.cost.precision import check_plan_precision
+    with pytest.raises(TagError, match="unknown precision 'fp8': choose one of fp32, tf32, mixed_float16"):
+        check_plan_precision("fp8")
+    topo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "topologies", "localhost.pbtxt")
+    assert main(["--topo", topo, "--model", "zoo:mlp", "--precision", "half"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown precision 'half'" in err[0]
+
+
+@pytest.mark.parametrize("policy, prec", [("mixed_float16", "fp16"), ("mixed_bfloat16", "bf16")])
+def test_a_keras_mixed_policy_graph_is_costed_as_it_is(policy, prec):
+    """A tf_keras model built under a mixed policy: its Dense MatMuls are half precision in the IR (and
+    costed at the tensor-core peak); variables and the gradients their updates receive (what tag
+    all-reduces) stay float32."""
+    import tf_keras
+    import tag
+    from tag.frontend.keras import training_graph_def
+
+    def build():
+        return tf_keras.Sequential([tf_keras.layers.Input((32,)), tf_keras.layers.Dense(256, activation="relu"),
+                                    tf_keras.layers.Dense(10, dtype="float32")])
+
+    old = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(policy)
+    try:
+        gd = training_graph_def(build, "sparse_categorical_crossentropy", "sgd", 16)
+    finally:
+        tf_keras.mixed_precision.set_global_policy(old)
+    tg = tag.analyze(gd)
+    precs = op_precisions(tg)
+    matmuls = [p for op, p in zip(tg.ops, precs) if op.type == "MatMul"]
+    assert prec in matmuls and "fp32" in matmuls            # the float32 output layer stays FP32
+    dtype_of = {t.name: t.dtype for op in tg.ops for t in op.outputs}
+    trained = [v for v in tg.variables if v.kind == "trainable"]
+    assert {v.dtype for v in trained} == {"float32"}
+    assert {dtype_of[v.gradient] for v in trained} == {"float32"}
+
+
+def test_tf32_and_xla_options_reach_the_cost_model_and_the_report():
+    import tag
+    from tag.api import plan_for, prepare
+    topo = tag.parse_topology('host { name: "a" address: "10.0.0.1" port: 2222 device { type: "A100" kind: GPU '
+                              'count: 2 memory_gib: 40 peak_tflops: 19.5 memory_bandwidth_gbs: 1555 } '
+                              'interconnect { kind: NVLINK bandwidth_gbs: 300 } }')
+    gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
+    plain = prepare(gd, topo)
+    fast = prepare(gd, topo, precision="tf32", xla=True)
+    assert fast.graph_def is plain.graph_def or fast.graph_def == plain.graph_def   # TF32: the graph as given
+    assert fast.cost_model.tf32 and fast.cost_model.xla and not plain.cost_model.tf32
+    assert fast.cost_model.compute_time(0, 4) < plain.cost_model.compute_time(0, 4)
+    report = plan_for(fast, "dp_allreduce").report()
+    assert report["precision"] == "tf32" and report["xla"] is True
+
+
+def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
+    """With xla=True the rewritten graph's element-wise ops carry XLA's clustering attributes (one scope per
+    device) and TensorFlow compiles them: 3 steps match the same plan without XLA to float rounding."""
+    import tensorflow as tf
+    import tag
+    from tag.api import prepare
+    from tag.strategy.baselines import builtin_strategy
+    from helpers import in_process_servers, train_copies
+    ports, servers = in_process_servers(2)
+    topo = tag.parse_topology("\n".join(
+        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
+        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
+        + "\nfabric { bandwidth_gbps: 10 }\n")
+    gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
+    rng = np.random.RandomState(1)
+    batches = [{"input:0": rng.randn(8, 20).astype(np.float32), "labels:0": rng.randint(0, 5, 8).astype(np.int32)}
+               for _ in range(3)]
+    runs = []
+    for xla in (False, True):
+        analysis = prepare(gd, topo, xla=xla)
+        rr = analysis.rewrite(builtin_strategy("dp_allreduce", analysis.graph, topo, analysis.grouping,
+                                               analysis.cost_model))
+        marked = [n for n in rr.graph_def.node if n.attr["_XlaCompile"].b]
+        assert bool(marked) == xla
+        if xla:
+            assert {n.attr["_XlaScope"].s.decode() for n in marked} == {f"tag_xla:{n.device}" for n in marked}
+            assert len({n.device for n in marked}) == 2
+        runs.append(train_copies(rr, servers[0].target, analysis.graph, batches))
+    for plain, fused in zip(*runs):
+        for name, copies in plain.items():
+            for a, b in zip(copies, fused[name]):
+                assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(a))))
+    del tf
