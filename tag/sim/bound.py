@@ -151,13 +151,18 @@ class StepBound:
         on_ps = (stage == UPDATE_STAGE) if a.mode == "ps" else np.zeros(len(mine), dtype=bool)
         replicated = ~on_ps
         weights[:] = np.inf
+        share_of = dict(zip(devs, shares))
+        shortest_of: dict[tuple, tuple[np.ndarray, float]] = {}    # (same costs, shares) -> (times, busy)
         for dg in a.placement:
-            group_devs = list(sim.topology.groups[dg].devices)
-            share_of = dict(zip(devs, shares))
-            tables = [layouts.table(dg, b)[1][mine] for b in sorted({share_of[d] for d in group_devs})]
-            shortest = np.minimum.reduce(tables) if len(tables) > 1 else tables[0]
-            weights = np.where(replicated, np.minimum(weights, shortest), weights)
-            busy[group_devs] += float(shortest[replicated].sum())
+            group_devs = sim.topology.groups[dg].devices
+            key = (layouts._same_costs[dg], tuple(sorted({share_of[d] for d in group_devs})))
+            found = shortest_of.get(key)
+            if found is None:
+                tables = [layouts.table(dg, b)[1][mine] for b in key[1]]
+                shortest = np.minimum.reduce(tables) if len(tables) > 1 else tables[0]
+                found = shortest_of[key] = (shortest, float(shortest[replicated].sum()))
+                weights = np.where(replicated, np.minimum(weights, shortest), weights)
+            busy[list(group_devs)] += found[1]
         weights[~np.isfinite(weights)] = 0.0
         slot_b, state_b = float(memory.slot_bytes[g]), float(memory.state_bytes[g])
         if a.mode == "ps":
