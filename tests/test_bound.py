@@ -96,3 +96,19 @@ def test_no_screening_against_an_infeasible_incumbent():
     worse = type(out)(out.step_time * 0.0 + 1e-12, False, -0.5, 1.0)       # infeasible, absurdly fast
     assert env.evaluate_unless_slower(env.uniform_choice(1), worse) is not None
     assert BUILTIN_STRATEGIES
+
+
+def test_bound_with_sufficient_factors():
+    import dataclasses
+
+    from tag.compress.eligibility import eligible_gradients
+    graph = analysed("mlp")
+    topo = tag.load_topology(CONSUMER)
+    env = SearchEnv(graph, topo, group_ops(graph, target_groups=6), batch_size=28)
+    bound = StepBound(env.simulator)
+    names = [f.variable for f in eligible_gradients(graph)]
+    assert names
+    for k in (0, 1, 2):
+        s = dataclasses.replace(env.strategy(env.uniform_choice(k)), sfb=names)
+        lb = bound.lower_bound(s, env.batch_size)
+        assert 0 < lb <= env.simulator.evaluate(s, batch_size=env.batch_size).step_time * (1 + SLACK)
