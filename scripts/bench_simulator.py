@@ -8,6 +8,11 @@ builds the training graph, groups it into about 100 op groups and times ``evalua
   parameter server on a random set of device groups, or one device group's first device holding the
   whole op group), the kind of strategies a tree search scores one after another.
 
+The same mix is also timed *screened*, as the search's refinement scores candidates: each one is first
+checked by the step-time lower bound of ``tag.sim.bound`` against the best step time so far (starting
+from the best built-in), and only the survivors are simulated (``screened_evaluations_per_second``, with
+the fraction the bound rejected).
+
 The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix in the
 fastest of repeated passes (as ``timeit`` reports; the mean over all passes is recorded too). The
 objects built before timing (TensorFlow graphs, the IR) are moved out of the garbage collector's way
