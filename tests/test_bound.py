@@ -12,6 +12,7 @@ import functools
 import os
 import random
 
+import numpy as np
 import pytest
 
 import tag
@@ -68,6 +69,9 @@ def test_bound_never_exceeds_the_simulation(name):
         assert 0 < lb <= step * (1 + SLACK), (choice, lb, step)
         # the same bound through the Strategy interface
         assert bound.lower_bound(env.strategy(choice), env.batch_size) == pytest.approx(lb, rel=1e-12)
+        # static memory exactly as the simulator counts it (what static_fits compares with capacity)
+        static = np.add.reduce([t.static for t in env._bound_terms(choice)])
+        np.testing.assert_allclose(static, env.result(choice).static_memory, rtol=1e-12, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "resnet50"])

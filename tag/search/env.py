@@ -180,9 +180,8 @@ class SearchEnv:
             self.best_choice, self.best_outcome = key, out
         return out
 
-    def step_lower_bound(self, choice: Sequence[int], threshold: float | None = None) -> float:
-        """A lower bound on CHOICE's simulated step time (``tag.sim.bound``; with THRESHOLD it may stop
-        early once the bound reaches it)."""
+    def _bound_terms(self, choice: Sequence[int]) -> list:
+        """The per-group terms of CHOICE for the step-time bound (``tag.sim.bound``), cached per candidate."""
         if self._bound is None:
             self._bound = StepBound(self.simulator)
         bound = self._bound
@@ -200,13 +199,20 @@ class SearchEnv:
                     devices = np.array([m[int(i)] for i in members[g]], dtype=np.int64)
                 t = bound.terms(g, c.action, devices, self.batch_size, key=key)
             terms.append(t)
-        return bound.combine(terms, threshold)
+        return terms
+
+    def step_lower_bound(self, choice: Sequence[int], threshold: float | None = None) -> float:
+        """A lower bound on CHOICE's simulated step time (``tag.sim.bound``; with THRESHOLD it may stop
+        early once the bound reaches it)."""
+        terms = self._bound_terms(choice)
+        return self._bound.combine(terms, threshold)
 
     def evaluate_unless_slower(self, choice: Sequence[int], incumbent: Outcome) -> Outcome | None:
         """``evaluate(choice)``, or None without simulating when CHOICE cannot rank above INCUMBENT: its
-        step-time lower bound is not below a feasible INCUMBENT's step time (``tag.sim.bound``; a bound
-        never exceeds the simulated step, so no better choice is ever rejected). Rejected choices are
-        remembered like cached ones (``screened`` counts them once)."""
+        step-time lower bound is not below a feasible INCUMBENT's step time, or its static memory alone
+        overflows a device (``tag.sim.bound``: a bound never exceeds the simulated step, so no better
+        choice is ever rejected). Rejected choices are remembered like cached ones (``screened`` counts
+        them once)."""
         key = tuple(int(k) for k in choice)
         if key in self._outcomes or not incumbent.feasible:
             return self.evaluate(key)
@@ -216,7 +222,10 @@ class SearchEnv:
                 self.cache_hits += 1
                 return None
             return self.evaluate(key)
-        bound = self.step_lower_bound(key, threshold=incumbent.step_time)
+        terms = self._bound_terms(key)
+        bound = self._bound.combine(terms, incumbent.step_time)
+        if bound < incumbent.step_time and not self._bound.static_fits(terms):
+            bound = float("inf")          # out of memory: ranks below every feasible incumbent
         if bound >= incumbent.step_time:
             if len(self._screened) > 200_000:
                 self._screened.clear()

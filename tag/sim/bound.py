@@ -86,6 +86,7 @@ class StepBound:
             preds[b].append(a)
         self._preds = [tuple(sorted(set(p))) for p in preds]
         self._device_group = np.array([d.group for d in simulator.topology.devices], dtype=np.int64)
+        self._capacity = np.array([d.memory_bytes for d in simulator.topology.devices], dtype=np.float64)
         self._terms: dict[Hashable, GroupTerms] = {}
         self._context: tuple = ()        # (device speeds, batch) the cached terms were built for
 
@@ -155,7 +156,7 @@ class StepBound:
         shortest_of: dict[tuple, tuple[np.ndarray, float]] = {}    # (same costs, shares) -> (times, busy)
         for dg in a.placement:
             group_devs = sim.topology.groups[dg].devices
-            key = (layouts._same_costs[dg], tuple(sorted({share_of[d] for d in group_devs})))
+            key = (layouts.cost_class(dg), tuple(sorted({share_of[d] for d in group_devs})))
             found = shortest_of.get(key)
             if found is None:
                 tables = [layouts.table(dg, b)[1][mine] for b in key[1]]
@@ -234,7 +235,7 @@ class StepBound:
     def static_fits(self, terms: list[GroupTerms]) -> bool:
         """Whether the static memory of TERMS fits every device (False: the strategy is infeasible)."""
         static = np.add.reduce([t.static for t in terms])
-        return bool((static <= self.sim._device_memory).all())
+        return bool((static <= self._capacity).all())
 
     def combine(self, terms: list[GroupTerms], threshold: float | None = None) -> float:
         """The bound of a strategy given the terms of each of its op groups. With THRESHOLD, stops as soon

@@ -117,7 +117,7 @@ class LayoutCache:
 
     def table(self, dg: int, batch: float) -> tuple[list[float], np.ndarray]:
         """Seconds per task on one device of device group DG at per-replica BATCH (as list and array)."""
-        k = (self._same_costs[dg], float(batch))
+        k = (self.cost_class(dg), float(batch))
         t = self._tables.get(k)
         if t is None:
             if len(self._tables) > 4096:
@@ -127,6 +127,10 @@ class LayoutCache:
             t = (arr.tolist(), arr)
             self._tables[k] = t
         return t
+
+    def cost_class(self, dg: int) -> int:
+        """The first device group whose task times equal device group DG's (same type, spec and size)."""
+        return self._same_costs[dg]
 
     def lanes(self, special: frozenset) -> Lanes:
         """The lanes when the devices SPECIAL need lanes of their own."""
