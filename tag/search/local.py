@@ -14,6 +14,10 @@ Each sweep tries every move once (first improvement is taken immediately) in thi
 prefix moves by position, then group moves in the decision order. It stops when a sweep improves
 nothing, at ``max_evaluations`` simulator runs, or at ``budget_s``. Deterministic.
 
+A move is first screened by the step-time lower bound (``tag.sim.bound``): one that cannot beat the
+current choice is rejected without simulating it. A rejected move counts towards ``max_evaluations`` as
+the simulator run it replaces, so screening changes how long refinement takes, never what it returns.
+
 Example::
 
     from tag.search.local import refine
