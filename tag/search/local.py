@@ -16,7 +16,8 @@ nothing, at ``max_evaluations`` simulator runs, or at ``budget_s``. Deterministi
 
 A move is first screened by the step-time lower bound (``tag.sim.bound``): one that cannot beat the
 current choice is rejected without simulating it. A rejected move counts towards ``max_evaluations`` as
-the simulator run it replaces, so screening changes how long refinement takes, never what it returns.
+the simulator run it replaces, so screening changes how long refinement takes, never what it returns
+under an evaluation cap (under ``budget_s`` it gets further in the same time).
 
 Example::
 
