@@ -15,9 +15,12 @@ largest of four quantities, each a fact about every schedule the simulator can p
   hold it (transfers between layouts, which also hold them, are left out);
 - *critical path*: a task starts after the tasks it reads have finished somewhere (on the same lane for
   an unchanged layout, through a flow otherwise) and after the collectives it waits for, so its earliest
-  finish is at least the longest chain of minimum task durations and collective durations into it
-  (dependencies into or out of a partition task split over several devices are not counted: their
-  sub-tasks need not wait for every producer);
+  finish is at least the longest chain of minimum task durations and collective durations into it; where
+  a producer and its consumer run on places that share no device, the chain also holds the time the
+  bundle's bytes need on the wire to reach the consumer's first device (the slowest route into each
+  device with every device its own lane, the smallest over the devices: the simulator's lanes only
+  gather more bytes per route). Dependencies into or out of a partition task split over several devices
+  are not counted: their sub-tasks need not wait for every producer;
 - the per-step overhead of the cost model's network profile is added, as the simulator adds it.
 
 ``StepBound.static_fits`` checks the static memory (weights, gradients, slots, state) exactly as the
@@ -56,10 +59,12 @@ if TYPE_CHECKING:  # pragma: no cover
 class GroupTerms:
     """What one op group under one action adds to the bound (see the module docstring)."""
 
-    __slots__ = ("tasks", "weights", "busy", "resources", "static", "split", "collective_s", "pull_s")
+    __slots__ = ("tasks", "weights", "busy", "resources", "static", "split", "collective_s", "pull_s", "places",
+                 "ps")
 
     def __init__(self, tasks: np.ndarray, weights: np.ndarray, busy: np.ndarray, resources: np.ndarray,
-                 static: np.ndarray, split: list[int], collective_s: float, pull_s: float):
+                 static: np.ndarray, split: list[int], collective_s: float, pull_s: float,
+                 places: np.ndarray, ps: bool):
         self.tasks = tasks                # the group's tasks
         self.weights = weights            # per task: its shortest duration on any lane it can run on
         self.busy = busy                  # per device: seconds of the group's tasks on it
@@ -68,6 +73,8 @@ class GroupTerms:
         self.split = split                # tasks split over several devices (partition)
         self.collective_s = collective_s  # all-reduce or push duration (the update tasks wait for it)
         self.pull_s = pull_s              # parameter-server pull duration (the forward tasks wait for it)
+        self.places = places              # per task: where it runs (StepBound.place_id; -1: split)
+        self.ps = ps                      # mode ps (its gradients travel in the push, not as transfers)
 
 
 class StepBound:
@@ -88,6 +95,11 @@ class StepBound:
         self._device_group = np.array([d.group for d in simulator.topology.devices], dtype=np.int64)
         self._capacity = np.array([d.memory_bytes for d in simulator.topology.devices], dtype=np.float64)
         self._terms: dict[Hashable, GroupTerms] = {}
+        self._b_src = np.asarray(tasks.bundle_src, dtype=np.int64)
+        self._b_dst = np.asarray(tasks.bundle_dst, dtype=np.int64)
+        self._place_ids: dict[tuple, int] = {}     # ("r", placement) or ("d", device) -> id
+        self._places: list[tuple] = []
+        self._edge_floor: dict[tuple[int, int, int], float] = {}   # (bundle, src place, dst place) -> s
         self._context: tuple = ()        # (device speeds, batch) the cached terms were built for
 
     # ------------------------------------------------------------------ per-group terms
@@ -98,6 +110,7 @@ class StepBound:
         context = (tuple(speeds), int(batch))
         if context != self._context:
             self._terms.clear()
+            self._edge_floor.clear()
             self._context = context
 
     def terms(self, group: int, action: Action, group_devices: np.ndarray | None, batch: int,
@@ -128,6 +141,7 @@ class StepBound:
         split: list[int] = []
         collective_s = pull_s = 0.0
         W = float(memory.weight_bytes_list[g])
+        places = np.full(len(mine), -1, dtype=np.int64)
         if a.mode == "partition":
             device_of_op = np.full(len(tasks.group_of_op), -1, dtype=np.int64)
             device_of_op[tasks.members[g]] = group_devices
@@ -139,18 +153,20 @@ class StepBound:
                     x = float(layouts.table(int(self._device_group[d]), batch)[1][t])
                     weights[i] = x
                     busy[d] += x
+                    places[i] = self.place_id(("d", d))
                 else:
                     split.append(t)
                     for d, ops in what:
                         busy[d] += float(sim.cost.op_times(int(self._device_group[d]), batch)[ops].sum())
             if len(plan["var_dev"]):
                 static += np.bincount(plan["var_dev"], weights=plan["var_bytes"], minlength=D)
-            return GroupTerms(mine, weights, busy, resources, static, split, 0.0, 0.0)
+            return GroupTerms(mine, weights, busy, resources, static, split, 0.0, 0.0, places, False)
         devs = layouts.devices_of(a.placement)
         shares = layouts.shares_of(a.placement, batch)
         stage = tasks.task_stage[mine]
         on_ps = (stage == UPDATE_STAGE) if a.mode == "ps" else np.zeros(len(mine), dtype=bool)
         replicated = ~on_ps
+        places[replicated] = self.place_id(("r", a.placement))
         weights[:] = np.inf
         share_of = dict(zip(devs, shares))
         shortest_of: dict[tuple, tuple[np.ndarray, float]] = {}    # (same costs, shares) -> (times, busy)
@@ -170,6 +186,7 @@ class StepBound:
             ps = int(a.ps_device)
             full = layouts.table(int(self._device_group[ps]), batch)[1][mine]
             weights[on_ps] = full[on_ps]
+            places[on_ps] = self.place_id(("d", ps))
             busy[ps] += float(full[on_ps].sum())
             static[devs] += 2 * W + state_b
             static[ps] += 2 * W + slot_b
@@ -185,7 +202,51 @@ class StepBound:
                 if c[5] > 0:
                     collective_s = min(c[0] + c[1] * W, c[2] + c[3] * W)
                     resources[list(c[4])] += collective_s
-        return GroupTerms(mine, weights, busy, resources, static, split, collective_s, pull_s)
+        return GroupTerms(mine, weights, busy, resources, static, split, collective_s, pull_s, places,
+                          a.mode == "ps")
+
+    def place_id(self, place: tuple) -> int:
+        """A number for PLACE: ("r", placement) for a replicated task, ("d", device) for one device."""
+        i = self._place_ids.get(place)
+        if i is None:
+            i = self._place_ids[place] = len(self._places)
+            self._places.append(place)
+        return i
+
+    def _transfer_floor(self, b: int, src: int, dst: int) -> float:
+        """Seconds bundle B must spend on the wire before its consumer can start anywhere, when it moves
+        from place SRC to place DST and no device of DST holds any of it (else 0): per device of DST, the
+        slowest of its routes with every device its own lane (lanes that share devices only gather more
+        bytes per route), the smallest over DST's devices."""
+        sim = self.sim
+        layouts, tasks = sim.layouts, sim.tasks
+        batch = self._context[1]
+
+        def devices(place: tuple) -> list[int]:
+            return layouts.devices_of(place[1]) if place[0] == "r" else [place[1]]
+
+        ps, pd = self._places[src], self._places[dst]
+        if set(devices(ps)) & set(devices(pd)):
+            return 0.0
+        lanes = layouts.lanes(frozenset(range(self.num_devices)))
+
+        def layout(place: tuple):
+            return (layouts.replicated_layout(place[1], lanes, batch) if place[0] == "r"
+                    else layouts.device_layout(place[1], lanes, batch))
+
+        deps, routes = sim.routing.movement(layout(ps), layout(pd))
+        per_example, fixed = tasks.bundle_own[b]
+        for _, pe, fx in tasks.bundle_shared[b]:
+            per_example += pe
+            fixed += fx
+        slowest: dict[int, float] = {}       # destination lane -> its slowest route
+        for (_, dl, _, lat, ipb, ex, cnt) in routes:
+            nb = per_example * ex + fixed * cnt
+            if nb > 0:
+                x = nb * ipb + lat
+                if x > slowest.get(dl, 0.0):
+                    slowest[dl] = x
+        return min((slowest.get(dl, 0.0) for dl, _ in deps), default=0.0)
 
     # ------------------------------------------------------------------ bounds
     def strategy_terms(self, strategy: Strategy, batch: int | None = None) -> list[GroupTerms] | None:
@@ -256,6 +317,7 @@ class StepBound:
         if not T:
             return 0.0
         w = np.empty(T)
+        place = np.empty(T, dtype=np.int64)
         release = [0.0] * T
         waits: list = [None] * T         # update task -> (tasks the collective waits for, its seconds)
         split: set[int] = set()
@@ -264,6 +326,7 @@ class StepBound:
         forward_tasks, coll_deps, update_tasks = tasks.forward_tasks, tasks.coll_deps, tasks.update_tasks
         for g, t in enumerate(terms):
             w[t.tasks] = t.weights
+            place[t.tasks] = t.places
             if t.pull_s > 0:
                 for f in forward_tasks[g]:
                     if t.pull_s > release[f]:
@@ -275,6 +338,23 @@ class StepBound:
                     waits[u] = (deps, t.collective_s)
             if t.split:
                 split.update(t.split)
+        # bundles between places that share no device: their consumer waits for bytes on the wire
+        src_place, dst_place = place[self._b_src], place[self._b_dst]
+        extra: dict[int, list[tuple[int, float]]] = {}     # consumer task -> [(producer, transfer s)]
+        cross = np.flatnonzero((src_place != dst_place) & (src_place >= 0) & (dst_place >= 0)).tolist()
+        if cross:
+            floors, b_src, b_dst = self._edge_floor, tasks.bundle_src, tasks.bundle_dst
+            same, task_group = tasks.bundle_same_group, tasks.task_group_list
+            sp, dp = src_place.tolist(), dst_place.tolist()
+            for b in cross:
+                if same[b] and terms[task_group[b_src[b]]].ps:
+                    continue                  # gradients to the parameter server travel in the push
+                key = (b, sp[b], dp[b])
+                x = floors.get(key)
+                if x is None:
+                    x = floors[key] = self._transfer_floor(b, sp[b], dp[b])
+                if x > 0:
+                    extra.setdefault(b_dst[b], []).append((b_src[b], x))
         lb = w.tolist()
         preds = self._preds
         if split:
@@ -287,6 +367,10 @@ class StepBound:
                 for p in preds[k]:
                     if lb[p] > r:
                         r = lb[p]
+                if k in extra:
+                    for p, x in extra[k]:
+                        if lb[p] + x > r:
+                            r = lb[p] + x
                 wt = waits[k]
                 if wt is not None:
                     x = max([lb[d] for d in wt[0]]) + wt[1]
@@ -299,6 +383,10 @@ class StepBound:
                 for p in preds[k]:
                     if lb[p] > r:
                         r = lb[p]
+                if k in extra:
+                    for p, x in extra[k]:
+                        if lb[p] + x > r:
+                            r = lb[p] + x
                 wt = waits[k]
                 if wt is not None:
                     x = max([lb[d] for d in wt[0]]) + wt[1]
