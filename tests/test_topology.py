@@ -326,6 +326,7 @@ READY = {
     "cloud-slow-link.pbtxt": (4, 28),
     "consumer-lab-4host.pbtxt": (4, 7),
     "fabric-64x8.pbtxt": (64, 512),
+    "fabric-128x8.pbtxt": (128, 1024),
 }
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from tag.cost.model import CostModel
 from tag.cost.speeds import device_speeds
 from tag.search.candidates import DEFAULT_MAX_ACTIONS, Candidate, candidate_actions
+from tag.sim.bound import StepBound
 from tag.sim.simulator import SimResult, Simulator
 from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
 from tag.strategy.partition import GroupPartitioner
@@ -82,6 +83,9 @@ class SearchEnv:
         self._outcomes: dict[Choice, Outcome] = {}                           # choice -> its outcome
         self.evaluations = 0          # simulator runs
         self.cache_hits = 0
+        self.screened = 0             # choices rejected by the lower bound and never simulated
+        self._screened: dict[Choice, float] = {}                            # choice -> its lower bound (s)
+        self._bound: StepBound | None = None
         self.simulate_seconds = 0.0
         self.best_choice: Choice | None = None
         self.best_outcome: Outcome | None = None
@@ -162,6 +166,8 @@ class SearchEnv:
         if out is not None:
             self.cache_hits += 1
             return out
+        if self._screened and self._screened.pop(key, None) is not None:
+            self.screened -= 1       # simulated after all: it counts as the one simulator run it is
         t0 = time.perf_counter()
         result = self.simulator.evaluate(self.strategy(key), batch_size=self.batch_size)
         self.simulate_seconds += time.perf_counter() - t0
@@ -173,6 +179,60 @@ class SearchEnv:
         if self.best_outcome is None or out.rank > self.best_outcome.rank:
             self.best_choice, self.best_outcome = key, out
         return out
+
+    def _bound_terms(self, choice: Sequence[int]) -> list:
+        """The per-group terms of CHOICE for the step-time bound (``tag.sim.bound``), cached per candidate."""
+        if self._bound is None:
+            self._bound = StepBound(self.simulator)
+        bound = self._bound
+        bound.use(self.device_speeds, self.batch_size)
+        cache, candidates, members = bound._terms, self.candidates, self.simulator.tasks.members
+        terms = []
+        for g, k in enumerate(choice):
+            key = ("choice", g, k)
+            t = cache.get(key)
+            if t is None:
+                c = candidates[k]
+                devices = None
+                if c.action.mode == "partition":
+                    m = self.partition_map(g, int(k))
+                    devices = np.array([m[int(i)] for i in members[g]], dtype=np.int64)
+                t = bound.terms(g, c.action, devices, self.batch_size, key=key)
+            terms.append(t)
+        return terms
+
+    def step_lower_bound(self, choice: Sequence[int], threshold: float | None = None) -> float:
+        """A lower bound on CHOICE's simulated step time (``tag.sim.bound``; with THRESHOLD it may stop
+        early once the bound reaches it)."""
+        terms = self._bound_terms(choice)
+        return self._bound.combine(terms, threshold)
+
+    def evaluate_unless_slower(self, choice: Sequence[int], incumbent: Outcome) -> Outcome | None:
+        """``evaluate(choice)``, or None without simulating when CHOICE cannot rank above INCUMBENT: its
+        step-time lower bound is not below a feasible INCUMBENT's step time, or its static memory alone
+        overflows a device (``tag.sim.bound``: a bound never exceeds the simulated step, so no better
+        choice is ever rejected). Rejected choices are remembered like cached ones (``screened`` counts
+        them once)."""
+        key = tuple(int(k) for k in choice)
+        if key in self._outcomes or not incumbent.feasible:
+            return self.evaluate(key)
+        bound = self._screened.get(key)
+        if bound is not None:
+            if bound >= incumbent.step_time:
+                self.cache_hits += 1
+                return None
+            return self.evaluate(key)
+        terms = self._bound_terms(key)
+        bound = self._bound.combine(terms, incumbent.step_time)
+        if bound < incumbent.step_time and not self._bound.static_fits(terms):
+            bound = float("inf")          # out of memory: ranks below every feasible incumbent
+        if bound >= incumbent.step_time:
+            if len(self._screened) > 200_000:
+                self._screened.clear()
+            self._screened[key] = bound
+            self.screened += 1
+            return None
+        return self.evaluate(key)
 
     def result(self, choice: Sequence[int]) -> SimResult:
         """The full simulator result of CHOICE (not cached; for reports)."""

@@ -14,6 +14,11 @@ Each sweep tries every move once (first improvement is taken immediately) in thi
 prefix moves by position, then group moves in the decision order. It stops when a sweep improves
 nothing, at ``max_evaluations`` simulator runs, or at ``budget_s``. Deterministic.
 
+A move is first screened by the step-time lower bound (``tag.sim.bound``): one that cannot beat the
+current choice is rejected without simulating it. A rejected move counts towards ``max_evaluations`` as
+the simulator run it replaces, so screening changes how long refinement takes, never what it returns
+under an evaluation cap (under ``budget_s`` it gets further in the same time).
+
 Example::
 
     from tag.search.local import refine
@@ -45,11 +50,15 @@ def _ranks_better(a: Outcome, b: Outcome) -> bool:
 
 def refine(env: SearchEnv, start: Sequence[int], *, order: Sequence[int] | None = None,
            budget_s: float | None = None, max_evaluations: int | None = None,
-           progress: Callable[[Outcome], None] | None = None) -> RefineResult:
-    """Hill-climb from START with group, prefix and suffix moves (module docstring)."""
+           progress: Callable[[Outcome], None] | None = None, screen: bool = True) -> RefineResult:
+    """Hill-climb from START with group, prefix and suffix moves (module docstring). ``screen``: reject
+    moves whose step-time lower bound shows they cannot improve without simulating them
+    (``SearchEnv.evaluate_unless_slower``; the same moves are accepted either way, and
+    ``max_evaluations`` counts rejected moves as the simulator runs they replace)."""
     from tag.strategy.baselines import group_order
     t0 = time.perf_counter()
     evals0 = env.evaluations
+    tried0 = env.evaluations + env.screened
     step_order = [int(g) for g in group_order(env.graph, env.grouping)]
     order = [int(g) for g in (order if order is not None else step_order)]
     current = tuple(int(k) for k in start)
@@ -60,14 +69,14 @@ def refine(env: SearchEnv, start: Sequence[int], *, order: Sequence[int] | None 
     def out_of_budget() -> bool:
         if budget_s is not None and time.perf_counter() - t0 >= budget_s:
             return True
-        return max_evaluations is not None and env.evaluations - evals0 >= max_evaluations
+        return max_evaluations is not None and env.evaluations + env.screened - tried0 >= max_evaluations
 
     def try_choice(trial: tuple[int, ...]) -> bool:
         nonlocal current, best, moves
         if trial == current:
             return False
-        out = env.evaluate(trial)
-        if _ranks_better(out, best):
+        out = env.evaluate_unless_slower(trial, best) if screen else env.evaluate(trial)
+        if out is not None and _ranks_better(out, best):
             current, best = trial, out
             moves += 1
             if progress is not None:

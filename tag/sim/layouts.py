@@ -103,6 +103,13 @@ class LayoutCache:
         self._speeds_in_use = self._peak_speeds
         self._device_speed = list(self._peak_speeds)   # what batch shares follow (use_speeds)
         self._tables: dict[tuple[int, float], tuple] = {}       # (device group, batch) -> (list, array)
+        # device group -> the first device group with the same device type, spec and size: their task
+        # times are equal (the cost model reads nothing else), so a cluster of identical hosts costs once
+        self._same_costs: list[int] = []
+        first_of: dict[tuple, int] = {}
+        for g in topology.groups:
+            key = (g.device_type, g.tf_device_type, float(g.peak_flops), float(g.memory_bandwidth), len(g.devices))
+            self._same_costs.append(first_of.setdefault(key, g.index))
         self._lanes: dict[frozenset, Lanes] = {}
         self._layouts: dict[tuple, Layout] = {}
         self._shares: dict[tuple[tuple[int, ...], int], list[int]] = {}   # (placement, batch) -> shares
@@ -110,16 +117,20 @@ class LayoutCache:
 
     def table(self, dg: int, batch: float) -> tuple[list[float], np.ndarray]:
         """Seconds per task on one device of device group DG at per-replica BATCH (as list and array)."""
-        k = (dg, float(batch))
+        k = (self.cost_class(dg), float(batch))
         t = self._tables.get(k)
         if t is None:
             if len(self._tables) > 4096:
                 self._tables.clear()
-            times = self.cost.op_times(dg, batch)
+            times = self.cost.op_times(k[0], batch)
             arr = np.bincount(self.tasks.task_of_op, weights=times, minlength=self.tasks.num_tasks)
             t = (arr.tolist(), arr)
             self._tables[k] = t
         return t
+
+    def cost_class(self, dg: int) -> int:
+        """The first device group whose task times equal device group DG's (same type, spec and size)."""
+        return self._same_costs[dg]
 
     def lanes(self, special: frozenset) -> Lanes:
         """The lanes when the devices SPECIAL need lanes of their own."""
