@@ -127,8 +127,12 @@ class StaticFeatures:
         """Per op group: compute, bytes, synchronisation (``op_static``); [G, D] compute times."""
         topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         share = max(1.0, B / n_dev)
-        t1 = np.stack([np.bincount(gof, weights=cm.op_times(d, 1.0), minlength=G) for d in range(D)], axis=1)
-        tb = np.stack([np.bincount(gof, weights=cm.op_times(d, B), minlength=G) for d in range(D)], axis=1)
+        same_rates: dict[str, int] = {}             # device groups of equal rates: computed once
+        rep = np.array([same_rates.setdefault(repr(cm.rates(d)), d) for d in range(D)])
+        t1u = {d: np.bincount(gof, weights=cm.op_times(d, 1.0), minlength=G) for d in set(rep.tolist())}
+        tbu = {d: np.bincount(gof, weights=cm.op_times(d, B), minlength=G) for d in set(rep.tolist())}
+        t1 = np.stack([t1u[d] for d in rep.tolist()], axis=1)
+        tb = np.stack([tbu[d] for d in rep.tolist()], axis=1)
         self.t1, self.tb, self.batch = t1, tb, B
         t_share = self.group_time(share)                                  # [G, D]
         t_fast = t_share.min(axis=1)
@@ -156,9 +160,8 @@ class StaticFeatures:
         ar_a, ar_b = _best_linear(cm.allreduce_coeffs(all_devices))
         sync_all = np.where(param > 0, ar_a + ar_b * param, 0.0)
         n_ops = np.bincount(gof, minlength=G).astype(np.float64)
-        from tag.strategy.baselines import group_order
         rank = np.empty(G)
-        rank[[int(g) for g in group_order(graph, env.grouping)]] = np.arange(G)
+        rank[_group_order(graph, env.grouping)] = np.arange(G)
         self.op_static = np.stack([
             _log_ratio(t_fast * G, total_fast),
             _log_ratio(t_share.max(axis=1), t_fast),
@@ -342,6 +345,21 @@ def _best_linear(coeffs: tuple[tuple[float, float], tuple[float, float]]) -> tup
 
 
 _STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GROUP_ORDER: dict[int, tuple] = {}
+
+
+def _group_order(graph, grouping) -> np.ndarray:
+    """``tag.strategy.baselines.group_order``, cached per (graph, grouping) while both live: environments
+    of one graph share it."""
+    from tag.strategy.baselines import group_order
+    key = (id(graph), id(grouping))
+    hit = _GROUP_ORDER.get(key)
+    if hit is None or hit[0]() is not graph or hit[1]() is not grouping:
+        if len(_GROUP_ORDER) > 64:
+            _GROUP_ORDER.clear()
+        hit = _GROUP_ORDER[key] = (weakref.ref(graph), weakref.ref(grouping),
+                                   np.asarray(group_order(graph, grouping), dtype=np.int64))
+    return hit[2]
 
 
 def static_features(env: "SearchEnv") -> StaticFeatures:
