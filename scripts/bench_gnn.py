@@ -5,10 +5,13 @@ For every --model x every --topo (both repeatable; default: the validation model
 mobilenet_v2 and bert_large, full size, on every ready topology file -- none of which training saw), it runs
 the search portfolio ``tag.optimize`` runs (``tag.search.driver.search``: built-ins, best uniform action,
 PaSE, tree search seeded with the best so far, refinement; decision order ``auto``, seed 0, SFB off, the 5%
-``min_gain`` rule) on fresh environments sharing one simulator, once per arm -- ``gnn`` (the shipped
+``min_gain`` rule) on a fresh environment and simulator per run (built before the clock starts; a shared
+simulator's caches would favour whichever arm runs second), once per arm -- ``gnn`` (the shipped
 weights, or --weights) and ``default`` (the uniform-value prior) -- per budget: each of --budgets seconds
 (equal wall time) and --playouts playouts (equal playouts: the tree search's simulator runs are then
-equal up to cache hits, refinement gets the same cap; ``tag.optimize``'s own default is 400). The two arms
+equal up to cache hits, refinement gets the same cap; ``tag.optimize``'s own default is 400), and with
+--tree-playouts N the tree search alone at N playouts (what the prior does without the rest of the
+portfolio: key ``gnn_over_default_treeNplayouts``, left out of worst_case_ratio). The two arms
 of a case run back to back, the first alternating from case to case (the machine may be shared: load
 averages are printed beside each row). Every simulator run is counted (``SearchEnv.evaluations``: the
 GNN's features run none of their own; the uniform strategies they read are the portfolio's cache hits).
@@ -21,7 +24,8 @@ milliseconds per prior call, the one-off encoder spread over the calls; the enco
 
 JSON (``--json``): ``rows``, ``gnn_over_default_10s``, ``gnn_over_default_60s`` (per budget in --budgets:
 ``gnn_over_default_<B>s``), ``gnn_over_default_<P>playouts``, ``worst_case_ratio`` (smallest ratio over every
-case and budget), ``ms_per_node_lab``, ``ms_per_node_512``, ``encode_s_lab``, ``encode_s_512``. Targets:
+case and budget), ``default_60s_over_default_10s`` (the headroom: what six times the time gains the default
+prior), ``ms_per_node_lab``, ``ms_per_node_512``, ``encode_s_lab``, ``encode_s_512``. Targets:
 both geomeans >= 1.03, worst_case_ratio >= 0.99, ms_per_node_lab <= 5, ms_per_node_512 <= 20.
 
 Usage::
@@ -29,6 +33,7 @@ Usage::
     python scripts/bench_gnn.py --json gnn.json                   # the full run (about an hour)
     python scripts/bench_gnn.py --quick                           # bert_large on two topologies, 10 s
     python scripts/bench_gnn.py --budgets 10 --model zoo:mobilenet_v2 --topo topologies/lab-v100-1080ti.pbtxt
+    python scripts/bench_gnn.py --resummarise gnn.json            # the summary of a run's rows so far
 """
 from __future__ import annotations
 
@@ -69,17 +74,24 @@ def build_ir(spec: str):
 
 
 def run_arm(tg, grouping, topo, batch: int, simulator, prior, budget_s: float | None, playouts: int | None,
-            seed: int) -> dict:
-    """One search as tag.optimize runs it (SFB off) on a fresh environment: speedup, method, seconds, runs."""
+            seed: int, tree_only: bool = False) -> dict:
+    """One search as tag.optimize runs it (SFB off) on a fresh environment (SIMULATOR, or a fresh one when
+    None): speedup, method, seconds, runs.
+    TREE_ONLY: the tree search alone (no seeding, no refinement, no min_gain rule), PLAYOUTS playouts."""
     env = SearchEnv(tg, topo, grouping, batch_size=batch, simulator=simulator)
     dp = env.builtin_results["dp_allreduce"]
     calls0 = getattr(prior, "calls", 0)
     t0 = time.perf_counter()
-    found = search(env, budget_s=budget_s, playouts=playouts, seed=seed, prior=prior)
+    if tree_only:
+        tree = mcts(env, order="auto", playouts=playouts, seed=seed, prior=prior)
+        outcome, method = tree.outcome, "mcts"
+    else:
+        found = search(env, budget_s=budget_s, playouts=playouts, seed=seed, prior=prior)
+        outcome, method = found.outcome, found.method
     seconds = time.perf_counter() - t0
-    ok = bool(found.outcome.feasible)
-    return {"speedup": float(dp.step_time / found.step_time) if ok else 0.0, "feasible": ok,
-            "method": found.method, "step_s": float(found.step_time), "seconds": round(seconds, 2),
+    ok = bool(outcome.feasible)
+    return {"speedup": float(dp.step_time / outcome.step_time) if ok else 0.0, "feasible": ok,
+            "method": method, "step_s": float(outcome.step_time), "seconds": round(seconds, 2),
             "evaluations": int(env.evaluations), "prior_calls": getattr(prior, "calls", 0) - calls0,
             "load": round(load(), 2)}
 
@@ -117,10 +129,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-device", type=int, default=8, help="global batch = this x the topology's devices")
     p.add_argument("--budgets", type=float, nargs="*", default=[10.0, 60.0], help="seconds per search (each)")
     p.add_argument("--playouts", type=int, default=400, help="the equal-playouts comparison (0: none)")
+    p.add_argument("--tree-playouts", type=int, default=0,
+                   help="also compare the tree search alone (no seeding or refinement) at this many playouts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", help="policy weights (.npz); default: the shipped ones")
     p.add_argument("--quick", action="store_true", help="bert_large on the lab and 512-GPU topologies, 10 s")
     p.add_argument("--no-timing", action="store_true", help="skip the per-node timing")
+    p.add_argument("--resummarise", metavar="JSON", help="recompute the summary of an earlier --json file's rows "
+                   "(a run stopped early) and print it; runs nothing")
     args = p.parse_args(argv)
     if args.quick:
         args.model = args.model or ["zoo:bert_large"]
@@ -145,9 +161,12 @@ def build_irs(models: list[str]) -> list[tuple]:
 
 
 def budget_keys(args: argparse.Namespace) -> list[tuple[str, float | None, int | None]]:
+    """(row key, seconds, playouts) per comparison; keys starting with "tree" run the tree search alone."""
     keys = [(f"{b:g}s", float(b), None) for b in args.budgets]
     if args.playouts:
         keys.append((f"{args.playouts}playouts", None, int(args.playouts)))
+    if args.tree_playouts:
+        keys.append((f"tree{args.tree_playouts}playouts", None, int(args.tree_playouts)))
     return keys
 
 
@@ -162,9 +181,17 @@ def summarise(rows: list[dict], keys: list[str]) -> dict:
         out[f"gnn_over_default_{key}_all_cases"] = geomean(rs)
         out[f"cases_differing_{key}"] = len(differ)
         out[f"cases_{key}"] = len(rs)
-        if rs:
+        if rs and not key.startswith("tree"):
             worst = min(rs) if worst is None else min(worst, min(rs))
     out["worst_case_ratio"] = worst
+    timed = sorted((k for k in keys if k.endswith("s") and not k.endswith("playouts") and not k.startswith("tree")),
+                   key=lambda k: float(k[:-1]))
+    if len(timed) >= 2:           # headroom: what the default prior gains from the longest budget over the shortest
+        short, long_ = timed[0], timed[-1]
+        gains = [r[long_]["default"]["speedup"] / r[short]["default"]["speedup"] for r in rows
+                 if short in r and long_ in r and r[short]["default"]["speedup"] > 0 and r[long_]["default"]["speedup"] > 0]
+        out[f"default_{long_}_over_default_{short}"] = geomean(gains)
+        out[f"cases_default_{long_}_beats_{short}"] = sum(g > 1 + 1e-9 for g in gains)
     return out
 
 
@@ -206,8 +233,8 @@ def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
                     arms.reverse()
                 cell = {}
                 for arm, prior in arms:
-                    cell[arm] = run_arm(tg, grouping, topo, batch, base.simulator, prior, budget_s, playouts,
-                                        args.seed)
+                    cell[arm] = run_arm(tg, grouping, topo, batch, None, prior, budget_s, playouts,
+                                        args.seed, tree_only=key.startswith("tree"))
                 cell["first"] = arms[0][0]
                 row[key] = cell
                 r = ratio(cell)
@@ -225,6 +252,15 @@ def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resummarise:
+        import json
+        with open(args.resummarise) as f:
+            old = json.load(f)
+        keys = sorted({k for r in old["rows"] for k, v in r.items() if isinstance(v, dict) and "gnn" in v})
+        old.update(summarise(old["rows"], keys))
+        print(json.dumps({k: v for k, v in old.items() if k != "rows" and not k.startswith("node_timing")}, indent=1))
+        write_json(args.json, old)
+        return 0
     print(f"tag.optimize's search, GNN prior vs default prior; {len(args.model)} model(s) x {len(args.topo)} "
           f"topolog(y/ies), budgets {args.budgets} s and {args.playouts} playouts; load average {load():.2f} "
           f"(2-core machine shared with other work)", flush=True)

@@ -171,9 +171,9 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     called with a ``SearchProgress`` after each playout. ``name``: the model's name in the report.
     ``sfb``: after the search, send the gradients that pay as sufficient factors (``tag.compress``; the
     report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
-    ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
-    ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
-    node costs a forward pass, 60-100 ms on this 2-core machine).
+    ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; free) or
+    ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: a graph encoder once per search, then about a
+    millisecond per new tree node; ``scripts/bench_gnn.py`` compares the two at equal time).
     ``verify_target``: a running cluster's session target (e.g. ``Testbed.target``); the plan and the
     best feasible built-in are each run ``verify_steps`` steps there on synthetic batches and the one
     measured faster is returned (``verify_plan``; its notes give both medians). ``min_gain``: a searched
