@@ -2,17 +2,19 @@
 
 Cases: small zoo models (``tag.gnn.cases.TRAIN_ZOO``; never inception_v3, mobilenet_v2 or bert_large) and
 random layered graphs, each on its own GENERATED cluster (``random_topology_text``; never a ready
-topology file), at 2, 8 or 32 examples per device. Generation 0 runs the tree search with the uniform
-prior; later generations with the network being trained (AlphaZero-style); after each generation the
-network is trained on every sample so far (cross-entropy to the nodes' visit distributions, sharpened and
-blended with the candidates' completed values: ``tag.gnn.selfplay.self_play``). Finally the policy
-is compared with the uniform prior on fresh generated cases, the weights saved with the network's output
-on the reference state, and the command and figures written to ``--record`` (tag/gnn/TRAINING.md).
+topology file), at 2, 8 or 32 examples per device. The tree search runs as ``tag.optimize`` runs it
+(decision order ``auto``, seeded with the best uniform strategy). Generation 0 runs it with the default
+uniform-value prior (which the untrained network equals); later generations with the network being
+trained (AlphaZero-style); after each generation the network is trained on every sample so far
+(cross-entropy to the nodes' visit distributions, sharpened and blended with the candidates' completed
+values: ``tag.gnn.selfplay.self_play``). Finally the policy is compared with the default prior at equal
+playouts on fresh generated cases, the weights saved with the network's output on the reference state,
+and the command and figures written to ``--record`` (tag/gnn/TRAINING.md).
 
 Usage::
 
     python scripts/train_gnn.py                                    # the shipped run (seed 0)
-    python scripts/train_gnn.py --cases 6 --generations 1 --epochs 1 --out /tmp/w.npz --record /tmp/t.md
+    python scripts/train_gnn.py --cases 6 --generations 1 --epochs 1 --out w.npz --record t.md
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from tag.gnn.model import PolicyNet  # noqa: E402
 from tag.gnn.policy import GNNPolicy, WEIGHTS_PATH, reference_log_probs  # noqa: E402
 from tag.gnn.selfplay import Trainer, self_play  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.mcts import mcts, uniform_prior  # noqa: E402
+from tag.search.driver import best_uniform  # noqa: E402
+from tag.search.mcts import mcts  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 
 GROUPS = 64
@@ -65,24 +68,23 @@ def make_case(rng: np.random.Generator, index: int, zoo_every: int) -> tuple[str
     return label, env
 
 
-def compare(policy: GNNPolicy, rng: np.random.Generator, n: int, zoo_every: int, start: int) -> dict[str, float]:
-    """Speedups found on N fresh generated cases: GNN prior at 100 playouts vs uniform at 100 and 1000."""
-    ratios_1000, ratios_100 = [], []
+def compare(policy: GNNPolicy, rng: np.random.Generator, n: int, zoo_every: int, start: int,
+            playouts: int = 200) -> float:
+    """Geomean over N fresh generated cases of the best value found by the tree search (as tag.optimize runs
+    it: order auto, seeded with the best uniform strategy) with the GNN prior over the default prior, both
+    at PLAYOUTS playouts."""
+    ratios = []
     for i in range(n):
         label, env = make_case(rng, start + i, zoo_every)
         found = {}
-        for key, prior, playouts in (("gnn100", policy, 100), ("uni100", uniform_prior, 100),
-                                     ("uni1000", uniform_prior, 1000)):
+        for key, prior in (("gnn", policy), ("default", None)):
             fresh = SearchEnv(env.graph, env.topology, env.grouping, batch_size=env.batch_size,
                               simulator=env.simulator)
-            tree = mcts(fresh, order="cost_descending", playouts=playouts, seed=0, prior=prior)
+            tree = mcts(fresh, order="auto", playouts=playouts, seed=0, prior=prior, start=best_uniform(fresh)[0])
             found[key] = max(tree.outcome.value, 1e-3)
-        ratios_1000.append(found["gnn100"] / found["uni1000"])
-        ratios_100.append(found["gnn100"] / found["uni100"])
-        say(f"  eval {label}: gnn100 {found['gnn100']:.3f} uniform100 {found['uni100']:.3f} "
-            f"uniform1000 {found['uni1000']:.3f}")
-    geo = lambda r: float(np.exp(np.mean(np.log(r))))   # noqa: E731
-    return {"gnn100_over_uniform1000": geo(ratios_1000), "gnn100_over_uniform100": geo(ratios_100)}
+        ratios.append(found["gnn"] / found["default"])
+        say(f"  eval {label}: gnn {found['gnn']:.3f} default {found['default']:.3f}")
+    return float(np.exp(np.mean(np.log(ratios))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", type=int, default=40, help="cases of generation 0")
     p.add_argument("--cases-per-generation", type=int, default=12, help="new cases of each later generation")
     p.add_argument("--zoo-every", type=int, default=4, help="every Nth case is a small zoo model (0: none)")
-    p.add_argument("--playouts0", type=int, default=600, help="playouts of generation 0 (uniform prior)")
-    p.add_argument("--playouts", type=int, default=150, help="playouts of later generations (network prior)")
+    p.add_argument("--playouts0", type=int, default=600, help="playouts of generation 0 (default prior)")
+    p.add_argument("--playouts", type=int, default=600, help="playouts of later generations (network prior)")
     p.add_argument("--generations", type=int, default=2, help="generations after generation 0")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--min-visits", type=int, default=20, help="nodes visited less often give no sample")
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the completed-value softmax in the targets (the rest: visits)")
     p.add_argument("--value-temperature", type=float, default=0.05)
     p.add_argument("--eval-cases", type=int, default=6)
-    p.add_argument("--budget-min", type=float, default=35.0, help="stop starting new generations after this")
+    p.add_argument("--budget-min", type=float, default=35.0,
+                   help="no new generation starts after 60%% of this many minutes")
     p.add_argument("--out", default=WEIGHTS_PATH)
     p.add_argument("--record", default=os.path.join(ROOT, "tag", "gnn", "TRAINING.md"))
     args = p.parse_args(argv)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     net = PolicyNet(seed=args.seed)
     trainer = Trainer(net, learning_rate=args.lr)
-    policy = GNNPolicy(net, mix=0.25)
+    policy = GNNPolicy(net, mix=0.1)
     samples = []
     case_index = 0
     for gen in range(args.generations + 1):
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             label, env = make_case(rng, case_index, args.zoo_every)
             case_index += 1
             got, tree = self_play(env, None if gen == 0 else policy, args.playouts0 if gen == 0 else args.playouts,
-                                  seed=args.seed + case_index, min_visits=args.min_visits,
+                                  seed=args.seed + case_index, order="auto", min_visits=args.min_visits,
                                   visit_temperature=args.visit_temperature, value_weight=args.value_weight,
                                   value_temperature=args.value_temperature)
             new += got
@@ -139,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             loss = trainer.epoch(samples, args.batch, rng)
             say(f"  epoch {epoch}: loss {loss:.4f}")
         say(f"  training {time.time() - te:.0f} s, {load()}")
-    policy.mix = 0.05
-    say("evaluation on fresh generated cases (never trained on):")
-    figures = compare(policy, rng, args.eval_cases, args.zoo_every, 10_000)
-    say(f"  geomean gnn100/uniform1000 {figures['gnn100_over_uniform1000']:.3f}, "
-        f"gnn100/uniform100 {figures['gnn100_over_uniform100']:.3f}")
+        policy.forget()
+    policy.mix = 0.0
+    policy.forget()
+    say("evaluation on fresh generated cases (never trained on), equal playouts:")
+    ratio = compare(policy, rng, args.eval_cases, args.zoo_every, 10_000)
+    say(f"  geomean gnn/default {ratio:.3f}")
     ref = reference_log_probs(net)
     net.save_npz(args.out, {"__reference_log_probs": ref.astype(np.float32),
                             "__seed": np.array(args.seed)})
@@ -163,7 +167,8 @@ def _record(cmd: str, wall: float) -> str:
             f"    {cmd}\n\n"
             f"Wall time: {wall / 60:.1f} min. Training cases are generated clusters and random layered graphs plus "
             "small zoo models (mlp, vgg19, resnet50, transformer, bert_base); the ready topology files and "
-            "inception_v3, mobilenet_v2 and bert_large are never used. What it printed:\n\n```\n"
+            "inception_v3, mobilenet_v2 and bert_large (the validation set of scripts/bench_gnn.py) are never "
+            "used. What it printed:\n\n```\n"
             + "\n".join(LOG) + "\n```\n")
 
 

@@ -177,9 +177,9 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     report's ``sfb_gradients`` and ``sfb_bytes_saved``); False keeps every gradient all-reduced.
     ``pipeline``: search pipelines too (``tag.search.pipeline_dp``: stages of op groups on hosts with
     micro-batches; the report's ``pipeline`` and ``pipeline_search``); False searches per-group actions only.
-    ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; fast) or
-    ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: fewer playouts find as much, but each new tree
-    node costs a forward pass, 60-100 ms on this 2-core machine).
+    ``prior``: what guides the tree search: ``"uniform"`` (the speedups of the uniform strategies; free) or
+    ``"gnn"`` (the shipped graph neural network, ``tag.gnn``: a graph encoder once per search, then about a
+    millisecond per new tree node; ``scripts/bench_gnn.py`` compares the two at equal time).
     ``tune_target``: where to measure before returning (``tag.tune.tune_plan``): a session target
     ("grpc://host:port"), a running cluster (``LocalCluster``, ``Testbed``) or a ``Topology`` (its cluster
     is opened for it); the ``tune_k`` most promising distinct candidates (the plan, the best built-in, the

@@ -1,4 +1,5 @@
-"""The GNN policy: state heterograph, forward pass, invariance, a training step, the shipped weights."""
+"""The GNN policy: encoder heterograph, numpy head against the TensorFlow one, invariance, the default prior
+as the untrained network, no simulator run per node, a training step, the shipped weights."""
 from __future__ import annotations
 
 import os
@@ -11,10 +12,11 @@ import dgl  # noqa: E402,F401  -- a pinned dependency (setup.py): a failed impor
 
 from tiny import make_topology, mlp_graph  # noqa: E402
 
-from tag.gnn.features import F_CAND, F_DEV, F_OP, PolicyInput, batch_inputs, state_input  # noqa: E402
+from tag.gnn.features import (F_CAND, F_DEV, F_GLOBAL, F_OP, EncoderInput, batch_encoders, batch_nodes,  # noqa: E402
+                              encoder_input, node_input)
 from tag.gnn.model import PolicyNet, homogeneous_view, state_heterograph  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.mcts import complete, mcts  # noqa: E402
+from tag.search.mcts import complete, mcts, uniform_value_prior  # noqa: E402
 from tag.search.orders import decision_order  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 
@@ -33,71 +35,98 @@ def order(env) -> list[int]:
 
 @pytest.fixture(scope="module")
 def net() -> PolicyNet:
-    return PolicyNet(seed=3)
+    net = PolicyNet(seed=3)
+    w = net.decoder.second.w            # starts at zero (the default prior); a random last layer tests more
+    w.assign(np.random.default_rng(3).normal(0.0, 0.5, size=w.shape).astype(np.float32))
+    return net
 
 
-def _inter_group_flow(env) -> set[tuple[int, int]]:
-    gof = env.grouping.group_of_op
-    return {(int(gof[e.src]), int(gof[e.dst])) for e in env.graph.edges if gof[e.src] != gof[e.dst]}
+def _node(env, order, prefix):
+    if prefix:
+        env.evaluate(complete(env, order, prefix))     # a tree search simulates a node before expanding it
+    return node_input(env, order, prefix, env.allowed[order[len(prefix)]])
+
+
+def _tf_log_probs(net, env, nodes):
+    b = batch_encoders([encoder_input(env)])
+    return net.log_probs(net.encode(b), batch_nodes(nodes, [0] * len(nodes), b["op_offset"],
+                                                    b["cand_offset"])).numpy()
 
 
 def test_heterograph_counts_and_features(env, order):
-    prefix = (env.allowed[order[0]][1],)
-    x = state_input(env, order, prefix, env.allowed[order[1]])
-    g = state_heterograph(batch_inputs([x]))
+    enc = encoder_input(env)
+    g = state_heterograph(batch_encoders([enc]))
     G, D = env.num_groups, len(env.topology.groups)
     assert g.num_nodes("op") == G and g.num_nodes("dev") == D
-    flows = _inter_group_flow(env)
+    gof = env.grouping.group_of_op
+    flows = {(int(gof[e.src]), int(gof[e.dst])) for e in env.graph.edges if gof[e.src] != gof[e.dst]}
     assert g.num_edges("flow") == g.num_edges("flow_rev") == len(flows)
     assert g.num_edges("link") == D * (D - 1)
-    choice = complete(env, order, prefix)
-    placed = {(gi, env.topology.devices[d].group) for gi, k in enumerate(choice)
-              for d in (env.candidates[k].partition_devices if env.candidates[k].action.mode == "partition"
-                        else [d for dg in env.candidates[k].action.placement for d in env.topology.groups[dg].devices])}
-    assert g.num_edges("placed") == g.num_edges("hosts") == len(placed)
     assert g.nodes["op"].data["x"].shape == (G, F_OP) and g.nodes["dev"].data["x"].shape == (D, F_DEV)
-    assert x.cand_x.shape == (len(env.allowed[order[1]]), F_CAND)
-    for a in (x.op_x, x.dev_x, x.cand_x, x.flow_x, x.link_x, x.place_x, x.global_x):
+    prefix = (env.allowed[order[0]][1],)
+    x = _node(env, order, prefix)
+    assert x.cand_x.shape == (len(env.allowed[order[1]]), F_CAND) and x.global_x.shape == (F_GLOBAL,)
+    for a in (enc.op_x, enc.dev_x, enc.flow_x, enc.link_x, x.cand_x, x.global_x):
         assert np.all(np.isfinite(a)) and np.abs(a).max() < 50
-    assert x.op_x[order[0], 10] == 1.0 and x.op_x[order[1], 11] == 1.0     # decided / deciding-next flags
-    assert x.op_x[:, 10].sum() == 1 and x.op_x[:, 11].sum() == 1
+    first = list(x.allowed).index(prefix[0]) if prefix[0] in x.allowed else None
+    flags = x.cand_x[:, -5]                                     # "is the first decision"
+    assert flags.sum() == (first is not None) and (first is None or flags[first] == 1.0)
 
 
-def test_homogeneous_view_matches_dgl(env, order):
-    import dgl
-    x = state_input(env, order, (env.allowed[order[0]][0],), env.allowed[order[1]])
-    b = batch_inputs([x, x])
+def test_homogeneous_view_matches_dgl(env):
+    b = batch_encoders([encoder_input(env), encoder_input(env)])
     ours, _, _ = homogeneous_view(b)
     theirs = dgl.to_homogeneous(state_heterograph(b))
     for a, c in zip(ours.edges(), theirs.edges()):
         assert np.array_equal(a.numpy(), c.numpy())
 
 
-def test_one_log_probability_per_candidate(env, order, net):
-    xs = [state_input(env, order, (), env.allowed[order[0]]),
-          state_input(env, order, (env.allowed[order[0]][2],), env.allowed[order[1]])]
-    logp = net.log_probs(batch_inputs(xs)).numpy()
-    assert logp.shape == (sum(x.num_candidates for x in xs),)
-    first = xs[0].num_candidates
-    for part in (logp[:first], logp[first:]):
-        assert np.isclose(np.exp(part).sum(), 1.0, atol=1e-5)
+def test_numpy_head_matches_tensorflow(env, order, net):
+    nodes = [_node(env, order, ()), _node(env, order, (env.allowed[order[0]][2],))]
+    tf_logp = _tf_log_probs(net, env, nodes)
+    assert tf_logp.shape == (sum(x.num_candidates for x in nodes),)
+    enc = net.encode_env(encoder_input(env))
+    np_logp = np.concatenate([enc.log_probs(x) for x in nodes])
+    assert np.allclose(tf_logp, np_logp, atol=1e-4)
+    first = nodes[0].num_candidates
+    for part in (np_logp[:first], np_logp[first:]):
+        assert np.isclose(np.exp(part).sum(), 1.0, atol=1e-6)
+    assert np.abs(np.diff(np_logp[:first])).max() > 1e-3        # the random last layer moved it
 
 
-def _renumber_devices(x: PolicyInput, perm: np.ndarray) -> PolicyInput:
-    """The same state with device group i renamed perm[i] (rows moved, edges and members relabelled)."""
+def test_untrained_network_is_the_default_prior(env, order):
+    from tag.gnn.policy import GNNPolicy
+    policy = GNNPolicy(PolicyNet(seed=0))
+    for prefix in [(), (env.allowed[order[0]][1],)]:
+        allowed = env.allowed[order[len(prefix)]]
+        _node(env, order, prefix)
+        assert np.allclose(policy(env, order, prefix, allowed), uniform_value_prior(env, order, prefix, allowed))
+
+
+def test_prior_runs_no_simulation_per_node(env, order, net):
+    from tag.gnn.policy import GNNPolicy
+    policy = GNNPolicy(net)
+    mcts(env, order=order, playouts=5, seed=0, prior=policy)        # encoder and uniform values done
+    before, calls = env.evaluations, policy.calls
+    tree = mcts(env, order=order, playouts=40, seed=1, prior=policy)
+    assert policy.calls > calls and env.evaluations - before <= tree.playouts    # the tree's own runs only
+    assert policy.encodes == 1
+
+
+def _renumber_devices(x: EncoderInput, perm: np.ndarray) -> EncoderInput:
+    """The same graph with device group i renamed perm[i] (rows moved, edges and members relabelled)."""
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
-    return PolicyInput(x.op_x, x.dev_x[inv], x.flow_src, x.flow_dst, x.flow_x, perm[x.link_src], perm[x.link_dst],
-                       x.link_x, x.place_src, perm[x.place_dst], x.place_x, x.global_x, x.target, x.cand_x,
-                       x.member_cand, perm[x.member_dev], x.member_w)
+    return EncoderInput(x.op_x, x.dev_x[inv], x.flow_src, x.flow_dst, x.flow_x, perm[x.link_src], perm[x.link_dst],
+                        x.link_x, x.member_cand, perm[x.member_dev], x.member_w, x.num_candidates)
 
 
 def test_forward_invariant_to_renumbering_device_groups(env, order, net):
-    x = state_input(env, order, (env.allowed[order[0]][3],), env.allowed[order[1]])
+    x = _node(env, order, (env.allowed[order[0]][3],))
     perm = np.array([2, 0, 1])
     assert len(perm) == len(env.topology.groups)
-    a = net.log_probs(batch_inputs([x])).numpy()
-    b = net.log_probs(batch_inputs([_renumber_devices(x, perm)])).numpy()
+    a = net.encode_env(encoder_input(env)).log_probs(x)
+    b = net.encode_env(_renumber_devices(encoder_input(env), perm)).log_probs(x)
     assert np.allclose(a, b, atol=1e-5)
 
 
@@ -130,6 +159,7 @@ def test_gnn_prior_is_a_distribution_over_allowed(env, order):
     from tag.gnn import gnn_prior
     for prefix in [(), (env.allowed[order[0]][0],)]:
         allowed = env.allowed[order[len(prefix)]]
+        _node(env, order, prefix)
         p = gnn_prior(env, order, prefix, allowed)
         assert p.shape == (len(allowed),) and np.all(p > 0) and np.isclose(p.sum(), 1.0)
     tree = mcts(env, order=order, playouts=5, seed=0, prior=gnn_prior)

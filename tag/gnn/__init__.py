@@ -1,8 +1,9 @@
 """Graph neural network policy (DGL, TensorFlow backend) giving the tree search a prior over actions.  [DGL]
 
-The only package that imports DGL. A heterograph of op groups and device groups per search state
-(``tag.gnn.features``, ``tag.gnn.model``), attention message passing and a decoder scoring each candidate
-action of the group decided next; trained by self-play in the simulator (``tag.gnn.selfplay``,
+The only package that imports DGL. A heterograph of op groups and device groups, encoded by attention
+message passing once per search, and a light head scoring each candidate action of the group decided next
+from the cached embeddings and a few per-node features (``tag.gnn.features``, ``tag.gnn.model``; no
+simulator run per node); trained by self-play in the simulator (``tag.gnn.selfplay``,
 ``scripts/train_gnn.py``); the weights ship beside this file and load by default.
 
 Example::

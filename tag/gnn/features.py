@@ -1,30 +1,36 @@
-"""Inputs of the GNN policy: normalised features of one search state, as plain numpy arrays.
+"""Inputs of the GNN policy, as plain numpy arrays: a graph encoded once per search, a few features per node.
 
-A *search state* is a node of the tree search: the decision order, the candidates chosen so far (the
-prefix) and the group decided next. Its completion (``tag.search.mcts.complete``) is a full strategy,
-simulated once, so the features mix three sources:
+The network (``tag.gnn.model``) has two parts, so its inputs have two parts:
 
-- the IR and the cost model (per op group: compute share, slow/fast device ratio, parameter, gradient and
-  activation bytes against device memory, all-reduce cost; per device group: speed, memory, host links);
-- the state (decided / deciding-next flags, each group's current action, placement edges from op groups
-  to the device groups of their current action);
-- the simulator's feedback on the completed state (``SimResult.group_makespan`` and ``group_idle_after``
-  over the step time, peak-memory share and utilisation per device group, the state's speedup).
+- ``EncoderInput`` (once per ``SearchEnv``, cached): the heterograph of op groups and device groups with
+  everything no search state changes -- per op group: compute share, slow/fast device ratio, parameter,
+  gradient and activation bytes against device memory, all-reduce cost, position in the step; per device
+  group: speed, memory, host links; data-flow edges between op groups (bytes) and link edges between
+  device groups (bandwidth, latency, same host). Plus, per candidate action, its placement (device groups
+  and device shares, for pooling their embeddings) and static features, and per (op group, candidate) the
+  cost model's estimates (compute, synchronisation, memory need).
+- ``NodeInput`` (once per tree node; no simulator run): the group decided next, its allowed candidates and
+  the few features that change with the partial strategy: whether a candidate is the group's current
+  action in the node's completion (``tag.search.mcts.complete``) or the first decision, the share of the
+  group's data-flow bytes exchanged with groups already doing the same (same mode and placement), the
+  share of decided groups that chose it; per node: depth, the completion's value (already simulated by the
+  search: a cache hit) and the candidate's uniform strategy's value (simulated once per search by the
+  portfolio's ``best_uniform`` and the default prior: cache hits too). The uniform values also give
+  ``prior_logit``, the default prior's logits (``tag.search.mcts.uniform_value_prior``): the network's
+  scores are added to them, so an untrained network is the default prior.
 
-Everything is a ratio or a log-scale so graphs and clusters of other sizes give inputs of the same
-range, and nothing depends on how device groups are numbered (device groups enter only as nodes, links
-and pooled placements). Static parts (independent of the state) are computed once per environment
-(``StaticFeatures``, cached per ``SearchEnv``).
-
-``PolicyInput`` holds one state: node features, edge lists with edge features and the candidate set of
-the group decided next (features + the device groups each candidate places on). ``batch_inputs``
-concatenates several for training.
+Everything is a ratio or a log-scale so graphs and clusters of other sizes give inputs of the same range,
+and nothing depends on how device groups are numbered (device groups enter only as nodes, links and
+pooled placements). Modes are one-hot over ``MODES``, which already has a slot for pipeline stages (a
+mode the search does not offer yet: its estimates follow partition, ops split over the devices).
 
 Example::
 
-    from tag.gnn.features import state_input
-    x = state_input(env, order, prefix=(), allowed=env.allowed[order[0]])
-    x.op_x.shape, x.dev_x.shape, x.cand_x.shape      # (groups, F_OP), (device groups, F_DEV), (candidates, F_CAND)
+    from tag.gnn.features import encoder_input, node_input
+    enc = encoder_input(env)
+    enc.op_x.shape, enc.dev_x.shape                 # (groups, F_OP), (device groups, F_DEV)
+    x = node_input(env, order, prefix=(), allowed=env.allowed[order[0]])
+    x.cand_x.shape, x.global_x.shape                # (candidates, F_CAND), (F_GLOBAL,)
 """
 from __future__ import annotations
 
@@ -37,14 +43,20 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     from tag.search.env import SearchEnv
 
-F_OP = 19      # op-group node features
-F_DEV = 14     # device-group node features
-F_FLOW = 3     # data-flow edge features
-F_LINK = 4     # device-link edge features
-F_PLACE = 5    # placement edge features
-F_CAND = 18    # candidate features
-F_GLOBAL = 6   # per-state features
-MODES = ("allreduce", "ps", "partition")
+MODES = ("allreduce", "ps", "partition", "pipeline")
+F_OP = 10                   # op-group node features
+F_DEV = 10                  # device-group node features
+F_FLOW = 3                  # data-flow edge features
+F_LINK = 4                  # device-link edge features
+F_CAND_STATIC = len(MODES) + 7 + 4   # candidate features (mode, size, speed, hosts, estimates) + group estimates
+F_CAND = F_CAND_STATIC + 6  # + per-node candidate features
+F_GLOBAL = 6                # per-node features
+PRIOR_TEMPERATURE = 0.25    # of the default prior's softmax over uniform values (tag.search.mcts)
+
+
+def mode_index(mode: str) -> int:
+    """Column of MODE in the mode one-hot (``MODES``)."""
+    return MODES.index(mode) if mode in MODES else MODES.index("partition")
 
 
 def _log_ratio(a: np.ndarray | float, b: np.ndarray | float, clip: float = 6.0) -> np.ndarray:
@@ -55,30 +67,37 @@ def _log_ratio(a: np.ndarray | float, b: np.ndarray | float, clip: float = 6.0) 
 
 
 @dataclass
-class PolicyInput:
-    """One search state as arrays (module docstring). Edge lists are (source, destination) node indices."""
+class EncoderInput:
+    """The static heterograph of one environment (module docstring). Edge lists are (source, destination)
+    node indices; ``member_*`` are (candidate, device group, share of its devices) triples."""
 
-    op_x: np.ndarray                # [G, F_OP]
-    dev_x: np.ndarray               # [D, F_DEV]
-    flow_src: np.ndarray            # op -> op, forward data flow (the model adds the reverse relation)
+    op_x: np.ndarray            # [G, F_OP]
+    dev_x: np.ndarray           # [D, F_DEV]
+    flow_src: np.ndarray        # op -> op, forward data flow (the model adds the reverse relation)
     flow_dst: np.ndarray
-    flow_x: np.ndarray              # [E, F_FLOW]
-    link_src: np.ndarray            # device group -> device group, every ordered pair
+    flow_x: np.ndarray          # [E, F_FLOW]
+    link_src: np.ndarray        # device group -> device group, every ordered pair
     link_dst: np.ndarray
-    link_x: np.ndarray              # [L, F_LINK]
-    place_src: np.ndarray           # op group -> device group of its current action
-    place_dst: np.ndarray
-    place_x: np.ndarray             # [P, F_PLACE]
-    global_x: np.ndarray            # [F_GLOBAL]
-    target: int                     # the op group decided next
-    cand_x: np.ndarray              # [C, F_CAND]
-    member_cand: np.ndarray         # (candidate, device group, weight) triples: the candidates' placements
+    link_x: np.ndarray          # [L, F_LINK]
+    member_cand: np.ndarray
     member_dev: np.ndarray
-    member_w: np.ndarray            # share of the candidate's devices in that device group
+    member_w: np.ndarray
+    num_candidates: int
+
+
+@dataclass
+class NodeInput:
+    """One tree node: the group decided next and its candidates' features (module docstring)."""
+
+    target: int                 # the op group decided next
+    allowed: np.ndarray         # candidate indices (into env.candidates)
+    cand_x: np.ndarray          # [A, F_CAND]
+    global_x: np.ndarray        # [F_GLOBAL]
+    prior_logit: np.ndarray     # [A] the default prior's logits
 
     @property
     def num_candidates(self) -> int:
-        return int(self.cand_x.shape[0])
+        return int(len(self.allowed))
 
 
 class StaticFeatures:
@@ -102,13 +121,18 @@ class StaticFeatures:
         self._flow_features(env)
         self._candidate_features(env)
         del self._common                      # the environment's objects: not kept beyond construction
+        self.uniform_values: np.ndarray | None = None     # filled by ``uniform_values`` (simulated)
 
     def _op_features(self, env: "SearchEnv") -> None:
         """Per op group: compute, bytes, synchronisation (``op_static``); [G, D] compute times."""
         topo, cm, graph, G, D, C, B, gof, n_dev, dev_group, dev_host, dg_host, dg_size, speeds, mem = self._common
         share = max(1.0, B / n_dev)
-        t1 = np.stack([np.bincount(gof, weights=cm.op_times(d, 1.0), minlength=G) for d in range(D)], axis=1)
-        tb = np.stack([np.bincount(gof, weights=cm.op_times(d, B), minlength=G) for d in range(D)], axis=1)
+        same_rates: dict[str, int] = {}             # device groups of equal rates: computed once
+        rep = np.array([same_rates.setdefault(repr(cm.rates(d)), d) for d in range(D)])
+        t1u = {d: np.bincount(gof, weights=cm.op_times(d, 1.0), minlength=G) for d in set(rep.tolist())}
+        tbu = {d: np.bincount(gof, weights=cm.op_times(d, B), minlength=G) for d in set(rep.tolist())}
+        t1 = np.stack([t1u[d] for d in rep.tolist()], axis=1)
+        tb = np.stack([tbu[d] for d in rep.tolist()], axis=1)
         self.t1, self.tb, self.batch = t1, tb, B
         t_share = self.group_time(share)                                  # [G, D]
         t_fast = t_share.min(axis=1)
@@ -136,9 +160,8 @@ class StaticFeatures:
         ar_a, ar_b = _best_linear(cm.allreduce_coeffs(all_devices))
         sync_all = np.where(param > 0, ar_a + ar_b * param, 0.0)
         n_ops = np.bincount(gof, minlength=G).astype(np.float64)
-        from tag.strategy.baselines import group_order
         rank = np.empty(G)
-        rank[[int(g) for g in group_order(graph, env.grouping)]] = np.arange(G)
+        rank[_group_order(graph, env.grouping)] = np.arange(G)
         self.op_static = np.stack([
             _log_ratio(t_fast * G, total_fast),
             _log_ratio(t_share.max(axis=1), t_fast),
@@ -230,7 +253,7 @@ class StaticFeatures:
             devices = np.array(cand.partition_devices if a.mode == "partition"
                                else [d for g in a.placement for d in topo.groups[g].devices], dtype=np.int64)
             self.cand_devices.append(devices)
-            self.cand_mode[k] = MODES.index(a.mode)
+            self.cand_mode[k] = mode_index(a.mode)
             self.cand_placement.append(tuple(sorted(set(int(dev_group[d]) for d in devices))))
             dgs, counts = np.unique(dev_group[devices], return_counts=True)
             members_c += [k] * len(dgs)
@@ -250,7 +273,7 @@ class StaticFeatures:
         n_hosts = len(topo.hosts)
         sizes = np.array([len(d) for d in self.cand_devices], dtype=np.float64)
         self.cand_static = np.stack([
-            np.eye(3)[self.cand_mode][:, 0], np.eye(3)[self.cand_mode][:, 1], np.eye(3)[self.cand_mode][:, 2],
+            *np.eye(len(MODES))[self.cand_mode].T,
             ((self.cand_mode == 2) & (sizes == 1)).astype(np.float64),
             sizes / n_dev,
             np.log2(sizes) / np.log2(n_dev + 1),
@@ -273,12 +296,19 @@ class StaticFeatures:
         w = (batch - 1.0) / (self.batch - 1.0)
         return self.t1 + (self.tb - self.t1) * w
 
+    def group_column(self, batch: float, d: int) -> np.ndarray:
+        """``group_time(batch)[:, d]`` without the other columns."""
+        if self.batch <= 1:
+            return self.tb[:, d].copy()
+        w = (batch - 1.0) / (self.batch - 1.0)
+        return self.t1[:, d] + (self.tb[:, d] - self.t1[:, d]) * w
+
     def _estimate(self, cm, cand, devices: np.ndarray, dgs: np.ndarray,
                   speeds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per op group under candidate CAND: compute seconds, synchronisation seconds, bytes per device."""
         B = self.batch
         mode = cand.action.mode
-        if mode == "partition":
+        if mode not in ("allreduce", "ps"):           # partition (and stage-like modes): ops split over devices
             rates = 1.0 / np.maximum(self.tb[:, self.dev_group[devices]], 1e-12)      # [G, n]
             compute = 1.0 / rates.sum(axis=1)
             need = (self.static_bytes + self.act_fixed + self.act_pe * B) / len(devices)
@@ -286,8 +316,11 @@ class StaticFeatures:
         dev_speed = speeds[devices]
         shares = B * dev_speed / dev_speed.sum()
         compute = np.zeros(self.num_groups)
-        for d, b in zip(self.dev_group[devices], shares):
-            compute = np.maximum(compute, self.group_time(max(1.0, float(b)))[:, d])
+        seen: set[tuple[int, float]] = set()
+        for d, b in zip(self.dev_group[devices].tolist(), shares.tolist()):
+            if (d, b) not in seen:                    # devices of one group and speed: one column
+                seen.add((d, b))
+                compute = np.maximum(compute, self.group_column(max(1.0, b), d))
         if mode == "ps":
             a, b = cm.ps_coeffs(devices.tolist(), int(cand.action.ps_device))
             sync = np.where(self.grad_bytes > 0, 2 * (a + b * self.grad_bytes), 0.0)
@@ -312,6 +345,21 @@ def _best_linear(coeffs: tuple[tuple[float, float], tuple[float, float]]) -> tup
 
 
 _STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GROUP_ORDER: dict[int, tuple] = {}
+
+
+def _group_order(graph, grouping) -> np.ndarray:
+    """``tag.strategy.baselines.group_order``, cached per (graph, grouping) while both live: environments
+    of one graph share it."""
+    from tag.strategy.baselines import group_order
+    key = (id(graph), id(grouping))
+    hit = _GROUP_ORDER.get(key)
+    if hit is None or hit[0]() is not graph or hit[1]() is not grouping:
+        if len(_GROUP_ORDER) > 64:
+            _GROUP_ORDER.clear()
+        hit = _GROUP_ORDER[key] = (weakref.ref(graph), weakref.ref(grouping),
+                                   np.asarray(group_order(graph, grouping), dtype=np.int64))
+    return hit[2]
 
 
 def static_features(env: "SearchEnv") -> StaticFeatures:
@@ -322,64 +370,56 @@ def static_features(env: "SearchEnv") -> StaticFeatures:
     return s
 
 
-def state_input(env: "SearchEnv", order: Sequence[int], prefix: Sequence[int],
-                allowed: Sequence[int]) -> PolicyInput:
-    """The policy's input for deciding group ``order[len(prefix)]`` among ALLOWED after PREFIX."""
+def encoder_input(env: "SearchEnv") -> EncoderInput:
+    """ENV's static heterograph for the encoder (no simulator run)."""
+    st = static_features(env)
+    return EncoderInput(_finite(st.op_static), _finite(st.dev_static), st.flow_src, st.flow_dst, _finite(st.flow_x),
+                        st.link_src, st.link_dst, _finite(st.link_x), st.member_cand, st.member_dev,
+                        st.member_w.astype(np.float32), len(st.cand_devices))
+
+
+def uniform_values(env: "SearchEnv") -> np.ndarray:
+    """Value of every candidate's uniform strategy (``env.evaluate``: simulated once per environment, then
+    cache hits; the portfolio's ``best_uniform`` has simulated them all before the tree search starts)."""
+    st = static_features(env)
+    if st.uniform_values is None:
+        st.uniform_values = np.array([env.evaluate(env.uniform_choice(k)).value for k in range(len(env.candidates))],
+                                     dtype=np.float64)
+    return st.uniform_values
+
+
+def node_input(env: "SearchEnv", order: Sequence[int], prefix: Sequence[int], allowed: Sequence[int]) -> NodeInput:
+    """The head's input for deciding group ``order[len(prefix)]`` among ALLOWED after PREFIX (no simulator
+    run: the completion's value is a cache hit in a tree search, which simulates a node before expanding it)."""
     from tag.search.mcts import complete
     st = static_features(env)
-    G, D = st.num_groups, st.num_dev_groups
+    G = st.num_groups
     depth = len(prefix)
     target = int(order[depth])
     allowed = np.asarray(allowed, dtype=np.int64)
+    values = uniform_values(env)
+    best = max(float(values.max()), 1e-9)
+    v_allowed = values[allowed]
+    prior_logit = (v_allowed / best) / PRIOR_TEMPERATURE
     if depth:
         choice = np.asarray(complete(env, order, prefix), dtype=np.int64)
-        result = env.result(tuple(int(k) for k in choice))
-        outcome = env.outcome_of(result)
-        step = max(float(result.step_time), 1e-12)
-        makespan = np.asarray(result.group_makespan, dtype=np.float64) / step
-        idle = np.asarray(result.group_idle_after, dtype=np.float64) / step
-        capacity = np.array([d.memory_bytes for d in env.topology.devices], dtype=np.float64)
-        peak = np.asarray(result.peak_memory, dtype=np.float64) / capacity
-        util = np.asarray(result.utilisation, dtype=np.float64)
-        dev_peak = np.zeros(D)
-        np.maximum.at(dev_peak, st.dev_group, peak)
-        dev_util = np.bincount(st.dev_group, weights=util, minlength=D) / st.dg_size
-        speedup = outcome.value if outcome.feasible else 0.0
-        feasible = float(outcome.feasible)
-    else:                                     # the root: nothing decided, no state to simulate
-        choice = np.full(G, -1, dtype=np.int64)
-        makespan, idle = np.zeros(G), np.zeros(G)
-        dev_peak, dev_util = np.zeros(D), np.zeros(D)
-        speedup, feasible = 0.0, 0.0
-    decided = np.zeros(G)
-    decided[np.asarray(order[:depth], dtype=np.int64)] = 1.0
-    nxt = np.zeros(G)
-    nxt[target] = 1.0
-    has_action = choice >= 0
-    mode_1h = np.zeros((G, 3))
-    mode_1h[has_action, st.cand_mode[choice[has_action]]] = 1.0
-    n_dev = float(len(st.dev_group))
-    size = np.array([len(st.cand_devices[k]) / n_dev if k >= 0 else 0.0 for k in choice])
-    op_x = np.concatenate([st.op_static, np.stack([decided, nxt, np.full(G, depth / G)], axis=1), mode_1h,
-                           size[:, None], np.stack([np.minimum(makespan, 4.0), np.minimum(idle, 4.0)], axis=1)],
-                          axis=1)
-    place_src, place_dst, place_x = _placement_edges(st, choice)
-    on_dev = np.bincount(place_dst, minlength=D) / G if len(place_dst) else np.zeros(D)
-    in_current = np.zeros(D)
-    if choice[target] >= 0:
-        in_current[list(st.cand_placement[choice[target]])] = 1.0
-    dev_x = np.concatenate([st.dev_static, np.stack([np.minimum(dev_peak, 4.0), dev_util, on_dev, in_current],
-                                                    axis=1)], axis=1)
-    cand_x = _candidate_features(st, choice, prefix, target, allowed)
-    keep = np.isin(st.member_cand, allowed)
-    position = np.full(len(st.cand_devices), -1, dtype=np.int64)
-    position[allowed] = np.arange(len(allowed))
-    global_x = np.array([np.log(max(speedup, 1e-3)) / 3.0 if feasible else -1.0, feasible, depth / G,
-                         np.log(G) / 5.0, np.log(n_dev) / 5.0, len(allowed) / 48.0])
-    return PolicyInput(_finite(op_x), _finite(dev_x), st.flow_src, st.flow_dst, _finite(st.flow_x), st.link_src,
-                       st.link_dst, _finite(st.link_x), place_src, place_dst, _finite(place_x), _finite(global_x),
-                       target, _finite(cand_x), position[st.member_cand[keep]], st.member_dev[keep],
-                       st.member_w[keep].astype(np.float32))
+        node_value = env.evaluate(tuple(choice.tolist())).value
+        current, first = int(choice[target]), int(prefix[0])
+        keys = st.cand_key[choice]
+        decided = np.asarray(prefix, dtype=np.int64)
+        neigh = st.neighbour_w[target]
+        same = (st.cand_key[allowed][:, None] == keys[None, :]).astype(np.float64) @ neigh
+        chosen = np.bincount(decided, minlength=len(st.cand_devices))[allowed] / depth
+    else:
+        node_value, current, first = 0.0, -1, -1
+        same, chosen = np.zeros(len(allowed)), np.zeros(len(allowed))
+    dyn = np.stack([(allowed == current).astype(np.float64), (allowed == first).astype(np.float64), same, chosen,
+                    np.where(v_allowed > 0, v_allowed / best, -1.0), (v_allowed > 0).astype(np.float64)], axis=1)
+    cand_x = np.concatenate([st.cand_static[allowed], st.group_cand[target, allowed], dyn], axis=1)
+    feasible = node_value > 0
+    global_x = np.array([np.log(max(node_value / best, 1e-3)) if feasible else -1.0, float(feasible), depth / G,
+                         np.log(G) / 5.0, np.log(len(st.dev_group)) / 5.0, len(allowed) / 48.0])
+    return NodeInput(target, allowed, _finite(cand_x), _finite(global_x), prior_logit.astype(np.float64))
 
 
 def _finite(a: np.ndarray, bound: float = 20.0) -> np.ndarray:
@@ -388,66 +428,46 @@ def _finite(a: np.ndarray, bound: float = 20.0) -> np.ndarray:
                    -bound, bound).astype(np.float32)
 
 
-def _placement_edges(st: StaticFeatures, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Edges op group -> device group for every decided placement (features: mode, device share, speed)."""
-    src, dst, feats = [], [], []
-    t_full = st.tb
-    for g, k in enumerate(choice.tolist()):
-        if k < 0:
-            continue
-        devices = st.cand_devices[k]
-        dgs, counts = st.cand_dev_groups[k]
-        mode = np.eye(3)[st.cand_mode[k]]
-        fastest = max(float(t_full[g].min()), 1e-12)
-        for d, c in zip(dgs.tolist(), counts.tolist()):
-            src.append(g)
-            dst.append(d)
-            feats.append([*mode, c / len(devices), float(_log_ratio(t_full[g, d], fastest))])
-    if not src:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, F_PLACE))
-    return np.array(src, np.int64), np.array(dst, np.int64), np.array(feats, np.float64)
-
-
-def _candidate_features(st: StaticFeatures, choice: np.ndarray, prefix: Sequence[int], target: int,
-                        allowed: np.ndarray) -> np.ndarray:
-    """[len(allowed), F_CAND]: static candidate features, the target group's estimates and state flags."""
-    current = int(choice[target])
-    first = int(prefix[0]) if len(prefix) else -1
-    neigh = st.neighbour_w[target]
-    same_placement = np.zeros(len(allowed))
-    if current >= 0 and neigh.sum() > 0:      # share of the target's data-flow bytes to groups doing the same
-        keys = st.cand_key[choice]
-        same_placement = (st.cand_key[allowed][:, None] == keys[None, :]).astype(np.float64) @ neigh
-    flags = np.stack([(allowed == current).astype(np.float64), (allowed == first).astype(np.float64),
-                      same_placement, np.full(len(allowed), float(len(prefix) == 0))], axis=1)
-    return np.concatenate([st.cand_static[allowed], st.group_cand[target, allowed], flags], axis=1)
-
-
-def batch_inputs(inputs: Sequence[PolicyInput]) -> dict[str, np.ndarray]:
-    """Concatenate states into one disjoint union: node and candidate indices offset, plus
-    ``cand_graph`` (state of each candidate), ``targets`` (global index of each state's deciding group),
-    ``op_graph`` / ``dev_graph`` (state of each node)."""
-    out: dict[str, list] = {k: [] for k in ("op_x", "dev_x", "flow_src", "flow_dst", "flow_x", "link_src",
-                                            "link_dst", "link_x", "place_src", "place_dst", "place_x",
-                                            "global_x", "cand_x", "member_cand", "member_dev", "member_w",
-                                            "cand_graph", "targets", "op_graph", "dev_graph")}
+def batch_encoders(inputs: Sequence[EncoderInput]) -> dict[str, np.ndarray]:
+    """Disjoint union of several environments' graphs: node, edge and candidate indices offset, plus
+    ``op_graph`` / ``dev_graph`` (environment of each node) and ``op_offset`` / ``cand_offset`` (first index
+    of each environment's op groups and candidates)."""
+    keys = ("op_x", "dev_x", "flow_src", "flow_dst", "flow_x", "link_src", "link_dst", "link_x", "member_cand",
+            "member_dev", "member_w", "op_graph", "dev_graph", "op_offset", "cand_offset")
+    out: dict[str, list] = {k: [] for k in keys}
     op_off = dev_off = cand_off = 0
     for i, x in enumerate(inputs):
-        G, D, C = len(x.op_x), len(x.dev_x), x.num_candidates
-        for key in ("op_x", "dev_x", "flow_x", "link_x", "place_x", "cand_x", "member_w"):
+        G, D = len(x.op_x), len(x.dev_x)
+        for key in ("op_x", "dev_x", "flow_x", "link_x", "member_w"):
             out[key].append(getattr(x, key))
-        out["global_x"].append(x.global_x[None, :])
         out["flow_src"].append(x.flow_src + op_off)
         out["flow_dst"].append(x.flow_dst + op_off)
         out["link_src"].append(x.link_src + dev_off)
         out["link_dst"].append(x.link_dst + dev_off)
-        out["place_src"].append(x.place_src + op_off)
-        out["place_dst"].append(x.place_dst + dev_off)
         out["member_cand"].append(x.member_cand + cand_off)
         out["member_dev"].append(x.member_dev + dev_off)
-        out["cand_graph"].append(np.full(C, i, dtype=np.int64))
-        out["targets"].append(np.array([x.target + op_off], dtype=np.int64))
         out["op_graph"].append(np.full(G, i, dtype=np.int64))
         out["dev_graph"].append(np.full(D, i, dtype=np.int64))
-        op_off, dev_off, cand_off = op_off + G, dev_off + D, cand_off + C
-    return {k: np.concatenate(v) for k, v in out.items()}
+        out["op_offset"].append(np.array([op_off], dtype=np.int64))
+        out["cand_offset"].append(np.array([cand_off], dtype=np.int64))
+        op_off, dev_off, cand_off = op_off + G, dev_off + D, cand_off + x.num_candidates
+    b = {k: np.concatenate(v) for k, v in out.items()}
+    b["num_candidates"] = np.array(cand_off)
+    return b
+
+
+def batch_nodes(nodes: Sequence[NodeInput], env_index: Sequence[int], op_offset: np.ndarray,
+                cand_offset: np.ndarray) -> dict[str, np.ndarray]:
+    """Several tree nodes over a ``batch_encoders`` batch (node i of environment ENV_INDEX[i]): their
+    targets and candidates as global indices into that batch, ``cand_node`` (node of each candidate) and
+    ``node_env`` (environment of each node)."""
+    env_index = np.asarray(env_index, dtype=np.int64)
+    return {
+        "targets": np.array([x.target for x in nodes], dtype=np.int64) + op_offset[env_index],
+        "cands": np.concatenate([x.allowed + cand_offset[e] for x, e in zip(nodes, env_index)]),
+        "cand_x": np.concatenate([x.cand_x for x in nodes]),
+        "global_x": np.stack([x.global_x for x in nodes]),
+        "prior_logit": np.concatenate([x.prior_logit for x in nodes]).astype(np.float32),
+        "cand_node": np.concatenate([np.full(x.num_candidates, i, dtype=np.int64) for i, x in enumerate(nodes)]),
+        "node_env": env_index,
+    }

@@ -1,16 +1,18 @@
 """Self-play training of the policy: tree-search visit distributions as targets, cross-entropy loss.
 
-AlphaZero-style: the tree search (``tag.search.mcts``) runs with the current network as its prior (the
-first generation with the uniform prior, as a blind network would be); every expanded node visited at
-least ``min_visits`` times yields a training sample (the node's state, the visit distribution over its
+AlphaZero-style: the tree search (``tag.search.mcts``) runs as ``tag.optimize`` runs it (seeded with the
+best uniform strategy) with the current network as its prior (the first generation with the default
+uniform-value prior, which an untrained network equals); every expanded node visited at least
+``min_visits`` times yields a training sample (the node's features, the visit distribution over its
 candidates); the network is then trained to match those distributions (cross-entropy, Adam). Repeating
-generations makes the search, and so the targets, better.
+generations makes the search, and so the targets, better. A sample keeps its environment's
+``EncoderInput``: a training batch runs the encoder once per distinct environment in it.
 
 Example::
 
     from tag.gnn.model import PolicyNet
     from tag.gnn.selfplay import Trainer, self_play
-    samples, tree = self_play(env, prior=None, playouts=300, seed=0)
+    samples, tree = self_play(env, prior=None, playouts=300, seed=0)     # None: the default prior
     trainer = Trainer(PolicyNet(seed=0))
     trainer.step(samples[:32])                     # one Adam step; returns the batch loss
 """
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tag.gnn.features import PolicyInput, batch_inputs, state_input
+from tag.gnn.features import EncoderInput, NodeInput, batch_encoders, batch_nodes, encoder_input, node_input
 from tag.gnn.model import PolicyNet
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,9 +34,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class Sample:
-    """One state and the search's visit distribution over its candidates."""
+    """One tree node (its environment's graph and its own features) and the search's visit distribution
+    over its candidates."""
 
-    x: PolicyInput
+    enc: EncoderInput
+    x: NodeInput
     target: np.ndarray          # sums to 1, one entry per candidate of x
     visits: int                 # the node's total visits
 
@@ -42,15 +46,19 @@ class Sample:
 def self_play(env: "SearchEnv", prior: "PriorFn | None", playouts: int, seed: int,
               order: str | Sequence[int] = "cost_descending", min_visits: int = 8, visit_temperature: float = 1.0,
               value_weight: float = 0.0, value_temperature: float = 0.05) -> tuple[list[Sample], "TreeResult"]:
-    """Run the tree search on ENV with PRIOR (None: uniform) and turn its visited nodes into samples.
+    """Run the tree search on ENV with PRIOR (None: the default uniform-value prior), seeded with the best
+    uniform strategy, and turn its visited nodes into samples.
 
     A node's target is its visit distribution raised to 1 / VISIT_TEMPERATURE; with VALUE_WEIGHT > 0 it is
     blended with the softmax (temperature VALUE_TEMPERATURE) of every candidate's *completed* value (the
     simulated value of the node's completion with that candidate; values over the best one): visits of a
     short search depend much on which child it happened to try first, the completed values do not.
     """
-    from tag.search.mcts import complete, mcts, uniform_prior
-    tree = mcts(env, order=order, playouts=playouts, seed=seed, prior=prior or uniform_prior, keep_visits=True)
+    from tag.search.driver import best_uniform
+    from tag.search.mcts import complete, mcts
+    start, _ = best_uniform(env)
+    tree = mcts(env, order=order, playouts=playouts, seed=seed, prior=prior, keep_visits=True, start=start)
+    enc = encoder_input(env)
     samples = []
     for prefix, (allowed, visits) in sorted(tree.visits.items(), key=lambda kv: len(kv[0])):
         total = float(visits.sum())
@@ -64,8 +72,8 @@ def self_play(env: "SearchEnv", prior: "PriorFn | None", playouts: int, seed: in
             z = np.where(values > 0, values / scale, values - 1.0) / value_temperature
             q = np.exp(z - z.max())
             target = (1 - value_weight) * target + value_weight * q / q.sum()
-        x = state_input(env, tree.order, prefix, allowed)
-        samples.append(Sample(x, target.astype(np.float32), int(total)))
+        x = node_input(env, tree.order, prefix, allowed)
+        samples.append(Sample(enc, x, target.astype(np.float32), int(total)))
     return samples, tree
 
 
@@ -84,8 +92,14 @@ class Trainer:
 
     def loss(self, samples: Sequence[Sample]) -> tf.Tensor:
         """Mean over SAMPLES of the cross-entropy sum(-target * log p)."""
-        b = batch_inputs([s.x for s in samples])
-        logp = self.net.log_probs(b)
+        envs: dict[int, int] = {}
+        for s in samples:
+            envs.setdefault(id(s.enc), len(envs))
+        encs = {id(s.enc): s.enc for s in samples}
+        b = batch_encoders([encs[k] for k in envs])
+        nodes = batch_nodes([s.x for s in samples], [envs[id(s.enc)] for s in samples], b["op_offset"],
+                            b["cand_offset"])
+        logp = self.net.log_probs(self.net.encode(b), nodes)
         target = tf.constant(np.concatenate([self.sharpened(s.target) for s in samples]))
         return -tf.reduce_sum(target * logp) / len(samples)
 
