@@ -216,3 +216,34 @@ def test_pipelined_step_equals_single_device_step(cluster, case):
     ref, grads0 = tr.reference(gd, ir, batches)
     got = tr.run_rewritten(res, target, ir, batches)
     tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer])
+
+
+@pytest.mark.slow
+def test_saved_pipelined_plan_deploys_and_trains(tmp_path, capsys):
+    """Plan.save / Plan.load keep the pipeline; tag-deploy --strategy-file DIR --run trains it on the three
+    local workers of topologies/localhost.pbtxt, with the losses of dp_allreduce (same step, same batches)."""
+    import json
+
+    from tag.api import plan_for, prepare
+    from tag.cli.deploy import main
+
+    spec = "zoo:mlp,input_dim=20,hidden=32x32x16,num_classes=5"
+    topo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "topologies",
+                        "localhost.pbtxt")
+    an = prepare(zoo_builders.resolve_model(spec, 12)[1], topo)
+    order, rest = forward_group_order(an.graph, an.grouping)
+    half = len(order) // 2
+    pipe = Pipeline((PipelineStage(tuple(order[:half]), (0,)), PipelineStage(tuple(order[half:] + rest), (1, 2))),
+                    3, "1f1b")
+    plan = plan_for(an, Strategy.pipelined(an.grouping, pipe), name="pipeline")
+    plan.save(tmp_path / "plan")
+    assert tag.Plan.load(tmp_path / "plan").strategy.pipeline == pipe
+    report = tmp_path / "r.json"
+    rc = main(["--topo", topo, "--model", spec, "--strategy-file", str(tmp_path / "plan"), "--run", "--steps", "3",
+               "--report", str(report)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["batch_size"] == 12 and len(r["measured_losses"]) == 3 and all(np.isfinite(r["measured_losses"]))
+    baseline_last = [line for line in err.splitlines() if line.startswith("tag-deploy: dp_allreduce: step 3/3")]
+    assert baseline_last and f"loss {r['measured_losses'][-1]:.3f}" in baseline_last[0]
