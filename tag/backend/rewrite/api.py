@@ -2,9 +2,10 @@
 
 ``Rewriter`` combines the concerns, each a mixin over ``RewriteContext`` in its own module:
 ``placement`` (which instances each op gets), ``variables``, ``batch_split``, ``instances`` (emission
-and input resolution), ``collectives``, ``parameter_server``, ``sfb`` and ``loss``. The passes run in
-this order: prune and order the graph, find batch-following constants, flag batch/gradient-dependent
-ops, place variables, place instances, emit, fetch, check the result imports.
+and input resolution), ``collectives``, ``parameter_server``, ``sfb``, ``pipeline`` and ``loss``. The
+passes run in this order: set up the pipeline's micro-batches (if any), prune and order the graph, find
+batch-following constants, flag batch/gradient-dependent ops, check the pipeline's stage order, place
+variables, place instances, emit, enforce the pipeline's schedule, fetch, check the result imports.
 
 Example::
 

@@ -153,12 +153,13 @@ class PipelineMixin(RewriteContext):
     def _per_micro_batch(self, op: str) -> bool:
         """Does OP run once per micro-batch: it depends on the batch, or (also through control inputs, such
         as the NoOps of ``tf.tuple``) on an op that does?"""
-        memo = self.__dict__.setdefault("_micro_memo", {})
-        if op not in memo:
-            memo[op] = False      # the graph is acyclic; this only guards the recursion
-            memo[op] = self.batch_dependent.get(op, False) or any(
-                self._per_micro_batch(split_tensor(i.lstrip("^"))[0]) for i in self.nodes[op].input)
-        return memo[op]
+        memo = self.__dict__.get("_micro_memo")
+        if memo is None:          # once, in topological order (producers first)
+            memo = self.__dict__["_micro_memo"] = {}
+            for n in self.order:
+                memo[n] = self.batch_dependent.get(n, False) or any(
+                    memo.get(split_tensor(i.lstrip("^"))[0], False) for i in self.nodes[n].input)
+        return memo.get(op, False)
 
     def _micro_index(self, rng: Range) -> int:
         """The micro-batch holding the examples RNG."""
