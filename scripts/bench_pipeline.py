@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                 rows.append(run_case(tb, *case, profile, args))
             except Exception as err:  # noqa: BLE001 - report the case, go on with the others
                 tb.stop_workers()
-                print(f"{case[0]:<12} FAILED: {type(err).__name__}: {str(err)[:400]}", flush=True)
+                print(f"{case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}", flush=True)
     if not rows:
         print("bench_pipeline: no case ran", file=sys.stderr)
         return 1

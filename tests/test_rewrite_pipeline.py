@@ -164,7 +164,11 @@ def test_bad_pipelines_name_the_stage():
     swapped = Pipeline((PipelineStage(stages[1].groups, (0,)), PipelineStage(stages[0].groups, (1,))), 2)
     with pytest.raises(StrategyError, match="pipeline stage 0: .*contiguous in dependency order"):
         rewrite(gd, ir, Strategy.pipelined(grouping, swapped), THREE)
-    # a stage with no forward or backward op (Adam's beta powers): more stages than op groups that compute
+    # more stages than op groups
+    with pytest.raises(StrategyError, match=f"pipeline stage {len(stages)}: op group {grouping.num_groups} does not"):
+        Strategy.pipelined(grouping, Pipeline(stages + tuple(
+            PipelineStage((grouping.num_groups + k,), (0,)) for k in range(3)), 2))
+    # a stage with no forward or backward op (Adam's beta powers) rewrites: only bookkeeping runs there
     gd = build("mlp", "adam", 8)
     ir = tag.analyze(gd)
     good = pipelined(ir, [(0,), (1, 2)], 2)
@@ -173,11 +177,8 @@ def test_bad_pipelines_name_the_stage():
     assert bookkeeping
     extra = Pipeline((stages[0], PipelineStage(tuple(g for g in stages[1].groups if g not in bookkeeping), (1,)),
                       PipelineStage(tuple(bookkeeping), (2,))), 2)
-    with pytest.raises(StrategyError, match="pipeline stage 2: .*more stages than op groups"):
-        rewrite(gd, ir, Strategy.pipelined(grouping, extra), THREE)
-    with pytest.raises(StrategyError, match="pipeline.*op group"):
-        rewrite(gd, ir, Strategy.pipelined(grouping, Pipeline(stages + tuple(
-            PipelineStage((grouping.num_groups + k,), (0,)) for k in range(3)), 2)), THREE)
+    res = rewrite(gd, ir, Strategy.pipelined(grouping, extra), THREE)
+    assert any(n.startswith("pipeline stage 2: its op groups hold no forward") for n in res.notes)
 
 
 # ------------------------------------------------------------------------------------------------
