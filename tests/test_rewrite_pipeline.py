@@ -140,6 +140,12 @@ def test_micro_batch_instances_accumulation_and_schedule():
     assert "^tag/pipeline/stage_0/0/F0_done" in nodes["dense_0/MatMul/replica_0_micro_1"].input
     b1 = [n for n in res.graph_def.node if n.name.endswith("replica_0_micro_1") and n.name.startswith("gradients/")]
     assert b1 and all("^tag/pipeline/stage_0/0/F1_done" in n.input for n in b1)
+    # batch inputs take no control input and are no step's member (a synthetic batch replaces them by data
+    # edges only), also with one micro-batch, where every instance covers the whole batch
+    for m in (1, 2):
+        res = rewrite(gd, ir, pipelined(ir, [(0,), (1, 2)], m), THREE)
+        assert not any(i in ("^input", "^labels") for n in res.graph_def.node for i in n.input)
+        assert not any(i.startswith("^") for n in res.graph_def.node if n.op == "Placeholder" for i in n.input)
 
 
 def test_one_f_one_b_order_and_batchnorm_graph_rewrites():

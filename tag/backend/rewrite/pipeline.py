@@ -52,6 +52,7 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from tag.errors import StrategyError
+from tag.ir.op_types import PLACEHOLDER_TYPES
 from tag.strategy.types import batch_shares
 
 from .context import RewriteContext
@@ -161,6 +162,12 @@ class PipelineMixin(RewriteContext):
                     memo.get(split_tensor(i.lstrip("^"))[0], False) for i in self.nodes[n].input)
         return memo.get(op, False)
 
+    def _batch_source(self, n: str) -> bool:
+        """A batch input (placeholder, iterator) or what only feeds one: it runs once, on the whole batch, and
+        takes no control input (a synthetic input stands in for a placeholder by data edges only)."""
+        return n in self.inputs or self.nodes[n].op in PLACEHOLDER_TYPES or (
+            bool(self.consumers.get(n)) and all(c in self.inputs for c, _, _ in self.consumers[n]))
+
     def _micro_index(self, rng: Range) -> int:
         """The micro-batch holding the examples RNG."""
         return bisect.bisect_right([r[0] for r in self.micro_ranges], rng[0]) - 1
@@ -185,7 +192,7 @@ class PipelineMixin(RewriteContext):
         members: dict[tuple[int, int, str, int], list[str]] = {}
         for n, insts in self.instances.items():
             g, phase = self._group(n), self._phase(n)
-            if g is None or phase not in _STEP_PHASE or not self._per_micro_batch(n):
+            if g is None or phase not in _STEP_PHASE or not self._per_micro_batch(n) or self._batch_source(n):
                 continue
             s = int(self.stage_of_group[g])
             for i in insts:
