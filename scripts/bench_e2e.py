@@ -59,16 +59,19 @@ CASES = [("mlp", 96), ("cnn", 48), ("transformer", 48)]
 MWMS_PORT = 24600
 
 
-def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int) -> float:
-    """Median step time of the MWMS anchor, one worker per testbed host."""
-    n = len(tb.topology.hosts)
+def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
+             model_args: tuple[str, ...] = ()) -> float:
+    """Median step time of the MWMS anchor, one worker per testbed host (the first HOSTS hosts when given;
+    MODEL_ARGS: more ``tag.backend.mwms`` options, such as ``--width``)."""
+    n = len(tb.topology.hosts) if hosts is None else int(hosts)
     workers = [f"{tb.address(i)}:{MWMS_PORT + i}" for i in range(n)]
     procs = []
     for i in range(n):
         env = dict(os.environ, PYTHONPATH=REPO,
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
         procs.append(subprocess.Popen(tb.launch_prefix(i) + [sys.executable, "-m", "tag.backend.mwms", "--model",
-                                                             model, "--batch", str(batch), "--steps", str(steps)],
+                                                             model, "--batch", str(batch), "--steps", str(steps),
+                                                             *model_args],
                                       env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         out, err = procs[0].communicate(timeout=900)

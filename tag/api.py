@@ -289,6 +289,7 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan. ``min_gain``: how much faster than the best
     built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``)."""
+    from tag.report import pipeline_fields
     from tag.search.driver import DEFAULT_MIN_GAIN
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
@@ -303,7 +304,7 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     baselines, feasible = dict(found.baselines), dict(found.baselines_feasible)
     strategy, notes, sfb_fields = found.strategy, list(found.notes), {}
     candidates = dict(found.candidates)
-    if sfb:
+    if sfb and strategy.pipeline is None:        # SFB is not deployed inside pipeline stages
         from tag.compress import select_sfb
         chosen = select_sfb(env.simulator, found.strategy, analysis.batch)
         if chosen.chosen:
@@ -318,10 +319,21 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     report = _plan_report(analysis, found.method, results, baselines, feasible, {
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
         "method": found.method, "reference": found.reference, "notes": notes,
-        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields})
+        "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields,
+        **_pipeline_search_fields(found), **pipeline_fields(strategy, analysis.topology, results[found.method])})
     plan = _make_plan(analysis, strategy, report)
     plan.candidates = candidates
     return plan
+
+
+def _pipeline_search_fields(found: "SearchResult") -> dict:
+    """What the pipeline search did (the report's ``pipeline_search``), whether or not a pipeline won."""
+    piped = found.pipeline
+    if piped is None:
+        return {}
+    best = None if piped.strategy is None else {**piped.strategy.pipeline.to_dict(),
+                                                 "predicted_step_time_s": float(piped.outcome.step_time)}
+    return {"pipeline_search": {"simulated": int(piped.evaluated), "seconds": float(piped.seconds), "best": best}}
 
 
 def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,
@@ -329,6 +341,7 @@ def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str
     """Simulate a given STRATEGY (a Strategy or a built-in name) beside the built-ins, without search or
     rewrite: (its name in the report, the Strategy, the report). NAME labels it (default: the strategy's
     name, or "given")."""
+    from tag.report import pipeline_fields
     from tag.strategy.baselines import BUILTIN_STRATEGIES
     if isinstance(strategy, str):
         name, strategy = strategy, analysis.builtin(strategy)
@@ -346,7 +359,8 @@ def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str
     report = _plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
                           {n: bool(r.feasible) for n, r in results.items()},
                           {"search_seconds": 0.0, "evaluations": len(results), "method": name,
-                           "reference": "dp_allreduce", "notes": [], **sfb_fields})
+                           "reference": "dp_allreduce", "notes": [], **sfb_fields,
+                           **pipeline_fields(strategy, analysis.topology, results[name])})
     return name, strategy, report
 
 

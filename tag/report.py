@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.cluster.topology import Topology
     from tag.cost.model import CostModel
     from tag.ir.types import TrainingGraph
-    from tag.strategy.types import Grouping
+    from tag.sim.result import SimResult
+    from tag.strategy.types import Grouping, Strategy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +129,41 @@ def build_report(model: str, topology: "Topology", grouping: "Grouping", strateg
         "sfb_gradients": [],
         "device_profiles": device_profiles(topology, cost_model),
     }
+
+
+def pipeline_fields(strategy: "Strategy", topology: "Topology", result: "SimResult | None" = None) -> dict:
+    """The report's ``pipeline`` key for a pipelined STRATEGY ({} otherwise): per stage its op groups (first
+    and last name, indices) and devices, M, the schedule, the ideal bubble (S - 1) / (M + S - 1) and the
+    simulator's predicted bubble (RESULT)."""
+    p = strategy.pipeline
+    if p is None:
+        return {}
+    names = strategy.grouping.names
+    stages = []
+    for st in p.stages:
+        first, last = names[st.groups[0]], names[st.groups[-1]]
+        stages.append({"groups": f"{first} .. {last}" if len(st.groups) > 1 else first,
+                       "group_indices": [int(g) for g in st.groups],
+                       "devices": [topology.devices[d].name for g in st.placement for d in topology.groups[g].devices],
+                       "mode": st.mode})
+    predicted = None if result is None or result.bubble_fraction is None else float(result.bubble_fraction)
+    return {"pipeline": {"stages": stages, "micro_batches": p.micro_batches, "schedule": p.schedule,
+                         "bubble_fraction_ideal": p.bubble_fraction(), "bubble_fraction_predicted": predicted}}
+
+
+def _pipeline_lines(report: dict) -> list[str]:
+    """The pipeline block of the printed table (empty for strategies without a pipeline)."""
+    p = report.get("pipeline")
+    if not p:
+        return []
+    bubble = p.get("bubble_fraction_predicted")
+    lines = [f"pipeline             {len(p['stages'])} stages, {p['micro_batches']} micro-batches, schedule "
+             f"{p['schedule']}, predicted bubble "
+             f"{'n/a' if bubble is None else f'{bubble * 100:.1f}%'} (ideal {p['bubble_fraction_ideal'] * 100:.1f}%)"]
+    for i, st in enumerate(p["stages"]):
+        lines.append(f"  stage {i}: {st['groups']} ({len(st['group_indices'])} op groups) on "
+                     f"{', '.join(st['devices'])}" + (f" [{st['mode']}]" if st["mode"] != "allreduce" else ""))
+    return lines
 
 
 def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup: int) -> dict[str, Any]:
@@ -240,6 +276,7 @@ def format_table(report: dict, model_spec: str) -> str:
              _cost_model_line(report)]
     for dtype, source in (report.get("device_profiles") or {}).items():
         lines.append(f"  {dtype:19}{source}")
+    lines += _pipeline_lines(report)
     lines += _search_lines(report) + [""]
     lines += _device_lines(report)
     lines += [""] + _strategy_lines(report)

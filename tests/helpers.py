@@ -52,3 +52,35 @@ def train_copies(res, target: str, ir, batches) -> list[dict[str, list[np.ndarra
             s.run(res.train_op, fd)
             out.append(s.run(reads))
     return out
+
+
+def forward_group_order(ir, grouping) -> tuple[list[int], list[int]]:
+    """(groups with forward ops in a topological order of their forward data edges, the other groups).
+
+    A hand-made pipeline cuts the first list into contiguous stages; the second (loss seed, optimizer
+    bookkeeping: no forward op) can join the last stage."""
+    group = np.asarray(grouping.group_of_op)
+    fwd = {int(group[i]) for i, op in enumerate(ir.ops) if op.phase == "forward"}
+    first = {}
+    for i, op in enumerate(ir.ops):
+        if op.phase == "forward":
+            first.setdefault(int(group[i]), i)
+    succ = {g: set() for g in fwd}
+    indeg = {g: 0 for g in fwd}
+    for e in ir.edges:
+        a, b = int(group[e.src]), int(group[e.dst])
+        if a != b and ir.ops[e.src].phase == "forward" and ir.ops[e.dst].phase == "forward" and b not in succ[a]:
+            succ[a].add(b)
+            indeg[b] += 1
+    ready = sorted((g for g in fwd if indeg[g] == 0), key=first.get)
+    order = []
+    while ready:
+        g = ready.pop(0)
+        order.append(g)
+        for b in succ[g]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                ready.append(b)
+        ready.sort(key=first.get)
+    rest = [g for g in range(grouping.num_groups) if g not in fwd]
+    return order, rest

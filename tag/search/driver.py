@@ -5,8 +5,12 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
 1. the built-in strategies (``dp_allreduce``, ``ps``, ``single``, ``partition``), simulated once;
 2. ``best_uniform``: every candidate action applied to every op group, the best kept;
 3. ``pase_dp``: PaSE-style dynamic programming on an additive cost model (``tag.search.pase``);
-4. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
-5. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
+4. ``pipeline``: stage boundaries, device sets, micro-batches and schedule by dynamic programming over the
+   op-group chain (``tag.search.pipeline_dp``); the best simulated pipeline competes with everything else.
+   Its stages' placements as per-group actions (``pipeline_stages``: the same stages without micro-batches)
+   are also evaluated, so they seed the tree search and refinement when they are the best choice so far;
+5. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
+6. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
 
 The answer is the best strategy any step found; it is never predicted slower than the best feasible
 built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so). A
@@ -35,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tag.search.env import Outcome, SearchEnv
+from tag.search.env import Choice, Outcome, SearchEnv
+from tag.search.pipeline_dp import PipelineSearchResult, pipeline_dp
 from tag.sim.simulator import SimResult
 from tag.strategy.types import Strategy
 
@@ -43,6 +48,8 @@ DEFAULT_PLAYOUTS = 400
 DEFAULT_MIN_GAIN = 0.05          # a searched strategy must be predicted this much faster than the best built-in
 REFINE_EVALUATIONS_PER_PLAYOUT = 8
 MIN_REFINE_EVALUATIONS = 2000
+PIPELINE_BUDGET_FRACTION = 0.25  # with budget_s: the pipeline search's share of what is left after steps 1-3
+_PIPELINE = ("pipeline",)        # the found-table's marker for the pipeline (not a per-group choice)
 
 
 @dataclass
@@ -70,6 +77,7 @@ class SearchResult:
     evaluations: int
     notes: list[str] = field(default_factory=list)
     candidates: dict[str, Strategy] = field(default_factory=dict, repr=False)   # name -> each step's best
+    pipeline: PipelineSearchResult | None = None    # the pipeline search's answer (whether or not it won)
 
     @property
     def step_time(self) -> float:
@@ -87,9 +95,23 @@ def best_uniform(env: SearchEnv) -> tuple[tuple[int, ...], Outcome]:
     return best
 
 
+def stage_choice(env: SearchEnv, strategy: Strategy) -> Choice | None:
+    """A pipelined STRATEGY's per-group actions as a choice of ENV's candidates (each group: the allowed
+    candidate with its stage's action), or None when some stage's action is not a candidate."""
+    index = {c.action: k for k, c in enumerate(env.candidates)}
+    choice = []
+    for g, a in enumerate(strategy.actions):
+        k = index.get(a)
+        if k is None or k not in env.allowed_sets[g]:
+            return None
+        choice.append(k)
+    return tuple(choice)
+
+
 def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | None = None, order: str = "auto",
            seed: int = 0, prior=None, progress: Callable[[SearchProgress], None] | None = None,
-           use_pase: bool = True, use_refine: bool = True, min_gain: float = DEFAULT_MIN_GAIN) -> SearchResult:
+           use_pase: bool = True, use_refine: bool = True, min_gain: float = DEFAULT_MIN_GAIN,
+           use_pipeline: bool = True) -> SearchResult:
     """Run the portfolio (module docstring) on ENV and return the best strategy found.
 
     ``playouts`` bounds the tree search by simulated playouts, ``budget_s`` the whole search by wall-clock
@@ -98,6 +120,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     group's candidates (``tag.search.mcts.uniform_value_prior`` when None); ``seed`` makes the search
     deterministic (under a playout budget). ``min_gain``: how much faster than the best feasible built-in
     a searched strategy must be predicted to replace it (0.05 = 5%; 0 keeps the fastest predicted).
+    ``use_pipeline``: search pipelines too (``tag.search.pipeline_dp``).
     """
     from tag.search.local import refine
     from tag.search.mcts import mcts
@@ -112,8 +135,18 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         dp = pase_dp(env)
         found["pase_dp"] = (dp.choice, dp.outcome)
 
+    piped = None
+    if use_pipeline:
+        left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
+        piped = pipeline_dp(env, budget_s=None if left is None else left * PIPELINE_BUDGET_FRACTION)
+        if piped.strategy is not None:
+            found["pipeline"] = (_PIPELINE, piped.outcome)
+            seed_choice = stage_choice(env, piped.strategy)
+            if seed_choice is not None:
+                found["pipeline_stages"] = (seed_choice, env.evaluate(seed_choice))
+
     def best_so_far() -> tuple[tuple[int, ...], Outcome]:
-        searched = {n: v for n, v in found.items() if v[0] is not None}
+        searched = {n: v for n, v in found.items() if v[0] is not None and v[0] is not _PIPELINE}
         name = max(searched, key=lambda n: searched[n][1].rank)
         return searched[name]
 
@@ -150,10 +183,14 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         strategy, result = env.builtin_strategies[method], env.builtin_results[method]
         if not notes:
             notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
+    elif choice is _PIPELINE:
+        strategy, result = piped.strategy, piped.result
     else:
         strategy, result = env.strategy(choice, name=method), env.result(choice)
     baselines = {n: float(v[1].step_time) for n, v in found.items()}
     feasible = {n: bool(v[1].feasible) for n, v in found.items()}
-    candidates = {n: env.builtin_strategies[n] if c is None else env.strategy(c, name=n) for n, (c, _) in found.items()}
+    candidates = {n: env.builtin_strategies[n] if c is None else piped.strategy if c is _PIPELINE
+                  else env.strategy(c, name=n) for n, (c, _) in found.items()}
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
-                        time.perf_counter() - t0, env.evaluations, notes, candidates)
+                        time.perf_counter() - t0, env.evaluations + (piped.evaluated if piped else 0), notes,
+                        candidates, piped)

@@ -109,10 +109,18 @@ class MemoryModel:
             acc[0] += per_example
             acc[1] += fixed
         keys = sorted(summed)
-        self.live_src_task = np.array([k[0] for k in keys], dtype=np.int64)
-        self.live_last_task = np.array([k[1] for k in keys], dtype=np.int64)
-        self.live_per_example = np.array([summed[k][0] for k in keys], dtype=np.float64)
-        self.live_fixed = np.array([summed[k][1] for k in keys], dtype=np.float64)
+        self.set_live_rows(np.array([k[0] for k in keys], dtype=np.int64),
+                           np.array([k[1] for k in keys], dtype=np.int64),
+                           np.array([summed[k][0] for k in keys], dtype=np.float64),
+                           np.array([summed[k][1] for k in keys], dtype=np.float64))
+
+    def set_live_rows(self, src_task: np.ndarray, last_task: np.ndarray, per_example: np.ndarray,
+                      fixed: np.ndarray) -> None:
+        """Set the live-buffer rows (producer task, last reader task, per-example and fixed bytes); a
+        pipeline's expanded task graph (``tag.sim.pipeline``) sets its own on a copy of this model."""
+        order = np.lexsort((last_task, src_task)) if len(src_task) else np.zeros(0, dtype=np.int64)
+        self.live_src_task, self.live_last_task = src_task[order], last_task[order]
+        self.live_per_example, self.live_fixed = per_example[order], fixed[order]
         # row groupings for summing the rows per producer task and per last reader task
         self._src_tasks, self._src_starts = np.unique(self.live_src_task, return_index=True)
         self._last_order = np.argsort(self.live_last_task, kind="stable")

@@ -40,6 +40,8 @@ class SimResult:
     static_memory: np.ndarray = field(default_factory=lambda: np.zeros(0))      # params+grads+slots per device
     activation_memory: np.ndarray = field(default_factory=lambda: np.zeros(0))  # activation peak per device
     batch_size: int = 0
+    # pipelined strategies: predicted idle fraction of the stages (tag.sim.pipeline.bubble_fraction); else None
+    bubble_fraction: float | None = None
     _features: object = field(default=None, repr=False, compare=False)   # () -> dict of the arrays below
 
     def _feature(self, name: str) -> np.ndarray:

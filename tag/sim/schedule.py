@@ -83,6 +83,11 @@ class StepSchedule:
         self.flows_into: dict[int, list[int]] = {}
         self.flows_out_of: dict[int, list[int]] = {}
         self.arrival: dict[int, dict[int, float]] = {}     # flow -> {destination lane: arrival time}
+        self.flow_consumer: list[int] = []    # flow -> its first consumer task (trace labels)
+        # trace label per task: the task graph's own (a pipeline's "F3 dense_1"), else the op group's name
+        labels = getattr(tasks, "labels", None)
+        self.task_labels = (labels if labels is not None or record is None
+                            else [group_names[g] for g in tasks.task_group_list])
         # task -> [(group, resources, seconds, bytes on the wire, tasks it waits for, tasks waiting for it,
         # seconds of local compute after it, kind, payload bytes per device, devices)] of the collectives
         # issued once the task has run
@@ -110,6 +115,7 @@ class StepSchedule:
             if m is None:
                 m = flow_of[key] = len(flows)
                 flows.append([k, ld, 0.0, 0.0, key[2], wait_all])
+                self.flow_consumer.append(t)
                 flows_out_of.setdefault(k, []).append(m)
             fl = flows[m]
             per_example, fixed = b_own[b]
@@ -330,7 +336,7 @@ class StepSchedule:
         rfree, rec, moves = self.resource_free, self.record, self.routing.moves
         flows, arrival = self.flows, self.arrival
         for m in self.flows_out_of[k]:
-            dst_task, ld, per_example, fixed, b, wait_all = flows[m]
+            _, ld, per_example, fixed, b, wait_all = flows[m]
             if wait_all:
                 # gradients to the PS travel in the push collective: only wait for every replica
                 arrival[m] = dict.fromkeys(ld.lanes, self.task_finish[k])
@@ -389,7 +395,7 @@ class StepSchedule:
                     if st > arrd[dl]:
                         arrd[dl] = st
             else:   # the same schedule, recorded
-                names, tg_l = self.group_names, self.tasks.task_group_list
+                label = f"{self.task_labels[k]} -> {self.task_labels[self.flow_consumer[m]]}"
                 for (sl, dl, res, lat, ipb, ex, cnt) in full:
                     nb = per_example * ex + fixed * cnt
                     if nb <= 0:
@@ -401,7 +407,7 @@ class StepSchedule:
                     for r in res:
                         rfree[r] = free
                     arrd[dl] = max(arrd[dl], end)
-                    rec.transfers.append((res, st, end, nb, f"{names[tg_l[k]]} -> {names[tg_l[dst_task]]}"))
+                    rec.transfers.append((res, st, end, nb, label))
             self.comm_bytes += nbytes
             arrival[m] = arrd
 

@@ -83,13 +83,15 @@ from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel
+from tag.sim.pipeline import PipelineTasks, bubble_fraction
 from tag.sim.result import SimResult, schedule_features
 from tag.sim.routing import Routing
 from tag.sim.schedule import StepSchedule
 from tag.sim.sfb import SfbModel, SfbPlan
 from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import STAGE_NAMES, Recording, chrome_trace
-from tag.strategy.types import Action, Grouping, Strategy
+from tag.strategy.pipeline import Pipeline
+from tag.strategy.types import Action, Grouping, Strategy, batch_shares
 
 __all__ = ["ALIAS_TYPES", "STAGE_NAMES", "SimResult", "Simulator"]
 
@@ -128,6 +130,8 @@ class Simulator:
         net = self.cost.profile.network
         self._step_overhead = net.step_overhead_s if net is not None else 0.0
         self._valid_actions: set[Action] = set()
+        self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
+        self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
 
     @property
     def cost_model(self) -> CostModel:
@@ -144,10 +148,17 @@ class Simulator:
         host interconnect and network interface; ``ph: "X"`` events in microseconds (tag.sim.trace)."""
         rec = Recording()
         res = self._run(strategy, batch_size, record=rec)
-        return chrome_trace(rec, self.topology, self.grouping.names, self.tasks.task_group_list,
-                            self.tasks.task_stage_list, self.routing.resource_names,
-                            {"step_time_s": res.step_time, "feasible": res.feasible,
-                             "comm_bytes": res.comm_bytes, "strategy": strategy.name})
+        other = {"step_time_s": res.step_time, "feasible": res.feasible, "comm_bytes": res.comm_bytes,
+                 "strategy": strategy.name}
+        if strategy.pipeline is None:
+            return chrome_trace(rec, self.topology, self.grouping.names, self.tasks.task_group_list,
+                                self.tasks.task_stage_list, self.routing.resource_names, other)
+        pt = self.pipeline_tasks(strategy.pipeline)
+        other.update(pipeline=strategy.pipeline.to_dict(), bubble_fraction=res.bubble_fraction)
+        return chrome_trace(rec, self.topology, self.grouping.names, pt.task_group_list, pt.task_stage_list,
+                            self.routing.resource_names, other, task_labels=pt.labels,
+                            task_args={"micro_batch": pt.micro_batch.tolist(),
+                                       "pipeline_stage": pt.pipeline_stage.tolist()})
 
     def collectives(self, strategy: Strategy, batch_size: int | None = None) -> list[dict]:
         """Every all-reduce and all-gather one step of STRATEGY issues, in issue order: {"kind": "allreduce"
@@ -237,6 +248,8 @@ class Simulator:
             raise StrategyError(f"strategy has {len(strategy.device_speeds)} device speeds for "
                                 f"{self.topology.num_devices} devices")
         self.layouts.use_speeds(strategy.device_speeds)
+        if strategy.pipeline is not None:
+            return self._run_pipeline(strategy.pipeline, batch, record)
         actions = strategy.actions
         # distinct actions (by object: strategies usually share Action objects between groups)
         distinct: dict[int, Action] = {}
@@ -267,20 +280,107 @@ class Simulator:
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
         return self._result(actions, distinct, plans, lanes, batch, step, schedule, sfb)
 
+    # ------------------------------------------------------------------ pipelines
+    def pipeline_tasks(self, pipeline: Pipeline) -> PipelineTasks:
+        """The expanded task graph of PIPELINE's structure (tag.sim.pipeline), cached by stages, M, schedule."""
+        if pipeline.num_stages > self.num_groups:
+            raise StrategyError(f"pipeline has {pipeline.num_stages} stages but the grouping has only "
+                                f"{self.num_groups} op groups: stage {self.num_groups} and later would be empty")
+        key = (tuple(st.groups for st in pipeline.stages), pipeline.micro_batches, pipeline.schedule)
+        pt = self._pipelines.get(key)
+        if pt is None:
+            if len(self._pipelines) > 64:
+                self._pipelines.clear()
+                self._pipeline_layouts.clear()
+            pt = PipelineTasks(self.tasks, self.memory, pipeline, self.grouping.names)
+            self._pipelines[key] = pt
+        return pt
+
+    def _expanded_layout(self, base: Layout, pt: PipelineTasks) -> Layout:
+        """BASE with its per-task durations over PT's expanded tasks (same lanes and holdings, same id: the
+        routing caches, keyed by layout ids, depend only on those)."""
+        key = (base.id, pt.uid)
+        lay = self._pipeline_layouts.get(key)
+        if lay is None:
+            if len(self._pipeline_layouts) > 4096:
+                self._pipeline_layouts.clear()
+            insts = [(lane, ta[pt.base_task].tolist(), b, ta[pt.base_task]) for lane, _, b, ta in base.insts]
+            lay = Layout(base.id, base.kind, insts, base.holdings, base.devices, ("pipeline", pt.uid) + base.key)
+            self._pipeline_layouts[key] = lay
+        return lay
+
+    def _check_micro_batches(self, pipeline: Pipeline, batch: int) -> None:
+        """Every device of every stage gets at least one example of every micro-batch."""
+        M = pipeline.micro_batches
+        devices = self.topology.devices
+        for i, st in enumerate(pipeline.stages):
+            devs = self.layouts.devices_of(st.placement)
+            if batch < len(devs):
+                raise StrategyError(f"pipeline stage {i}: the global batch of {batch} is smaller than its "
+                                    f"{len(devs)} devices")
+            shares = self.layouts.shares_of(st.placement, batch)
+            k = int(np.argmin(shares))
+            if shares[k] < M:
+                raise StrategyError(f"pipeline stage {i}: {M} micro-batches but device {devices[devs[k]].name} "
+                                    f"gets only {shares[k]} examples of the batch of {batch} (a micro-batch "
+                                    f"would be empty there)")
+
+    def _run_pipeline(self, pipeline: Pipeline, batch: int, record: Recording | None) -> SimResult:
+        """One step of a pipelined strategy: the expanded task graph (tag.sim.pipeline) on the list schedule."""
+        pt = self.pipeline_tasks(pipeline)
+        stage_actions = [st.action() for st in pipeline.stages]
+        for a in stage_actions:
+            self._check_action(a)
+        self._check_micro_batches(pipeline, batch)
+        actions = [stage_actions[int(s)] for s in pt.stage_of_group]
+        distinct = {id(a): a for a in stage_actions}
+        special = frozenset(int(a.ps_device) for a in stage_actions if a.mode == "ps")
+        lanes = self.layouts.lanes(special)
+        sizes = batch_shares([1.0] * pipeline.micro_batches, batch)      # examples per micro-batch
+        cache = self.layouts
+        # per stage: {micro-batch size: expanded layout}, and the PS layout of its update tasks
+        by_size = [{b: self._expanded_layout(cache.replicated_layout(st.placement, lanes, b), pt)
+                    for b in sorted(set(sizes))} for st in pipeline.stages]
+        ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt)
+                      if a.mode == "ps" else None for a in stage_actions]
+        update = UPDATE_STAGE
+        layout_of_task = []
+        for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist()):
+            if st_kind == update:
+                layout_of_task.append(ps_layouts[s] or by_size[s][sizes[0]])
+            else:
+                layout_of_task.append(by_size[s][sizes[m]])
+        group_layouts = [by_size[int(s)][sizes[0]] for s in pt.stage_of_group]
+        schedule = StepSchedule(pt, self.routing, layout_of_task, {}, len(lanes.lanes), {}, self.grouping.names,
+                                record)
+        has_ps = any(a.mode == "ps" for a in stage_actions)
+        schedule.add_flows(actions, has_ps)
+        schedule.add_collectives(actions, group_layouts, self.memory.weight_bytes_list, None)
+        step = schedule.run(actions)
+        if record is not None:
+            record.lanes = lanes
+            record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
+        result = self._result(actions, distinct, {}, lanes, batch, step, schedule, SfbPlan([]), tasks=pt)
+        result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, schedule.start, schedule.finish)
+        return result
+
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,
-                batch: int, step: float, schedule: StepSchedule, sfb: SfbPlan) -> SimResult:
+                batch: int, step: float, schedule: StepSchedule, sfb: SfbPlan,
+                tasks: TaskGraph | PipelineTasks | None = None) -> SimResult:
         num_devices = self.topology.num_devices
+        tasks = self.tasks if tasks is None else tasks
+        memory = self.memory if tasks is self.tasks else tasks.memory
         static = self.memory.static_memory(actions, distinct, plans, self.layouts.devices_of, num_devices)
         if sfb.memory is not None:
             static = static + sfb.memory
         ran = schedule.finish >= 0
-        activation_peak = self.memory.activation_peak(ran, schedule.batch, schedule.split_parts)
+        activation_peak = memory.activation_peak(ran, schedule.batch, schedule.split_parts)
         lane_of_device = lanes.lane_of_device
         activation = np.maximum(activation_peak, 0.0)[lane_of_device]
         peak = static + activation
         oom = np.flatnonzero(peak > self._device_memory)
-        features = partial(schedule_features, self.num_groups, self.tasks.task_by_group,
-                           self.tasks.task_by_group_starts, lane_of_device, step, schedule.collective_end, ran,
+        features = partial(schedule_features, self.num_groups, tasks.task_by_group,
+                           tasks.task_by_group_starts, lane_of_device, step, schedule.collective_end, ran,
                            schedule.start, schedule.finish, num_devices)
         return SimResult(float(step) + self._step_overhead, peak, len(oom) == 0, [int(d) for d in oom],
-                         float(schedule.comm_bytes), static, activation, batch, features)
+                         float(schedule.comm_bytes), static, activation, batch, _features=features)

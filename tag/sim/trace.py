@@ -48,9 +48,11 @@ class Recording:
 
 
 def chrome_trace(recording: Recording, topology: Topology, group_names: list[str], task_group: list[int],
-                 task_stage: list[int], resource_names: list[str], other_data: dict) -> dict:
+                 task_stage: list[int], resource_names: list[str], other_data: dict,
+                 task_labels: list[str] | None = None, task_args: dict[str, list] | None = None) -> dict:
     """Trace events of RECORDING: compute events per device (named after the op group and stage of each task
-    in TASK_GROUP / TASK_STAGE), communication events per resource, OTHER_DATA as ``otherData``."""
+    in TASK_GROUP / TASK_STAGE, or TASK_LABELS when given: a pipeline's ``F3 dense_1``), communication events
+    per resource, OTHER_DATA as ``otherData``. TASK_ARGS: more per-task values for each event's args."""
     lanes = recording.lanes
     events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "devices"}},
               {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "links"}}]
@@ -65,12 +67,15 @@ def chrome_trace(recording: Recording, topology: Topology, group_names: list[str
     for t, lane in zip(*np.nonzero(finish >= 0)):
         t, lane = int(t), int(lane)
         g, st = task_group[t], task_stage[t]
+        name = task_labels[t] if task_labels is not None else f"{group_names[g]} [{STAGE_NAMES[st]}]"
+        args = {"group": g, "stage": STAGE_NAMES[st], "batch": float(batch[t, lane])}
+        if task_args:
+            args.update({k: v[t] for k, v in task_args.items()})
         for d in lanes.lanes[lane]:
-            events.append({"name": f"{group_names[g]} [{STAGE_NAMES[st]}]", "cat": "compute", "ph": "X",
+            events.append({"name": name, "cat": "compute", "ph": "X",
                            "ts": float(start[t, lane]) * 1e6,
                            "dur": max(float(finish[t, lane] - start[t, lane]), 0.0) * 1e6,
-                           "pid": 0, "tid": int(d),
-                           "args": {"group": g, "stage": STAGE_NAMES[st], "batch": float(batch[t, lane])}})
+                           "pid": 0, "tid": int(d), "args": dict(args)})
     for (res_ids, st, fn, nbytes, label) in recording.transfers + recording.collectives:
         for r in res_ids:
             events.append({"name": label, "cat": "comm", "ph": "X", "ts": st * 1e6,

@@ -49,7 +49,8 @@ Rules (documented choices):
   once per replica device for ``allreduce`` (copies stay identical), once on ``ps_device`` for ``ps``.
   Sparse (IndexedSlices) updates get the indices and values of the whole batch, so the deduplication
   and scatter run as on one device.
-* BatchNorm keeps per-replica batch statistics (as Horovod and MirroredStrategy do).
+* BatchNorm keeps per-replica batch statistics (as Horovod and MirroredStrategy do); in a pipeline, per
+  micro-batch and device (``pipeline``).
 * ``strategy.sfb`` (sufficient-factor broadcasting): those weight gradients are not summed but
   recomputed on every replica from the gathered factors (the layer's input and output gradient).
 
@@ -73,7 +74,8 @@ Where things are (one module per concern): ``api`` (``rewrite``, ``RewriteResult
 ``context`` (shared state, graph order, dtypes/shapes), ``placement`` (instances per op), ``variables``,
 ``batch_split`` (slices, concats, batch-following constants), ``instances`` (emission, input
 resolution, clones), ``collectives`` (all-reduce, fusion, group keys), ``parameter_server`` (whole-batch
-gradient sums, ps variables), ``sfb``, ``loss`` (seeds, loss kinds and weights, fetches) and
+gradient sums, ps variables), ``sfb``, ``pipeline`` (micro-batched stages, gradient accumulation, the
+schedule's control dependencies), ``loss`` (seeds, loss kinds and weights, fetches) and
 ``graph_edit`` (NodeDef/tensor-name plumbing, the import check).
 """
 import os

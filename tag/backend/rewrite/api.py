@@ -2,9 +2,10 @@
 
 ``Rewriter`` combines the concerns, each a mixin over ``RewriteContext`` in its own module:
 ``placement`` (which instances each op gets), ``variables``, ``batch_split``, ``instances`` (emission
-and input resolution), ``collectives``, ``parameter_server``, ``sfb`` and ``loss``. The passes run in
-this order: prune and order the graph, find batch-following constants, flag batch/gradient-dependent
-ops, place variables, place instances, emit, fetch, check the result imports.
+and input resolution), ``collectives``, ``parameter_server``, ``sfb``, ``pipeline`` and ``loss``. The
+passes run in this order: set up the pipeline's micro-batches (if any), prune and order the graph, find
+batch-following constants, flag batch/gradient-dependent ops, check the pipeline's stage order, place
+variables, place instances, emit, enforce the pipeline's schedule, fetch, check the result imports.
 
 Example::
 
@@ -36,6 +37,7 @@ from .graph_edit import check_imports
 from .instances import InstancesMixin
 from .loss import LossMixin
 from .parameter_server import ParameterServerMixin
+from .pipeline import PipelineMixin
 from .placement import PlacementMixin
 from .sfb import SfbMixin
 from .variables import VariablesMixin
@@ -98,19 +100,22 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
             gc.enable()
 
 
-class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, InstancesMixin, BatchSplitMixin,
-               VariablesMixin, PlacementMixin):
+class Rewriter(PipelineMixin, LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, InstancesMixin,
+               BatchSplitMixin, VariablesMixin, PlacementMixin):
     """One rewrite: the context (constructor arguments as for ``rewrite``) plus every concern."""
 
     def run(self, validate: bool) -> RewriteResult:
         """Run the passes; with VALIDATE, check that the result imports."""
+        self._setup_pipeline()
         self._prune_and_order()
         self._const_rules()
         self._flags()
+        self._check_pipeline_order()
         self._place_variables()
         self._place_all()
         self._check_seeds()
         self._emit_all()
+        self._enforce_schedule()
         self._send_remote_slices_first()
         fetch_train, fetch_loss, fetch_init = self._fetches()
         out = graph_pb2.GraphDef()
@@ -126,5 +131,6 @@ class Rewriter(LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, Inst
             if a.mode != "partition":
                 devs, ranges = self._replicas(g)
                 replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges)]
+        replicas.update(self._pipeline_replicas())
         return RewriteResult(out, fetch_train, fetch_loss, fetch_init, list(self.inputs), self.batch,
                              variables, devices, self.notes, replicas)

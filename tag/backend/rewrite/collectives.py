@@ -45,7 +45,7 @@ class CollectivesMixin(RewriteContext):
         if memo_key in self.allreduce_memo:
             return self.allreduce_memo[memo_key]
         p, k = split_tensor(t)
-        partials = {d: self._resolve(t, r, d, p, d) for d, r in zip(devs, ranges)}
+        partials = {d: self._replica_partial(t, r, d) for d, r in zip(devs, ranges)}
         out = {d: self._collective(f"tag/allreduce/{p}_{k}/{d}", partials[d], d, devs, self._dtype(t), t)
                for d in devs}
         self.counts["allreduces"] += 1
@@ -156,7 +156,7 @@ class CollectivesMixin(RewriteContext):
         ts = self.buckets[key]
         flat = []
         for j, t in enumerate(ts):
-            partial = self._resolve(t, r, d, split_tensor(t)[0], d)
+            partial = self._replica_partial(t, r, d)
             flat.append(self._reshape(f"{base}/flat_{j}/{d}", partial, [-1], dtype, d))
         shape_axis = self._const(f"{base}/concat_{d}/axis", np.array(0, np.int32), d)
         concat = self._concat_node(self._fresh(f"{base}/concat_{d}"), flat, shape_axis, dtype, d)

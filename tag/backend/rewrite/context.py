@@ -103,6 +103,11 @@ class RewriteContext(NodeBuilder):
         self.allreduce_memo: dict[tuple, dict[int, str]] = {}
         self.instance_key_of: dict[tuple[str, tuple[int, ...]], int] = {}
         self.taken_instance_keys: set[int] = set()
+        # pipelines (``pipeline``): stage of each op group (None: no pipeline), micro-batch ranges,
+        # stage -> (batch range, device) of its micro-batch instances
+        self.stage_of_group: np.ndarray | None = None
+        self.micro_ranges: list[Range] = []
+        self._stage_instances: dict[int, list[tuple[Range, int]]] = {}
 
     # -------------------------------------------------------------------------------- checks
     def _check_strategy(self) -> None:
@@ -267,6 +272,10 @@ class RewriteContext(NodeBuilder):
         """The op group of OP (None for ops outside the analysed step)."""
         i = self.ir_index.get(op)
         return None if i is None else int(self.strategy.grouping.group_of_op[i])
+
+    def _pipelined(self, g: int | None) -> bool:
+        """Is op group G part of a pipeline stage (micro-batched)?"""
+        return g is not None and self.stage_of_group is not None
 
     def _replicas(self, g: int) -> tuple[list[int], list[Range]]:
         """Devices of op group G and the batch range of each (``batch_shares`` by peak FLOP/s)."""

@@ -70,8 +70,11 @@ class InstancesMixin(RewriteContext):
         if len(placements) == 1:
             return [n]
         names = []
+        micro = self.stage_of_group is not None and len({d for _, d in placements}) < len(placements)
         for rng, asked_dev in placements:
             name = f"{n}/replica_{asked_dev}"
+            if micro:
+                name += f"_micro_{self._micro_index(rng)}"
             if name in self.nodes:
                 raise RewriteError(f"op {n!r}: the name {name!r} of its replica is taken in the graph")
             names.append(name)
@@ -175,6 +178,10 @@ class InstancesMixin(RewriteContext):
                                    f"where it has no copy")
             return tensor_name(same[0].name, k)
         if not self.batch_dependent[p]:
+            if self.stage_of_group is not None:   # per-micro-batch copies (a constant after a gradient) stay in theirs
+                same = [i for i in insts if i.rng == rng and i.dev == dev]
+                if same:
+                    return tensor_name(same[0].name, k)
             return tensor_name(self._pick(insts, dev, consumer_asked_dev).name, k)
         same = [i for i in insts if i.rng == rng]
         if tensor_name(p, k) in self.sfb_tensors:        # recomputed on every device that needs it, not shipped

@@ -67,11 +67,15 @@ class ParameterServerMixin(RewriteContext):
         parts = self._tiling(p, self.full_batch)
         if parts is None:
             raise RewriteError(f"gradient {t!r}: its instances do not tile the batch, cannot sum them")
+        if self._pipelined(self._group(p)):   # each device first adds its micro-batches' partial sums
+            partials = [self._replica_partial(t, None, d) for d in dict.fromkeys(i.asked_dev for i in parts)]
+            return self._add_n(t, partials, self.full_batch, dev)
         return self._add_n(t, [tensor_name(i.name, k) for i in parts], self.full_batch, dev)
 
-    def _add_n(self, t: str, parts: list[str], rng: Range, dev: int) -> str:
-        """PARTS (partial sums of T over examples RNG) summed by one AddN on DEV."""
-        memo_key = ("sum", t, rng, dev)
+    def _add_n(self, t: str, parts: list[str], rng: Range, dev: int, memo_key: tuple | None = None) -> str:
+        """PARTS (partial sums of T over examples RNG) summed by one AddN on DEV (memoised by MEMO_KEY,
+        default: T, RNG and DEV)."""
+        memo_key = memo_key or ("sum", t, rng, dev)
         if memo_key in self.memo:
             return self.memo[memo_key]
         if len(parts) == 1:

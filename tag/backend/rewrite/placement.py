@@ -81,7 +81,7 @@ class PlacementMixin(RewriteContext):
             if a.mode == "allreduce":
                 return [(self.full_batch, d) for d in devs]
             return [(self.full_batch, int(a.ps_device))]
-        return list(zip(ranges, devs))
+        return self._compute_instances(g, op)
 
     def _placeholder_home(self, n: str) -> int:
         """The one device of batch source N: its partition device, else its group's first replica."""

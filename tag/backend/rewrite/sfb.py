@@ -62,7 +62,7 @@ class SfbMixin(RewriteContext):
                 raise StrategyError(f"strategy.sfb names {name!r}, which is not a trainable variable with a gradient")
             f = eligible.get(name)
             g = self._group(v.apply_op) if v.apply_op else None
-            if f is None or g is None or self.strategy.actions[g].mode != "allreduce" \
+            if f is None or g is None or self.strategy.actions[g].mode != "allreduce" or self._pipelined(g) \
                     or len(self._replicas(g)[0]) < 2 or not self._attributes_match(f):
                 self.notes.append(f"sfb: {name} keeps its all-reduce (its gradient is not one batch-contracting "
                                   f"MatMul in a replicated allreduce group)")

@@ -141,6 +141,8 @@ class VariablesMixin(RewriteContext):
         devs = [self._device_for(n, k) for _, k in placements]
         if sorted(devs) == sorted(copies) and len(set(devs)) == len(devs):
             return placements
+        if self._pipelined(self._group(n)) and sorted(set(devs)) == sorted(copies):
+            return placements     # micro-batches update their device's copy in turn (BatchNorm statistics)
         if all(r == self.full_batch for r, _ in placements):
             return [(self.full_batch, c) for c in copies]
         raise RewriteError(f"op {n!r} updates a variable whose copies ({copies}) do not match its replicas "

@@ -1,0 +1,251 @@
+"""Pipelines measured: tag's pipelined plan vs its best uniform action vs tf.distribute, on a testbed whose
+links carry what a GPU cluster's do per FLOP.
+
+The testbed (``tag.backend.testbed``): three hosts in network namespaces with CFS CPU quotas ``QUOTAS``
+(one fast host, two half-speed ones: every host has to be used to go faster than the fast one) and one
+shaped link rate between every pair. How the links are sized: a V100 sustains about 15 TFLOP/s
+(``GPU_FLOPS``) and a GPU cluster's hosts talk over 10-25 Gbit/s Ethernet, so a GPU cluster moves
+``gpu_gbps / 8 / 15e12`` bytes per FLOP (8.3e-5 B/FLOP at 10 Gbit/s, 2.1e-4 at 25). The testbed keeps that
+ratio: each link's rate is ``gpu_gbps * F / 15e12`` where F is the calibrated FLOP/s of the fastest
+quota (e.g. 20 GFLOP/s and 25 Gbit/s -> 33 Mbit/s). The models are deep enough that the activations
+crossing a stage boundary are a small fraction of the stage's work at that ratio (a 8 x 1024 MLP, a
+4-layer d=256 transformer encoder), at global batches where one host alone takes most of a second.
+
+Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
+per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
+running testbed); ``--profile F`` reuses a saved calibration (``--save-profile F`` writes one).
+
+Per case, side by side on one running testbed (every time the median of the timed steps; every worker one
+intra-op thread):
+
+- ``pipeline``: ``tag.search.pipeline_dp`` (stages, devices, micro-batches, schedule; simulated) rewritten by
+  ``tag.rewrite`` and run on TF servers in the namespaces;
+- ``uniform``: tag's best uniform action (``tag.search.best_uniform``: one candidate action for every op group);
+- ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``tag.backend.mwms``, the same tf_keras
+  architecture, batch and Adam) on every prefix of the hosts, fastest first, the best kept; its prediction is
+  tag's simulation of ``dp_allreduce`` on the same hosts;
+- ``max_rel_weight_diff``: one pipelined step on the testbed against the original graph on one local device,
+  the same batch: the largest difference of a trainable weight, relative to the weight's largest magnitude.
+
+Needs root (namespaces, tc, cgroup v1 cpu). The machine is shared: the load average is printed per case.
+
+Usage::
+
+    python scripts/bench_pipeline.py                          # 2 cases; calibration included (~10 min)
+    python scripts/bench_pipeline.py --quick                  # the MLP only
+    python scripts/bench_pipeline.py --json F --save-profile P   # F: rows and the issue's keys
+    python scripts/bench_pipeline.py --profile P              # reuse a calibration
+
+JSON keys: ``pipeline_over_best_uniform`` (measured, geomean over cases), ``pipeline_over_best_mwms``,
+``median_abs_rel_error_pipeline``, ``max_rel_weight_diff``, ``rows``, ``link_gbps``, ``quotas``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+import numpy as np  # noqa: E402
+
+from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_on_testbed, runtime_levels, \
+    testbed_topology  # noqa: E402
+from bench_e2e import geomean, run_mwms  # noqa: E402
+from tag.api import prepare  # noqa: E402
+from tag.backend.mwms import tf1_graph  # noqa: E402
+from tag.backend.testbed import Testbed  # noqa: E402
+from tag.cost.model import Profile  # noqa: E402
+from tag.search.driver import best_uniform  # noqa: E402
+from tag.search.env import SearchEnv  # noqa: E402
+from tag.search.pipeline_dp import pipeline_dp  # noqa: E402
+from tag.strategy.types import Action, Strategy  # noqa: E402
+
+GPU_FLOPS = 15e12            # a V100's sustained fp32/tensor-core mix, FLOP/s
+QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
+# (label, tag.backend.mwms model, width, depth, global batch: divisible by 1, 2 and 3 hosts for MWMS)
+CASES = [
+    ("deep-mlp", "mlp", 1024, 8, 48),
+    ("transformer", "transformer", 256, 4, 24),
+]
+TARGETS = {"pipeline_over_best_uniform": 1.25, "best_case": 1.4, "median_abs_rel_error_pipeline": 0.15,
+           "max_rel_weight_diff": 1e-5}
+
+
+def random_feed(ir, gd, seed: int = 0) -> dict:
+    """A batch for the graph's inputs: token ids and labels in 0..1, floats standard normal."""
+    import tensorflow as tf
+    nodes = {n.name: n for n in gd.node}
+    rng = np.random.RandomState(seed)
+    feed = {}
+    for name in ir.inputs:
+        shape = [d.size for d in nodes[name].attr["shape"].shape.dim]
+        if nodes[name].attr["dtype"].type == tf.int32.as_datatype_enum:
+            feed[name] = rng.randint(0, 2, shape).astype(np.int32)
+        else:
+            feed[name] = rng.randn(*shape).astype(np.float32)
+    return feed
+
+
+def weight_diff(analysis, res, target: str) -> float:
+    """One step of rewrite RES on TARGET vs the original graph on one local device, same batch: the largest
+    |difference| of a trainable weight over the weight's largest magnitude."""
+    import tensorflow as tf
+    from helpers import train_copies
+    tf1 = tf.compat.v1
+    feed = random_feed(analysis.graph, analysis.graph_def)
+    got = train_copies(res, target, analysis.graph, [{k + ":0": v for k, v in feed.items()}])[0]
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(analysis.graph_def, name="")
+        names = [v.name for v in analysis.graph.variables if v.kind == "trainable"]
+        reads = [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(n + ":0"),
+                                           dtype=g.get_operation_by_name(n).get_attr("dtype")) for n in names]
+    cfg = tf1.ConfigProto()
+    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    with tf1.Session(graph=g, config=cfg) as s:
+        s.run(analysis.entry.init)
+        s.run(analysis.entry.train_op, {k + ":0": v for k, v in feed.items()})
+        ref = s.run(reads)
+    worst = 0.0
+    for n, r in zip(names, ref):
+        scale = float(np.max(np.abs(r))) or 1.0
+        worst = max(worst, max(float(np.max(np.abs(c - r))) / scale for c in got[n]))
+    return worst
+
+
+def host_prefix_strategy(env: SearchEnv, hosts: int) -> Strategy:
+    """dp_allreduce over the first HOSTS hosts (every op group): what MWMS on those hosts runs."""
+    first = {h.name for h in env.topology.hosts[:hosts]}
+    groups = tuple(g.index for g in env.topology.groups if g.host in first)
+    return Strategy(env.grouping, [Action(groups, "allreduce")] * env.grouping.num_groups, name=f"dp{hosts}")
+
+
+def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch: int, profile: Profile,
+             args) -> dict:
+    gd = tf1_graph(model, batch, width=width, depth=depth)
+    an = prepare(gd, tb.topology, batch_size=batch, profile=profile, name=label)
+    env = SearchEnv(an.graph, an.topology, an.grouping, cost_model=an.cost_model, batch_size=batch,
+                    simulator=an.simulator())
+    t0 = time.perf_counter()
+    found = pipeline_dp(env)
+    search_s = time.perf_counter() - t0
+    if found.strategy is None:
+        raise RuntimeError("pipeline_dp found no feasible pipeline")
+    pipe, pipe_pred = found.strategy, found.outcome.step_time
+    choice, uni_out = best_uniform(env)
+    uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
+    budget = args.budget
+    tb.start_workers(threads_per_worker=1)
+    try:
+        pipe_res = an.rewrite(pipe)
+        pipe_s = measure_on_testbed(tb, pipe_res, pipe_pred, budget)
+        uni_s = measure_on_testbed(tb, an.rewrite(uniform), uni_pred, budget)
+        diff = weight_diff(an, pipe_res, tb.target)
+    finally:
+        tb.stop_workers()
+    mwms = {}
+    for k in range(1, len(tb.topology.hosts) + 1):
+        pred = env.simulator.evaluate(host_prefix_strategy(env, k), batch_size=batch).step_time
+        meas = run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
+                        model_args=("--width", str(width), "--depth", str(depth)))
+        mwms[k] = (pred, meas)
+    best_k = min(mwms, key=lambda k: mwms[k][1])
+    p = pipe.pipeline
+    row = {"case": label, "model": model, "width": width, "depth": depth, "batch": batch,
+           "pipeline": p.to_dict(), "pipeline_stages": [len(s.placement) for s in p.stages],
+           "predicted_pipeline_s": pipe_pred, "measured_pipeline_s": pipe_s,
+           "predicted_bubble_fraction": found.result.bubble_fraction if found.result is not None else None,
+           "best_uniform_action": uniform.actions[0].to_dict(), "predicted_uniform_s": uni_pred,
+           "measured_uniform_s": uni_s,
+           "mwms": {str(k): {"predicted_s": v[0], "measured_s": v[1]} for k, v in mwms.items()},
+           "mwms_best_hosts": best_k, "measured_mwms_s": mwms[best_k][1], "predicted_mwms_s": mwms[best_k][0],
+           "pipeline_over_best_uniform": uni_s / pipe_s, "pipeline_over_best_mwms": mwms[best_k][1] / pipe_s,
+           "rel_error_pipeline": (pipe_pred - pipe_s) / pipe_s, "rel_error_uniform": (uni_pred - uni_s) / uni_s,
+           "max_rel_weight_diff": diff, "search_s": search_s, "load": list(os.getloadavg())}
+    print(f"{label:<12} B={batch:<3} pipeline {pipe_s * 1e3:7.1f} ms (pred {pipe_pred * 1e3:7.1f}; "
+          f"{len(p.stages)} stages on {row['pipeline_stages']} hosts, M={p.micro_batches} {p.schedule})  "
+          f"uniform {uni_s * 1e3:7.1f} ms (pred {uni_pred * 1e3:7.1f}; {uniform.actions[0].to_dict()})  "
+          f"mwms {mwms[best_k][1] * 1e3:7.1f} ms on {best_k} host(s) (pred {mwms[best_k][0] * 1e3:7.1f}; all: "
+          f"{', '.join(f'{k}:{v[1] * 1e3:.0f}' for k, v in mwms.items())})  "
+          f"x{row['pipeline_over_best_uniform']:.2f} vs uniform, x{row['pipeline_over_best_mwms']:.2f} vs mwms  "
+          f"weights {diff:.1e}  load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the deep MLP only")
+    p.add_argument("--gpu-gbps", type=float, default=25.0,
+                   help="the GPU cluster's Ethernet rate whose bytes per FLOP the links keep (default 25)")
+    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed steps per tag run")
+    p.add_argument("--mwms-steps", type=int, default=8, help="MWMS steps per host set (the first --warmup untimed)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
+    p.add_argument("--save-profile", help="write the calibration here")
+    p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
+    p.add_argument("--json", help="write rows and the summary keys to this file")
+    args = p.parse_args(argv)
+    from _common import testbed_missing
+    if testbed_missing("bench_pipeline"):
+        return 2
+    recipe = load_recipe()
+    recipe["configs"] = {"P": {"quotas": QUOTAS, "links_gbps": [1.0, 1.0, 1.0]}}
+    t0 = time.time()
+    print(f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        with tempfile.TemporaryDirectory() as workdir:
+            profile = calibrate_testbed(recipe, workdir, ["P"])
+        if args.save_profile:
+            profile.save(args.save_profile)
+    fastest = profile.devices[device_type(max(QUOTAS))].peak_flops
+    link = args.gpu_gbps * fastest / GPU_FLOPS
+    recipe["configs"]["P"]["links_gbps"] = [round(link, 6)] * 3
+    print(f"links: {args.gpu_gbps:g} Gbit/s per {GPU_FLOPS / 1e12:g} TFLOP/s GPU -> {link * 1e3:.1f} Mbit/s per "
+          f"{fastest / 1e9:.1f} GFLOP/s host ({args.gpu_gbps / 8e-9 / GPU_FLOPS:.2e} bytes per FLOP)", flush=True)
+    _, topo = testbed_topology(recipe, "P", profile)
+    rows = []
+    cases = CASES[:1] if args.quick else CASES
+    with Testbed(topo, cpu_quota=QUOTAS) as tb:
+        if not args.no_levels:
+            tb.start_workers(threads_per_worker=1)
+            try:
+                profile = runtime_levels(tb, recipe, profile)
+            finally:
+                tb.stop_workers()
+        for case in cases:
+            try:
+                rows.append(run_case(tb, *case, profile, args))
+            except Exception as err:  # noqa: BLE001 - report the case, go on with the others
+                tb.stop_workers()
+                print(f"{case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}", flush=True)
+    if not rows:
+        print("bench_pipeline: no case ran", file=sys.stderr)
+        return 1
+    summary = {"pipeline_over_best_uniform": geomean([r["pipeline_over_best_uniform"] for r in rows]),
+               "pipeline_over_best_mwms": geomean([r["pipeline_over_best_mwms"] for r in rows]),
+               "median_abs_rel_error_pipeline": float(np.median([abs(r["rel_error_pipeline"]) for r in rows])),
+               "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows)}
+    best = max(r["pipeline_over_best_uniform"] for r in rows)
+    print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: pipeline / best uniform "
+          f"{summary['pipeline_over_best_uniform']:.2f}x geomean (target >= 1.25), best case {best:.2f}x (>= 1.4); "
+          f"pipeline / best MWMS {summary['pipeline_over_best_mwms']:.2f}x; median |rel error| of the pipeline's "
+          f"prediction {summary['median_abs_rel_error_pipeline']:.3f} (<= 0.15); max rel weight diff "
+          f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": QUOTAS,
+                       "profile_source": profile.source}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,254 @@
+"""Pipelines in the simulator: the task graph expanded per micro-batch, in the order the stages run it.
+
+A pipelined strategy (``Strategy.pipeline``, ``tag.strategy.pipeline``) runs every forward and backward
+task of a stage once per micro-batch. ``PipelineTasks`` builds that expanded task graph from the
+simulator's ``TaskGraph`` so the same list schedule (``tag.sim.schedule.StepSchedule``), routing, contention
+and memory model simulate it as they simulate any other strategy:
+
+- expanded task = (base forward/backward task, micro-batch m), plus each base update task once (gradients
+  accumulate over micro-batches and are applied once per step);
+- a bundle between two base tasks becomes one bundle per micro-batch (forward activations crossing a stage
+  boundary travel per micro-batch, their gradients back the same way); a bundle into an update task becomes
+  one bundle from every micro-batch's producer;
+- the expanded tasks are numbered in one global order that keeps each stage's schedule order
+  (``Pipeline.steps()``) and every dependency: the steps are ordered by their start in a nominal timeline
+  (a forward step takes 1, a backward 2, every stage in its own order), ties by stage. Each lane runs its
+  tasks in that order, so a stage runs its micro-batches exactly as the schedule says, and the memory
+  model's live buffers (forward activations held until their backward) follow the schedule: 1F1B holds
+  fewer micro-batches than fill-drain;
+- gradient collectives wait for every micro-batch's gradient task (one all-reduce or PS push per op group,
+  as for per-group strategies); the update tasks wait for them.
+
+Bad pipelines raise ``StrategyError`` naming the stage: a forward tensor flowing from a later stage to an
+earlier one (or a backward tensor from an earlier stage to a later one), which no schedule can run.
+
+Example::
+
+    import tag
+    from tag.strategy.grouping import group_ops
+    from tag.strategy.pipeline import Pipeline, PipelineStage
+    from tag.sim import Simulator
+    from tag.sim.pipeline import PipelineTasks
+    tg = tag.analyze(tag.zoo.training_graph("mlp", batch_size=32))
+    grouping = group_ops(tg, target_groups=6)
+    sim = Simulator(tg, tag.load_topology("topologies/localhost.pbtxt"), grouping)
+    p = Pipeline((PipelineStage((0, 1, 2), (0,)), PipelineStage((3, 4, 5), (0,))), 4, "1f1b")
+    tasks = PipelineTasks(sim.tasks, sim.memory, p, grouping.names)
+    tasks.num_tasks, tasks.labels[:3]             # ('F0 dense', ...)
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+
+from tag.errors import StrategyError
+from tag.sim.memory import MemoryModel
+from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
+from tag.strategy.pipeline import Pipeline
+
+# nominal step lengths of the timeline that orders the expanded tasks (a backward costs about twice a forward)
+_NOMINAL = {"F": 1.0, "B": 2.0}
+_UIDS = itertools.count(1)      # a number per expansion, never reused (keys of the simulator's layout caches)
+
+
+class PipelineTasks:
+    """The task graph of one pipeline structure (stages' op groups, M, schedule), duck-typing ``TaskGraph``
+    for ``StepSchedule`` and ``schedule_features``; ``memory`` is the matching ``MemoryModel``.
+
+    Per expanded task: ``base_task`` (the TaskGraph task it copies), ``micro_batch`` (-1: update, once),
+    ``pipeline_stage``, ``labels`` (trace names: ``F3 dense_1`` = forward of micro-batch 3)."""
+
+    def __init__(self, base: TaskGraph, memory: MemoryModel, pipeline: Pipeline, group_names: list[str]):
+        self.base = base
+        self.pipeline = pipeline
+        self.uid = next(_UIDS)
+        self.num_groups = base.num_groups
+        self.group_of_op = base.group_of_op
+        M = pipeline.micro_batches
+        stage_of_group = pipeline.stage_of_group(base.num_groups)
+        self.stage_of_group = stage_of_group
+        base_stage = base.task_stage
+        stage_of_task = stage_of_group[base.task_group]
+        self._check_directions(base, stage_of_task, group_names)
+        order = self._step_order(base, stage_of_task)
+        # expanded numbering: the steps in timeline order, each its stage's base tasks of that kind in base order
+        tasks_of: dict[tuple[str, int], list[int]] = {}
+        for t in range(base.num_tasks):
+            if base_stage[t] != UPDATE_STAGE:
+                tasks_of.setdefault(("F" if base_stage[t] == 0 else "B", int(stage_of_task[t])), []).append(t)
+        base_task, micro = [], []
+        for kind, s, m in order:
+            for t in tasks_of.get((kind, s), ()):
+                base_task.append(t)
+                micro.append(m)
+        updates = [t for t in range(base.num_tasks) if base_stage[t] == UPDATE_STAGE]
+        base_task += updates
+        micro += [-1] * len(updates)
+        self.base_task = np.asarray(base_task, dtype=np.int64)
+        self.micro_batch = np.asarray(micro, dtype=np.int64)
+        self.num_tasks = T = len(base_task)
+        index = np.full((base.num_tasks, M), -1, dtype=np.int64)     # (base task, micro-batch) -> expanded
+        for x in range(T):
+            t, m = base_task[x], micro[x]
+            if m < 0:
+                index[t, :] = x
+            else:
+                index[t, m] = x
+        self.index = index
+        self.task_group = base.task_group[self.base_task]
+        self.task_stage = base_stage[self.base_task]
+        self.task_group_list: list[int] = self.task_group.tolist()
+        self.task_stage_list: list[int] = self.task_stage.tolist()
+        self.pipeline_stage = stage_of_task[self.base_task]
+        self.tasks_of_group: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for x in range(T):
+            self.tasks_of_group[self.task_group_list[x]].append(x)
+        self.task_by_group = np.argsort(self.task_group, kind="stable")
+        self.task_by_group_starts = np.searchsorted(self.task_group[self.task_by_group], np.arange(self.num_groups))
+        self.labels = [f"{'FB'[st]}{m} {group_names[g]}" if m >= 0 else f"update {group_names[g]}"
+                       for st, m, g in zip(self.task_stage_list, micro, self.task_group_list)]
+        self._expand_bundles(base, M)
+        self._expand_anchors(base, M)
+        self.memory = self._expand_memory(memory, M)
+        self.dropped_dependencies = base.dropped_dependencies
+        self.internal_edges = [base.internal_edges[t] for t in base_task]
+
+    # ------------------------------------------------------------------ checks and order
+    @staticmethod
+    def _check_directions(base: TaskGraph, stage_of_task: np.ndarray, names: list[str]) -> None:
+        """Forward data must flow to the same or a later stage, backward data to the same or an earlier one."""
+        src, dst = base.bundle_src_array, base.bundle_dst_array
+        if not len(src):
+            return
+        kind_src, kind_dst = base.task_stage[src], base.task_stage[dst]
+        s_src, s_dst = stage_of_task[src], stage_of_task[dst]
+        bad_forward = (kind_src == 0) & (kind_dst == 0) & (s_src > s_dst)
+        bad_backward = (kind_src == 1) & (kind_dst == 1) & (s_src < s_dst)
+        for bad, what in ((bad_forward, "forward"), (bad_backward, "backward")):
+            if bad.any():
+                b = int(np.flatnonzero(bad)[0])
+                a, c = int(src[b]), int(dst[b])
+                raise StrategyError(
+                    f"pipeline stage {int(s_dst[b])}: its op group {names[base.task_group_list[c]]!r} reads "
+                    f"{what} tensors of op group {names[base.task_group_list[a]]!r} in stage {int(s_src[b])}; "
+                    f"stages must be contiguous runs of op groups in dependency order")
+
+    def _step_order(self, base: TaskGraph, stage_of_task: np.ndarray) -> list[tuple[str, int, int]]:
+        """Every (kind, stage, micro-batch) step in the order of a nominal timeline (module docstring)."""
+        steps = self.pipeline.steps()
+        S = len(steps)
+        kinds = np.where(base.task_stage == 0, 0, np.where(base.task_stage == 1, 1, -1))
+        src, dst = base.bundle_src_array, base.bundle_dst_array
+        # (kind, stage) steps each (kind, stage) step waits for, for the same micro-batch
+        waits: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        if len(src):
+            ks, kd = kinds[src], kinds[dst]
+            keep = (ks >= 0) & (kd >= 0)
+            pairs = set(zip(ks[keep].tolist(), stage_of_task[src][keep].tolist(),
+                            kd[keep].tolist(), stage_of_task[dst][keep].tolist()))
+            for a_kind, a_stage, b_kind, b_stage in pairs:
+                if (a_kind, a_stage) != (b_kind, b_stage):
+                    waits.setdefault(("FB"[b_kind], b_stage), set()).add(("FB"[a_kind], a_stage))
+        done: dict[tuple[str, int, int], float] = {}      # step -> nominal finish
+        position = [0] * S
+        free = [0.0] * S
+        order: list[tuple[str, int, int]] = []
+        total = sum(len(s) for s in steps)
+        while len(order) < total:
+            best = None
+            for s in range(S):
+                if position[s] >= len(steps[s]):
+                    continue
+                kind, m = steps[s][position[s]]
+                ready = free[s]
+                for (wk, ws) in waits.get((kind, s), ()):
+                    f = done.get((wk, ws, m))
+                    if f is None:
+                        ready = None
+                        break
+                    ready = max(ready, f)
+                if ready is not None and (best is None or ready < best[0]):
+                    best = (ready, s, kind, m)
+            if best is None:     # cannot happen after _check_directions; kept as a clear error
+                raise StrategyError("pipeline: the stages' schedules wait for each other (no order runs them)")
+            ready, s, kind, m = best
+            done[(kind, s, m)] = free[s] = ready + _NOMINAL[kind]
+            position[s] += 1
+            order.append((kind, s, m))
+        return order
+
+    # ------------------------------------------------------------------ bundles, anchors, memory
+    def _expand_bundles(self, base: TaskGraph, M: int) -> None:
+        index = self.index
+        keys: dict[tuple[int, int], int] = {}    # (expanded src, expanded dst) -> base bundle
+        for b, (a, c) in enumerate(zip(base.bundle_src, base.bundle_dst)):
+            for m in range(M):
+                xa, xc = int(index[a, m]), int(index[c, m])
+                if xa < xc and (xa, xc) not in keys:
+                    keys[(xa, xc)] = b
+        ordered = sorted(keys)
+        self.bundle_src = [k[0] for k in ordered]
+        self.bundle_dst = [k[1] for k in ordered]
+        self.bundle_src_array = np.asarray(self.bundle_src, dtype=np.int64)
+        self.bundle_dst_array = np.asarray(self.bundle_dst, dtype=np.int64)
+        base_of = [keys[k] for k in ordered]
+        self.bundle_edges = [base.bundle_edges[b] for b in base_of]
+        self.bundle_same_group = [base.bundle_same_group[b] for b in base_of]
+        self.bundle_own = [base.bundle_own[b] for b in base_of]
+        # a shared tensor moves once per micro-batch and destination layout: one tensor id per micro-batch
+        micro = self.micro_batch
+        self.bundle_shared = [[(tid * M + max(int(micro[k[0]]), 0), pe, fx) for tid, pe, fx in base.bundle_shared[b]]
+                              for k, b in zip(ordered, base_of)]
+
+    def _expand_anchors(self, base: TaskGraph, M: int) -> None:
+        index, stage = self.index, self.task_stage_list
+        self.coll_deps, self.coll_after, self.update_tasks, self.forward_tasks = [], [], [], []
+        for g in range(self.num_groups):
+            deps = sorted({int(index[t, m]) for t in base.coll_deps[g] for m in range(M)})
+            after = max(deps) if deps else -1
+            mine = self.tasks_of_group[g]
+            self.coll_deps.append(deps)
+            self.coll_after.append(after)
+            self.update_tasks.append([x for x in mine if stage[x] == UPDATE_STAGE and x > after])
+            self.forward_tasks.append([x for x in mine if stage[x] == 0])
+
+    def _expand_memory(self, memory: MemoryModel, M: int) -> MemoryModel:
+        """MEMORY with its per-task arrays over the expanded tasks: a buffer lives per micro-batch from its
+        producer's copy to its last reader's copy of the same micro-batch."""
+        index = self.index
+        src_rows, last_rows, pe_rows, fixed_rows = [], [], [], []
+        for s, last, pe, fx in zip(memory.live_src_task.tolist(), memory.live_last_task.tolist(),
+                                   memory.live_per_example.tolist(), memory.live_fixed.tolist()):
+            pairs = {(int(index[s, m]), int(index[last, m])) for m in range(M)}
+            for xs, xl in pairs:
+                if xl > xs:
+                    src_rows.append(xs)
+                    last_rows.append(xl)
+                    pe_rows.append(pe)
+                    fixed_rows.append(fx)
+        out = copy.copy(memory)
+        out.working_fixed = memory.working_fixed[self.base_task] if self.num_tasks else np.zeros(0)
+        out.working_per_example = memory.working_per_example[self.base_task] if self.num_tasks else np.zeros(0)
+        out.set_live_rows(np.asarray(src_rows, dtype=np.int64), np.asarray(last_rows, dtype=np.int64),
+                          np.asarray(pe_rows, dtype=np.float64), np.asarray(fixed_rows, dtype=np.float64))
+        return out
+
+
+def bubble_fraction(pipeline_stage: np.ndarray, task_stage: np.ndarray, start: np.ndarray,
+                    finish: np.ndarray) -> float:
+    """Predicted bubble: 1 - mean over stages of (the forward/backward seconds of the stage's busiest lane)
+    / (the span from the first forward start to the last backward end over all stages). Equal stages give
+    the ideal (S - 1) / (M + S - 1). START, FINISH: [lane, expanded task] (finish -1: not run);
+    PIPELINE_STAGE, TASK_STAGE: per expanded task."""
+    ran = (finish >= 0) & (task_stage < UPDATE_STAGE)[None, :]
+    if not ran.any():
+        return 0.0
+    span = float(np.where(ran, finish, -np.inf).max() - np.where(ran, start, np.inf).min())
+    if span <= 0:
+        return 0.0
+    busy = (finish - start) * ran
+    fractions = [float(busy[:, pipeline_stage == s].sum(axis=1).max()) / span
+                 for s in range(int(pipeline_stage.max()) + 1)]
+    return float(min(1.0, max(0.0, 1.0 - float(np.mean(fractions)))))

@@ -1,0 +1,72 @@
+"""Pipeline search (tag/search/pipeline_dp.py) and its place in the portfolio (tag/search/driver.py).
+Tiny hand-made graphs and topologies; no TensorFlow."""
+import pytest
+
+from tag.cost.model import CostModel, DeviceProfile, Profile
+from tag.search import SearchEnv, search
+from tag.search.driver import best_uniform, stage_choice
+from tag.search.pipeline_dp import _Tables, balance, group_chain, pipeline_dp, stage_device_sets
+from tag.strategy.grouping import group_ops
+
+from tiny import DeviceSpec, make_topology, mlp_graph
+
+PROFILE = Profile({t: DeviceProfile(peak_flops=f, memory_bandwidth=1e30, launch_overhead_s=0.0,
+                                    efficiency={"MatMul": 1.0, "default": 1.0})
+                   for t, f in (("FAST", 3e12), ("SLOW", 1e12))})
+
+
+def _env(bandwidth=1.25e9, batch=256):
+    """A deep MLP on a fast host and a 3x slower one behind a 10 Gbit/s link."""
+    tg = mlp_graph(batch=batch, widths=(1024,) * 9)
+    topo = make_topology([("fast", [("FAST", 1)]), ("slow", [("SLOW", 1)])], inter_bandwidth=bandwidth,
+                         inter_latency=5e-5, specs={"FAST": DeviceSpec(peak_flops=3e12),
+                                                    "SLOW": DeviceSpec(peak_flops=1e12)})
+    grouping = group_ops(tg, 16)
+    return SearchEnv(tg, topo, grouping, cost_model=CostModel(tg, topo, PROFILE))
+
+
+def test_chain_and_device_sets():
+    env = _env()
+    assert group_chain(env.simulator.tasks) == list(range(env.num_groups))      # dense_0 .. dense_7, loss
+    assert stage_device_sets(env.topology, env.speeds) == [[(0,), (1,)], [(1,), (0,)]]
+    four = make_topology([(f"h{i}", [("GPU-A", 2)]) for i in range(4)])
+    sets = stage_device_sets(four, [1.0] * four.num_devices)
+    assert [(0,), (1,)] in sets and [(0,), (1,), (2,), (3,)] in sets
+    assert [(0, 1), (2, 3)] in sets                 # every host, two stages of two hosts each
+
+
+def test_dp_gives_the_fast_host_more_groups():
+    env = _env()
+    tables = _Tables(env, group_chain(env.simulator.tasks))
+    for seq in ([(0,), (1,)], [(1,), (0,)]):
+        _, cuts = balance(tables, seq, 8, 32, "1f1b")
+        sizes = [cuts[0], env.num_groups - cuts[0]]
+        on_fast = sizes[seq.index((0,))]
+        assert on_fast >= 2 * sizes[seq.index((1,))], (seq, sizes)
+
+
+def test_pipeline_beats_the_best_uniform_action_on_a_slow_link():
+    env = _env()
+    _, uniform = best_uniform(env)
+    found = pipeline_dp(env)
+    assert found.outcome.feasible
+    assert found.outcome.step_time < 0.95 * uniform.step_time
+    p = found.strategy.pipeline
+    assert p.num_stages == 2 and p.micro_batches >= 4
+    fast_stage = next(st for st in p.stages if st.placement == (0,))
+    assert len(fast_stage.groups) > env.num_groups / 2
+    assert found.estimate == pytest.approx(found.outcome.step_time, rel=0.25)   # the DP's model is close
+    # the portfolio: the pipeline wins, its stages as per-group actions are a valid choice too
+    result = search(env, playouts=20, seed=0)
+    assert result.method == "pipeline" and result.strategy.pipeline == p
+    assert result.baselines["pipeline"] == pytest.approx(found.outcome.step_time)
+    assert stage_choice(env, p and found.strategy) is not None and "pipeline_stages" in result.baselines
+    assert "pipeline" not in search(env, playouts=5, seed=0, use_pipeline=False).baselines
+
+
+def test_no_pipeline_when_the_link_is_too_slow_for_activations():
+    env = _env(bandwidth=1e6)
+    found = pipeline_dp(env)
+    result = search(env, playouts=10, seed=0)
+    assert result.method != "pipeline"
+    assert found.strategy is None or found.outcome.step_time > result.step_time
