@@ -265,8 +265,9 @@ def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec,
     axes: dict[str, list[int | None]] = {}
     input_tensors = {(nm, i) for nm, i, _ in batch.inputs}   # (op, output index) fed with a batch
     order = list(sg.order) + list(context or [])   # CONTEXT: forward ops outside the step (the loss's tail)
+    distrusted: set[str] = set()
     for nm in order:
-        axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False)
+        axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False, distrusted)
     for _ in range(3):   # pass 2, again while the sibling rule finds batch-sized constants
         adopted = False
         for nm in order:
@@ -326,8 +327,10 @@ def _adopt_upward(nm: str, ax: int, sg: StepGraph, inferred: InferredShapes, axe
 
 
 def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, list],
-             input_tensors: set[tuple[str, int]], second: bool) -> list:
-    """One op's output batch axes in pass 1 (SECOND false) or pass 2, given its predecessors' AXES."""
+             input_tensors: set[tuple[str, int]], second: bool, distrusted: set[str] | None = None) -> list:
+    """One op's output batch axes in pass 1 (SECOND false) or pass 2, given its predecessors' AXES.
+    DISTRUSTED (pass 1): ops whose probe verdict was found wrong, and the ops computed from them, which
+    take the per-op rules instead of the probe."""
     nodes, shapes = sg.nodes, inferred.shapes
     n = nodes[nm]
     ss = shapes.get(nm, [])
@@ -336,10 +339,21 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
     if n.type in VARIABLE_TYPES or (n.type == "Const" and not second):
         return [None] * len(ss)
     res = list(axes[nm]) if second else list(inferred.probe_axes.get(nm, [None] * len(ss)))
-    if all(a is not None for a in res):
-        return res
     ins = [(shapes[s][i] if i < len(shapes[s]) else None,
             axes[s][i] if s in axes and i < len(axes[s]) else None) for s, i in n.data_in]
+    if not second and distrusted is not None:
+        if any(s in distrusted for s, _ in n.data_in):
+            distrusted.add(nm)          # the probe's verdicts downstream of a wrong one are wrong too
+            res = [None] * len(ss)
+        elif n.type == "Reshape" and ins and ins[0][1] is not None:
+            # a shape constant that spells the batch out ([24, -1]) leaves the *other* axis unknown in the
+            # probe; the element count of static shapes says where the batch went
+            rule = rule_axes(n.type, n.nd.attr, ins[:1], ss, lambda k: _const_input_node(nodes, n, k))
+            if rule and rule[0] is not None and res and res[0] != rule[0]:
+                distrusted.add(nm)
+                return rule
+    if all(a is not None for a in res):
+        return res
     if any(a is not None for _, a in ins) and n.type in FUNCTION_CALL_TYPES:
         rule = _same_shape_axes(ins, ss)   # opaque bodies: only an input's exact shape tells
     elif any(a is not None for _, a in ins):
