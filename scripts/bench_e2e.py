@@ -50,6 +50,7 @@ Usage::
     python scripts/bench_e2e.py --json e2e.json            # summary keys and rows; the profile in e2e.profile.json
     python scripts/bench_e2e.py --profile e2e.profile.json # reuse a calibration
     python scripts/bench_e2e.py --out-dir tb/              # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
+    python scripts/bench_e2e.py --table e2e.json           # the README table of a saved result
 """
 from __future__ import annotations
 
@@ -130,11 +131,18 @@ def run_tag(tb: Testbed, runnable, steps: int, warmup: int) -> float:
     return float(np.median(r.step_times[warmup:]))
 
 
-def is_uniform(strategy: Strategy) -> bool:
-    """One action for every op group and no pipeline (a built-in or the best uniform action)."""
-    if strategy.pipeline is not None or strategy.partition:
-        return False
-    return len({(a.placement, a.mode) for a in strategy.actions}) == 1
+def uniform_keys(analysis) -> set[str]:
+    """``strategy_key`` of every uniform action of ANALYSIS: each search candidate applied to every op group
+    (where it is not allowed, the group's first allowed one, as ``tag.search.driver.best_uniform`` takes it),
+    every built-in and dp_allreduce over each prefix of the hosts."""
+    from tag.search import SearchEnv
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch, simulator=analysis.simulator())
+    keys = {strategy_key(env.strategy(env.uniform_choice(k))) for k in range(len(env.candidates))}
+    keys |= {strategy_key(analysis.builtin(n)) for n in BUILTIN_STRATEGIES}
+    keys |= {strategy_key(host_prefix_strategy(analysis, k)) for k in range(1, len(analysis.topology.hosts) + 1)}
+    return keys
 
 
 def describe(strategy: Strategy, topology) -> str:
@@ -145,6 +153,8 @@ def describe(strategy: Strategy, topology) -> str:
         return f"pipeline {len(p.stages)} stages [{stages}], M={p.micro_batches} {p.schedule}"
     if strategy.partition:
         hosts = sorted({topology.devices[d].host for d in set(strategy.partition.values())})
+        if len(set(strategy.partition.values())) == 1:
+            return f"one device on {hosts[0]}"
         return f"partition on {'+'.join(hosts)}"
     counts: dict[str, int] = {}
     for a in strategy.actions:
@@ -204,7 +214,9 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     finally:
         tb.stop_workers()
     strategies["tuned"] = tuned.strategy
-    mixed = {n: times[n] for n in ("plan", "tuned") if not is_uniform(strategies[n])}
+    uniform_set = uniform_keys(an)
+    is_uniform = {n: strategy_key(s) in uniform_set for n, s in strategies.items()}
+    mixed = {n: times[n] for n in ("plan", "tuned") if not is_uniform[n]}
     best_mixed = min(mixed.values()) if mixed else None
     row = {"config": config, "case": label, "model": model, "batch": batch, "width": width, "depth": depth,
            "quotas": list(cfg["quotas"]), "links_gbps": list(cfg["links_gbps"]),
@@ -215,7 +227,7 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
            "plan_s": times["plan"], "plan_method": plan.method, "plan": describe(plan.strategy, tb.topology),
            "predicted_plan_s": plan.predicted_step_time,
            "tuned_s": times["tuned"], "tuned_method": tuned.method, "tuned": describe(tuned.strategy, tb.topology),
-           "tuned_is_uniform": is_uniform(tuned.strategy), "plan_is_uniform": is_uniform(plan.strategy),
+           "tuned_is_uniform": is_uniform["tuned"], "plan_is_uniform": is_uniform["plan"],
            "tune_seconds": tune_s, "search_seconds": search_s, "tune": tuned.report()["tune"],
            "speedup_vs_best_mwms": mwms[best_k] / times["tuned"], "speedup_vs_mwms": mwms[n_hosts] / times["tuned"],
            "plan_speedup_vs_best_mwms": mwms[best_k] / times["plan"],
@@ -245,12 +257,12 @@ def config_recipe(recipe: dict, profile: Profile, gpu_gbps: float) -> dict:
     return out
 
 
-def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[dict]:
+def run_config(recipe: dict, name: str, profile: Profile, cases, args, rows: list[dict], saved) -> None:
+    """Every case of CASES on configuration NAME's testbed, each row appended to ROWS, then SAVED()."""
     cfg = recipe["configs"][name]
     if list(cfg["quotas"]) != sorted(cfg["quotas"], reverse=True):
         raise SystemExit(f"bench_e2e: configuration {name}: hosts must be listed fastest first")
     text, topo = testbed_topology(recipe, name, profile)
-    rows = []
     with Testbed(topo, cpu_quota=cfg["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
@@ -265,11 +277,11 @@ def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[d
         for case in cases:
             try:
                 rows.append(run_case(tb, cfg, name, case, profile, args))
+                saved()
             except Exception as err:  # noqa: BLE001 - report the case and go on with the others
                 tb.stop_workers()
                 print(f"{name:<2} {case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}",
                       flush=True)
-    return rows
 
 
 def geomean(values) -> float:
@@ -287,6 +299,24 @@ def summary(rows: list[dict]) -> dict:
             "tune_overrides": sum(r["tuned_method"] != r["plan_method"] for r in rows),
             "tune_mean_seconds": float(np.mean([r["tune_seconds"] for r in rows])),
             "cases": len(rows)}
+
+
+def markdown_table(result: dict) -> str:
+    """The README's table of a ``--json`` RESULT: both MWMS anchors, tag's uniform / dp / plan / tuned times
+    (ms), the speedups, what the tuned plan runs and the load average."""
+    head = ("| config | case (batch) | MWMS 1 / 2 / 3 hosts | MWMS best | uniform | dp same hosts | plan | tuned "
+            "| vs best MWMS | vs MWMS all | mixed / uniform | the tuned plan runs | load |\n" + "|---" * 13 + "|")
+    lines = [head]
+    for r in result["rows"]:
+        mixed = "" if r["mixed_over_uniform"] is None else f"{r['mixed_over_uniform']:.2f}" + \
+            (" (win)" if r["mixed_win"] else "")
+        lines.append(
+            f"| {r['config']} | {r['case']} ({r['batch']}) | {' / '.join(f'{v * 1e3:.0f}' for v in r['mwms_s'].values())} "
+            f"| {r['mwms_best_s'] * 1e3:.0f} ({r['mwms_best_hosts']}) | {r['uniform_s'] * 1e3:.0f} "
+            f"| {r['dp_same_s'] * 1e3:.0f} | {r['plan_s'] * 1e3:.0f} ({r['plan_method']}) "
+            f"| {r['tuned_s'] * 1e3:.0f} ({r['tuned_method']}) | {r['speedup_vs_best_mwms']:.2f}x "
+            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {r['tuned']} | {r['load'][0]:.1f} |")
+    return "\n".join(lines)
 
 
 def git_commit() -> str:
@@ -316,14 +346,19 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
     p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
+    p.add_argument("--table", metavar="JSON", help="print the README table of a saved --json result and exit")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return 0
     if args.steps - args.warmup < 10:
         p.error("--steps minus --warmup must leave at least 10 timed steps")
     from _common import testbed_missing
     if testbed_missing("bench_e2e"):
         return 2
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
-    configs = [*recipe["configs"], GPU_CONFIG]
+    configs = [GPU_CONFIG, *recipe["configs"]]
     cases = CASES
     if args.quick:
         configs, cases = [GPU_CONFIG], [c for c in CASES if c[0] in QUICK_CASES]
@@ -345,9 +380,19 @@ def main(argv=None) -> int:
     g = recipe["configs"][GPU_CONFIG]
     print(f"configuration G: links {g['links_gbps'][0] * 1e3:.1f} Mbit/s ({args.gpu_gbps:g} Gbit/s per 15 TFLOP/s "
           f"GPU, {args.gpu_gbps / 8e-9 / 15e12:.2e} bytes per FLOP)", flush=True)
-    rows = []
+    rows: list[dict] = []
+
+    def save(final: bool) -> None:
+        """The JSON so far (after every row, so that a run stopped at a deadline keeps its finished cases)."""
+        if args.json and rows:
+            with open(args.json, "w") as f:
+                json.dump({**summary(rows), "targets": TARGETS, "commit": git_commit(), "complete": final,
+                           "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps,
+                           "configs": {n: recipe["configs"][n] for n in configs}, "profile_source": profile.source,
+                           "rows": rows}, f, indent=2)
+
     for name in configs:
-        rows += run_config(recipe, name, profile, cases, args)
+        run_config(recipe, name, profile, cases, args, rows, lambda: save(False))
     if not rows:
         print("bench_e2e: no case ran", file=sys.stderr)
         return 1
@@ -359,11 +404,7 @@ def main(argv=None) -> int:
           f"{s['geomean_speedup_vs_mwms']:.2f}x, dp / MWMS all hosts {s['dp_over_mwms']:.2f}; the tuning step "
           f"overrode the plan in {s['tune_overrides']} cases ({s['tune_mean_seconds']:.0f} s per case); "
           f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**s, "targets": TARGETS, "commit": git_commit(), "seconds": time.time() - t0,
-                       "gpu_gbps": args.gpu_gbps, "configs": {n: recipe["configs"][n] for n in configs},
-                       "profile_source": profile.source, "rows": rows}, f, indent=2)
+    save(True)
     return 0
 
 
