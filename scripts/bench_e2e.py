@@ -80,11 +80,11 @@ from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, 
 
 # (label, tag.backend.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
 CASES = [
-    ("mlp", "mlp", 96, None, None),
-    ("cnn", "cnn", 48, None, None),
-    ("transformer", "transformer", 48, None, None),
     ("vgg", "vgg", 48, None, None),
     ("deep-mlp", "mlp", 48, 1024, 8),
+    ("transformer", "transformer", 48, None, None),
+    ("cnn", "cnn", 48, None, None),
+    ("mlp", "mlp", 96, None, None),
 ]
 QUICK_CASES = ("vgg", "deep-mlp")
 GPU_CONFIG = "G"
