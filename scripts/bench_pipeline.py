@@ -7,9 +7,11 @@ shaped link rate between every pair. How the links are sized: a V100 sustains ab
 (``GPU_FLOPS``) and a GPU cluster's hosts talk over 10-25 Gbit/s Ethernet, so a GPU cluster moves
 ``gpu_gbps / 8 / 15e12`` bytes per FLOP (8.3e-5 B/FLOP at 10 Gbit/s, 2.1e-4 at 25). The testbed keeps that
 ratio: each link's rate is ``gpu_gbps * F / 15e12`` where F is the calibrated FLOP/s of the fastest
-quota (e.g. 20 GFLOP/s and 25 Gbit/s -> 33 Mbit/s). The models are deep enough that the activations
-crossing a stage boundary are a small fraction of the stage's work at that ratio (a 8 x 1024 MLP, a
-4-layer d=256 transformer encoder), at global batches where one host alone takes most of a second.
+quota (e.g. 20 GFLOP/s and 25 Gbit/s -> 33 Mbit/s). The models are sized so that the activations crossing
+a stage boundary take about as long on such a link as the stage's work (bytes per FLOP at a boundary of an
+MLP of width W with L layers per stage: 8W / (6 L W^2); a 10 x 2048 MLP at 3 stages: 2.0e-4; a 4-layer
+d=384 transformer encoder: about 8d / (72 d^2 L) = 2.2e-4), at global batches where one host alone takes
+most of a second; all-reducing their weights over the same links takes tens of seconds.
 
 Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
 per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
@@ -23,9 +25,15 @@ intra-op thread):
 - ``uniform``: tag's best uniform action (``tag.search.best_uniform``: one candidate action for every op group);
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``tag.backend.mwms``, the same tf_keras
   architecture, batch and Adam) on every prefix of the hosts, fastest first, the best kept; its prediction is
-  tag's simulation of ``dp_allreduce`` on the same hosts;
+  tag's simulation of ``dp_allreduce`` on the same hosts. A host set predicted over ``SKIP_FACTOR`` times
+  slower than MWMS measured on one host is not run (all-reducing every weight over these links takes tens
+  of seconds a step) and listed as skipped;
+- ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
+  ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
 - ``max_rel_weight_diff``: one pipelined step on the testbed against the original graph on one local device,
-  the same batch: the largest difference of a trainable weight, relative to the weight's largest magnitude.
+  the same batch: the largest difference of a trainable weight, relative to the weight's largest magnitude;
+  ``max_rel_grad_diff`` the same for the whole-batch gradients the optimizer ops take (``weight_diff`` says
+  why both).
 
 Needs root (namespaces, tc, cgroup v1 cpu). The machine is shared: the load average is printed per case.
 
@@ -37,7 +45,7 @@ Usage::
     python scripts/bench_pipeline.py --profile P              # reuse a calibration
 
 JSON keys: ``pipeline_over_best_uniform`` (measured, geomean over cases), ``pipeline_over_best_mwms``,
-``median_abs_rel_error_pipeline``, ``max_rel_weight_diff``, ``rows``, ``link_gbps``, ``quotas``.
+``median_abs_rel_error_pipeline``, ``max_rel_weight_diff``, ``max_rel_grad_diff``, ``rows``, ``link_gbps``, ``quotas``.
 """
 from __future__ import annotations
 
@@ -71,9 +79,10 @@ GPU_FLOPS = 15e12            # a V100's sustained fp32/tensor-core mix, FLOP/s
 QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 # (label, tag.backend.mwms model, width, depth, global batch: divisible by 1, 2 and 3 hosts for MWMS)
 CASES = [
-    ("deep-mlp", "mlp", 1024, 8, 48),
-    ("transformer", "transformer", 256, 4, 24),
+    ("deep-mlp", "mlp", 2048, 10, 48),
+    ("transformer", "transformer", 384, 4, 12),
 ]
+SKIP_FACTOR = 10.0           # an MWMS host set predicted this much slower than MWMS on one host is not run
 TARGETS = {"pipeline_over_best_uniform": 1.25, "best_case": 1.4, "median_abs_rel_error_pipeline": 0.15,
            "max_rel_weight_diff": 1e-5}
 
@@ -93,31 +102,78 @@ def random_feed(ir, gd, seed: int = 0) -> dict:
     return feed
 
 
-def weight_diff(analysis, res, target: str) -> float:
-    """One step of rewrite RES on TARGET vs the original graph on one local device, same batch: the largest
-    |difference| of a trainable weight over the weight's largest magnitude."""
+def weight_diff(analysis, res, target: str) -> tuple[float, float]:
+    """One step of rewrite RES on TARGET vs the original graph on one local device, same batch: (the largest
+    |difference| of an updated weight over the weight's largest magnitude, the same for the whole-batch
+    gradient each optimizer update op takes).
+
+    Why both: the gradients agree to float32 rounding (summation order differs with micro-batches), but
+    Adam's first step moves a weight by about lr * g / (|g| + eps) whatever g's size, so where |g| is near
+    eps (1e-7; many elements of a deep ReLU network) rounding of g changes the step visibly."""
     import tensorflow as tf
     from helpers import train_copies
+    from tag.backend.rewrite.graph_edit import canonical
     tf1 = tf.compat.v1
-    feed = random_feed(analysis.graph, analysis.graph_def)
-    got = train_copies(res, target, analysis.graph, [{k + ":0": v for k, v in feed.items()}])[0]
+    feed = {k + ":0": v for k, v in random_feed(analysis.graph, analysis.graph_def).items()}
+    vs = [v for v in analysis.graph.variables if v.kind == "trainable"]
+    orig = {n.name: n for n in analysis.graph_def.node}
+    out = {n.name: n for n in res.graph_def.node}
+    grad_inputs = []                   # per variable: the rewritten update op's gradient input
+    for v in vs:
+        slot = [canonical(i) for i in orig[v.apply_op].input].index(canonical(v.gradient))
+        apply = next(n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out)
+        t = out[apply].input[slot]
+        grad_inputs.append(t if ":" in t else t + ":0")
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(res.graph_def, name="")
+    cfg = tf1.ConfigProto()
+    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    with tf1.Session(target, graph=g, config=cfg) as s:
+        s.run(res.init)
+        got_grads = s.run(grad_inputs, feed)
+    got = train_copies(res, target, analysis.graph, [feed])[0]
     g = tf.Graph()
     with g.as_default():
         tf.graph_util.import_graph_def(analysis.graph_def, name="")
-        names = [v.name for v in analysis.graph.variables if v.kind == "trainable"]
-        reads = [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(n + ":0"),
-                                           dtype=g.get_operation_by_name(n).get_attr("dtype")) for n in names]
-    cfg = tf1.ConfigProto()
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+        reads = [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(v.name + ":0"),
+                                           dtype=g.get_operation_by_name(v.name).get_attr("dtype")) for v in vs]
     with tf1.Session(graph=g, config=cfg) as s:
         s.run(analysis.entry.init)
-        s.run(analysis.entry.train_op, {k + ":0": v for k, v in feed.items()})
+        ref_grads = s.run([v.gradient for v in vs], feed)
+        s.run(analysis.entry.train_op, feed)
         ref = s.run(reads)
-    worst = 0.0
-    for n, r in zip(names, ref):
-        scale = float(np.max(np.abs(r))) or 1.0
-        worst = max(worst, max(float(np.max(np.abs(c - r))) / scale for c in got[n]))
-    return worst
+
+    def rel(a, b):
+        return float(np.max(np.abs(a - b))) / (float(np.max(np.abs(b))) or 1.0)
+    weights = max(rel(c, r) for v, r in zip(vs, ref) for c in got[v.name])
+    grads = max(rel(a, b) for a, b in zip(got_grads, ref_grads))
+    return weights, grads
+
+
+def hand_pipeline(env: SearchEnv, micro_batches: int, schedule: str = "1f1b") -> Strategy:
+    """A hand-made pipeline, as a check of what the runtime does apart from the search: one stage per host
+    (fastest first), the op groups in forward dependency order cut where each stage's share of the forward
+    and backward FLOPs is closest to its host's share of the quotas."""
+    from helpers import forward_group_order
+    from tag.strategy.pipeline import Pipeline, PipelineStage
+    order, rest = forward_group_order(env.graph, env.grouping)
+    flops = np.zeros(env.grouping.num_groups)
+    for i, op in enumerate(env.graph.ops):
+        if op.phase in ("forward", "backward"):
+            flops[int(env.grouping.group_of_op[i])] += op.flops.at(env.batch_size)
+    cum = np.cumsum([flops[g] for g in order]) / max(flops.sum(), 1.0)
+    targets = np.cumsum(QUOTAS)[:-1] / sum(QUOTAS)
+    cuts = [0]
+    for t in targets:
+        cuts.append(max(cuts[-1] + 1, int(np.argmin(np.abs(cum - t))) + 1))
+    cuts.append(len(order))
+    stages = [list(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    stages[-1] += rest
+    hosts = [g.index for g in env.topology.groups]
+    pipe = Pipeline(tuple(PipelineStage(tuple(st), (hosts[s],)) for s, st in enumerate(stages)), micro_batches,
+                    schedule)
+    return Strategy.pipelined(env.grouping, pipe, name="hand_pipeline")
 
 
 def host_prefix_strategy(env: SearchEnv, hosts: int) -> Strategy:
@@ -141,18 +197,24 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     pipe, pipe_pred = found.strategy, found.outcome.step_time
     choice, uni_out = best_uniform(env)
     uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
+    hand = hand_pipeline(env, args.hand_micro_batches)
+    hand_pred = env.simulator.evaluate(hand, batch_size=batch).step_time
     budget = args.budget
     tb.start_workers(threads_per_worker=1)
     try:
         pipe_res = an.rewrite(pipe)
+        diff, grad_diff = weight_diff(an, pipe_res, tb.target)
         pipe_s = measure_on_testbed(tb, pipe_res, pipe_pred, budget)
         uni_s = measure_on_testbed(tb, an.rewrite(uniform), uni_pred, budget)
-        diff = weight_diff(an, pipe_res, tb.target)
+        hand_s = measure_on_testbed(tb, an.rewrite(hand), hand_pred, budget)
     finally:
         tb.stop_workers()
-    mwms = {}
+    mwms, skipped = {}, {}
     for k in range(1, len(tb.topology.hosts) + 1):
         pred = env.simulator.evaluate(host_prefix_strategy(env, k), batch_size=batch).step_time
+        if k > 1 and pred > SKIP_FACTOR * mwms[1][1]:
+            skipped[k] = pred          # all-reducing every weight over the slow links: minutes of steps
+            continue
         meas = run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
                         model_args=("--width", str(width), "--depth", str(depth)))
         mwms[k] = (pred, meas)
@@ -165,17 +227,22 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
            "best_uniform_action": uniform.actions[0].to_dict(), "predicted_uniform_s": uni_pred,
            "measured_uniform_s": uni_s,
            "mwms": {str(k): {"predicted_s": v[0], "measured_s": v[1]} for k, v in mwms.items()},
-           "mwms_best_hosts": best_k, "measured_mwms_s": mwms[best_k][1], "predicted_mwms_s": mwms[best_k][0],
+           "mwms_skipped_predicted_s": {str(k): v for k, v in skipped.items()}, "mwms_best_hosts": best_k, "measured_mwms_s": mwms[best_k][1], "predicted_mwms_s": mwms[best_k][0],
            "pipeline_over_best_uniform": uni_s / pipe_s, "pipeline_over_best_mwms": mwms[best_k][1] / pipe_s,
            "rel_error_pipeline": (pipe_pred - pipe_s) / pipe_s, "rel_error_uniform": (uni_pred - uni_s) / uni_s,
-           "max_rel_weight_diff": diff, "search_s": search_s, "load": list(os.getloadavg())}
+           "hand_pipeline": hand.pipeline.to_dict(), "predicted_hand_pipeline_s": hand_pred,
+           "measured_hand_pipeline_s": hand_s, "hand_pipeline_over_best_uniform": uni_s / hand_s,
+           "max_rel_weight_diff": diff, "max_rel_grad_diff": grad_diff, "search_s": search_s, "load": list(os.getloadavg())}
     print(f"{label:<12} B={batch:<3} pipeline {pipe_s * 1e3:7.1f} ms (pred {pipe_pred * 1e3:7.1f}; "
           f"{len(p.stages)} stages on {row['pipeline_stages']} hosts, M={p.micro_batches} {p.schedule})  "
           f"uniform {uni_s * 1e3:7.1f} ms (pred {uni_pred * 1e3:7.1f}; {uniform.actions[0].to_dict()})  "
           f"mwms {mwms[best_k][1] * 1e3:7.1f} ms on {best_k} host(s) (pred {mwms[best_k][0] * 1e3:7.1f}; all: "
-          f"{', '.join(f'{k}:{v[1] * 1e3:.0f}' for k, v in mwms.items())})  "
+          f"{', '.join(f'{k}:{v[1] * 1e3:.0f}' for k, v in mwms.items())}"
+          f"{''.join(f', {k}: skipped, pred {v:.1f} s' for k, v in skipped.items())})  "
+          f"hand pipeline {hand_s * 1e3:7.1f} ms (pred {hand_pred * 1e3:7.1f}; {len(hand.pipeline.stages)} stages, "
+          f"M={args.hand_micro_batches})  "
           f"x{row['pipeline_over_best_uniform']:.2f} vs uniform, x{row['pipeline_over_best_mwms']:.2f} vs mwms  "
-          f"weights {diff:.1e}  load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+          f"weights {diff:.1e} (gradients {grad_diff:.1e})  load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     return row
 
 
@@ -187,6 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=6.0, help="seconds of timed steps per tag run")
     p.add_argument("--mwms-steps", type=int, default=8, help="MWMS steps per host set (the first --warmup untimed)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hand-micro-batches", type=int, default=4,
+                   help="micro-batches of the hand-made pipeline measured beside the searched one")
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
@@ -233,13 +302,14 @@ def main(argv=None) -> int:
     summary = {"pipeline_over_best_uniform": geomean([r["pipeline_over_best_uniform"] for r in rows]),
                "pipeline_over_best_mwms": geomean([r["pipeline_over_best_mwms"] for r in rows]),
                "median_abs_rel_error_pipeline": float(np.median([abs(r["rel_error_pipeline"]) for r in rows])),
-               "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows)}
+               "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows),
+               "max_rel_grad_diff": max(r["max_rel_grad_diff"] for r in rows)}
     best = max(r["pipeline_over_best_uniform"] for r in rows)
     print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: pipeline / best uniform "
           f"{summary['pipeline_over_best_uniform']:.2f}x geomean (target >= 1.25), best case {best:.2f}x (>= 1.4); "
           f"pipeline / best MWMS {summary['pipeline_over_best_mwms']:.2f}x; median |rel error| of the pipeline's "
           f"prediction {summary['median_abs_rel_error_pipeline']:.3f} (<= 0.15); max rel weight diff "
-          f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": QUOTAS,
