@@ -151,16 +151,30 @@ def describe(strategy: Strategy, topology) -> str:
         p = strategy.pipeline
         stages = " | ".join("+".join(topology.groups[g].host for g in s.placement) for s in p.stages)
         return f"pipeline {len(p.stages)} stages [{stages}], M={p.micro_batches} {p.schedule}"
-    if strategy.partition:
-        hosts = sorted({topology.devices[d].host for d in set(strategy.partition.values())})
-        if len(set(strategy.partition.values())) == 1:
-            return f"one device on {hosts[0]}"
-        return f"partition on {'+'.join(hosts)}"
+    if len(hosts_used(strategy, topology)) == 1:
+        return f"one device on {hosts_used(strategy, topology).pop()}"
     counts: dict[str, int] = {}
-    for a in strategy.actions:
-        key = f"{a.mode}@{'+'.join(topology.groups[g].host for g in a.placement)}"
+    for g in range(len(strategy.actions)):
+        a = strategy.actions[g]
+        key = f"{a.mode}@{'+'.join(sorted(group_hosts(strategy, topology, g)))}"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def group_hosts(strategy: Strategy, topology, group: int) -> set[str]:
+    """The hosts op group GROUP runs on under STRATEGY (a partitioned group: where its ops are placed)."""
+    a = strategy.actions[group]
+    if a.mode == "partition":
+        ops = (int(i) for i in strategy.grouping.members(group))
+        return {topology.devices[strategy.partition[i]].host for i in ops if i in strategy.partition}
+    return {topology.groups[x].host for x in a.placement}
+
+
+def hosts_used(strategy: Strategy, topology) -> set[str]:
+    """Every host STRATEGY runs anything on."""
+    if strategy.pipeline is not None:
+        return {topology.groups[x].host for st in strategy.pipeline.stages for x in st.placement}
+    return set().union(*(group_hosts(strategy, topology, g) for g in range(len(strategy.actions))))
 
 
 def host_prefix_strategy(analysis, hosts: int) -> Strategy:
@@ -215,7 +229,9 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
         tb.stop_workers()
     strategies["tuned"] = tuned.strategy
     uniform_set = uniform_keys(an)
-    is_uniform = {n: strategy_key(s) in uniform_set for n, s in strategies.items()}
+    # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
+    is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
+                  for n, s in strategies.items()}
     mixed = {n: times[n] for n in ("plan", "tuned") if not is_uniform[n]}
     best_mixed = min(mixed.values()) if mixed else None
     row = {"config": config, "case": label, "model": model, "batch": batch, "width": width, "depth": depth,
@@ -288,7 +304,18 @@ def geomean(values) -> float:
     return float(np.exp(np.mean(np.log(np.asarray(values, dtype=np.float64)))))
 
 
+def mixed_over_uniform(row: dict) -> float | None:
+    """The best uniform action's time over the fastest measured plan of ROW (the plan or the tuned plan)
+    that is not a uniform action and runs on more than one host; None when there is none."""
+    mixed = [row[f"{n}_s"] for n in ("plan", "tuned")
+             if not row[f"{n}_is_uniform"] and not row[n].startswith("one device on")]
+    return row["uniform_s"] / min(mixed) if mixed else None
+
+
 def summary(rows: list[dict]) -> dict:
+    for r in rows:
+        r["mixed_over_uniform"] = mixed_over_uniform(r)
+        r["mixed_win"] = r["mixed_over_uniform"] is not None and r["mixed_over_uniform"] >= MIXED_WIN
     return {"geomean_speedup_vs_best_mwms": geomean([r["speedup_vs_best_mwms"] for r in rows]),
             "worst_speedup_vs_best_mwms": min(r["speedup_vs_best_mwms"] for r in rows),
             "mixed_wins": sum(bool(r["mixed_win"]) for r in rows),
@@ -346,11 +373,18 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
     p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
-    p.add_argument("--table", metavar="JSON", help="print the README table of a saved --json result and exit")
+    p.add_argument("--table", metavar="JSON", help="print the README table and summary of a saved --json result "
+                                                   "(with --json F: write it to F with the summary recomputed)")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:
-            print(markdown_table(json.load(f)))
+            result = json.load(f)
+        result.update(summary(result["rows"]))   # the summary keys as this version computes them
+        print(markdown_table(result))
+        print("\n" + json.dumps({k: v for k, v in result.items() if k != "rows" and not isinstance(v, dict)}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
         return 0
     if args.steps - args.warmup < 10:
         p.error("--steps minus --warmup must leave at least 10 timed steps")
@@ -367,7 +401,8 @@ def main(argv=None) -> int:
     if args.configs:
         configs = [c for c in configs if c in args.configs.split(",")]
     t0 = time.time()
-    print(f"commit {git_commit()}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    commit = git_commit()     # the code measured (HEAD may move while a long run goes on)
+    print(f"commit {commit}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -386,7 +421,7 @@ def main(argv=None) -> int:
         """The JSON so far (after every row, so that a run stopped at a deadline keeps its finished cases)."""
         if args.json and rows:
             with open(args.json, "w") as f:
-                json.dump({**summary(rows), "targets": TARGETS, "commit": git_commit(), "complete": final,
+                json.dump({**summary(rows), "targets": TARGETS, "commit": commit, "complete": final,
                            "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps,
                            "configs": {n: recipe["configs"][n] for n in configs}, "profile_source": profile.source,
                            "rows": rows}, f, indent=2)
