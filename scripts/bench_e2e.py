@@ -51,6 +51,7 @@ Usage::
     python scripts/bench_e2e.py --profile e2e.profile.json # reuse a calibration
     python scripts/bench_e2e.py --out-dir tb/              # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
     python scripts/bench_e2e.py --table e2e.json           # the README table of a saved result
+    python scripts/bench_e2e.py --configs G --cases vgg --batch-scale 4   # more compute per byte of weights
 """
 from __future__ import annotations
 
@@ -367,6 +368,8 @@ def main(argv=None) -> int:
                         "the slowest)")
     p.add_argument("--gpu-gbps", type=float, default=25.0,
                    help="configuration G: the GPU cluster's Ethernet rate whose bytes per FLOP its links keep")
+    p.add_argument("--batch-scale", type=int, default=1, metavar="K",
+                   help="multiply every case's global batch by K (more compute per byte of weights)")
     p.add_argument("--cases", help="comma-separated subset of " + ",".join(c[0] for c in CASES))
     p.add_argument("--configs", help="comma-separated subset of A,B,G")
     p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
@@ -400,6 +403,10 @@ def main(argv=None) -> int:
         cases = [c for c in CASES if c[0] in args.cases.split(",")]
     if args.configs:
         configs = [c for c in configs if c in args.configs.split(",")]
+    if args.batch_scale != 1:
+        if args.batch_scale < 1:
+            p.error("--batch-scale must be a positive integer")
+        cases = [(label, model, batch * args.batch_scale, w, d) for label, model, batch, w, d in cases]
     t0 = time.time()
     commit = git_commit()     # the code measured (HEAD may move while a long run goes on)
     print(f"commit {commit}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
