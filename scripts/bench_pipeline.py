@@ -118,12 +118,16 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float]:
     vs = [v for v in analysis.graph.variables if v.kind == "trainable"]
     orig = {n.name: n for n in analysis.graph_def.node}
     out = {n.name: n for n in res.graph_def.node}
-    grad_inputs = []                   # per variable: the rewritten update op's gradient input
+    grad_inputs, grad_vars = [], []    # the rewritten update ops' gradient inputs, of these variables
     for v in vs:
-        slot = [canonical(i) for i in orig[v.apply_op].input].index(canonical(v.gradient))
+        inputs = [canonical(i) for i in orig[v.apply_op].input]
+        if canonical(v.gradient) not in inputs:   # reaches the update through other ops (a densified sparse one)
+            continue
+        slot = inputs.index(canonical(v.gradient))
         apply = next(n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out)
         t = out[apply].input[slot]
         grad_inputs.append(t if ":" in t else t + ":0")
+        grad_vars.append(v)
     g = tf.Graph()
     with g.as_default():
         tf.graph_util.import_graph_def(res.graph_def, name="")
@@ -140,7 +144,7 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float]:
                                            dtype=g.get_operation_by_name(v.name).get_attr("dtype")) for v in vs]
     with tf1.Session(graph=g, config=cfg) as s:
         s.run(analysis.entry.init)
-        ref_grads = s.run([v.gradient for v in vs], feed)
+        ref_grads = s.run([v.gradient for v in grad_vars], feed)
         s.run(analysis.entry.train_op, feed)
         ref = s.run(reads)
 
@@ -249,6 +253,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the deep MLP only")
+    p.add_argument("--cases", help="comma-separated subset of " + ",".join(c[0] for c in CASES))
     p.add_argument("--gpu-gbps", type=float, default=25.0,
                    help="the GPU cluster's Ethernet rate whose bytes per FLOP the links keep (default 25)")
     p.add_argument("--budget", type=float, default=6.0, help="seconds of timed steps per tag run")
@@ -283,6 +288,8 @@ def main(argv=None) -> int:
     _, topo = testbed_topology(recipe, "P", profile)
     rows = []
     cases = CASES[:1] if args.quick else CASES
+    if args.cases:
+        cases = [c for c in CASES if c[0] in args.cases.split(",")]
     with Testbed(topo, cpu_quota=QUOTAS) as tb:
         if not args.no_levels:
             tb.start_workers(threads_per_worker=1)

@@ -131,9 +131,10 @@ def test_micro_batch_instances_accumulation_and_schedule():
     # each device adds its micro-batches' partial sums before the stage's all-reduce
     collectives = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2"]
     assert collectives and {n.device for n in collectives} == {THREE.tf_device(1), THREE.tf_device(2)}
-    accum = [n for n in res.graph_def.node if n.op == "AddN" and n.name.startswith("tag/sum/gradients/dense_3/")]
-    assert accum and all(n.attr["N"].i == 2 for n in accum)
-    assert all("micro_0" in n.input[0] and "micro_1" in n.input[1] for n in accum)
+    accum = [n for n in res.graph_def.node if n.op == "AddV2" and n.name.startswith("tag/accumulate/gradients/dense_3/")]
+    assert accum and {n.device for n in accum} == {THREE.tf_device(1), THREE.tf_device(2)}
+    # a running sum in the order of the backward steps (fill-drain: micro-batch 1 first)
+    assert all("micro_1" in n.input[0] and "micro_0" in n.input[1] for n in accum)
     # fill-drain order on stage 0: F0 F1 B1 B0, each step waiting for the previous one
     done = [n for n in res.graph_def.node if n.name.startswith("tag/pipeline/stage_0/0/")]
     assert [n.name.rsplit("/", 1)[1] for n in done] == ["F0_done", "F1_done", "B1_done", "B0_done"]

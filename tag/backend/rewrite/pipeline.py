@@ -13,7 +13,7 @@ rules:
   concatenated where needed and sent by TensorFlow's runtime between devices;
 * each instance's gradient seed is ``s / B`` for its ``s`` examples of the global batch ``B``, so every
   weight gradient of an instance is an exact partial sum; a device first adds its micro-batches' partial
-  sums (gradient accumulation), then the stage sums its devices' accumulations (one all-reduce or a push
+  sums one by one, in the order its backward steps run (gradient accumulation: a running sum), then the stage sums its devices' accumulations (one all-reduce or a push
   to the parameter server) and applies the original optimizer ops once per step: the step equals the
   single-device step;
 * the loss is the share-weighted sum of the micro-batches' losses.
@@ -56,7 +56,7 @@ from tag.ir.op_types import PLACEHOLDER_TYPES
 from tag.strategy.types import batch_shares
 
 from .context import RewriteContext
-from .graph_edit import Range, split_tensor, tensor_name
+from .graph_edit import Range, attr_type, split_tensor, tensor_name
 
 _STEP_PHASE = {"forward": "F", "backward": "B"}
 
@@ -174,14 +174,35 @@ class PipelineMixin(RewriteContext):
 
     def _replica_partial(self, t: str, rng: Range | None, dev: int) -> str:
         """Gradient partial sum T of replica DEV (examples RNG): for a pipelined producer, the sum of its
-        micro-batch partial sums on DEV (gradient accumulation), else T resolved for (RNG, DEV)."""
+        micro-batch partial sums on DEV (gradient accumulation), else T resolved for (RNG, DEV).
+
+        The micro-batches' partial sums are added one by one in the order the stage runs its backward steps,
+        each as soon as it exists, so a device holds a running sum and at most one more partial per gradient
+        rather than all M of them."""
         p, k = split_tensor(t)
-        if self._pipelined(self._group(p)):
-            parts = sorted((i for i in self.instances[p] if i.primary and i.asked_dev == dev), key=lambda i: i.rng)
-            if parts and all(i.rng != self.full_batch for i in parts):
-                return self._add_n(t, [tensor_name(i.name, k) for i in parts], self.full_batch, dev,
-                                   memo_key=("accumulated", t, dev))
-        return self._resolve(t, rng, dev, p, dev)
+        g = self._group(p)
+        if not self._pipelined(g):
+            return self._resolve(t, rng, dev, p, dev)
+        parts = [i for i in self.instances[p] if i.primary and i.asked_dev == dev]
+        if not parts or any(i.rng == self.full_batch for i in parts):
+            return self._resolve(t, rng, dev, p, dev)
+        memo_key = ("accumulated", t, dev)
+        if memo_key in self.memo:
+            return self.memo[memo_key]
+        backward = [m for kind, m in self.strategy.pipeline.steps()[int(self.stage_of_group[g])] if kind == "B"]
+        position = {m: j for j, m in enumerate(backward)}
+        parts.sort(key=lambda i: (position.get(self._micro_index(i.rng), len(backward)), i.rng))
+        total = tensor_name(parts[0].name, k)
+        base = f"tag/accumulate/{p}_{k}/{dev}"
+        for j, part in enumerate(parts[1:], start=1):
+            name = self._fresh(f"{base}/{j}")
+            node = node_def_pb2.NodeDef(name=name, op="AddV2", device=self.topo.tf_device(dev))
+            node.input.extend([total, tensor_name(part.name, k)])
+            node.attr["T"].CopyFrom(attr_type(self._dtype(t)))
+            self.out_nodes.append(node)
+            total = name
+        self.memo[memo_key] = total
+        return total
 
     # -------------------------------------------------------------------------------- the schedule
     def _enforce_schedule(self) -> None:
