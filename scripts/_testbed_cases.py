@@ -193,3 +193,13 @@ def testbed_topology(recipe: dict, name: str, profile):
         lines.append(f'link {{ a: "{a}" b: "{b}" bandwidth_gbps: {bw} latency_us: {latency} }}')
     text = "\n".join(lines) + "\n"
     return text, parse_topology(text, path=f"<testbed {name}>")
+
+
+GPU_FLOPS = 15e12   # a V100's sustained FLOP/s (fp32 and tensor-core mix)
+
+
+def gpu_ratio_link_gbps(profile, quota: float, gpu_gbps: float = 25.0, gpu_flops: float = GPU_FLOPS) -> float:
+    """The link rate (Gbit/s) that gives a host of QUOTA (its calibrated FLOP/s in PROFILE) the bytes per FLOP
+    of a V100-class GPU (GPU_FLOPS) on GPU_GBPS Ethernet: ``gpu_gbps * flops / gpu_flops`` (25 Gbit/s and
+    20 GFLOP/s -> 33 Mbit/s; 8.3e-5 to 2.1e-4 bytes per FLOP at 10 to 25 Gbit/s)."""
+    return float(gpu_gbps) * profile.devices[device_type(quota)].peak_flops / float(gpu_flops)

@@ -1,34 +1,57 @@
-"""End-to-end speedups on a heterogeneous multi-host testbed: tag's plan vs tf.distribute, side by side.
+"""End-to-end: tag's plan against the best a user can do with tf.distribute, on heterogeneous testbeds.
 
-For every (testbed configuration, model) case, in one run and on the same testbed (network namespaces,
-HTB-shaped links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``):
+For every (testbed configuration, case), in one run and on the same testbed (network namespaces, HTB-shaped
+links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``), each figure the
+median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; every worker one intra-op
+thread), the 1-minute load average beside each row:
 
-- ``mwms``: the anchor, ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same
-  tf_keras architecture, global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker
-  per host in its namespace with ``TF_CONFIG``; ``tag.backend.mwms``);
-- ``dp``: tag's ``dp_allreduce`` (``tag.rewrite``) run with ``run_steps`` on TF servers in the namespaces;
-- ``plan``: the plan ``tag.optimize`` returns for the testbed topology, and its predicted step time. The
-  topology and profile come from ``scripts/testbed_recipe.json`` (``_testbed_cases.py``): each quota is
-  profiled by ``tag-profile --sustained`` inside a cgroup of that quota (one device type per quota), plus
-  the runtime's network costs (``profile_network``);
-- the measured tuning step: ``tag.tune.tune_plan`` measures ``--tune K`` candidates (the plan, the best
-  built-in, the best uniform action, then the next fastest predicted; default: as many as cost about 30
-  steps of the slowest) in interleaved rounds and keeps the fastest measured; the row says whether it
-  overrode the simulator, what it cost, and every candidate's predicted and measured time (``tune``).
+- ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same tf_keras architecture,
+  global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker per host with TF_CONFIG;
+  ``tag.backend.mwms``) on every prefix of the hosts ordered fastest first (1, 2, ... all hosts: what a user
+  with one fast and some slow machines would try by listing fewer workers). The best is ``mwms_best_s``
+  (on ``mwms_best_hosts``), the all-hosts time is ``mwms_all_s``;
+- ``uniform``: tag's best uniform action (one candidate action for every op group, the simulator's pick),
+  measured: the best a user of tag could pick by hand;
+- ``dp_all`` / ``dp_same``: tag's ``dp_allreduce`` over all hosts, and over the same hosts as MWMS's best
+  set (one host: the whole graph on the fastest host's device);
+- ``plan``: the plan ``tag.optimize`` returns (searched per-group actions, pipelines and built-ins), measured;
+- ``tuned``: that plan after the measured tuning step (``tag.tune.tune_plan``, ``--tune K``: the plan, the
+  best built-in, the best uniform action and the next fastest predicted candidates, in interleaved rounds;
+  it looks at built-ins too), then measured as the others (a strategy already measured in the row is not
+  run twice).
 
-Each time is the median of the steps after warm-up; every worker runs one intra-op thread. The machine
-is shared, so the 1-minute load average is printed beside each row: compare the columns of a row (run
-minutes apart at most), not rows of different runs. Needs root (namespaces, tc, cgroup v1 cpu).
+Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
+the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
+ratio of communication to computation: quotas 1.0 / 0.5 / 0.5 (bench_pipeline's) and every link at the rate
+that gives the fastest host the bytes per FLOP of a V100 (15 TFLOP/s) on 25 Gbit/s Ethernet
+(``--gpu-gbps``): ``25 Gbit/s * F / 15 TFLOP/s``, F the calibrated FLOP/s of the full-core host (e.g.
+20 GFLOP/s -> 33 Mbit/s, 2.1e-4 bytes per FLOP). Hosts are listed fastest first, so MWMS's prefixes are the
+fastest hosts. The topologies and profile come from the recipe (``_testbed_cases.py``: ``tag-profile
+--sustained`` per quota in a cgroup of that quota, the runtime's network costs, runtime levels on the
+running testbed); every quota of G is one of A's, so G costs no extra calibration.
+
+Cases (global batches divisible by 1, 2 and 3 hosts for MWMS): the three models of issue 11 (MLP
+784-2048-2048-1024 at 96, a small ResNet at 48, a 2-layer transformer at 48), ``vgg`` (three stages of
+two 3x3 convolutions, 16/32/64 channels, then a 1024-1024 fully connected head: 97% of the weights in the
+head, about 80% of the FLOPs in the convolutions; 48) and bench_pipeline's deep MLP (8 x 1024; 48).
+
+Summary keys (``--json``): ``geomean_speedup_vs_best_mwms`` and ``worst_speedup_vs_best_mwms`` (the tuned
+plan against the best MWMS), ``mixed_wins`` (cases where a measured plan that is not a uniform action --
+mixed per-group actions or a pipeline -- ran at least 1.10x faster than the best uniform action),
+``worst_dp_over_mwms_same_hosts``, ``geomean_speedup_vs_mwms`` (the tuned plan against MWMS on all hosts),
+``dp_over_mwms`` (geomean of dp_all / MWMS on all hosts), ``rows`` and the run's commit. Needs root
+(namespaces, tc, cgroup v1 cpu). The machine may be shared: compare the columns of a row, not rows of
+different runs.
 
 Usage::
 
-    python scripts/bench_e2e.py                  # 3 models x 2 configurations
-    python scripts/bench_e2e.py --quick          # the MLP on configuration A
-    python scripts/bench_e2e.py --json e2e.json  # {"rows", "geomean_speedup_vs_mwms", "worst_speedup_vs_mwms",
-                                                 #  "dp_over_mwms", "guard_overrides", "guard_mean_seconds"}
-                                                 # and the calibration's profile in e2e.profile.json (each
-                                                 # configuration then applies its runtime levels: --out-dir)
-    python scripts/bench_e2e.py --out-dir tb/    # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
+    python scripts/bench_e2e.py                            # 5 cases x 3 configurations, with calibration
+    python scripts/bench_e2e.py --quick                    # configuration G, the VGG-style CNN and the deep MLP
+    python scripts/bench_e2e.py --json e2e.json            # summary keys and rows; the profile in e2e.profile.json
+    python scripts/bench_e2e.py --profile e2e.profile.json # reuse a calibration
+    python scripts/bench_e2e.py --out-dir tb/              # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
+    python scripts/bench_e2e.py --table e2e.json           # the README table of a saved result
+    python scripts/bench_e2e.py --configs G --cases vgg --batch-scale 4   # more compute per byte of weights
 """
 from __future__ import annotations
 
@@ -47,15 +70,29 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
-from tag.tune import tune_plan  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels, testbed_topology  # noqa: E402
+from tag.strategy.types import Action, Strategy  # noqa: E402
+from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
+from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, runtime_levels, \
+    testbed_topology  # noqa: E402
 
-# (model, global batch): divisible by 3 hosts, as MWMS needs
-CASES = [("mlp", 96), ("cnn", 48), ("transformer", 48)]
+# (label, tag.backend.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
+CASES = [
+    ("vgg", "vgg", 48, None, None),
+    ("deep-mlp", "mlp", 48, 1024, 8),
+    ("transformer", "transformer", 48, None, None),
+    ("cnn", "cnn", 48, None, None),
+    ("mlp", "mlp", 96, None, None),
+]
+QUICK_CASES = ("vgg", "deep-mlp")
+GPU_CONFIG = "G"
+GPU_QUOTAS = [1.0, 0.5, 0.5]
+MIXED_WIN = 1.10
+TARGETS = {"geomean_speedup_vs_best_mwms": ">= 1.3", "worst_speedup_vs_best_mwms": ">= 0.97", "mixed_wins": ">= 3",
+           "worst_dp_over_mwms_same_hosts": "<= 1.0"}
 MWMS_PORT = 24600
 
 
@@ -88,55 +125,161 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
     return float(np.median(json.loads(lines[-1])["step_times"][warmup:]))
 
 
-def run_tag(tb: Testbed, gd, res_or_plan, steps: int, warmup: int) -> float:
-    r = run_steps(res_or_plan.graph_def, tb.target, train_op=res_or_plan.train_op, loss=res_or_plan.loss,
-                  init=res_or_plan.init, steps=steps, warmup=warmup, synthetic=True)
+def run_tag(tb: Testbed, runnable, steps: int, warmup: int) -> float:
+    """Median of the timed steps of RUNNABLE (a ``tag.rewrite`` result or a Plan) on the running testbed."""
+    r = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
+                  init=runnable.init, steps=steps, warmup=warmup, synthetic=True)
     return float(np.median(r.step_times[warmup:]))
 
 
-def run_case(tb: Testbed, cfg: dict, name: str, model: str, batch: int, profile: Profile, steps: int, warmup: int,
-             budget_s: float, tune_k: int | None) -> dict:
-    """One row: MWMS, tag's dp_allreduce and tag's plan for MODEL on the running testbed TB, and what the
-    measured tuning step (``tag.tune.tune_plan``) keeps."""
-    gd = tf1_graph(model, batch)
-    plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=budget_s, name=model)
-    dp_res = tag.rewrite(gd, tb.topology, "dp_allreduce", batch_size=batch, profile=profile)
+def uniform_keys(analysis) -> set[str]:
+    """``strategy_key`` of every uniform action of ANALYSIS: each search candidate applied to every op group
+    (where it is not allowed, the group's first allowed one, as ``tag.search.driver.best_uniform`` takes it),
+    every built-in and dp_allreduce over each prefix of the hosts."""
+    from tag.search import SearchEnv
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch, simulator=analysis.simulator())
+    keys = {strategy_key(env.strategy(env.uniform_choice(k))) for k in range(len(env.candidates))}
+    keys |= {strategy_key(analysis.builtin(n)) for n in BUILTIN_STRATEGIES}
+    keys |= {strategy_key(host_prefix_strategy(analysis, k)) for k in range(1, len(analysis.topology.hosts) + 1)}
+    return keys
+
+
+def describe(strategy: Strategy, topology) -> str:
+    """Devices, stages and modes of STRATEGY, in a few words (the README's "why")."""
+    if strategy.pipeline is not None:
+        p = strategy.pipeline
+        stages = " | ".join("+".join(topology.groups[g].host for g in s.placement) for s in p.stages)
+        return f"pipeline {len(p.stages)} stages [{stages}], M={p.micro_batches} {p.schedule}"
+    if len(hosts_used(strategy, topology)) == 1:
+        return f"one device on {hosts_used(strategy, topology).pop()}"
+    counts: dict[str, int] = {}
+    for g in range(len(strategy.actions)):
+        a = strategy.actions[g]
+        key = f"{a.mode}@{'+'.join(sorted(group_hosts(strategy, topology, g)))}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def group_hosts(strategy: Strategy, topology, group: int) -> set[str]:
+    """The hosts op group GROUP runs on under STRATEGY (a partitioned group: where its ops are placed)."""
+    a = strategy.actions[group]
+    if a.mode == "partition":
+        ops = (int(i) for i in strategy.grouping.members(group))
+        return {topology.devices[strategy.partition[i]].host for i in ops if i in strategy.partition}
+    return {topology.groups[x].host for x in a.placement}
+
+
+def hosts_used(strategy: Strategy, topology) -> set[str]:
+    """Every host STRATEGY runs anything on."""
+    if strategy.pipeline is not None:
+        return {topology.groups[x].host for st in strategy.pipeline.stages for x in st.placement}
+    return set().union(*(group_hosts(strategy, topology, g) for g in range(len(strategy.actions))))
+
+
+def host_prefix_strategy(analysis, hosts: int) -> Strategy:
+    """dp_allreduce over the first HOSTS hosts (what MWMS on those hosts runs); one host: every op on its
+    first device."""
+    topo = analysis.topology
+    if hosts == 1:
+        from tag.strategy.baselines import on_one_device
+        first = next(g for g in topo.groups if g.host == topo.hosts[0].name)
+        return on_one_device(analysis.grouping, topo, len(analysis.graph.ops), first.devices[0], name="dp1")
+    first = {h.name for h in topo.hosts[:hosts]}
+    groups = tuple(g.index for g in topo.groups if g.host in first)
+    return Strategy(analysis.grouping, [Action(groups, "allreduce")] * analysis.grouping.num_groups,
+                    name=f"dp{hosts}")
+
+
+def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile, args) -> dict:
+    """One row: MWMS on every host prefix, then tag's uniform, dp, plan and tuned plan on the running testbed."""
+    label, model, batch, width, depth = case
+    model_args = tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
+    steps, warmup = args.steps, args.warmup
+    gd = tf1_graph(model, batch, width=width, depth=depth)
+    t0 = time.perf_counter()
+    plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=args.budget, name=label)
+    search_s = time.perf_counter() - t0
+    an = plan.analysis
+    n_hosts = len(tb.topology.hosts)
+    mwms = {k: run_mwms(tb, model, batch, steps, warmup, hosts=k, model_args=model_args)
+            for k in range(1, n_hosts + 1)}
+    best_k = min(mwms, key=mwms.get)
+    uniform = plan.candidates.get(BEST_UNIFORM) or best_uniform_of(an)[0]
+    strategies = {"uniform": uniform, "dp_all": an.builtin("dp_allreduce"),
+                  "dp_same": host_prefix_strategy(an, best_k), "plan": plan.strategy}
+    measured: dict[str, float] = {}          # strategy_key -> median step (s)
+    times: dict[str, float] = {}
     tb.start_workers(threads_per_worker=1)
     try:
-        dp = run_tag(tb, gd, dp_res, steps, warmup)
-        planned = run_tag(tb, gd, plan, steps, warmup)
-        t0 = time.perf_counter()
-        guarded = tune_plan(plan, tb, k=tune_k)
-        guard_s = time.perf_counter() - t0
+        for name, s in strategies.items():
+            key = strategy_key(s)
+            if key not in measured:
+                runnable = plan if name == "plan" else an.rewrite(s)
+                measured[key] = run_tag(tb, runnable, steps, warmup)
+            times[name] = measured[key]
+        t1 = time.perf_counter()
+        tuned = tune_plan(plan, tb, k=args.tune)
+        tune_s = time.perf_counter() - t1
+        key = strategy_key(tuned.strategy)
+        if key not in measured:
+            measured[key] = run_tag(tb, tuned, steps, warmup)
+        times["tuned"] = measured[key]
     finally:
         tb.stop_workers()
-    mwms = run_mwms(tb, model, batch, steps, warmup)
-    overrode = guarded.method != plan.method
-    row = {"config": name, "model": model, "batch": batch, "quotas": list(cfg["quotas"]),
-           "links_gbps": list(cfg["links_gbps"]),
-           "mwms_s": mwms, "dp_s": dp, "plan_s": planned, "plan_method": plan.method,
-           "plan_device_groups": sorted({int(d) for a in plan.strategy.actions for d in a.placement}),
-           "predicted_plan_s": plan.predicted_step_time, "predicted_dp_s": plan.baselines.get("dp_allreduce"),
-           "speedup_vs_mwms": mwms / planned, "dp_over_mwms": dp / mwms,
-           "guard_kept": guarded.method if overrode else plan.method, "guard_overrode": overrode,
-           "guard_seconds": guard_s, "guard_note": guarded.notes[-1] if guarded.notes else "",
-           "tune": guarded.report()["tune"],
-           "load1": os.getloadavg()[0]}
-    print(f"{name:<3} {model:<12} {batch:>4}  mwms {mwms * 1e3:8.1f} ms  dp {dp * 1e3:8.1f} ms  "
-          f"plan {planned * 1e3:8.1f} ms (pred {plan.predicted_step_time * 1e3:7.1f}, {plan.method})  "
-          f"speedup {row['speedup_vs_mwms']:5.2f}x  dp/mwms {row['dp_over_mwms']:4.2f}  "
-          f"guard {'overrode: ' + row['guard_kept'] if overrode else 'kept the plan'} ({guard_s:.0f} s)  "
-          f"load {row['load1']:.1f}", flush=True)
+    strategies["tuned"] = tuned.strategy
+    uniform_set = uniform_keys(an)
+    # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
+    is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
+                  for n, s in strategies.items()}
+    mixed = {n: times[n] for n in ("plan", "tuned") if not is_uniform[n]}
+    best_mixed = min(mixed.values()) if mixed else None
+    row = {"config": config, "case": label, "model": model, "batch": batch, "width": width, "depth": depth,
+           "quotas": list(cfg["quotas"]), "links_gbps": list(cfg["links_gbps"]),
+           "mwms_s": {str(k): v for k, v in mwms.items()}, "mwms_best_hosts": best_k, "mwms_best_s": mwms[best_k],
+           "mwms_all_s": mwms[n_hosts],
+           "uniform_s": times["uniform"], "uniform": describe(uniform, tb.topology),
+           "dp_all_s": times["dp_all"], "dp_same_s": times["dp_same"],
+           "plan_s": times["plan"], "plan_method": plan.method, "plan": describe(plan.strategy, tb.topology),
+           "predicted_plan_s": plan.predicted_step_time,
+           "tuned_s": times["tuned"], "tuned_method": tuned.method, "tuned": describe(tuned.strategy, tb.topology),
+           "tuned_is_uniform": is_uniform["tuned"], "plan_is_uniform": is_uniform["plan"],
+           "tune_seconds": tune_s, "search_seconds": search_s, "tune": tuned.report()["tune"],
+           "speedup_vs_best_mwms": mwms[best_k] / times["tuned"], "speedup_vs_mwms": mwms[n_hosts] / times["tuned"],
+           "plan_speedup_vs_best_mwms": mwms[best_k] / times["plan"],
+           "dp_over_mwms": times["dp_all"] / mwms[n_hosts], "dp_same_over_mwms": times["dp_same"] / mwms[best_k],
+           "mixed_over_uniform": None if best_mixed is None else times["uniform"] / best_mixed,
+           "mixed_win": best_mixed is not None and times["uniform"] / best_mixed >= MIXED_WIN,
+           "steps": steps, "warmup": warmup, "load": list(os.getloadavg())}
+    print(f"{config:<2} {label:<12} {batch:>3}  mwms {'/'.join(f'{v * 1e3:.0f}' for v in mwms.values())} ms "
+          f"(best {best_k})  uniform {times['uniform'] * 1e3:7.1f}  dp {times['dp_all'] * 1e3:7.1f} "
+          f"dp_same {times['dp_same'] * 1e3:7.1f}  plan {times['plan'] * 1e3:7.1f} "
+          f"(pred {plan.predicted_step_time * 1e3:6.1f}, {plan.method})  tuned {times['tuned'] * 1e3:7.1f} "
+          f"({tuned.method}, {tune_s:.0f} s)  vs best mwms {row['speedup_vs_best_mwms']:.2f}x  "
+          f"mixed/uniform {row['mixed_over_uniform'] or 0:.2f}  load {row['load'][0]:.1f}", flush=True)
+    print(f"    plan: {row['plan']}; tuned: {row['tuned']}; uniform: {row['uniform']}", flush=True)
     from tag.report import format_tune
     for line in format_tune(row["tune"]):
         print(f"    tune: {line}", flush=True)
     return row
 
 
-def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[dict]:
+def config_recipe(recipe: dict, profile: Profile, gpu_gbps: float) -> dict:
+    """RECIPE with configuration G: GPU_QUOTAS and links at a V100 cluster's bytes per FLOP."""
+    link = round(gpu_ratio_link_gbps(profile, max(GPU_QUOTAS), gpu_gbps), 6)
+    out = dict(recipe)
+    out["configs"] = {**recipe["configs"], GPU_CONFIG: {"quotas": GPU_QUOTAS, "links_gbps": [link] * 3,
+                                                         "gpu_gbps": gpu_gbps}}
+    return out
+
+
+def run_config(recipe: dict, name: str, profile: Profile, cases, args, rows: list[dict], saved) -> None:
+    """Every case of CASES on configuration NAME's testbed, each row appended to ROWS, then SAVED()."""
     cfg = recipe["configs"][name]
+    if list(cfg["quotas"]) != sorted(cfg["quotas"], reverse=True):
+        raise SystemExit(f"bench_e2e: configuration {name}: hosts must be listed fastest first")
     text, topo = testbed_topology(recipe, name, profile)
-    rows = []
     with Testbed(topo, cpu_quota=cfg["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
@@ -148,70 +291,162 @@ def run_config(recipe: dict, name: str, profile: Profile, cases, args) -> list[d
             with open(os.path.join(args.out_dir, f"testbed-{name}.pbtxt"), "w") as f:
                 f.write(text)
             profile.save(os.path.join(args.out_dir, f"profile-{name}.json"))
-        for model, batch in cases:
+        for case in cases:
             try:
-                row = run_case(tb, cfg, name, model, batch, profile, args.steps, args.warmup, args.budget,
-                               args.tune)
+                rows.append(run_case(tb, cfg, name, case, profile, args))
+                saved()
             except Exception as err:  # noqa: BLE001 - report the case and go on with the others
                 tb.stop_workers()
-                print(f"{name:<3} {model:<12} {batch:>4}  FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
-                continue
-            rows.append(row)
-    return rows
+                print(f"{name:<2} {case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}",
+                      flush=True)
 
 
 def geomean(values) -> float:
     return float(np.exp(np.mean(np.log(np.asarray(values, dtype=np.float64)))))
 
 
+def mixed_over_uniform(row: dict) -> float | None:
+    """The best uniform action's time over the fastest measured plan of ROW (the plan or the tuned plan)
+    that is not a uniform action and runs on more than one host; None when there is none."""
+    mixed = [row[f"{n}_s"] for n in ("plan", "tuned")
+             if not row[f"{n}_is_uniform"] and not row[n].startswith("one device on")]
+    return row["uniform_s"] / min(mixed) if mixed else None
+
+
+def summary(rows: list[dict]) -> dict:
+    for r in rows:
+        r["mixed_over_uniform"] = mixed_over_uniform(r)
+        r["mixed_win"] = r["mixed_over_uniform"] is not None and r["mixed_over_uniform"] >= MIXED_WIN
+    return {"geomean_speedup_vs_best_mwms": geomean([r["speedup_vs_best_mwms"] for r in rows]),
+            "worst_speedup_vs_best_mwms": min(r["speedup_vs_best_mwms"] for r in rows),
+            "mixed_wins": sum(bool(r["mixed_win"]) for r in rows),
+            "worst_dp_over_mwms_same_hosts": max(r["dp_same_over_mwms"] for r in rows),
+            "geomean_speedup_vs_mwms": geomean([r["speedup_vs_mwms"] for r in rows]),
+            "dp_over_mwms": geomean([r["dp_over_mwms"] for r in rows]),
+            "geomean_plan_speedup_vs_best_mwms": geomean([r["plan_speedup_vs_best_mwms"] for r in rows]),
+            "tune_overrides": sum(r["tuned_method"] != r["plan_method"] for r in rows),
+            "tune_mean_seconds": float(np.mean([r["tune_seconds"] for r in rows])),
+            "cases": len(rows)}
+
+
+def markdown_table(result: dict) -> str:
+    """The README's table of a ``--json`` RESULT: both MWMS anchors, tag's uniform / dp / plan / tuned times
+    (ms), the speedups, what the tuned plan runs and the load average."""
+    head = ("| config | case (batch) | MWMS 1 / 2 / 3 hosts | MWMS best | uniform | dp same hosts | plan | tuned "
+            "| vs best MWMS | vs MWMS all | mixed / uniform | the tuned plan runs | load |\n" + "|---" * 13 + "|")
+    lines = [head]
+    for r in result["rows"]:
+        mixed = "" if r["mixed_over_uniform"] is None else f"{r['mixed_over_uniform']:.2f}" + \
+            (" (win)" if r["mixed_win"] else "")
+        lines.append(
+            f"| {r['config']} | {r['case']} ({r['batch']}) | {' / '.join(f'{v * 1e3:.0f}' for v in r['mwms_s'].values())} "
+            f"| {r['mwms_best_s'] * 1e3:.0f} ({r['mwms_best_hosts']}) | {r['uniform_s'] * 1e3:.0f} "
+            f"| {r['dp_same_s'] * 1e3:.0f} | {r['plan_s'] * 1e3:.0f} ({r['plan_method']}) "
+            f"| {r['tuned_s'] * 1e3:.0f} ({r['tuned_method']}) | {r['speedup_vs_best_mwms']:.2f}x "
+            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {r['tuned']} | {r['load'][0]:.1f} |")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the MLP on configuration A only")
+    p.add_argument("--quick", action="store_true", help="configuration G, the VGG-style CNN and the deep MLP")
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
     p.add_argument("--tune", type=int, default=None, metavar="K",
                    help="candidates the measured tuning step runs (default: as many as cost about 30 steps of "
                         "the slowest)")
-    p.add_argument("--models", help="comma-separated subset of " + ",".join(m for m, _ in CASES))
-    p.add_argument("--configs", help="comma-separated subset of the recipe's configurations")
+    p.add_argument("--gpu-gbps", type=float, default=25.0,
+                   help="configuration G: the GPU cluster's Ethernet rate whose bytes per FLOP its links keep")
+    p.add_argument("--batch-scale", type=int, default=1, metavar="K",
+                   help="multiply every case's global batch by K (more compute per byte of weights)")
+    p.add_argument("--cases", help="comma-separated subset of " + ",".join(c[0] for c in CASES))
+    p.add_argument("--configs", help="comma-separated subset of A,B,G")
     p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
+    p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
     p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
+    p.add_argument("--table", metavar="JSON", help="print the README table and summary of a saved --json result "
+                                                   "(with --json F: write it to F with the summary recomputed)")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            result = json.load(f)
+        result.update(summary(result["rows"]))   # the summary keys as this version computes them
+        print(markdown_table(result))
+        print("\n" + json.dumps({k: v for k, v in result.items() if k != "rows" and not isinstance(v, dict)}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
+    if args.steps - args.warmup < 10:
+        p.error("--steps minus --warmup must leave at least 10 timed steps")
     from _common import testbed_missing
     if testbed_missing("bench_e2e"):
         return 2
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
-    cases = CASES[:1] if args.quick else CASES
-    configs = ["A"] if args.quick else list(recipe["configs"])
-    if args.models:
-        cases = [c for c in CASES if c[0] in args.models.split(",")]
+    configs = [GPU_CONFIG, *recipe["configs"]]
+    cases = CASES
+    if args.quick:
+        configs, cases = [GPU_CONFIG], [c for c in CASES if c[0] in QUICK_CASES]
+    if args.cases:
+        cases = [c for c in CASES if c[0] in args.cases.split(",")]
     if args.configs:
-        configs = [c for c in recipe["configs"] if c in args.configs.split(",")]
+        configs = [c for c in configs if c in args.configs.split(",")]
+    if args.batch_scale != 1:
+        if args.batch_scale < 1:
+            p.error("--batch-scale must be a positive integer")
+        cases = [(label, model, batch * args.batch_scale, w, d) for label, model, batch, w, d in cases]
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as workdir:
-        profile = calibrate_testbed(recipe, workdir, configs)
+    commit = git_commit()     # the code measured (HEAD may move while a long run goes on)
+    print(f"commit {commit}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        quota_configs = [c for c in configs if c != GPU_CONFIG] or list(recipe["configs"])[:1]
+        with tempfile.TemporaryDirectory() as workdir:
+            profile = calibrate_testbed(recipe, workdir, quota_configs)
     if args.json:
         profile.save(os.path.splitext(args.json)[0] + ".profile.json")
-    rows = []
+    recipe = config_recipe(recipe, profile, args.gpu_gbps)
+    g = recipe["configs"][GPU_CONFIG]
+    print(f"configuration G: links {g['links_gbps'][0] * 1e3:.1f} Mbit/s ({args.gpu_gbps:g} Gbit/s per 15 TFLOP/s "
+          f"GPU, {args.gpu_gbps / 8e-9 / 15e12:.2e} bytes per FLOP)", flush=True)
+    rows: list[dict] = []
+
+    def save(final: bool) -> None:
+        """The JSON so far (after every row, so that a run stopped at a deadline keeps its finished cases)."""
+        if args.json and rows:
+            with open(args.json, "w") as f:
+                json.dump({**summary(rows), "targets": TARGETS, "commit": commit, "complete": final,
+                           "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps,
+                           "configs": {n: recipe["configs"][n] for n in configs}, "profile_source": profile.source,
+                           "rows": rows}, f, indent=2)
+
     for name in configs:
-        rows += run_config(recipe, name, profile, cases, args)
+        run_config(recipe, name, profile, cases, args, rows, lambda: save(False))
     if not rows:
         print("bench_e2e: no case ran", file=sys.stderr)
         return 1
-    g = geomean([r["speedup_vs_mwms"] for r in rows])
-    w = min(r["speedup_vs_mwms"] for r in rows)
-    dpm = geomean([r["dp_over_mwms"] for r in rows])
-    overrides = sum(r["guard_overrode"] for r in rows)
-    guard_s = float(np.mean([r["guard_seconds"] for r in rows]))
-    print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: geomean speedup vs MWMS {g:.2f}x (target >= 1.5), "
-          f"worst {w:.2f}x (>= 0.95), tag dp / MWMS {dpm:.2f} (<= 1.1); the guard overrode the simulator in "
-          f"{overrides} of {len(rows)} cases, {guard_s:.1f} s per case")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "geomean_speedup_vs_mwms": g, "worst_speedup_vs_mwms": w, "dp_over_mwms": dpm,
-                       "guard_overrides": overrides, "guard_mean_seconds": guard_s}, f, indent=2)
+    s = summary(rows)
+    print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: tuned plan vs best MWMS geomean "
+          f"{s['geomean_speedup_vs_best_mwms']:.2f}x (target >= 1.3), worst {s['worst_speedup_vs_best_mwms']:.2f}x "
+          f"(>= 0.97); mixed wins {s['mixed_wins']} (>= 3); worst dp / MWMS on MWMS's best hosts "
+          f"{s['worst_dp_over_mwms_same_hosts']:.2f} (<= 1.0); vs MWMS on all hosts "
+          f"{s['geomean_speedup_vs_mwms']:.2f}x, dp / MWMS all hosts {s['dp_over_mwms']:.2f}; the tuning step "
+          f"overrode the plan in {s['tune_overrides']} cases ({s['tune_mean_seconds']:.0f} s per case); "
+          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    save(True)
     return 0
 
 

@@ -426,6 +426,22 @@ def seq_graph(batch: int) -> tf.compat.v1.GraphDef:
     return g.as_graph_def()
 
 
+def test_reshape_with_the_batch_spelled_out_keeps_it_on_axis_0():
+    """``tf.reshape(h, [batch, -1])`` after a conv: the probe at an unknown batch sees [24, ?] and once took
+    axis 1 for the batch, so the head's weight gradient got one too and a mixed plan at batch 24 failed to
+    rewrite. The batch stays on axis 0; the weight gradient has none."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [24, 8, 8, 3], name="input")
+        h = tf.nn.relu(tf.nn.conv2d(x, _var("conv", [3, 3, 3, 4]), 1, "SAME"))
+        flat = tf.reshape(h, [24, -1], name="flat")
+        loss = tf.reduce_mean(tf.matmul(flat, _var("fc", [8 * 8 * 4, 10])), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train_op")
+    tg = analyze(g.as_graph_def())
+    assert _tensor(tg, "flat:0").batch_axis == 0
+    assert _tensor(tg, _var_info(tg, "fc").gradient).batch_axis is None
+
+
 def test_folded_batch_dimension_is_detected():
     tg = analyze(seq_graph(4))
     fold = _tensor(tg, "fold:0")

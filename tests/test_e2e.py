@@ -30,6 +30,33 @@ def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
     assert 7.5e6 < params < 8.5e6
 
 
+def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolutions():
+    from tag.backend.mwms import tf1_graph
+    from tag.frontend.analyze import analyze
+    tg = analyze(tf1_graph("vgg", 6), batch_size=6)
+    weights = {v.name: v.nbytes // 4 for v in tg.variables if v.kind == "trainable"}
+    head = sum(n for name, n in weights.items() if "dense" in name)
+    assert 2.0e6 < sum(weights.values()) < 2.5e6 and head / sum(weights.values()) > 0.9
+    conv = sum(o.flops.per_example for o in tg.ops if o.type.startswith("Conv2D"))
+    dense = sum(o.flops.per_example for o in tg.ops if o.type == "MatMul")
+    assert conv > 4 * dense             # about 80% of the FLOPs
+
+
+def test_gpu_ratio_links_and_the_readme_table():
+    """Configuration G's links keep a V100's bytes per FLOP; --table renders a row with both anchors."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from _testbed_cases import gpu_ratio_link_gbps
+    prof = Profile(devices={"CPUq100": DeviceProfile(20e9, 1e10, 1e-5, {})})
+    assert gpu_ratio_link_gbps(prof, 1.0, 25.0) == pytest.approx(25.0 * 20e9 / 15e12)
+    row = {"config": "G", "case": "vgg", "batch": 48, "mwms_s": {"1": 0.1, "2": 0.2, "3": 0.3}, "mwms_best_s": 0.1,
+           "mwms_best_hosts": 1, "uniform_s": 0.12, "dp_same_s": 0.11, "plan_s": 0.08, "plan_method": "mcts",
+           "tuned_s": 0.08, "tuned_method": "mcts", "speedup_vs_best_mwms": 1.25, "speedup_vs_mwms": 3.75,
+           "mixed_over_uniform": 1.5, "mixed_win": True, "tuned": "allreduce@h0+h1 x9", "load": [3.0, 3.0, 3.0]}
+    table = bench().markdown_table({"rows": [row]})
+    assert "| G | vgg (48) | 100 / 200 / 300 | 100 (1) |" in table and "1.50 (win)" in table
+
+
 def test_testbed_recipe_and_topology_from_profiled_quotas():
     """The recipe's configurations become three-host topologies whose device speeds are the profile's."""
     import sys

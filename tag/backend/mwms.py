@@ -16,7 +16,9 @@ MWMS here, so the anchor uses a custom loop):
 
 Models (``MODELS``): ``mlp`` (784-2048-2048-1024-10, ~7.9M parameters), ``cnn`` (a tiny ResNet at
 32x32: a stem and three residual stages of 16/32/64 channels, no BatchNorm), ``transformer`` (a 2-layer
-encoder, d_model 128, 4 heads, sequence 32, vocabulary 1000, mean-pooled into a 10-class head).
+encoder, d_model 128, 4 heads, sequence 32, vocabulary 1000, mean-pooled into a 10-class head), ``vgg``
+(a VGG-style CNN at 32x32: three stages of two 3x3 convolutions of 16/32/64 channels and a max-pool, then a
+fully connected head 1024-1024-1024-10, ~2.2M parameters, 97% of them in the head).
 
 Example::
 
@@ -35,7 +37,8 @@ import sys
 import time
 from typing import Any
 
-MODELS = ("mlp", "cnn", "transformer")
+MODELS = ("mlp", "cnn", "transformer", "vgg")
+VGG_HEAD = 1024   # units of each of the VGG-style CNN's two hidden fully connected layers
 LEARNING_RATE = 1e-3
 NUM_CLASSES = 10
 SEQ_LEN, VOCAB = 32, 1000
@@ -45,7 +48,7 @@ def input_spec(name: str) -> tuple[tuple[int, ...], str]:
     """(per-example input shape, dtype name) of model NAME."""
     if name == "mlp":
         return (784,), "float32"
-    if name == "cnn":
+    if name in ("cnn", "vgg"):
         return (32, 32, 3), "float32"
     if name == "transformer":
         return (SEQ_LEN,), "int32"
@@ -93,6 +96,19 @@ def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None,
         for channels, stride in ((c, 1), (2 * c, 2), (4 * c, 2)):
             x = _residual(k, x, channels, stride)
         x = L.GlobalAveragePooling2D()(x)
+    elif name == "vgg":
+        # VGG-style: three stages of two 3x3 convolutions and a max-pool (WIDTH, 2x, 4x channels; default
+        # 16), flattened into a large fully connected head (4*4*4*WIDTH -> VGG_HEAD -> VGG_HEAD): the
+        # convolutions hold the FLOPs and few weights, the head most weights and few FLOPs
+        c = 16 if width is None else width
+        x = x0
+        for channels in (c, 2 * c, 4 * c):
+            x = L.Conv2D(channels, 3, padding="same", activation="relu")(x)
+            x = L.Conv2D(channels, 3, padding="same", activation="relu")(x)
+            x = L.MaxPooling2D(2)(x)
+        x = L.Flatten()(x)
+        for _ in range(2):
+            x = L.Dense(VGG_HEAD, activation="relu")(x)
     else:
         d_model = 128 if width is None else width
         x = L.Embedding(VOCAB, d_model)(x0)

@@ -298,8 +298,9 @@ def batch_axes(sg: StepGraph, inferred: InferredShapes, batch: BatchSpec,
     input_tensors = {(nm, i) for nm, i, _ in batch.inputs}   # (op, output index) fed with a batch
     order = list(sg.order) + list(context or [])   # CONTEXT: forward ops outside the step (the loss's tail)
     graph_batch = batch.graph_batch or batch.batch
+    distrusted: set[str] = set()
     for nm in order:
-        axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False)
+        axes[nm] = _op_axes(nm, sg, inferred, axes, input_tensors, False, distrusted)
         if sg.nodes[nm].type in _LIST_READS and all(a is None for a in axes[nm]):
             axes[nm] = _tensor_list_axes(sg.nodes[nm], inferred.shapes.get(nm, []), sg.nodes, graph_batch) \
                 or axes[nm]
@@ -362,8 +363,10 @@ def _adopt_upward(nm: str, ax: int, sg: StepGraph, inferred: InferredShapes, axe
 
 
 def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, list],
-             input_tensors: set[tuple[str, int]], second: bool) -> list:
-    """One op's output batch axes in pass 1 (SECOND false) or pass 2, given its predecessors' AXES."""
+             input_tensors: set[tuple[str, int]], second: bool, distrusted: set[str] | None = None) -> list:
+    """One op's output batch axes in pass 1 (SECOND false) or pass 2, given its predecessors' AXES.
+    DISTRUSTED (pass 1): ops whose probe verdict was found wrong, and the ops computed from them, which
+    take the per-op rules instead of the probe."""
     nodes, shapes = sg.nodes, inferred.shapes
     n = nodes[nm]
     ss = shapes.get(nm, [])
@@ -381,6 +384,17 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
                                 lambda inv: _const_input_node(nodes, nodes[inv.name], 0))
         if moved is not None:
             return moved
+    if not second and distrusted is not None:
+        if any(s in distrusted for s, _ in n.data_in):
+            distrusted.add(nm)          # the probe's verdicts downstream of a wrong one are wrong too
+            res = [None] * len(ss)
+        elif n.type == "Reshape" and ins and ins[0][1] is not None:
+            # a shape constant that spells the batch out ([24, -1]) leaves the *other* axis unknown in the
+            # probe; the element count of static shapes says where the batch went
+            rule = rule_axes(n.type, n.nd.attr, ins[:1], ss, lambda k: _const_input_node(nodes, n, k))
+            if rule and rule[0] is not None and res and res[0] != rule[0]:
+                distrusted.add(nm)
+                return rule
     if all(a is not None for a in res):
         return res
     if any(a is not None for _, a in ins) and n.type in FUNCTION_CALL_TYPES:
