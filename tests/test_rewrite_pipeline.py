@@ -10,6 +10,7 @@ graph on one device over 3 steps (1e-5 relative).
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -231,6 +232,21 @@ def test_shared_optimizer_state_is_updated_once_after_every_apply():
         read = nodes[mul.input[0]]
         assert read.op == "ReadVariableOp" and read.input[0] == v
         assert applies <= {i[1:] for i in read.input if i.startswith("^")}, f"{v}: read does not wait for every apply"
+
+
+def test_feature_mean_divisor_equal_to_batch_elements_is_kept():
+    """A mean over the features (LayerNorm's moments, d = 8) whose divisor equals the element count of a
+    batch tensor (batch 2 x 4 tokens = 8): its gradient's divisor stays 8 in every micro-batch instance,
+    while the loss mean's divisor follows the micro-batch (4 tokens). Rescaling it (as a batch count) scaled those
+    gradients by the micro-batch fraction: the 384-wide transformer at batch 12 x 32 tokens trained wrong."""
+    gd = build("transformer", "sgd", 2)
+    ir = tag.analyze(gd)
+    res = rewrite(gd, ir, pipelined(ir, [(0,), (1,)], 2, "fill_drain"), THREE)
+    divisors = {n.name: float(tf.make_ndarray(n.attr["value"].tensor)) for n in res.graph_def.node
+                if n.op == "Const" and re.search(r"/moments/(mean|variance)_grad/Const($|/)", n.name)}
+    assert divisors and set(divisors.values()) == {8.0}, divisors
+    loss_divisor = [n for n in res.graph_def.node if n.name.startswith("gradients/Mean_grad/Const_1/")]
+    assert loss_divisor and {float(tf.make_ndarray(n.attr["value"].tensor)) for n in loss_divisor} == {4.0}   # 4 tokens
 
 
 # ------------------------------------------------------------------------------------------------
