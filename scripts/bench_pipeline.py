@@ -124,9 +124,10 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float]:
         if canonical(v.gradient) not in inputs:   # reaches the update through other ops (a densified sparse one)
             continue
         slot = inputs.index(canonical(v.gradient))
-        apply = next(n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out)
-        t = out[apply].input[slot]
-        grad_inputs.append(t if ":" in t else t + ":0")
+        # every replica's input: fetching one replica's all-reduced gradient alone would leave its peers'
+        # collective instances unlaunched, and the run would wait for them forever
+        applies = [n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out]
+        grad_inputs.append([t if ":" in t else t + ":0" for t in (out[a].input[slot] for a in applies)])
         grad_vars.append(v)
     g = tf.Graph()
     with g.as_default():
@@ -135,7 +136,7 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float]:
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
     with tf1.Session(target, graph=g, config=cfg) as s:
         s.run(res.init)
-        got_grads = s.run(grad_inputs, feed)
+        got_grads = [copies[0] for copies in s.run(grad_inputs, feed)]
     got = train_copies(res, target, analysis.graph, [feed])[0]
     g = tf.Graph()
     with g.as_default():

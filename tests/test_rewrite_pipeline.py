@@ -10,6 +10,7 @@ graph on one device over 3 steps (1e-5 relative).
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -188,6 +189,66 @@ def test_bad_pipelines_name_the_stage():
     assert any(n.startswith("pipeline stage 2: its op groups hold no forward") for n in res.notes)
 
 
+def build_two_layer_adam(batch: int = 8) -> tf1.GraphDef:
+    """A 2-layer MLP with Adam whose beta powers land in stage 0 while stage 1's apply ops run on two devices."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        x = tf1.placeholder(tf.float32, [batch, 6], name="input")
+        y = tf1.placeholder(tf.int32, [batch], name="labels")
+        w1 = tf1.get_variable("w1", [6, 16])
+        b1 = tf1.get_variable("b1", [16], initializer=tf1.zeros_initializer())
+        w2 = tf1.get_variable("w2", [16, 3])
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        tf1.train.AdamOptimizer(0.05).minimize(loss, name="train_op")
+        tf1.variables_initializer(tf1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
+def _shared_state_updates(res) -> dict[str, list]:
+    """Step updates of each beta power (AssignVariableOp, initializers aside), by variable."""
+    return {v: [n for n in res.graph_def.node if n.op == "AssignVariableOp" and n.input[0] == v
+                and not n.name.startswith(v + "/")] for v in ("beta1_power", "beta2_power")}
+
+
+def test_shared_optimizer_state_is_updated_once_after_every_apply():
+    """Adam's beta powers have one copy (stage 0) while stage 1's update ops run once per device (1 and 2):
+    each power is updated once per step, from a read that waits for every ResourceApplyAdam of every
+    stage and device. Two updates (or a read waiting only for its own device's apply ops) raced: an
+    apply op could read the power after the update, or the power was multiplied twice (wrong steps in
+    about half of the runs)."""
+    gd = build_two_layer_adam()
+    ir = tag.analyze(gd)
+    st = pipelined(ir, [(0,), (1, 2)], 2, "fill_drain")
+    res = rewrite(gd, ir, st, THREE)
+    nodes = _nodes(res)
+    applies = {n.name for n in res.graph_def.node if n.op == "ResourceApplyAdam"}
+    assert {nodes[a].device for a in applies} >= {THREE.tf_device(1), THREE.tf_device(2)}
+    for v, updates in _shared_state_updates(res).items():
+        assert len(updates) == 1, f"{v}: {[u.name for u in updates]}"
+        assert updates[0].device == nodes[v].device
+        mul = nodes[updates[0].input[1]]
+        read = nodes[mul.input[0]]
+        assert read.op == "ReadVariableOp" and read.input[0] == v
+        assert applies <= {i[1:] for i in read.input if i.startswith("^")}, f"{v}: read does not wait for every apply"
+
+
+def test_feature_mean_divisor_equal_to_batch_elements_is_kept():
+    """A mean over the features (LayerNorm's moments, d = 8) whose divisor equals the element count of a
+    batch tensor (batch 2 x 4 tokens = 8): its gradient's divisor stays 8 in every micro-batch instance,
+    while the loss mean's divisor follows the micro-batch (4 tokens). Rescaling it (as a batch count) scaled those
+    gradients by the micro-batch fraction: the 384-wide transformer at batch 12 x 32 tokens trained wrong."""
+    gd = build("transformer", "sgd", 2)
+    ir = tag.analyze(gd)
+    res = rewrite(gd, ir, pipelined(ir, [(0,), (1,)], 2, "fill_drain"), THREE)
+    divisors = {n.name: float(tf.make_ndarray(n.attr["value"].tensor)) for n in res.graph_def.node
+                if n.op == "Const" and re.search(r"/moments/(mean|variance)_grad/Const($|/)", n.name)}
+    assert divisors and set(divisors.values()) == {8.0}, divisors
+    loss_divisor = [n for n in res.graph_def.node if n.name.startswith("gradients/Mean_grad/Const_1/")]
+    assert loss_divisor and {float(tf.make_ndarray(n.attr["value"].tensor)) for n in loss_divisor} == {4.0}   # 4 tokens
+
+
 # ------------------------------------------------------------------------------------------------
 # slow: exact training on three TF servers
 # ------------------------------------------------------------------------------------------------
@@ -224,6 +285,21 @@ def test_pipelined_step_equals_single_device_step(cluster, case):
     ref, grads0 = tr.reference(gd, ir, batches)
     got = tr.run_rewritten(res, target, ir, batches)
     tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer])
+
+
+@pytest.mark.slow
+def test_shared_optimizer_state_trains_exactly_every_time(cluster):
+    """The graph of test_shared_optimizer_state_is_updated_once_after_every_apply trains exactly, 4 times
+    over (before the fix, about half of the runs gave a wrong second step)."""
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    gd = build_two_layer_adam()
+    ir = tag.analyze(gd)
+    res = rewrite(gd, ir, pipelined(ir, [(0,), (1, 2)], 2, "fill_drain"), topo)
+    batches = tr.feeds_for(gd, ir, tr.STEPS)
+    ref, grads0 = tr.reference(gd, ir, batches)
+    for _ in range(4):
+        tr.assert_same_training(tr.run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.05)
 
 
 @pytest.mark.slow

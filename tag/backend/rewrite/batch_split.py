@@ -236,10 +236,12 @@ class BatchSplitMixin(RewriteContext):
             if is_int and v.size == len(shape) and v.size > 0 and list(v) == list(shape):
                 pos.add(ax)
             elif v.size == 1 and scalar and numel % ref_batch == 0 and v[0] == numel and (
-                    # the element count of a batch tensor (tf.size folded), or a mean's divisor
-                    (is_int and n.rsplit("/", 1)[-1].startswith("Size"))
-                    or (not is_int and self.nodes[fwd].op == "Mean")):
+                    # the element count of a batch tensor (tf.size folded)
+                    is_int and n.rsplit("/", 1)[-1].startswith("Size")):
                 pos.add(0)
+        # a mean's divisor: the count of the reduced elements, batch-proportional only where the mean reduces
+        # the batch axis (a mean over the features, such as LayerNorm's moments, keeps its divisor even when
+        # that count happens to equal the element count of a batch tensor)
         if self.nodes[fwd].op == "Mean" and v.size == 1 and scalar:
             tin, tout = self.nodes[fwd].input[0], tensor_name(fwd, 0)
             ok = self._batch_axis(tin) is not None and tout in self.tensor_info and self._batch_axis(tout) is None

@@ -132,8 +132,9 @@ class InstancesMixin(RewriteContext):
         return inst
 
     def _control(self, p: str, consumer: str, rng: Range, asked_dev: int) -> list[str]:
-        """Control inputs: the matching instance when both ops have the same instances, else all of them."""
-        if self.placements.get(consumer) == self.placements.get(p):
+        """Control inputs: the matching instance when both ops have the same instances (and the consumer's
+        instances act on their own replica's state), else all of them."""
+        if self.placements.get(consumer) == self.placements.get(p) and not self._shares_copy(consumer):
             inst = self.instance_at.get((p, rng, asked_dev))
             if inst is not None:
                 return [inst.name]

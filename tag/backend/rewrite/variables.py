@@ -135,13 +135,28 @@ class VariablesMixin(RewriteContext):
             raise RewriteError(f"op {op!r} uses variables {', '.join(vs)} whose copies share no device")
         return asked_dev if asked_dev in cand else cand[0]
 
+    def _shares_copy(self, op: str) -> bool:
+        """Do two instances of OP (same examples, asked on different devices) take the same copy of a
+        variable? Then they act on one shared state, such as Adam's beta powers, which live on one device
+        while the update ops of a stage run once per device of the stage: each such instance must come after
+        every replica's instance of what it waits for, not only its own replica's."""
+        if not self._vars_of_inputs(op) or self.nodes[op].op in FUNCTION_CALL_TYPES:
+            return False
+        seen = set()
+        for rng, asked in self.placements.get(op, []):
+            key = (rng, self._device_for(op, asked))
+            if key in seen:
+                return True
+            seen.add(key)
+        return False
+
     def _writer_placements(self, n: str, placements: list[tuple[Range, int]]) -> list[tuple[Range, int]]:
         """Instances of N, which updates a variable: one per copy of the variable."""
         copies = self.var_copies[self._vars_of_inputs(n)[0]]
         devs = [self._device_for(n, k) for _, k in placements]
         if sorted(devs) == sorted(copies) and len(set(devs)) == len(devs):
             return placements
-        if self._pipelined(self._group(n)) and sorted(set(devs)) == sorted(copies):
+        if self._pipelined(self._group(n)) and sorted(set(devs)) == sorted(copies) and not self._shares_copy(n):
             return placements     # micro-batches update their device's copy in turn (BatchNorm statistics)
         if all(r == self.full_batch for r, _ in placements):
             return [(self.full_batch, c) for c in copies]
