@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import tag  # noqa: E402
-from helpers import in_process_servers  # noqa: E402
+from helpers import forward_group_order, in_process_servers  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.backend.runtime.checkpoint import export_npz, read_checkpoint_meta  # noqa: E402
 from tag.backend.runtime.input_pipeline import build_inputs, plan_pipelines  # noqa: E402
@@ -24,6 +24,7 @@ from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
+from tag.strategy.pipeline import Pipeline, PipelineStage  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -144,6 +145,32 @@ def test_mixed_strategy_checkpoint_restores_into_the_original_graph(cluster, mix
     assert glob.glob(str(tmp_path / "ckpt" / "events.out.tfevents.*"))      # TensorBoard scalars
     with np.load(export_npz(tmp_path / "ckpt", tmp_path / "w.npz"), allow_pickle=False) as npz:
         np.testing.assert_allclose(npz["w2"], ref["w2"], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "1f1b"])
+def test_pipelined_plan_trains_from_per_host_pipelines(cluster, tmp_path, schedule):
+    """A two-stage pipeline (the first layer on h0, the rest data parallel over h1 and h2, 2 micro-batches)
+    fed by per-host input pipelines: losses and the checkpoint equal single-device training, 3 steps."""
+    ports, target = cluster
+    g, _ = build_model()
+    gd = g.as_graph_def()
+    ir = tag.analyze(gd)
+    topo = topology(ports)
+    grouping = group_ops(ir, 9)
+    order, rest = forward_group_order(ir, grouping)
+    pipe = Pipeline((PipelineStage(tuple(order[:1]), (0,)), PipelineStage(tuple(order[1:] + rest), (1, 2))),
+                    2, schedule)
+    plan = rewrite(gd, ir, Strategy.pipelined(grouping, pipe), topo, init="init")
+    xs, ys = data(3)
+    result = tag.train(plan, presliced(xs, ys), steps=3, checkpoint_dir=tmp_path / "ckpt", target=target,
+                       progress=False)
+    assert result.steps_done == 3
+    ref, ref_losses = single_device_training(xs, ys, 3)
+    np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-5)
+    from tag.training import load_weights
+    weights = load_weights(tmp_path / "ckpt")
+    for name, value in ref.items():
+        np.testing.assert_allclose(weights[name], value, rtol=1e-5, atol=2e-5, err_msg=name)
 
 
 def test_resume_continues_the_curve(cluster, mixed_plan, tmp_path):
