@@ -357,42 +357,25 @@ class StepBound:
                     extra.setdefault(b_dst[b], []).append((b_src[b], x))
         lb = w.tolist()
         preds = self._preds
-        if split:
-            for k in split:
-                lb[k] = 0.0
-            for k in range(T):
-                if k in split:
-                    continue
-                r = release[k]
-                for p in preds[k]:
-                    if lb[p] > r:
-                        r = lb[p]
-                if k in extra:
-                    for p, x in extra[k]:
-                        if lb[p] + x > r:
-                            r = lb[p] + x
-                wt = waits[k]
-                if wt is not None:
-                    x = max([lb[d] for d in wt[0]]) + wt[1]
-                    if x > r:
-                        r = x
-                lb[k] += r
-        else:
-            for k in range(T):
-                r = release[k]
-                for p in preds[k]:
-                    if lb[p] > r:
-                        r = lb[p]
-                if k in extra:
-                    for p, x in extra[k]:
-                        if lb[p] + x > r:
-                            r = lb[p] + x
-                wt = waits[k]
-                if wt is not None:
-                    x = max([lb[d] for d in wt[0]]) + wt[1]
-                    if x > r:
-                        r = x
-                lb[k] += r
+        for k in split:
+            lb[k] = 0.0
+        for k in range(T):
+            if split and k in split:
+                continue
+            r = release[k]
+            for p in preds[k]:
+                if lb[p] > r:
+                    r = lb[p]
+            if k in extra:
+                for p, x in extra[k]:
+                    if lb[p] + x > r:
+                        r = lb[p] + x
+            wt = waits[k]
+            if wt is not None:
+                x = max([lb[d] for d in wt[0]]) + wt[1]
+                if x > r:
+                    r = x
+            lb[k] += r
         best = max(lb)
         for deps, dur in collective_ends:
             x = max([lb[d] for d in deps]) + dur
