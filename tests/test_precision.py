@@ -33,6 +33,18 @@ def _topo(device_type: str = "A100", peak: float = 19.5e12):
                          specs={device_type: DeviceSpec(peak_flops=peak, memory_bandwidth=1555e9)})
 
 
+
+def _two_loopback_hosts():
+    """Two in-process TF servers on loopback and a topology of one CPU host each: (ports, servers, topology)."""
+    import tag
+    from helpers import in_process_servers
+    ports, servers = in_process_servers(2)
+    topo = tag.parse_topology("\n".join(
+        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
+        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
+        + "\nfabric { bandwidth_gbps: 10 }\n")
+    return ports, servers, topo
+
 def test_half_matmuls_run_at_the_tensor_core_peak_and_tf32_only_where_enabled():
     fp32, half = _graph("float32"), _graph("half")
     assert op_precisions(half)[1] == "fp16" and op_precisions(fp32)[1] == "fp32"
@@ -93,12 +105,8 @@ def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dt
     import tensorflow as tf
     import tag
     from tag.api import prepare
-    from helpers import in_process_servers, train_copies
-    ports, servers = in_process_servers(2)
-    topo = tag.parse_topology("\n".join(
-        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
-        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
-        + "\nfabric { bandwidth_gbps: 10 }\n")
+    from helpers import train_copies
+    ports, servers, topo = _two_loopback_hosts()
     gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
     analysis = prepare(gd, topo, precision=precision)
     assert _half_ops(analysis.graph_def).get(dtype, 0) >= 6 and "float32" not in _half_ops(analysis.graph_def)
@@ -206,12 +214,8 @@ def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
     import tag
     from tag.api import prepare
     from tag.strategy.baselines import builtin_strategy
-    from helpers import in_process_servers, train_copies
-    ports, servers = in_process_servers(2)
-    topo = tag.parse_topology("\n".join(
-        f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
-        f'peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}' for i, p in enumerate(ports))
-        + "\nfabric { bandwidth_gbps: 10 }\n")
+    from helpers import train_copies
+    ports, servers, topo = _two_loopback_hosts()
     gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
     rng = np.random.RandomState(1)
     batches = [{"input:0": rng.randn(8, 20).astype(np.float32), "labels:0": rng.randint(0, 5, 8).astype(np.int32)}
