@@ -49,7 +49,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import ipaddress
@@ -66,6 +65,7 @@ import warnings
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tag.backend.runtime.live import LiveRegistry
+from tag.backend.signal_teardown import TeardownOnSignal
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -263,75 +263,7 @@ _LIVE = LiveRegistry("close")   # testbeds set up and not yet closed; closed at 
 _COUNTER = 0                     # testbeds set up so far in this process (names their interfaces)
 
 
-class _TeardownOnSignal:
-    """SIGTERM and SIGINT handlers that close every live testbed before the process ends.
-
-    ``arm()`` when a testbed is set up installs them (main thread only: Python delivers signals there);
-    ``disarm()`` when the last one is closed puts the previous handlers back. Each handler closes the
-    live testbeds, then does what the previous handler would have: a Python handler of the program is
-    called, the default ends the process by an exception (so ``finally`` blocks and ``with`` exits still
-    run); an ignored signal is left alone. tag's runs wait for TensorFlow in short polls
-    (``tag.backend.runtime.guard``), so the handler runs within a fraction of a second.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self._previous: dict[int, object] = {}
-        self._busy = False      # a handler is tearing down
-
-    def arm(self) -> None:
-        import threading
-        if self._previous or threading.current_thread() is not threading.main_thread():
-            return
-        for signum in self.SIGNALS:
-            current = signal.getsignal(signum)
-            if current in (signal.SIG_IGN, None):
-                continue          # ignored (a background job's SIGINT) or set outside Python: leave it
-            self._previous[signum] = current
-            signal.signal(signum, self._handle)
-
-    def disarm(self) -> None:
-        import threading
-        if not self._previous or threading.current_thread() is not threading.main_thread():
-            return
-        previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            if signal.getsignal(signum) == self._handle:
-                signal.signal(signum, handler)
-
-    @contextlib.contextmanager
-    def held(self):
-        """SIGTERM and SIGINT held back (blocked in the main thread) for the ``with`` block: delivered after it."""
-        import threading
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
-        try:
-            yield
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-    def _handle(self, signum: int, frame) -> None:
-        if self._busy:
-            return                # a second signal during the teardown (``timeout`` signals the process and
-                                  # its group): the first one ends the process once the teardown is done
-        self._busy = True
-        try:
-            previous = self._previous.get(signum, signal.SIG_DFL)
-            _LIVE.stop_all()      # closes every testbed (and so disarms)
-        finally:
-            self._busy = False
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(signum, frame)
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        else:
-            raise SystemExit(128 + signum)
-
-
-_SIGNALS = _TeardownOnSignal()
+_SIGNALS = TeardownOnSignal(_LIVE)   # SIGTERM/SIGINT close every live testbed first
 
 
 class Testbed:
