@@ -186,11 +186,11 @@ class SearchEnv:
             self._bound = StepBound(self.simulator)
         bound = self._bound
         bound.use(self.device_speeds, self.batch_size)
-        cache, candidates, members = bound._terms, self.candidates, self.simulator.tasks.members
+        candidates, members = self.candidates, self.simulator.tasks.members
         terms = []
         for g, k in enumerate(choice):
             key = ("choice", g, k)
-            t = cache.get(key)
+            t = bound.cached_terms(key)
             if t is None:
                 c = candidates[k]
                 devices = None

@@ -113,6 +113,10 @@ class StepBound:
             self._edge_floor.clear()
             self._context = context
 
+    def cached_terms(self, key: Hashable) -> "GroupTerms | None":
+        """The terms ``terms`` cached under KEY, or None (lets a caller skip work that only a miss needs)."""
+        return self._terms.get(key)
+
     def terms(self, group: int, action: Action, group_devices: np.ndarray | None, batch: int,
               sfb: bool = False, key: Hashable | None = None) -> GroupTerms:
         """The terms of GROUP under ACTION at global BATCH (cached under KEY, default (group, action, the
