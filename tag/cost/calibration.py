@@ -426,9 +426,11 @@ def _read_graph(nbytes: int, reader: str, holder: str) -> "v1.GraphDef":
         with tf.device(holder):
             var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name="payload")
         with tf.device(reader):
-            total = tf.reduce_sum(var.read_value())
-            tf.group(total, name="step")
-        v1.variables_initializer([var], name="init")
+            # the sum goes into a variable: a step whose ops only feed control edges is pruned by Grappler
+            # (nothing would be read or sent)
+            sink = tf.Variable(0.0, name="sink")
+            tf.group(sink.assign_add(tf.reduce_sum(var.read_value())), name="step")
+        v1.variables_initializer([var, sink], name="init")
     return g.as_graph_def()
 
 
@@ -446,7 +448,9 @@ def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.
                     x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1, instance_key=1,
                                                       ordering_token=[], merge_op="Add", final_op="Id",
                                                       communication_hint="ring")
-                sums.append(tf.reduce_sum(x))
+                sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
+                variables.append(sink)
+                sums.append(sink.assign_add(tf.reduce_sum(x)))
         with tf.device(devices[0]):
             tf.group(*sums, name="step")
         v1.variables_initializer(variables, name="init")

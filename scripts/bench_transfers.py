@@ -1,0 +1,283 @@
+"""What a training step pays for cross-host tensors and for a replica's slice of the batch, measured on the
+testbed and printed beside the simulator's model of the same pattern.
+
+Three measurements, each on a running testbed (``tag.backend.testbed``: hosts in network namespaces, CFS CPU
+quotas, shaped links), every figure the median of the timed steps, the load average beside each row:
+
+1. ``transfers``: N tensors of S bytes each (N = 1..512, S = 1 KB..64 MB, N x S <= ``--max-bytes``) held by
+   the sender host and summed on the receiver, optionally in W waves (the sender produces wave w+1 only after
+   the receiver consumed wave w, so N / W tensors are in flight). The transfer's cost is the step minus the
+   same step with the tensors held by the receiver. ``model`` is the simulator's cost of the pattern over the
+   same link: one flow of N x S bytes (``latency + bytes / bandwidth``, the link's latency once, as TF's
+   concurrent requests overlap) per wave; with a network calibration (``--profile``) the link carries the
+   runtime's measured per-transfer latency and byte rate, as ``tag.cost.model.NetworkProfile.calibrate`` does.
+2. ``overlap``: does the runtime's work on tensors compete with a host's compute? The receiver (or the
+   sender) runs a MatMul chain in the same step as 64 transfers: ``overlap`` = (C + T - both) / min(C, T),
+   1 when the two run side by side as the simulator assumes (separate compute and network lanes), 0 when
+   they serialise.
+3. ``batch_share``: a model's step on one host at a fraction of the batch (a data-parallel replica's share,
+   or a pipeline's micro-batch) relative to the whole batch, measured and as the cost model predicts it
+   (``--profile``: a testbed calibration, e.g. ``scripts/results/e2e.profile.json``).
+
+Needs root (namespaces, tc, cgroup v1 cpu). Keep the machine otherwise idle: CFS quotas are upper bounds.
+
+Usage::
+
+    python scripts/bench_transfers.py                     # all three, ~6 min
+    python scripts/bench_transfers.py --quick             # fewer sizes and shares
+    python scripts/bench_transfers.py --only transfers --quotas 1.0,0.5 --link-gbps 1.0 --json F
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+
+from tag.backend.runtime import run_steps  # noqa: E402
+from tag.backend.testbed import Testbed  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
+
+SIZES = (1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20)
+COUNTS = (1, 8, 64, 512)
+SHARES = (1.0, 0.5, 1 / 3, 0.25, 0.125)
+SHARE_MODELS = (("mlp-2048", "zoo:mlp,input_dim=2048,hidden=2048x2048x2048x2048,num_classes=16"),
+                ("cnn", "mwms:cnn,width=32"),
+                ("transformer", "mwms:transformer,width=128"))
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def topology_text(quotas: list[float], link_gbps: float, latency_us: float) -> str:
+    lines = []
+    for i, _ in enumerate(quotas):
+        lines.append(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24561 + i} device {{ type: "CPU" kind: CPU '
+                     f'count: 1 memory_gib: 4 peak_tflops: 0.02 memory_bandwidth_gbs: 10 }} }}')
+    lines.append(f"fabric {{ bandwidth_gbps: {link_gbps} latency_us: {latency_us} }}")
+    return "\n".join(lines) + "\n"
+
+
+def median_step(graph_def, target: str, steps: int, init: str | None = "init") -> float:
+    r = run_steps(graph_def, target, train_op="step", loss=None, init=init, steps=steps + 2, warmup=2)
+    return float(np.median(r.step_times[2:]))
+
+
+# ----------------------------------------------------------------------------------------- graphs
+def transfer_graph(count: int, nbytes: int, holder: str, reader: str, waves: int = 1, compute: tuple | None = None):
+    """COUNT variables of NBYTES on HOLDER, each summed on READER, in WAVES waves; COMPUTE = (device, side, depth):
+    an independent MatMul chain of DEPTH products of SIDE x SIDE matrices on that device in the same step."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        variables, outs = [], []
+        per_wave = -(-count // waves)
+        previous = None
+        for w in range(waves):
+            wave_sums = []
+            for i in range(w * per_wave, min(count, (w + 1) * per_wave)):
+                with tf.device(holder):
+                    var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}")
+                    variables.append(var)
+                    deps = [previous] if previous is not None else []
+                    with tf.control_dependencies(deps):
+                        x = tf.identity(var.read_value())
+                with tf.device(reader):
+                    wave_sums.append(tf.reduce_sum(x))
+            if wave_sums:
+                with tf.device(reader):
+                    # into a variable: ops that only feed control edges are pruned by Grappler
+                    sink = tf.Variable(0.0, name=f"sink_{w}")
+                    variables.append(sink)
+                    previous = sink.assign_add(tf.add_n(wave_sums) if len(wave_sums) > 1 else wave_sums[0])
+                    outs.append(previous)
+        if compute is not None:
+            dev, side, depth = compute
+            with tf.device(dev):
+                m = tf.Variable(tf.random.normal([side, side], stddev=1.0 / np.sqrt(side)), name="chain_w")
+                variables.append(m)
+                y = m.read_value()
+                for _ in range(depth):
+                    y = tf.matmul(y, m)
+                sink = tf.Variable(0.0, name="chain_sink")
+                variables.append(sink)
+                outs.append(sink.assign_add(tf.reduce_sum(y)))
+        tf.group(*outs, name="step")
+        v1.variables_initializer(variables, name="init")
+    return g.as_graph_def()
+
+
+def chain_graph(device: str, side: int, depth: int):
+    return transfer_graph(0, 4, device, device, compute=(device, side, depth))
+
+
+# ----------------------------------------------------------------------------------------- model of a pattern
+def modelled_transfer_s(count: int, nbytes: int, waves: int, link_gbps: float, latency_us: float, network) -> float:
+    """The simulator's cost of the pattern: one flow per wave over the link (``tag.sim.schedule``: bytes hold the
+    link, the latency is paid once per flow, concurrent tensors of one flow share it); with a network
+    calibration the link carries the runtime's per-transfer latency and byte rate."""
+    bw = link_gbps * 1e9 / 8
+    lat = latency_us * 1e-6
+    if network is not None:
+        bw = 1.0 / (1.0 / bw + 1.0 / network.transfer_bytes_per_s)
+        lat += network.transfer_latency_s
+    per_wave = -(-count // waves)
+    total = 0.0
+    for w in range(waves):
+        n = min(count, (w + 1) * per_wave) - w * per_wave
+        total += lat + n * nbytes / bw
+    return total
+
+
+# ----------------------------------------------------------------------------------------- measurements
+def measure_transfers(tb, topo, args, network) -> list[dict]:
+    sender, receiver = topo.tf_device(1), topo.tf_device(0)
+    rows = []
+    sizes = SIZES[::2] if args.quick else SIZES
+    for nbytes in sizes:
+        for count in COUNTS:
+            if count * nbytes > args.max_bytes:
+                continue
+            for waves in ((1,) if count < 8 else (1, 8) if count < 64 else (1, 8, 64)):
+                if waves > 1 and count * nbytes > args.max_bytes // 4:
+                    continue
+                local = median_step(transfer_graph(count, nbytes, receiver, receiver, waves), tb.target, args.steps)
+                remote = median_step(transfer_graph(count, nbytes, sender, receiver, waves), tb.target, args.steps)
+                model = modelled_transfer_s(count, nbytes, waves, args.link_gbps, args.latency_us, network)
+                row = {"count": count, "bytes": nbytes, "waves": waves, "in_flight": -(-count // waves),
+                       "measured_s": remote - local, "model_s": model, "local_step_s": local,
+                       "wire_s": count * nbytes * 8 / (args.link_gbps * 1e9), "load": load()}
+                rows.append(row)
+                print(f"  {count:4d} x {nbytes / 1024:8.0f} KB  waves {waves:3d}: measured {row['measured_s'] * 1e3:9.2f} ms"
+                      f"  model {model * 1e3:9.2f} ms  wire {row['wire_s'] * 1e3:9.2f} ms"
+                      f"  (local step {local * 1e3:.2f} ms)  load {row['load'][0]}", flush=True)
+    return rows
+
+
+def measure_overlap(tb, topo, args) -> list[dict]:
+    sender, receiver = topo.tf_device(1), topo.tf_device(0)
+    rows = []
+    count, nbytes = 64, 256 << 10
+    for side_name, dev in (("receiver", receiver), ("sender", sender)):
+        for side, depth in ((256, 64), (1024, 8)):
+            compute = median_step(chain_graph(dev, side, depth), tb.target, args.steps)
+            local = median_step(transfer_graph(count, nbytes, receiver, receiver), tb.target, args.steps)
+            transfer = median_step(transfer_graph(count, nbytes, sender, receiver), tb.target, args.steps)
+            both = median_step(transfer_graph(count, nbytes, sender, receiver, compute=(dev, side, depth)),
+                               tb.target, args.steps)
+            c, t = compute, transfer - local
+            overlap = (c + transfer - both) / max(min(c, t), 1e-9)
+            row = {"compute_on": side_name, "matmul_side": side, "depth": depth, "compute_s": c, "transfer_s": t,
+                   "both_s": both, "overlap": overlap, "load": load()}
+            rows.append(row)
+            print(f"  compute on {side_name:8s} ({depth} x {side}^2 MatMul): compute {c * 1e3:7.1f} ms, "
+                  f"64 x 256 KB transfer {t * 1e3:7.1f} ms, both {both * 1e3:7.1f} ms -> overlap {overlap:.2f}"
+                  f"  load {row['load'][0]}", flush=True)
+    return rows
+
+
+def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
+    """Each model's one-host step at fractions of its batch, on every host, measured and predicted."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _testbed_cases import calibration_graph, device_type
+    import tag
+    from tag.backend.rewrite import rewrite
+    from tag.cost.model import CostModel
+    from tag.sim import Simulator
+    from tag.strategy.grouping import group_ops
+    from tag.strategy.types import Action, Strategy
+    rows = []
+    shares = SHARES[::2] if args.quick else SHARES
+    hosts = sorted(set(range(len(quotas))), key=lambda i: -quotas[i])
+    hosts = [hosts[0], hosts[-1]] if len(hosts) > 1 else hosts
+    for name, spec in SHARE_MODELS[:1] if args.quick else SHARE_MODELS:
+        for h in hosts:
+            dtype = device_type(quotas[h])
+            one = parse_topology(topology_text([quotas[h]], args.link_gbps, args.latency_us).replace(
+                'type: "CPU"', f'type: "{dtype}"'), path="<one host>")
+            base_measured = base_predicted = None
+            for share in shares:
+                batch = max(1, int(round(args.batch * share)))
+                gd = calibration_graph(spec, batch)
+                analysis = tag.analyze(gd)
+                grouping = group_ops(analysis, target_groups=8)
+                predicted = None
+                if profile is not None and dtype in profile.devices:
+                    sim = Simulator(analysis, one, grouping, CostModel(analysis, one, profile))
+                    whole = Strategy(grouping, [Action((0,), "allreduce")] * grouping.num_groups, name="one")
+                    predicted = sim.evaluate(whole).step_time
+                on_h = Strategy(grouping, [Action((h,), "allreduce")] * grouping.num_groups, name=f"h{h}")
+                res = rewrite(gd, analysis, on_h, topo)
+                r = run_steps(res.graph_def, tb.target, train_op=res.train_op, loss=res.loss, init=res.init,
+                              steps=args.steps + 2, warmup=2, synthetic=True)
+                measured = float(np.median(r.step_times[2:]))
+                if base_measured is None:
+                    base_measured, base_predicted = measured, predicted
+                row = {"model": name, "quota": quotas[h], "batch": batch, "share": share, "measured_s": measured,
+                       "predicted_s": predicted, "measured_rel": measured / base_measured,
+                       "predicted_rel": None if predicted is None else predicted / base_predicted, "load": load()}
+                rows.append(row)
+                pr = "" if predicted is None else (f"  predicted {predicted * 1e3:8.1f} ms"
+                                                   f" ({row['predicted_rel']:.3f} of whole batch)")
+                print(f"  {name:12s} quota {quotas[h]:.2f} batch {batch:3d}: measured {measured * 1e3:8.1f} ms"
+                      f" ({row['measured_rel']:.3f} of whole batch){pr}  load {row['load'][0]}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes, shares and models")
+    p.add_argument("--only", choices=("transfers", "overlap", "batch_share"), help="one measurement")
+    p.add_argument("--quotas", default="1.0,0.5", help="CPU quota (cores) of the receiver, then the sender")
+    p.add_argument("--link-gbps", type=float, default=1.0)
+    p.add_argument("--latency-us", type=float, default=50.0)
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest N x S of one transfer pattern")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per figure")
+    p.add_argument("--batch", type=int, default=48, help="whole batch of the batch-share models")
+    p.add_argument("--profile", help="a testbed calibration (Profile JSON): the model column and predictions")
+    p.add_argument("--json", help="write every row here")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import testbed_missing, write_json
+    if testbed_missing("bench_transfers"):
+        return 2
+    from tag.cost.model import Profile
+    profile = Profile.load(args.profile) if args.profile else None
+    network = profile.network if profile is not None else None
+    quotas = [float(q) for q in args.quotas.split(",")]
+    topo = parse_topology(topology_text(quotas, args.link_gbps, args.latency_us), path="<bench_transfers>")
+    out = {"quotas": quotas, "link_gbps": args.link_gbps, "latency_us": args.latency_us,
+           "network": None if network is None else network.to_dict(), "load_start": load()}
+    t0 = time.time()
+    print(f"testbed: quotas {quotas}, links {args.link_gbps} Gbit/s, {args.latency_us} us; load {load()}", flush=True)
+    with Testbed(topo, cpu_quota=quotas) as tb:
+        tb.start_workers(threads_per_worker=1)
+        try:
+            if args.only in (None, "transfers"):
+                print("transfers (sender h1 -> receiver h0):", flush=True)
+                out["transfers"] = measure_transfers(tb, topo, args, network)
+            if args.only in (None, "overlap"):
+                print("overlap of transfers with compute:", flush=True)
+                out["overlap"] = measure_overlap(tb, topo, args)
+            if args.only in (None, "batch_share"):
+                print("one-host step at a share of the batch:", flush=True)
+                out["batch_share"] = measure_batch_share(tb, topo, quotas, args, profile)
+        finally:
+            tb.stop_workers()
+    out["seconds"] = time.time() - t0
+    out["load_end"] = load()
+    write_json(args.json, out)
+    print(f"done in {out['seconds']:.0f} s; load {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
