@@ -384,6 +384,40 @@ def test_network_profile_adds_step_overhead():
     assert sim.evaluate(_all(gr, Action((0,), "allreduce"))).step_time == pytest.approx(6.5e-3)
 
 
+def test_per_tensor_cost_is_charged_per_tensor_between_hosts():
+    """NetworkProfile.per_tensor_s: a transfer between hosts pays it per tensor on the link; on one host nothing."""
+    from tag.cost.model import NetworkProfile
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)     # one tensor from layer0 to layer1
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)
+    base = dataclasses.replace(EXACT, network=NetworkProfile())
+    charged = dataclasses.replace(EXACT, network=NetworkProfile(per_tensor_s=2e-3))
+    split = None
+    times = []
+    for prof in (base, charged):
+        sim, gr = _sim(tg, topo, prof)
+        split = Strategy(gr, [Action((0,), "allreduce"), Action((1,), "allreduce")])
+        times.append(sim.evaluate(split).step_time)
+    assert times[1] == pytest.approx(times[0] + 2e-3)
+    sim, gr = _sim(tg, topo, charged)
+    # both groups on one host: no tensor crosses, nothing charged
+    assert sim.evaluate(_all(gr, Action((0,), "allreduce"))).step_time == pytest.approx(3e-3)
+
+
+def test_per_tensor_cost_of_parameter_server_grows_with_variables_and_remote_workers():
+    from tag.cost.model import NetworkProfile
+    tg = mlp_graph(batch=8, widths=(16, 32, 32, 4))
+    topo = _hosts(3, inter_bandwidth=1e12, inter_latency=0.0)
+    grouping = Grouping(np.zeros(len(tg.ops), dtype=np.int64), ["all"])
+    n_vars = sum(1 for v in tg.variables if v.kind == "trainable")
+    ps = Strategy(grouping, [Action((0, 1, 2), "ps", ps_device=0)])
+    got = []
+    for pt in (0.0, 1e-3):
+        prof = dataclasses.replace(FREE, network=NetworkProfile(per_tensor_s=pt))
+        got.append(Simulator(tg, topo, grouping, CostModel(tg, topo, prof)).evaluate(ps).step_time)
+    # pull and push, each: every variable for each of the 2 workers on other hosts
+    assert got[1] - got[0] == pytest.approx(2 * 2 * n_vars * 1e-3, rel=0.05)
+
+
 def test_allreduce_is_charged_as_the_deployed_flat_ring():
     """Hosts with several devices: the cost model's hierarchical all-reduce would be cheaper, but the
     rewriter emits one flat ring collective, so the simulator charges the ring (and lists it)."""

@@ -419,18 +419,21 @@ def profile_like(base: "Profile", graph_def, graph: "TrainingGraph", *, device_t
 # The distributed runtime between hosts
 # --------------------------------------------------------------------------------------------
 
-def _read_graph(nbytes: int, reader: str, holder: str) -> "v1.GraphDef":
-    """A step in which HOLDER's variable of NBYTES is read and summed on READER (a device string)."""
+def _read_graph(nbytes: int, reader: str, holder: str, count: int = 1) -> "v1.GraphDef":
+    """A step in which COUNT variables of NBYTES each, held by HOLDER, are read and summed on READER (a device
+    string)."""
     g = tf.Graph()
     with g.as_default():
         with tf.device(holder):
-            var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name="payload")
+            payload = [tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}")
+                       for i in range(count)]
         with tf.device(reader):
             # the sum goes into a variable: a step whose ops only feed control edges is pruned by Grappler
             # (nothing would be read or sent)
             sink = tf.Variable(0.0, name="sink")
-            tf.group(sink.assign_add(tf.reduce_sum(var.read_value())), name="step")
-        v1.variables_initializer([var, sink], name="init")
+            total = tf.add_n([tf.reduce_sum(v.read_value()) for v in payload])
+            tf.group(sink.assign_add(total), name="step")
+        v1.variables_initializer([*payload, sink], name="init")
     return g.as_graph_def()
 
 
@@ -457,6 +460,10 @@ def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.
     return g.as_graph_def()
 
 
+#: how many small tensors measure_network sends in one step to find the cost of each extra tensor
+PER_TENSOR_PROBE = 64
+
+
 def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
                     steps: int = 12) -> "NetworkProfile":
     """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
@@ -481,8 +488,14 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     reduced = np.array([step_time(_collective_graph(int(n), (near, far), reduce=True)) for n in sizes])
     t_lat, t_rate = fit_line(sizes, remote - local)
     c_lat, c_rate = fit_line(sizes, reduced - apart)
+    # many small tensors in one step against one tensor of their total size: what each extra tensor costs
+    many = PER_TENSOR_PROBE
+    small = max(4, int(sizes[0]) // many)
+    many_s = step_time(_read_graph(small, near, far, count=many)) - step_time(_read_graph(small, near, near, count=many))
+    one_s = step_time(_read_graph(small * many, near, far)) - step_time(_read_graph(small * many, near, near))
+    per_tensor = max((many_s - one_s) / (many - 1), 0.0)
     return NetworkProfile(step_overhead_s=float(local[0]), transfer_latency_s=t_lat, transfer_bytes_per_s=t_rate,
-                          collective_latency_s=c_lat, collective_bytes_per_s=c_rate)
+                          collective_latency_s=c_lat, collective_bytes_per_s=c_rate, per_tensor_s=float(per_tensor))
 
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":

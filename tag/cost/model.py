@@ -122,6 +122,11 @@ class NetworkProfile:
     tasks costs ``transfer_latency_s + bytes / transfer_bytes_per_s`` of runtime work (gRPC serialisation and
     copies) on top of the link itself, so an inter-host link of bandwidth ``b`` is used at
     ``1 / (1/b + 1/transfer_bytes_per_s)`` with ``transfer_latency_s`` added to its latency.
+    ``per_tensor_s``: what each further tensor of one transfer costs (TF sends every tensor as its own
+    request: rendezvous, serialisation), charged per tensor on the hosts' network resources; a
+    parameter-server group pays it per variable and remote worker, each way. Measured on the testbed
+    (``scripts/bench_transfers.py``): 64 tensors of 1 KB took 6 ms and 512 took 65 ms, where one flow of
+    their bytes would take under 5 ms.
     """
 
     step_overhead_s: float = 0.0
@@ -129,6 +134,7 @@ class NetworkProfile:
     transfer_bytes_per_s: float = math.inf
     collective_latency_s: float = 0.0
     collective_bytes_per_s: float = math.inf
+    per_tensor_s: float = 0.0
 
     def to_dict(self) -> dict:
         def rate(x: float):
@@ -136,7 +142,7 @@ class NetworkProfile:
         return {"step_overhead_s": float(self.step_overhead_s), "transfer_latency_s": float(self.transfer_latency_s),
                 "transfer_bytes_per_s": rate(self.transfer_bytes_per_s),
                 "collective_latency_s": float(self.collective_latency_s),
-                "collective_bytes_per_s": rate(self.collective_bytes_per_s)}
+                "collective_bytes_per_s": rate(self.collective_bytes_per_s), "per_tensor_s": float(self.per_tensor_s)}
 
     def collective_extra(self) -> tuple[float, float]:
         """(seconds per ring step, seconds per byte) that TF's collective all-reduce costs beyond plain transfers
@@ -232,7 +238,7 @@ class Profile:
             if not isinstance(net, dict):
                 raise bad("'network' must be an object")
             unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s",
-                                  "collective_latency_s", "collective_bytes_per_s"}
+                                  "collective_latency_s", "collective_bytes_per_s", "per_tensor_s"}
             if unknown:
                 raise bad(f"network: unknown field {sorted(unknown)[0]!r}")
             vals = {}
@@ -352,6 +358,8 @@ class CostModel:
         # with a network calibration, inter-host links carry the runtime's measured transfer costs
         if self.profile.network:
             self.topology = self.profile.network.calibrate(topology)
+        #: seconds each tensor sent between hosts costs beyond its bytes (NetworkProfile.per_tensor_s)
+        self.per_tensor_s = float(self.profile.network.per_tensor_s) if self.profile.network else 0.0
 
     # ---------------------------------------------------------------- compute
     @functools.cached_property

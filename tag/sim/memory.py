@@ -132,6 +132,7 @@ class MemoryModel:
         num_groups = tasks.num_groups
         group_of_op = tasks.group_of_op
         weights, slots, state = np.zeros(num_groups), np.zeros(num_groups), np.zeros(num_groups)
+        counts = [0] * num_groups        # trainable variables per group (per-tensor costs of ps traffic)
         var_by_name = {v.name: v for v in graph.variables}
         claimed: set[str] = set()     # slot variables (counted with their weight)
         partition_vars: list[list[tuple[int, float]]] = [[] for _ in range(num_groups)]
@@ -143,6 +144,7 @@ class MemoryModel:
                 var_by_name[s].nbytes for s in v.slots if s in var_by_name))
             claimed.update(v.slots)
             weights[g] += v.nbytes
+            counts[g] += 1
             slots[g] += slot
             partition_vars[g].append((v.op, 2.0 * v.nbytes + slot))
         for v in graph.variables:
@@ -153,6 +155,7 @@ class MemoryModel:
             partition_vars[g].append((v.op, float(v.nbytes)))
         self.weight_bytes, self.slot_bytes, self.state_bytes = weights, slots, state
         self.weight_bytes_list: list[float] = weights.tolist()
+        self.weight_count_list: list[int] = counts
         self.partition_vars = [(np.array([p[0] for p in pv], dtype=np.int64), np.array([p[1] for p in pv]))
                                for pv in partition_vars]
 

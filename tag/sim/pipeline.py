@@ -197,6 +197,7 @@ class PipelineTasks:
         self.bundle_edges = [base.bundle_edges[b] for b in base_of]
         self.bundle_same_group = [base.bundle_same_group[b] for b in base_of]
         self.bundle_own = [base.bundle_own[b] for b in base_of]
+        self.bundle_own_tensors = [base.bundle_own_tensors[b] for b in base_of]
         # a shared tensor moves once per micro-batch and destination layout: one tensor id per micro-batch
         micro = self.micro_batch
         self.bundle_shared = [[(tid * M + max(int(micro[k[0]]), 0), pe, fx) for tid, pe, fx in base.bundle_shared[b]]

@@ -78,7 +78,7 @@ class StepSchedule:
         self.batch = np.zeros((num_lanes, T))
         self.task_finish = [0.0] * T         # task -> its latest finish over lanes
         # flows[m] = [producer task, destination layout, per-example bytes, fixed bytes, bundle (split
-        # layouts) or -1, wait-for-all flag]; flows_into / flows_out_of: task -> its flows
+        # layouts) or -1, wait-for-all flag, tensors]; flows_into / flows_out_of: task -> its flows
         self.flows: list[list] = []
         self.flows_into: dict[int, list[int]] = {}
         self.flows_out_of: dict[int, list[int]] = {}
@@ -105,7 +105,7 @@ class StepSchedule:
         flows, flows_into, flows_out_of = self.flows, self.flows_into, self.flows_out_of
         flow_of: dict[tuple, int] = {}          # (producer, destination layout id, bundle, wait_all) -> flow
         sent: set[tuple[int, int]] = set()      # (tensor, destination layout)
-        b_own, b_shared = tasks.bundle_own, tasks.bundle_shared
+        b_own, b_shared, b_own_n = tasks.bundle_own, tasks.bundle_shared, tasks.bundle_own_tensors
         for b in np.flatnonzero(layout_id[tasks.bundle_src_array] != layout_id[tasks.bundle_dst_array]).tolist():
             k, t = b_src[b], b_dst[b]
             lk, ld = layout_of_task[k], layout_of_task[t]
@@ -114,29 +114,35 @@ class StepSchedule:
             m = flow_of.get(key)
             if m is None:
                 m = flow_of[key] = len(flows)
-                flows.append([k, ld, 0.0, 0.0, key[2], wait_all])
+                flows.append([k, ld, 0.0, 0.0, key[2], wait_all, 0])
                 self.flow_consumer.append(t)
                 flows_out_of.setdefault(k, []).append(m)
             fl = flows[m]
             per_example, fixed = b_own[b]
             fl[2] += per_example
             fl[3] += fixed
+            fl[6] += b_own_n[b]
             for (tid, per_example, fixed) in b_shared[b]:
                 if (tid, ld.id) not in sent:
                     sent.add((tid, ld.id))
                     fl[2] += per_example
                     fl[3] += fixed
+                    fl[6] += 1
             xi = flows_into.setdefault(t, [])
             if not xi or xi[-1] != m:
                 xi.append(m)
 
     def add_collectives(self, actions: list[Action], group_layouts: list[Layout | None],
-                        weight_bytes: list[float], gathers: dict[int, list] | None = None) -> None:
+                        weight_bytes: list[float], gathers: dict[int, list] | None = None,
+                        weight_counts: list[int] | None = None) -> None:
         """ps groups pull their variables now (the forward tasks wait); gradients are all-reduced or pushed
         once the tasks producing them have run (``collectives_after``; the update tasks wait). GATHERS:
         op group -> its SFB all-gathers (``tag.sim.sfb.GatherCharge``), issued with its all-reduce; the
-        update tasks also wait for each gather's local recompute."""
+        update tasks also wait for each gather's local recompute. WEIGHT_COUNTS: trainable variables per
+        group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
+        per_tensor = routing.cost.per_tensor_s if weight_counts is not None else 0.0
+        host_of = routing.topology.devices
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
         comm = self.comm_bytes
@@ -165,11 +171,16 @@ class StepSchedule:
             if not c or c[5] <= 0:
                 continue
             if a.mode == "ps":
+                dur = c[0] + c[1] * W
+                if per_tensor > 0.0:
+                    ps_host = host_of[int(a.ps_device)].host_index
+                    remote = sum(1 for d in group_layouts[g].devices if host_of[d].host_index != ps_host)
+                    dur += per_tensor * weight_counts[g] * remote
                 st = 0.0
                 for r in c[4]:
                     if rfree[r] > st:
                         st = rfree[r]
-                end = st + c[0] + c[1] * W
+                end = st + dur
                 for r in c[4]:
                     rfree[r] = end
                 comm += c[5] * W
@@ -178,7 +189,6 @@ class StepSchedule:
                         release[t] = end
                 if record is not None:
                     record.collectives.append((c[4], st, end, W * c[5], f"pull {self.group_names[g]}"))
-                dur = c[0] + c[1] * W
                 kind = "push"
             else:
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
@@ -335,8 +345,11 @@ class StepSchedule:
         fk = self.finish[:, k].tolist()
         rfree, rec, moves = self.resource_free, self.record, self.routing.moves
         flows, arrival = self.flows, self.arrival
+        per_tensor = self.routing.cost.per_tensor_s
         for m in self.flows_out_of[k]:
-            _, ld, per_example, fixed, b, wait_all = flows[m]
+            _, ld, per_example, fixed, b, wait_all, ntensors = flows[m]
+            # between hosts every tensor is its own request (NetworkProfile.per_tensor_s)
+            tensor_s = ntensors * per_tensor
             if wait_all:
                 # gradients to the PS travel in the push collective: only wait for every replica
                 arrival[m] = dict.fromkeys(ld.lanes, self.task_finish[k])
@@ -388,7 +401,7 @@ class StepSchedule:
                     y = rfree[r2]
                     if y > st:
                         st = y
-                    st += nb * ipb
+                    st += nb * ipb + tensor_s
                     rfree[r1] = st
                     rfree[r2] = st
                     st += lat
@@ -402,7 +415,7 @@ class StepSchedule:
                         continue
                     nbytes += nb
                     st = max(fk[sl], *(rfree[r] for r in res))
-                    free = st + nb * ipb
+                    free = st + nb * ipb + (tensor_s if len(res) == 2 else 0.0)
                     end = free + lat
                     for r in res:
                         rfree[r] = free

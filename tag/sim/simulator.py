@@ -277,7 +277,8 @@ class Simulator:
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
-        schedule.add_collectives(actions, group_layouts, sfb.weight_bytes, sfb.gathers)
+        schedule.add_collectives(actions, group_layouts, sfb.weight_bytes, sfb.gathers,
+                                 self.memory.weight_count_list)
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes
@@ -359,7 +360,8 @@ class Simulator:
                                 record)
         has_ps = any(a.mode == "ps" for a in stage_actions)
         schedule.add_flows(actions, has_ps)
-        schedule.add_collectives(actions, group_layouts, self.memory.weight_bytes_list, None)
+        schedule.add_collectives(actions, group_layouts, self.memory.weight_bytes_list, None,
+                                 self.memory.weight_count_list)
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes

@@ -174,9 +174,11 @@ class TaskGraph:
             for tid, _, _ in lst:
                 readers[tid] = readers.get(tid, 0) + 1
         self.bundle_own: list[tuple[float, float]] = []
+        self.bundle_own_tensors: list[int] = []      # how many tensors bundle_own's bytes are (per-tensor costs)
         self.bundle_shared: list[list[tuple[int, float, float]]] = []
         for k in keys:
             own_per_example = own_fixed = 0.0
+            own_tensors = 0
             shared = []
             for tid, per_example, fixed in tensors_of.get(k, []):
                 if readers[tid] > 1:
@@ -184,7 +186,9 @@ class TaskGraph:
                 else:
                     own_per_example += per_example
                     own_fixed += fixed
+                    own_tensors += 1
             self.bundle_own.append((own_per_example, own_fixed))
+            self.bundle_own_tensors.append(own_tensors)
             self.bundle_shared.append(shared)
 
     def _collective_anchors(self, graph: TrainingGraph) -> None:
