@@ -35,6 +35,18 @@ def load_recipe(path: str = RECIPE) -> dict:
         return json.load(f)
 
 
+def heldout(recipe: dict) -> tuple[list[str], list[str]]:
+    """(configurations, model specs) of the recipe's frozen held-out part (``"heldout"``): measured by
+    bench_fidelity and reported apart, never used to choose or tune anything."""
+    part = recipe.get("heldout") or {}
+    return list(part.get("configs", [])), list(part.get("models", []))
+
+
+def main_configs(recipe: dict) -> list[str]:
+    """The recipe's configurations that are not held out (what other benchmarks run by default)."""
+    return [c for c in recipe["configs"] if c not in heldout(recipe)[0]]
+
+
 def device_type(quota: float) -> str:
     """The topology's device type for a host of QUOTA cores (``CPUq25`` = a quarter of a core)."""
     return f"CPUq{int(round(quota * 100))}"
@@ -46,13 +58,17 @@ def all_quotas(recipe: dict, configs=None) -> list[float]:
 
 
 def calibration_graph(spec: str, batch: int):
-    """The training GraphDef of a recipe model SPEC: ``mwms:NAME[,width=W]`` (``tag.backend.mwms.tf1_graph``) or
-    a ``tag.zoo`` spec."""
+    """The training GraphDef of a recipe model SPEC: ``mwms:NAME[,width=W][,depth=D][,vocab=V]``
+    (``tag.backend.mwms.tf1_graph``) or a ``tag.zoo`` spec."""
     if spec.startswith("mwms:"):
         from tag.backend.mwms import tf1_graph
         name, *opts = spec[len("mwms:"):].split(",")
-        width = next((int(o.split("=", 1)[1]) for o in opts if o.startswith("width=")), None)
-        return tf1_graph(name, batch, width=width)
+        knobs = {k: int(v) for k, v in (o.split("=", 1) for o in opts)}
+        unknown = set(knobs) - {"width", "depth", "vocab"}
+        if unknown:
+            raise ValueError(f"model spec {spec!r}: unknown option(s) {', '.join(sorted(unknown))} "
+                             f"(known: width, depth, vocab)")
+        return tf1_graph(name, batch, **knobs)
     from tag import zoo
     return zoo.resolve_model(spec, batch)[1]
 

@@ -76,7 +76,7 @@ from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
-from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, runtime_levels, \
+from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
     testbed_topology  # noqa: E402
 
 # (label, tag.backend.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
     if testbed_missing("bench_e2e"):
         return 2
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
-    configs = [GPU_CONFIG, *recipe["configs"]]
+    configs = [GPU_CONFIG, *main_configs(recipe)]     # the held-out configurations are bench_fidelity's
     cases = CASES
     if args.quick:
         configs, cases = [GPU_CONFIG], [c for c in CASES if c[0] in QUICK_CASES]

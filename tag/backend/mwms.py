@@ -73,12 +73,14 @@ def _encoder_layer(k: Any, x: Any, d_model: int, heads: int, d_ff: int) -> Any:
     return L.LayerNormalization(epsilon=1e-6)(L.Add()([x, ff]))
 
 
-def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None, depth: int | None = None) -> Any:
+def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None, depth: int | None = None,
+                vocab: int | None = None) -> Any:
     """Model NAME built with the tf_keras module K (logits, NUM_CLASSES wide); INPUTS: a tensor to build on.
     WIDTH (default: the models above) sets the MLP's first layer (the others half of it), the CNN's first
     stage's channels (then 2x and 4x) or the transformer's d_model: calibration graphs of the same families.
     DEPTH (deep models for pipelines): the MLP gets DEPTH hidden layers all WIDTH wide (default 2048), the
-    transformer DEPTH encoder layers (default 2)."""
+    transformer DEPTH encoder layers (default 2). VOCAB: the transformer's vocabulary (default ``VOCAB``; a large
+    one makes the embedding most of the weights)."""
     shape, dtype = input_spec(name)
     x0 = k.Input(shape=shape, dtype=dtype) if inputs is None else k.Input(tensor=inputs)
     L = k.layers
@@ -111,16 +113,17 @@ def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None,
             x = L.Dense(VGG_HEAD, activation="relu")(x)
     else:
         d_model = 128 if width is None else width
-        x = L.Embedding(VOCAB, d_model)(x0)
+        x = L.Embedding(VOCAB if vocab is None else vocab, d_model)(x0)
         for _ in range(2 if depth is None else depth):
             x = _encoder_layer(k, x, d_model, 4, 4 * d_model)
         x = L.GlobalAveragePooling1D()(x)
     return k.Model(x0, L.Dense(NUM_CLASSES)(x))
 
 
-def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, depth: int | None = None) -> Any:
+def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, depth: int | None = None,
+              vocab: int | None = None) -> Any:
     """The TF1 training step of model NAME at global batch BATCH (GraphDef; see the module docstring);
-    WIDTH, DEPTH: ``keras_model``'s."""
+    WIDTH, DEPTH, VOCAB: ``keras_model``'s."""
     import tensorflow as tf
     import tf_keras
     v1 = tf.compat.v1
@@ -130,7 +133,7 @@ def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, de
         v1.set_random_seed(seed)
         x = v1.placeholder(dtype, [batch, *shape], name="input")
         labels = v1.placeholder(tf.int32, [batch], name="labels")
-        logits = keras_model(name, tf_keras, inputs=x, width=width, depth=depth).output
+        logits = keras_model(name, tf_keras, inputs=x, width=width, depth=depth, vocab=vocab).output
         loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                                                          logits=logits)), name="loss")
         v1.train.AdamOptimizer(LEARNING_RATE, epsilon=1e-7).minimize(loss, name="train_op")
@@ -156,6 +159,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--width", type=int, default=None, help="keras_model's WIDTH (default: the model's own)")
     p.add_argument("--depth", type=int, default=None, help="keras_model's DEPTH (default: the model's own)")
+    p.add_argument("--vocab", type=int, default=None, help="keras_model's VOCAB (default: the model's own)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     p.add_argument("--inter-threads", type=int, default=None,
                    help="inter-op threads per worker (default: as tag's servers, as many as --threads, at least 2)")
@@ -176,7 +180,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     tf.random.set_seed(0)
     with strategy.scope():
-        model = keras_model(args.model, tf_keras, width=args.width, depth=args.depth)
+        model = keras_model(args.model, tf_keras, width=args.width, depth=args.depth, vocab=args.vocab)
         opt = tf_keras.optimizers.Adam(LEARNING_RATE, epsilon=1e-7)
     x, y = _synthetic_batch(tf, args.model, args.batch // n, seed=1 + int(task))
 

@@ -1,0 +1,201 @@
+"""The figures of bench_fidelity from its rows: errors split by class, per-group ranking, regret with and
+without the measured tuning step, the held-out split, targets. Pure Python (numpy, scipy): no testbed.
+
+A row is one case: ``{"config", "model", "strategy", "class", "heldout", "predicted_s", "measured_s"}`` and
+optionally ``"tuned_pick": True`` on the row of the strategy the tuning step kept. Classes (``CLASSES``):
+``uniform`` (the built-ins), ``searched`` (tag's plan), ``random`` (a random mixed strategy) and ``tuned``
+(the tuning step's pick when it was none of the group's other cases). Mixed = searched + random.
+
+Usage::
+
+    from _fidelity_figures import split_heldout, summary
+    rest, held = split_heldout(rows)
+    figures = summary(rest)           # {"cases", "median_abs_rel_error", ..., "groups": [...]}
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+from scipy.stats import kendalltau, spearmanr
+
+from tag.strategy.baselines import BUILTIN_STRATEGIES
+
+CLASSES = ("uniform", "searched", "random", "tuned")
+MIXED = ("searched", "random")
+# the issue's targets: key -> (comparison, bound); the held-out keys must each lie within HELDOUT_GAP of the rest
+TARGETS = {"median_abs_rel_error": ("<=", 0.10), "median_abs_rel_error_mixed": ("<=", 0.12),
+           "max_abs_rel_error_mixed": ("<=", 0.30), "mean_kendall_tau": (">=", 0.85),
+           "max_regret": ("<=", 1.10), "max_regret_tuned": ("<=", 1.03), "cases": (">=", 60),
+           "mixed_cases": (">=", 20)}
+HELDOUT_KEYS = ("median_abs_rel_error", "median_abs_rel_error_mixed", "max_abs_rel_error_mixed",
+                "mean_kendall_tau", "max_regret", "max_regret_tuned")
+HELDOUT_GAP = 0.03
+HIGHER_IS_BETTER = {"mean_kendall_tau", "spearman", "top1_agreement", "cases", "mixed_cases"}
+
+
+def case_class(strategy: str) -> str:
+    """The class of a case named STRATEGY as bench_fidelity names them (a built-in, ``plan:...``,
+    ``randomN``, ``tuned:...``)."""
+    if strategy in BUILTIN_STRATEGIES:
+        return "uniform"
+    if strategy.startswith("plan:"):
+        return "searched"
+    if strategy.startswith("random"):
+        return "random"
+    if strategy.startswith("tuned:"):
+        return "tuned"
+    raise ValueError(f"case {strategy!r} has no class")
+
+
+def _abs_errors(rows: Iterable[dict]) -> np.ndarray:
+    return np.array([abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows], dtype=float)
+
+
+def _median(x: np.ndarray) -> float | None:
+    return float(np.median(x)) if len(x) else None
+
+
+def _max(x: np.ndarray) -> float | None:
+    return float(np.max(x)) if len(x) else None
+
+
+def group_key(row: dict) -> tuple[str, str]:
+    return row["config"], row["model"]
+
+
+def groups_of(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """ROWS by (config, model), in the order they first appear."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault(group_key(r), []).append(r)
+    return out
+
+
+def group_figures(rows: list[dict]) -> dict:
+    """Ranking figures of one group's ROWS. Kendall's tau, top-1 and the regret are over the group's own
+    cases (not the ``tuned`` row, which exists only because the tuning step picked it); every measured
+    row, tuned included, counts for the best measured time. ``regret``: measured time of the predicted-best
+    case / the best measured; ``regret_tuned``: that of the tuning step's pick (None without one)."""
+    own = [r for r in rows if r["class"] != "tuned"]
+    pred = np.array([r["predicted_s"] for r in own], dtype=float)
+    meas = np.array([r["measured_s"] for r in own], dtype=float)
+    best_all = min(r["measured_s"] for r in rows)
+    best_pred = int(np.argmin(pred))
+    tau = float(kendalltau(pred, meas).statistic) if len(own) > 1 else 1.0
+    picks = [r for r in rows if r.get("tuned_pick")]
+    if len(picks) > 1:
+        raise ValueError(f"group {group_key(rows[0])}: {len(picks)} rows are marked as the tuning step's pick")
+    measured_best = min(rows, key=lambda r: r["measured_s"])
+    return {"config": rows[0]["config"], "model": rows[0]["model"], "heldout": bool(rows[0].get("heldout")),
+            "cases": len(rows), "top1": own[best_pred] is min(own, key=lambda r: r["measured_s"]),
+            "kendall_tau": tau, "regret": float(meas[best_pred] / best_all),
+            "regret_tuned": float(picks[0]["measured_s"] / best_all) if picks else None,
+            "predicted_best": own[best_pred]["strategy"], "measured_best": measured_best["strategy"],
+            "tuned_pick": picks[0]["strategy"] if picks else None}
+
+
+def summary(rows: list[dict], extras: dict[tuple[str, str], dict] | None = None) -> dict:
+    """The figures of ROWS (see the module docstring) and their per-group figures under ``groups`` (each
+    merged with EXTRAS[(config, model)], e.g. seconds and load average). Keys: ``cases``, ``mixed_cases``,
+    ``median_abs_rel_error`` (all rows), ``median_abs_rel_error_mixed`` and ``max_abs_rel_error_mixed``
+    (searched + random), ``median_abs_rel_error_<class>``, ``max_abs_rel_error_<class>`` and
+    ``cases_<class>`` per class, ``spearman`` (pooled), ``mean_kendall_tau``, ``top1_agreement``,
+    ``max_regret``, ``max_regret_tuned``, ``tune_seconds`` (summed over EXTRAS' ``tune_seconds``).
+    Figures of an empty selection are None."""
+    extras = extras or {}
+    groups = [{**group_figures(g), **extras.get(k, {})} for k, g in groups_of(rows).items()]
+    mixed = [r for r in rows if r["class"] in MIXED]
+    out: dict = {"cases": len(rows), "mixed_cases": len(mixed),
+                 "median_abs_rel_error": _median(_abs_errors(rows)),
+                 "median_abs_rel_error_mixed": _median(_abs_errors(mixed)),
+                 "max_abs_rel_error_mixed": _max(_abs_errors(mixed))}
+    for cls in CLASSES:
+        errs = _abs_errors(r for r in rows if r["class"] == cls)
+        out[f"cases_{cls}"] = len(errs)
+        out[f"median_abs_rel_error_{cls}"] = _median(errs)
+        out[f"max_abs_rel_error_{cls}"] = _max(errs)
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    out["spearman"] = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else None
+    taus = [g["kendall_tau"] for g in groups if not math.isnan(g["kendall_tau"])]
+    out["mean_kendall_tau"] = float(np.mean(taus)) if taus else None
+    out["top1_agreement"] = float(np.mean([g["top1"] for g in groups])) if groups else None
+    out["max_regret"] = max((g["regret"] for g in groups), default=None)
+    tuned = [g["regret_tuned"] for g in groups if g["regret_tuned"] is not None]
+    out["max_regret_tuned"] = max(tuned) if tuned else None
+    out["tune_seconds"] = float(sum(g.get("tune_seconds", 0.0) for g in groups))
+    out["groups"] = groups
+    return out
+
+
+def split_heldout(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the rest, the held-out rows): a row is held out when its ``heldout`` flag is set (bench_fidelity
+    sets it for every case on a held-out configuration or of a held-out model)."""
+    return [r for r in rows if not r.get("heldout")], [r for r in rows if r.get("heldout")]
+
+
+def is_heldout(config: str, model_spec: str, heldout_configs: Iterable[str], heldout_models: Iterable[str]) -> bool:
+    return config in set(heldout_configs) or model_spec in set(heldout_models)
+
+
+def worst_of(runs: list[dict]) -> dict:
+    """Per key of the runs' summaries, the worst value of any run (the lowest where higher is better, else
+    the highest); keys that are None in every run stay None."""
+    out = {}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        if key == "groups" or any(isinstance(v, (dict, list, bool)) for v in values):
+            continue
+        present = [v for v in values if v is not None]
+        out[key] = (min(present) if key in HIGHER_IS_BETTER else max(present)) if present else None
+    return out
+
+
+def check_targets(rest: dict, heldout: dict | None) -> list[tuple[str, float | None, str, bool]]:
+    """(key, value, what the target asks, held) for every target: REST's keys against TARGETS, and each of
+    HELDOUT's HELDOUT_KEYS within HELDOUT_GAP of REST's (a missing figure is not held)."""
+    out = []
+    for key, (op, bound) in TARGETS.items():
+        v = rest.get(key)
+        held = v is not None and (v <= bound if op == "<=" else v >= bound)
+        out.append((key, v, f"{op} {bound:g}", held))
+    if heldout is not None:
+        for key in HELDOUT_KEYS:
+            v, r = heldout.get(key), rest.get(key)
+            held = v is not None and r is not None and abs(v - r) <= HELDOUT_GAP + 1e-12
+            out.append((f"heldout.{key}", v, f"within {HELDOUT_GAP:g} of {r:.3g}" if r is not None else "(no rest)",
+                        held))
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "    -" if x is None else f"{x * 100:5.1f}%"
+
+
+def class_table(figures: dict, title: str) -> str:
+    """A small text table of FIGURES (``summary``'s) split by class."""
+    lines = [f"{title}: {figures['cases']} cases ({figures['mixed_cases']} mixed), "
+             f"{len(figures['groups'])} groups",
+             f"  {'class':<9} {'cases':>5}  {'median |err|':>12}  {'max |err|':>9}"]
+    for cls in CLASSES:
+        if figures[f"cases_{cls}"]:
+            lines.append(f"  {cls:<9} {figures[f'cases_{cls}']:>5}  {_pct(figures[f'median_abs_rel_error_{cls}']):>12}"
+                         f"  {_pct(figures[f'max_abs_rel_error_{cls}']):>9}")
+    lines.append(f"  {'mixed':<9} {figures['mixed_cases']:>5}  {_pct(figures['median_abs_rel_error_mixed']):>12}"
+                 f"  {_pct(figures['max_abs_rel_error_mixed']):>9}")
+    lines.append(f"  {'all':<9} {figures['cases']:>5}  {_pct(figures['median_abs_rel_error']):>12}")
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    lines.append(f"  mean Kendall tau {num(figures['mean_kendall_tau'], '.2f')}, max regret "
+                 f"{num(figures['max_regret'], '.3f')}, max regret tuned {num(figures['max_regret_tuned'], '.3f')} "
+                 f"(tuning {figures['tune_seconds']:.0f} s), top-1 {num(figures['top1_agreement'], '.0%')}, "
+                 f"Spearman {num(figures['spearman'], '.3f')}")
+    return "\n".join(lines)
+
+
+def targets_text(checks: list[tuple[str, float | None, str, bool]]) -> str:
+    return "\n".join(f"  {'held    ' if held else 'NOT held'}  {key:<36} "
+                     f"{'-' if v is None else format(v, '.4g'):>8}  (target {what})" for key, v, what, held in checks)
