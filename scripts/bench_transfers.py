@@ -10,7 +10,8 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
    same step with the tensors held by the receiver. ``model`` is the simulator's cost of the pattern over the
    same link: one flow of N x S bytes (``latency + bytes / bandwidth``, the link's latency once, as TF's
    concurrent requests overlap) per wave; with a network calibration (``--profile``) the link carries the
-   runtime's measured per-transfer latency and byte rate, as ``tag.cost.model.NetworkProfile.calibrate`` does.
+   runtime's measured per-transfer latency and byte rate, as ``tag.cost.model.NetworkProfile.calibrate`` does,
+   and every tensor its ``per_tensor_s``.
 2. ``overlap``: does the runtime's work on tensors compete with a host's compute? The receiver (or the
    sender) runs a MatMul chain in the same step as 64 transfers: ``overlap`` = (C + T - both) / min(C, T),
    1 when the two run side by side as the simulator assumes (separate compute and network lanes), 0 when
@@ -126,17 +127,18 @@ def chain_graph(device: str, side: int, depth: int):
 def modelled_transfer_s(count: int, nbytes: int, waves: int, link_gbps: float, latency_us: float, network) -> float:
     """The simulator's cost of the pattern: one flow per wave over the link (``tag.sim.schedule``: bytes hold the
     link, the latency is paid once per flow, concurrent tensors of one flow share it); with a network
-    calibration the link carries the runtime's per-transfer latency and byte rate."""
+    calibration the link carries the runtime's per-transfer latency and byte rate, and each tensor its cost."""
     bw = link_gbps * 1e9 / 8
     lat = latency_us * 1e-6
     if network is not None:
         bw = 1.0 / (1.0 / bw + 1.0 / network.transfer_bytes_per_s)
         lat += network.transfer_latency_s
+    per_tensor = network.per_tensor_s if network is not None else 0.0
     per_wave = -(-count // waves)
     total = 0.0
     for w in range(waves):
         n = min(count, (w + 1) * per_wave) - w * per_wave
-        total += lat + n * nbytes / bw
+        total += lat + n * nbytes / bw + n * per_tensor
     return total
 
 
