@@ -89,36 +89,59 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
 
     Each calibration model runs whole on the first host of each device type, through tag's runtime (a TF
-    server per host, a client session: the path every measured case takes), and the type's entry is scaled by
-    the geometric mean over the models of predicted over measured step (each model family counts once).
-    Why: the profiling processes run the models in their own session, pinned to one core; on the servers the
-    same one-host steps ran 8-19% slower, every model alike."""
+    server per host, a client session: the path every measured case takes), at the calibration batch and at
+    a quarter of it (``runtime_levels_batch_fraction``). Per device type, the measured steps are fitted as
+    ``a * predicted + c * ops`` (least squares over both batches of every model; ``ops``: the ops that pay a
+    launch overhead): the entry is scaled by ``1 / a`` and ``c`` is added to its launch overhead.
+    Why both terms: the profiling processes run the models in their own session, pinned to one core; on the
+    servers the same one-host steps ran 8-19% slower, every model alike (the scale), and a quarter of the batch
+    took 0.25-0.50 of the whole batch's step where the traced profile predicted 0.26-0.44 (scripts/bench_transfers.py,
+    ``batch_share``): the executor's cost per op, which a replica's share of the batch and every micro-batch
+    of a pipeline pay again in full (the overhead)."""
+    import dataclasses
     import numpy as np
     from tag.api import prepare
     from tag.cost.model import Profile
     from tag.strategy.baselines import on_one_device
     batch = int(recipe["calibration"]["batch"])
+    small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+    probe = 1e-4                                        # extra launch overhead that counts the charged ops
     first_group = {}                                    # device type -> its first group (one host each here)
     for group in tb.topology.groups:
         first_group.setdefault(group.device_type, group)
-    ratios: dict[str, list[float]] = {t: [] for t in first_group}
+    points: dict[str, list[tuple[float, float, float]]] = {t: [] for t in first_group}   # (predicted, ops, measured)
+    bumped = Profile({t: dataclasses.replace(d, launch_overhead_s=(d.launch_overhead_s or 0.0) + probe)
+                      for t, d in profile.devices.items()}, network=profile.network)
     for spec in recipe["calibration"]["models"]:
-        analysis = prepare(calibration_graph(spec, batch), tb.topology, batch_size=batch, profile=profile,
-                           name="calibration")
-        sim = analysis.simulator()
-        for dtype, group in first_group.items():
-            whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), group.devices[0])
-            predicted = sim.evaluate(whole, batch_size=batch).step_time
-            measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
-            ratios[dtype].append(predicted / measured)
+        for b in (batch, small):
+            analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
+                               name="calibration")
+            counted = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=bumped,
+                              name="calibration")
+            sim, sim_counted = analysis.simulator(), counted.simulator()
+            for dtype, group in first_group.items():
+                whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), group.devices[0])
+                predicted = sim.evaluate(whole, batch_size=b).step_time
+                ops = (sim_counted.evaluate(whole, batch_size=b).step_time - predicted) / probe
+                measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
+                points[dtype].append((predicted, ops, measured))
     devices = dict(profile.devices)
-    for dtype, r in ratios.items():
-        devices[dtype] = devices[dtype].scaled(float(np.exp(np.mean(np.log(r)))))
-    notes = ", ".join(f"{t} x{np.exp(np.mean(np.log(r))):.3f} ({'/'.join(f'{x:.2f}' for x in r)})"
-                      for t, r in ratios.items())
+    notes = []
+    for dtype, pts in points.items():
+        p_, n_, m_ = (np.array(x) for x in zip(*pts))
+        # relative least squares (each step counts alike): m / m = a * p / m + c * n / m
+        (a, c), *_ = np.linalg.lstsq(np.stack([p_ / m_, n_ / m_], axis=1), np.ones_like(m_), rcond=None)
+        if c < 0 or a <= 0:
+            a, c = float(np.exp(np.mean(np.log(m_ / p_)))), 0.0
+        entry = devices[dtype].scaled(1.0 / float(a))
+        devices[dtype] = dataclasses.replace(entry, launch_overhead_s=(entry.launch_overhead_s or 0.0) + float(c))
+        fit = (a * p_ + c * n_) / m_
+        notes.append(f"{dtype} x{a:.3f} + {c * 1e6:.0f} us/op (fit within {np.max(np.abs(fit - 1)) * 100:.0f}%; "
+                     f"measured/predicted {'/'.join(f'{x:.2f}' for x in m_ / p_)})")
+    text = ", ".join(notes)
     if verbose:
-        print(f"runtime levels: {notes}", flush=True)
-    return Profile(devices, source=f"{profile.source}; runtime levels on the testbed: {notes}", network=profile.network)
+        print(f"runtime levels (batches {batch} and {small}): {text}", flush=True)
+    return Profile(devices, source=f"{profile.source}; runtime levels on the testbed: {text}", network=profile.network)
 
 
 def model_file(spec: str, batch: int, workdir: str) -> str:

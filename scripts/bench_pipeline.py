@@ -156,7 +156,7 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float]:
     return weights, grads
 
 
-def hand_pipeline(env: SearchEnv, micro_batches: int, schedule: str = "1f1b") -> Strategy:
+def hand_pipeline(env: SearchEnv, micro_batches: int, quotas: list[float], schedule: str = "1f1b") -> Strategy:
     """A hand-made pipeline, as a check of what the runtime does apart from the search: one stage per host
     (fastest first), the op groups in forward dependency order cut where each stage's share of the forward
     and backward FLOPs is closest to its host's share of the quotas."""
@@ -168,7 +168,7 @@ def hand_pipeline(env: SearchEnv, micro_batches: int, schedule: str = "1f1b") ->
         if op.phase in ("forward", "backward"):
             flops[int(env.grouping.group_of_op[i])] += op.flops.at(env.batch_size)
     cum = np.cumsum([flops[g] for g in order]) / max(flops.sum(), 1.0)
-    targets = np.cumsum(QUOTAS)[:-1] / sum(QUOTAS)
+    targets = np.cumsum(quotas)[:-1] / sum(quotas)
     cuts = [0]
     for t in targets:
         cuts.append(max(cuts[-1] + 1, int(np.argmin(np.abs(cum - t))) + 1))
@@ -202,7 +202,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     pipe, pipe_pred = found.strategy, found.outcome.step_time
     choice, uni_out = best_uniform(env)
     uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
-    hand = hand_pipeline(env, args.hand_micro_batches)
+    hand = hand_pipeline(env, args.hand_micro_batches, args.quotas)
     hand_pred = env.simulator.evaluate(hand, batch_size=batch).step_time
     budget = args.budget
     tb.start_workers(threads_per_worker=1)
@@ -262,6 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hand-micro-batches", type=int, default=4,
                    help="micro-batches of the hand-made pipeline measured beside the searched one")
+    p.add_argument("--quotas", help="CPU cores per host, fastest first (default "
+                   + ",".join(f"{q:g}" for q in QUOTAS) + "; their sum should leave the machine a spare core "
+                   "for the runtime's network and client work)")
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
@@ -271,7 +274,8 @@ def main(argv=None) -> int:
     if testbed_missing("bench_pipeline"):
         return 2
     recipe = load_recipe()
-    recipe["configs"] = {"P": {"quotas": QUOTAS, "links_gbps": [1.0, 1.0, 1.0]}}
+    quotas = args.quotas = [float(q) for q in args.quotas.split(",")] if args.quotas else QUOTAS
+    recipe["configs"] = {"P": {"quotas": quotas, "links_gbps": [1.0, 1.0, 1.0]}}
     t0 = time.time()
     print(f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     if args.profile:
@@ -281,7 +285,7 @@ def main(argv=None) -> int:
             profile = calibrate_testbed(recipe, workdir, ["P"])
         if args.save_profile:
             profile.save(args.save_profile)
-    fastest = profile.devices[device_type(max(QUOTAS))].peak_flops
+    fastest = profile.devices[device_type(max(quotas))].peak_flops
     link = args.gpu_gbps * fastest / GPU_FLOPS
     recipe["configs"]["P"]["links_gbps"] = [round(link, 6)] * 3
     print(f"links: {args.gpu_gbps:g} Gbit/s per {GPU_FLOPS / 1e12:g} TFLOP/s GPU -> {link * 1e3:.1f} Mbit/s per "
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
     cases = CASES[:1] if args.quick else CASES
     if args.cases:
         cases = [c for c in CASES if c[0] in args.cases.split(",")]
-    with Testbed(topo, cpu_quota=QUOTAS) as tb:
+    with Testbed(topo, cpu_quota=quotas) as tb:
         if not args.no_levels:
             tb.start_workers(threads_per_worker=1)
             try:
@@ -320,7 +324,7 @@ def main(argv=None) -> int:
           f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": QUOTAS,
+            json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": quotas,
                        "profile_source": profile.source}, f, indent=2)
     return 0
 

@@ -10,7 +10,8 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
    same step with the tensors held by the receiver. ``model`` is the simulator's cost of the pattern over the
    same link: one flow of N x S bytes (``latency + bytes / bandwidth``, the link's latency once, as TF's
    concurrent requests overlap) per wave; with a network calibration (``--profile``) the link carries the
-   runtime's measured per-transfer latency and byte rate, as ``tag.cost.model.NetworkProfile.calibrate`` does.
+   runtime's measured per-transfer latency and byte rate, as ``tag.cost.model.NetworkProfile.calibrate`` does,
+   and every tensor its ``per_tensor_s``.
 2. ``overlap``: does the runtime's work on tensors compete with a host's compute? The receiver (or the
    sender) runs a MatMul chain in the same step as 64 transfers: ``overlap`` = (C + T - both) / min(C, T),
    1 when the two run side by side as the simulator assumes (separate compute and network lanes), 0 when
@@ -26,6 +27,7 @@ Usage::
     python scripts/bench_transfers.py                     # all three, ~6 min
     python scripts/bench_transfers.py --quick             # fewer sizes and shares
     python scripts/bench_transfers.py --only transfers --quotas 1.0,0.5 --link-gbps 1.0 --json F
+    python scripts/bench_transfers.py --calibrate --save-profile P   # predictions from a fresh calibration
 """
 from __future__ import annotations
 
@@ -57,10 +59,12 @@ def load() -> list[float]:
 
 
 def topology_text(quotas: list[float], link_gbps: float, latency_us: float) -> str:
+    """One one-CPU host per quota, device type ``CPUq<percent>`` as the testbed calibration names them."""
+    from _testbed_cases import device_type
     lines = []
-    for i, _ in enumerate(quotas):
-        lines.append(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24561 + i} device {{ type: "CPU" kind: CPU '
-                     f'count: 1 memory_gib: 4 peak_tflops: 0.02 memory_bandwidth_gbs: 10 }} }}')
+    for i, q in enumerate(quotas):
+        lines.append(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24561 + i} device {{ type: "{device_type(q)}" '
+                     f'kind: CPU count: 1 memory_gib: 4 peak_tflops: 0.02 memory_bandwidth_gbs: 10 }} }}')
     lines.append(f"fabric {{ bandwidth_gbps: {link_gbps} latency_us: {latency_us} }}")
     return "\n".join(lines) + "\n"
 
@@ -123,17 +127,18 @@ def chain_graph(device: str, side: int, depth: int):
 def modelled_transfer_s(count: int, nbytes: int, waves: int, link_gbps: float, latency_us: float, network) -> float:
     """The simulator's cost of the pattern: one flow per wave over the link (``tag.sim.schedule``: bytes hold the
     link, the latency is paid once per flow, concurrent tensors of one flow share it); with a network
-    calibration the link carries the runtime's per-transfer latency and byte rate."""
+    calibration the link carries the runtime's per-transfer latency and byte rate, and each tensor its cost."""
     bw = link_gbps * 1e9 / 8
     lat = latency_us * 1e-6
     if network is not None:
         bw = 1.0 / (1.0 / bw + 1.0 / network.transfer_bytes_per_s)
         lat += network.transfer_latency_s
+    per_tensor = network.per_tensor_s if network is not None else 0.0
     per_wave = -(-count // waves)
     total = 0.0
     for w in range(waves):
         n = min(count, (w + 1) * per_wave) - w * per_wave
-        total += lat + n * nbytes / bw
+        total += lat + n * nbytes / bw + n * per_tensor
     return total
 
 
@@ -201,8 +206,7 @@ def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
     for name, spec in SHARE_MODELS[:1] if args.quick else SHARE_MODELS:
         for h in hosts:
             dtype = device_type(quotas[h])
-            one = parse_topology(topology_text([quotas[h]], args.link_gbps, args.latency_us).replace(
-                'type: "CPU"', f'type: "{dtype}"'), path="<one host>")
+            one = parse_topology(topology_text([quotas[h]], args.link_gbps, args.latency_us), path="<one host>")
             base_measured = base_predicted = None
             for share in shares:
                 batch = max(1, int(round(args.batch * share)))
@@ -243,6 +247,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per figure")
     p.add_argument("--batch", type=int, default=48, help="whole batch of the batch-share models")
     p.add_argument("--profile", help="a testbed calibration (Profile JSON): the model column and predictions")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate these quotas first, as the testbed benchmarks do (tag-profile per quota, the "
+                        "runtime's network costs, runtime_levels on the running testbed); --save-profile keeps it")
+    p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--json", help="write every row here")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -251,9 +259,24 @@ def main(argv=None) -> int:
         return 2
     from tag.cost.model import Profile
     profile = Profile.load(args.profile) if args.profile else None
-    network = profile.network if profile is not None else None
     quotas = [float(q) for q in args.quotas.split(",")]
     topo = parse_topology(topology_text(quotas, args.link_gbps, args.latency_us), path="<bench_transfers>")
+    if args.calibrate and profile is None:
+        import tempfile
+        from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels
+        recipe = load_recipe()
+        recipe["configs"] = {"T": {"quotas": quotas, "links_gbps": [args.link_gbps] * 3}}
+        with tempfile.TemporaryDirectory() as workdir:
+            profile = calibrate_testbed(recipe, workdir, ["T"])
+        with Testbed(topo, cpu_quota=quotas) as tb:
+            tb.start_workers(threads_per_worker=1)
+            try:
+                profile = runtime_levels(tb, recipe, profile)
+            finally:
+                tb.stop_workers()
+        if args.save_profile:
+            profile.save(args.save_profile)
+    network = profile.network if profile is not None else None
     out = {"quotas": quotas, "link_gbps": args.link_gbps, "latency_us": args.latency_us,
            "network": None if network is None else network.to_dict(), "load_start": load()}
     t0 = time.time()

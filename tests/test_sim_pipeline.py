@@ -134,3 +134,20 @@ def test_report_fields_name_stages_and_the_stages_out_of_memory():
     assert p["bubble_fraction_predicted"] == pytest.approx(r.bubble_fraction)
     assert 0 in oom_stages(report)
     assert pipeline_fields(Strategy(grouping, [Action((0,))] * 5), topo) == {}
+
+
+def test_gradient_accumulation_is_charged_per_micro_batch_after_the_first():
+    """Each micro-batch after the first adds every weight gradient into a running sum: three passes over the
+    gradient bytes at the device's memory bandwidth (the rewriter's accumulation)."""
+    tg, topo, grouping, sim = _setup()
+    weights = float(sim.memory.weight_bytes.sum())
+    pt = sim.pipeline_tasks(_two_stages(grouping, 4).pipeline)
+    assert pt.accumulate_bytes.sum() == pytest.approx(3 * weights)       # micro-batches 1, 2, 3
+    assert (pt.accumulate_bytes[pt.micro_batch == 0] == 0).all() and (pt.accumulate_bytes[pt.task_stage == 0] == 0).all()
+    slow_memory = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e9, launch_overhead_s=0.0,
+                                                  efficiency={"MatMul": 1.0, "default": 1.0})})
+    slow = Simulator(tg, topo, grouping, CostModel(tg, topo, slow_memory))
+    one = slow.evaluate(_two_stages(grouping, 1)).step_time
+    four = slow.evaluate(_two_stages(grouping, 4)).step_time
+    # three accumulations of every gradient, three passes each, at 1 GB/s (split over two stages that overlap)
+    assert four - one > 0.5 * 3 * 3 * weights / 1e9

@@ -301,15 +301,22 @@ class Simulator:
             self._pipelines[key] = pt
         return pt
 
-    def _expanded_layout(self, base: Layout, pt: PipelineTasks) -> Layout:
+    def _expanded_layout(self, base: Layout, pt: PipelineTasks, lane_dg: list[int]) -> Layout:
         """BASE with its per-task durations over PT's expanded tasks (same lanes and holdings, same id: the
-        routing caches, keyed by layout ids, depend only on those)."""
+        routing caches, keyed by layout ids, depend only on those), plus the gradient accumulation of each
+        backward task after the first micro-batch on the lane's device (LANE_DG: lane -> device group)."""
         key = (base.id, pt.uid)
         lay = self._pipeline_layouts.get(key)
         if lay is None:
             if len(self._pipeline_layouts) > 4096:
                 self._pipeline_layouts.clear()
-            insts = [(lane, ta[pt.base_task].tolist(), b, ta[pt.base_task]) for lane, _, b, ta in base.insts]
+            insts = []
+            for lane, _, b, ta in base.insts:
+                d = ta[pt.base_task]
+                if pt.accumulate_tensors.any():
+                    r = self.cost.rates(lane_dg[lane])
+                    d = d + 3.0 * pt.accumulate_bytes / r.memory_bandwidth + pt.accumulate_tensors * r.launch_overhead_s
+                insts.append((lane, d.tolist(), b, d))
             lay = Layout(base.id, base.kind, insts, base.holdings, base.devices, ("pipeline", pt.uid) + base.key)
             self._pipeline_layouts[key] = lay
         return lay
@@ -344,9 +351,9 @@ class Simulator:
         sizes = batch_shares([1.0] * pipeline.micro_batches, batch)      # examples per micro-batch
         cache = self.layouts
         # per stage: {micro-batch size: expanded layout}, and the PS layout of its update tasks
-        by_size = [{b: self._expanded_layout(cache.replicated_layout(st.placement, lanes, b), pt)
+        by_size = [{b: self._expanded_layout(cache.replicated_layout(st.placement, lanes, b), pt, lanes.lane_dg)
                     for b in sorted(set(sizes))} for st in pipeline.stages]
-        ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt)
+        ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt, lanes.lane_dg)
                       if a.mode == "ps" else None for a in stage_actions]
         update = UPDATE_STAGE
         layout_of_task = []
