@@ -94,3 +94,22 @@ def test_worst_of_runs():
             {"cases": 58, "median_abs_rel_error": 0.11, "mean_kendall_tau": 0.8, "max_regret_tuned": None}]
     assert worst_of(runs) == {"cases": 58, "median_abs_rel_error": 0.11, "mean_kendall_tau": 0.8,
                               "max_regret_tuned": None}
+
+
+def test_recipe_heldout_part_is_frozen_apart_from_the_calibration():
+    from _testbed_cases import heldout, load_recipe, main_configs
+    recipe = load_recipe()
+    configs, models = heldout(recipe)
+    assert configs == ["H"] and len(models) == 2 and "about" in recipe["heldout"]
+    assert recipe["configs"]["H"]["quotas"] == [0.75, 0.5, 0.25]
+    assert "H" not in main_configs(recipe) and {"A", "B"} <= set(main_configs(recipe))
+    assert not set(models) & set(recipe["calibration"]["models"])       # the calibration never sees them
+
+
+def test_transformer_vocabulary_knob_and_model_spec_options():
+    from _testbed_cases import calibration_graph
+    gd = calibration_graph("mwms:transformer,width=16,depth=1,vocab=300", 4)
+    shapes = [[d.size for d in n.attr["shape"].shape.dim] for n in gd.node if n.op in ("VarHandleOp", "VariableV2")]
+    assert [300, 16] in shapes and [1000, 16] not in shapes
+    with pytest.raises(ValueError, match="unknown option"):
+        calibration_graph("mwms:transformer,heads=2", 4)
