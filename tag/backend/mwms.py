@@ -18,7 +18,9 @@ Models (``MODELS``): ``mlp`` (784-2048-2048-1024-10, ~7.9M parameters), ``cnn`` 
 32x32: a stem and three residual stages of 16/32/64 channels, no BatchNorm), ``transformer`` (a 2-layer
 encoder, d_model 128, 4 heads, sequence 32, vocabulary 1000, mean-pooled into a 10-class head), ``vgg``
 (a VGG-style CNN at 32x32: three stages of two 3x3 convolutions of 16/32/64 channels and a max-pool, then a
-fully connected head 1024-1024-1024-10, ~2.2M parameters, 97% of them in the head).
+fully connected head 1024-1024-1024-10, ~2.2M parameters, 97% of them in the head). ``tf1_graph``'s and
+``keras_model``'s WIDTH, DEPTH and VOCAB make other members of these families (bench_fidelity's held-out
+transformer: DEPTH 4, VOCAB 16384).
 
 Example::
 
