@@ -71,6 +71,7 @@ from tag.backend.testbed import Testbed  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.random_search import random_choice  # noqa: E402
 from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
+from tag.errors import TagError  # noqa: E402
 from tag.tune import strategy_key, tune_plan  # noqa: E402
 
 # (label, graph source, global batch): the tf.distribute comparison's three models, two plain MLPs and the
@@ -187,10 +188,16 @@ def measure_group(tb, config: str, label: str, source: str, batch: int, held: bo
         row = record(name, predicted, measure_on_testbed(tb, runnable, predicted, args.case_seconds))
         ids.setdefault(program_id(strategy, analysis.topology), row)
     extras = {"search_seconds": float(plan.report().get("search_seconds", 0.0))}
+    tuned = None
     if args.tune_k:
         t1 = time.perf_counter()
-        tuned = tune_plan(plan, tb, k=args.tune_k)
+        try:
+            tuned = tune_plan(plan, tb, k=args.tune_k)
+        except TagError as e:   # reported in the group (no tuned regret), the run goes on
+            extras["tune_error"] = str(e)
+            print(f"   tuning step failed: {e}", flush=True)
         extras["tune_seconds"] = time.perf_counter() - t1
+    if tuned is not None:
         fields = tuned.report()["tune"]
         extras["tune_candidates"] = [{k: c[k] for k in ("name", "predicted_ms", "measured_ms", "mad_ms")}
                                      for c in fields["candidates"]]

@@ -87,6 +87,9 @@ def test_heldout_split_and_targets():
     assert not checks["heldout.max_abs_rel_error_mixed"]                # 50% against 9%
     assert checks["heldout.max_regret_tuned"]                           # 1.0 and 1.0
     assert checks["heldout.max_regret"]                                 # both groups' predicted best is measured best
+    # a group whose tuning step failed (no pick): the tuned regret is not held, whatever the others say
+    other = [row("B", "m", n, p, p) for n, p in (("single", 1), ("ps", 2))]
+    assert not {k: ok for k, _, _, ok in check_targets(summary(r + other), None)}["max_regret_tuned"]
 
 
 def test_worst_of_runs():
