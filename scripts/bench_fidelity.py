@@ -34,8 +34,8 @@ issue's targets hold (``TARGETS``; the held-out figures must lie within 0.03 of 
 
 Usage::
 
-    python scripts/bench_fidelity.py                       # 15 groups, about 100 cases; 15-20 min (quiet machine)
-    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; < 5 min
+    python scripts/bench_fidelity.py                       # 15 groups, about 107 cases; 26 min at load 1-7
+    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; 8 min at load 5-7
     python scripts/bench_fidelity.py --runs 3 --json F     # three runs in a row; F's figures are the worst
                                                            # run's, F.run1.profile.json ... their profiles
     python scripts/bench_fidelity.py --configs A,H --models cnn,vgg   # every named model on every named config
@@ -43,8 +43,9 @@ Usage::
 JSON: the rest's figures (``cases``, ``mixed_cases``, ``median_abs_rel_error``, ``median_abs_rel_error_mixed``,
 ``max_abs_rel_error_mixed``, ``median_abs_rel_error_<class>`` / ``max_abs_rel_error_<class>`` per class,
 ``mean_kendall_tau``, ``max_regret``, ``max_regret_tuned``, ``tune_seconds``, ``spearman``, ``top1_agreement``;
-the worst of the runs), ``heldout`` (the same keys), ``rows`` and ``groups`` (the last run), ``runs`` (each
-run's figures, rows and groups), ``targets``, ``targets_held``, ``commit``.
+the worst of the runs), ``heldout`` (the same keys), ``rows`` (every case), ``groups`` and ``heldout_groups``
+(the last run), ``runs`` (each run's figures, rows and groups; ``heldout`` within), ``targets``,
+``targets_checked``, ``targets_held``, ``commit``.
 """
 from __future__ import annotations
 
@@ -330,7 +331,9 @@ def main(argv=None) -> int:
     print(f"targets {'held' if held else 'NOT held'} in {'every run' if args.runs > 1 else 'this run'}")
     if args.json:
         with open(args.json, "w") as f:
+            last_held = runs[-1]["heldout"]
             json.dump({**worst, "heldout": worst_held, "rows": runs[-1]["rows"], "groups": runs[-1]["groups"],
+                       "heldout_groups": last_held["groups"] if last_held else [],
                        "targets": {k: list(v) for k, v in TARGETS.items()}, "heldout_within": HELDOUT_GAP,
                        "targets_checked": [{"key": k, "value": v, "target": w, "held": ok} for k, v, w, ok in checks],
                        "targets_held": held, "commit": commit, "tune_k": args.tune_k, "randoms": args.randoms,
