@@ -81,7 +81,9 @@ PEAKS = {
     "T4": {"fp32": 8.1, "fp16": 65.0},
     "GTX1080Ti": {"fp32": 11.3, "fp16": 11.3},
     "RTX2080Ti": {"fp32": 13.4, "fp16": 53.8},
-    "RTX3090": {"fp32": 35.6, "tf32": 17.8, "fp16": 35.6, "bf16": 35.6},
+    # GA102 whitepaper, RTX 3090 dense: 142 FP16 with FP16 accumulation, 71 FP16 / BF16 with FP32
+    # accumulation (the GeForce half rate), 35.6 TF32 (half the A40's / RTX A6000's 2x FP32 ratio)
+    "RTX3090": {"fp32": 35.6, "tf32": 35.6, "fp16": 71.2, "bf16": 71.2},
 }
 #: GPUs without tensor cores: their half-precision MatMuls and convolutions run on the ordinary units, at
 #: their FP32 efficiencies (P100 at its double FP16 rate, the GTX 1080 Ti at its FP32 rate)

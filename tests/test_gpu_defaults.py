@@ -132,6 +132,11 @@ def test_tensor_core_efficiencies_share_the_class_clock_scale_not_the_fp32_dual_
     assert ti_scale == pytest.approx(ti.efficiency["conv:1x1"] / v100.efficiency["conv:1x1"], rel=1e-3)
     assert raw["RTX3090"]["tensor_scale"] == pytest.approx(ti_scale)
     assert raw["RTX3090"]["compute_scale"] < 0.8 * ti_scale
+    # dense spec-sheet peaks over FP32: GA102 GeForce runs FP16 / BF16 with FP32 accumulation at 2x its FP32
+    # peak and TF32 at 1x (whitepaper), Turing GeForce FP16 at 4x, A100 TF32 8x / FP16 16x
+    assert rtx3090.peak_ratio("fp16") == pytest.approx(2.0, rel=0.01) and rtx3090.peak_ratio("tf32") == pytest.approx(1.0)
+    assert ti.peak_ratio("fp16") == pytest.approx(4.0, rel=0.01) and ti.peak_ratio("tf32") is None
+    assert a100.peak_ratio("tf32") == pytest.approx(8.0) and a100.peak_ratio("fp16") == pytest.approx(16.0)
     for cls, scale in ((ti, ti_scale), (rtx3090, ti_scale), (a100, 1.0)):
         for prec, table in cls.tensor_efficiency.items():
             for k, v in table.items():
