@@ -331,3 +331,55 @@ def test_saved_pipelined_plan_deploys_and_trains(tmp_path, capsys):
     assert r["batch_size"] == 12 and len(r["measured_losses"]) == 3 and all(np.isfinite(r["measured_losses"]))
     baseline_last = [line for line in err.splitlines() if line.startswith("tag-deploy: dp_allreduce: step 3/3")]
     assert baseline_last and f"loss {r['measured_losses'][-1]:.3f}" in baseline_last[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the "11/12 gradient bug" of bench_pipeline's searched transformer pipeline
+# ------------------------------------------------------------------------------------------------
+
+# bench_pipeline_run6_quiet.json, rows[1].pipeline: the searched 3-stage, M=4 pipeline of the 4-layer
+# d=384 transformer at batch 12 (op group ids of prepare()'s 64 groups)
+BENCH_TRANSFORMER_PIPELINE = {
+    "stages": [{"groups": [0, 1, 2, 4, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 18, 20, 21, 22, 23,
+                           24, 25, 26, 27, 28], "placement": [0]},
+               {"groups": [29, 30, 31, 32, 34, 33, 35, 36, 37, 38, 39, 40, 41, 42, 43], "placement": [1]},
+               {"groups": [44, 45, 46, 47, 49, 48, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63],
+                "placement": [2]}],
+    "micro_batches": 4, "schedule": "fill_drain"}
+
+
+def _bench_pipeline_module():
+    import importlib.util
+    import sys
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(scripts, "bench_pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_bench_transformer_pipeline_gradients_are_exact(cluster):
+    """The searched transformer pipeline of bench_pipeline run 6 showed max_rel_grad_diff 11/12. Its cause:
+    the attention key biases, whose exact gradient is zero (softmax over the keys ignores a term constant
+    over them), so the one-device and the pipelined gradient are both rounding noise (~1e-11 of the largest
+    gradient) and differ by any fraction of their size. bench_pipeline.weight_diff compared them; it now
+    leaves them out, as assert_same_training always did. Every other gradient is exact (1e-5)."""
+    from tag.api import prepare
+    from tag.backend.mwms import tf1_graph
+    bench = _bench_pipeline_module()
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    an = prepare(tf1_graph("transformer", 12, width=384, depth=4), topo, batch_size=12)
+    assert an.grouping.num_groups == 64
+    res = an.rewrite(Strategy.pipelined(an.grouping, Pipeline.from_dict(BENCH_TRANSFORMER_PIPELINE)))
+    weights, grads, left_out = bench.weight_diff(an, res, target)
+    key_biases = {v.name for v in an.graph.variables if v.name.endswith("/key/bias")}
+    assert len(key_biases) == 4 and key_biases <= set(left_out), left_out
+    assert grads <= 1e-5, f"max relative gradient difference {grads:.2e}"
+    # Adam moves an element by about lr * g / (|g| + 1e-7): rounding of the small gradients of zero-initialised
+    # biases shows in their first step (up to ~1e-3 of the step), so the weights are checked loosely here;
+    # test_pipelined_step_equals_single_device_step checks weights at 1e-5
+    assert weights <= 5e-3, f"max relative weight difference {weights:.2e}"
