@@ -233,6 +233,12 @@ def assert_same_training(got, ref, grads0, ir, learning_rate, rtol=RTOL):
     attention key bias: softmax ignores it) have gradients of rounding noise only; an adaptive
     optimizer turns that noise into steps of up to the learning rate. Those parameters (gradient
     below 1e-6 of the largest one in the reference) are checked against that bound instead.
+
+    ADAPTIVE (Adam): Adam moves an element by about lr * g / (|g| + eps), so where |g| is small its step
+    follows the float32 rounding of g (which depends on the order of summation: micro-batches, replicas)
+    up to 1 / (|g| + eps) times; a step with the exact gradient can differ by 1e-4 of a zero-initialised
+    bias (plain data parallelism too). Elements whose step-0 gradient is at most ``ADAPTIVE_NOISE`` of their
+    variable's largest are then held to the learning-rate bound; every other element to RTOL.
     """
     vs = trainables(ir)
     noise = zero_gradient_variables([v.name for v in vs], grads0)

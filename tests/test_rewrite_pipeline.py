@@ -383,3 +383,58 @@ def test_bench_transformer_pipeline_gradients_are_exact(cluster):
     # biases shows in their first step (up to ~1e-3 of the step), so the weights are checked loosely here;
     # test_pipelined_step_equals_single_device_step checks weights at 1e-5
     assert weights <= 5e-3, f"max relative weight difference {weights:.2e}"
+
+
+def random_pipeline_cases(count: int, seed: int = 0) -> list[tuple]:
+    """COUNT sweep cases (model, optimizer, stage count, micro-batches, schedule, case seed): MLP, CNN without
+    BatchNorm and transformer, SGD, momentum and Adam in turn; 2-4 stages, M in 2..8, both schedules."""
+    rng = np.random.RandomState(seed)
+    models, optimizers = ("mlp", "cnn", "transformer"), ("sgd", "momentum", "adam")
+    return [(models[i % 3], optimizers[(i // 3) % 3], int(rng.randint(2, 5)), int(rng.randint(2, 9)),
+             ("fill_drain", "1f1b")[int(rng.randint(2))], int(rng.randint(1 << 30))) for i in range(count)]
+
+
+def random_split_strategy(ir, stages: int, micro: int, schedule: str, seed: int) -> Strategy:
+    """STAGES contiguous runs of the forward group order, cut at random points, each on a random non-empty
+    set of the three devices (all-reduce or parameter server inside the stage)."""
+    rng = np.random.RandomState(seed)
+    grouping = group_ops(ir, 12)
+    order, rest = forward_group_order(ir, grouping)
+    cuts = sorted(rng.choice(np.arange(1, len(order)), stages - 1, replace=False))
+    runs = [list(r) for r in np.split(np.array(order), cuts)]
+    runs[-1] += rest
+    out = []
+    for run in runs:
+        devs = tuple(sorted(rng.choice(3, int(rng.randint(1, 4)), replace=False).tolist()))
+        mode = "ps" if len(devs) > 1 and rng.rand() < 0.3 else "allreduce"
+        out.append(PipelineStage(tuple(int(g) for g in run), devs, mode, devs[-1] if mode == "ps" else None))
+    return Strategy.pipelined(grouping, Pipeline(tuple(out), micro, schedule))
+
+
+SWEEP = random_pipeline_cases(int(os.environ.get("TAG_PIPELINE_SWEEP", "9")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"{c[0]}-{c[1]}-S{c[2]}-M{c[3]}-{c[4]}-{c[5]}")
+def test_random_stage_splits_train_exactly(cluster, case):
+    """Random contiguous stage splits (TAG_PIPELINE_SWEEP=N cases; 9 by default: every model with every optimizer): loss and every updated
+    weight equal the single-device step within 1e-5 over three steps. Batch 24 leaves every device a
+    share of at least 8 examples; a split the rewriter refuses (StrategyError) is drawn again."""
+    model, optimizer, stages, micro, schedule, seed = case
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    gd = build(model, optimizer, 24)
+    ir = tag.analyze(gd)
+    for attempt in range(20):
+        st = random_split_strategy(ir, stages, micro, schedule, seed + attempt)
+        try:
+            res = rewrite(gd, ir, st, topo)
+            break
+        except StrategyError:
+            continue
+    else:
+        pytest.fail("no split of 20 drawn rewrote")
+    batches = tr.feeds_for(gd, ir, tr.STEPS)
+    ref, grads0 = tr.reference(gd, ir, batches)
+    got = tr.run_rewritten(res, target, ir, batches)
+    tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer])
