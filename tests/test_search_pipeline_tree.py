@@ -56,3 +56,18 @@ def test_tree_passes_a_pipeline_over_when_per_group_actions_are_faster():
     tree = mcts(env, playouts=60, seed=0, pipelines=roots, keep_visits=True)
     assert tree.pipeline is not None and not tree.pipeline_wins
     assert tree.outcome.step_time < tree.pipeline_outcome.step_time    # simulated (for the prior), not chosen
+
+
+def test_evaluate_pipeline_caches_and_refuses_a_backward_cut():
+    env = _env()
+    order = list(range(env.num_groups))
+    good = Pipeline((PipelineStage(tuple(order[:3]), (0,)), PipelineStage(tuple(order[3:]), (1,))), 4)
+    backward = Pipeline((PipelineStage(tuple(order[3:]), (0,)), PipelineStage(tuple(order[:3]), (1,))), 4)
+    runs = env.evaluations
+    out = env.evaluate_pipeline(good)
+    assert out.feasible and env.evaluations == runs + 1
+    assert env.evaluate_pipeline(good) == out and env.evaluations == runs + 1      # cached
+    assert env.evaluate_pipeline(backward) is None                                 # stage 1 feeds stage 0
+    roots = PipelineRoots.over(env, [good])
+    assert roots.allowed(0, 1)[0] == roots.options.index(good.stages[1].action())
+    assert roots.build(0, (roots.options.index(good.stages[1].action()),)).stages[0].placement == (1,)
