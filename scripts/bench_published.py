@@ -11,7 +11,9 @@ shipped profiles on) and the validation rows separately, for FP32 rows and for m
 rows (``*_mixed`` keys). A row's ``precision`` says how it is costed: ``fp32`` as built; ``tf32`` the
 same graph with ``CostModel(tf32=True)``; ``mixed`` the graph after ``tag.frontend.precision``'s
 ``mixed_float16`` rewrite (TensorFlow's automatic mixed-precision pass), so its MatMuls and convolutions
-are half precision in the IR. ``xla`` rows are costed with ``CostModel(xla=True)``. For every 8-GPU
+are half precision in the IR. ``xla`` rows are costed with ``CostModel(xla=True)``; rows whose source
+all-reduced float16 gradients (``grad_dtype`` fp16: tf_cnn_benchmarks with ``--use_fp16``, NVIDIA's BERT with
+Horovod's fp16 compression) with ``CostModel(gradient_dtype="fp16")``. For every 8-GPU
 validation row with a 1-GPU row of the same configuration, the predicted 1->8 scaling is compared with
 the published one (``scaling``, ``max_abs_scaling_error_8gpu_validation``).
 
@@ -78,6 +80,9 @@ def read_rows(path: str = DATA) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     for r in rows:
         r["xla"] = r.get("xla") in ("1", "true", "True")
+        r["grad_dtype"] = r.get("grad_dtype") or "fp32"
+        if r["grad_dtype"] not in ("fp32", "fp16"):
+            raise SystemExit(f"{path}: row {r['id']}: grad_dtype must be fp32 or fp16")
         if r["precision"] not in ("fp32", "tf32", "mixed"):
             raise SystemExit(f"{path}: row {r['id']}: precision must be fp32, tf32 or mixed")
         r["gpu_count"] = int(r["gpu_count"])
@@ -158,12 +163,14 @@ def predict(row: dict[str, Any], graph) -> dict[str, Any]:
     n, per = row["gpu_count"], row["per_gpu_batch"]
     topo = tag.parse_topology(topology_text(row["system"], n), path=f"<{row['system']}>")
     grouping = group_ops(graph, target_groups=GROUPS)
-    cm = CostModel(graph, topo, tf32=row["precision"] == "tf32", xla=row["xla"])
+    cm = CostModel(graph, topo, tf32=row["precision"] == "tf32", xla=row["xla"],
+                   gradient_dtype=None if row["grad_dtype"] == "fp32" else row["grad_dtype"])
     strategy = builtin_strategy("dp_allreduce", graph, topo, grouping, cm)
     res = Simulator(graph, topo, grouping, cm).evaluate(strategy, batch_size=n * per)
     pred = n * per / res.step_time
     return {"id": row["id"], "split": row["split"], "model": row["model"], "gpu": row["gpu"], "gpus": n,
             "per_gpu_batch": per, "seq_len": row["seq_len"], "precision": row["precision"], "xla": row["xla"],
+            "grad_dtype": row["grad_dtype"],
             "system": row["system"], "published": row["throughput"],
             "predicted": pred, "rel_error": pred / row["throughput"] - 1.0, "unit": row["unit"],
             "profile": cm.profile_source(0), "source_id": row["source_id"]}

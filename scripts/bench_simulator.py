@@ -13,15 +13,21 @@ checked by the step-time lower bound of ``tag.sim.bound`` against the best step 
 from the best built-in), and only the survivors are simulated (``screened_evaluations_per_second``, with
 the fraction the bound rejected).
 
+Per model it also reports how much of the schedule an exact incremental simulation could take over from
+data parallelism's (``reusable_prefix``: the tasks before the first one an edited op group can affect) and,
+with ``--profile``, where ``evaluate``'s CPU time goes on the search-like mix (``profile``: CPU-time
+samples per ``tag.sim`` function, unaffected by other processes on the machine).
+
 The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix in the
 fastest of repeated passes (as ``timeit`` reports; the mean over all passes is recorded too). The
 objects built before timing (TensorFlow graphs, the IR) are moved out of the garbage collector's way
-with ``gc.freeze()``, as a long-running search should do too; the machine's load average is printed,
-since other processes on a small machine slow every figure down.
+with ``gc.freeze()``, as a long-running search should do too; the machine's load average is printed
+beside each figure (at the end of its timing), since other processes on a small machine slow every
+figure down.
 
 Usage::
 
-    python scripts/bench_simulator.py [--quick] [--json FILE] [--topo topologies/lab-v100-1080ti.pbtxt]
+    python scripts/bench_simulator.py [--quick] [--profile] [--json FILE] [--topo topologies/lab-v100-1080ti.pbtxt]
 """
 from __future__ import annotations
 
@@ -89,7 +95,8 @@ def rate(sim, strategies, seconds: float) -> dict:
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     n = len(strategies)
-    return {"best": n / min(walls), "mean": n * len(walls) / sum(walls), "cpu": n / max(min(cpus), 1e-9)}
+    return {"best": n / min(walls), "mean": n * len(walls) / sum(walls), "cpu": n / max(min(cpus), 1e-9),
+            "load": os.getloadavg()[0]}
 
 
 def screened_rate(sim, strategies, incumbent: float, seconds: float) -> dict:
@@ -123,10 +130,76 @@ def screened_rate(sim, strategies, incumbent: float, seconds: float) -> dict:
         cpus.append(time.process_time() - c0)
     n = len(strategies)
     return {"best": n / min(walls), "mean": n * len(walls) / sum(walls), "cpu": n / max(min(cpus), 1e-9),
-            "rejected": rejected / n}
+            "rejected": rejected / n, "load": os.getloadavg()[0]}
 
 
-def bench_model(name: str, topo, seconds: float, groups: int) -> dict:
+def reusable_prefix(sim, dp, strategies) -> dict:
+    """How much of the list schedule an exact incremental simulation could take over from DP's: per
+    strategy, the fraction of tasks (in schedule order) before the first one an edited op group can
+    affect -- its own first task, the first producer of data into any of its tasks, the task after
+    which its collective starts -- and the same with 0 where the edit changes the lanes (a
+    parameter-server or partition device gets a lane of its own, so every task's layout changes).
+    ``single_group``: the mean over op groups of the fraction when that one group alone is edited."""
+    import numpy as np
+
+    tasks = sim.tasks
+    T = max(tasks.num_tasks, 1)
+    earliest = list(range(tasks.num_tasks))          # task -> first producer of data into it (or itself)
+    for src, dst in zip(tasks.bundle_src, tasks.bundle_dst):
+        earliest[dst] = min(earliest[dst], src)
+    first = []                                       # op group -> first task an edit of it can affect
+    for g in range(sim.num_groups):
+        anchors = [earliest[t] for t in tasks.tasks_of_group[g]]
+        if tasks.coll_after[g] >= 0:
+            anchors.append(tasks.coll_after[g])
+        first.append(min(anchors, default=T))
+    ignoring_lanes, same_lanes = [], []
+    for s in strategies:
+        edited = [g for g, (a, b) in enumerate(zip(s.actions, dp.actions)) if a != b]
+        p = min((first[g] for g in edited), default=T) / T
+        ignoring_lanes.append(p)
+        same_lanes.append(0.0 if any(s.actions[g].mode != "allreduce" for g in edited) else p)
+    return {"search_like": float(np.mean(ignoring_lanes)), "search_like_same_lanes": float(np.mean(same_lanes)),
+            "single_group": float(np.mean(first) / T)}
+
+
+def profile(sim, strategies, seconds: float) -> dict:
+    """Where the CPU time of ``evaluate`` goes on STRATEGIES: the share of CPU-time samples (SIGPROF every
+    0.5 ms of this process's CPU time, so other processes on the machine do not skew it) in which each
+    function of ``tag.sim`` was on the stack, largest first."""
+    import collections
+    import signal
+
+    on_stack: collections.Counter = collections.Counter()
+    samples = [0]
+
+    def sample(signum, frame):
+        samples[0] += 1
+        seen = set()
+        while frame is not None:
+            code = frame.f_code
+            if "/tag/sim/" in code.co_filename.replace(os.sep, "/"):
+                key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+                if key not in seen:
+                    seen.add(key)
+                    on_stack[key] += 1
+            frame = frame.f_back
+
+    old = signal.signal(signal.SIGPROF, sample)
+    signal.setitimer(signal.ITIMER_PROF, 0.0005, 0.0005)
+    try:
+        start = time.process_time()
+        while time.process_time() - start < seconds:
+            for s in strategies:
+                sim.evaluate(s)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, old)
+    n = max(samples[0], 1)
+    return {"samples": samples[0], "share": {k: v / n for k, v in on_stack.most_common(25)}}
+
+
+def bench_model(name: str, topo, seconds: float, groups: int, with_profile: bool = False) -> dict:
     import tag
     from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
     from tag.strategy.grouping import group_ops
@@ -153,19 +226,24 @@ def bench_model(name: str, topo, seconds: float, groups: int) -> dict:
         rt = rate(sim, [s] * 10, seconds / 8)
         row["builtin"][n] = {"step_time_s": r.step_time, "feasible": r.feasible,
                              "evaluations_per_second": rt["best"], "mean_evaluations_per_second": rt["mean"],
-                             "evaluations_per_cpu_second": rt["cpu"]}
+                             "evaluations_per_cpu_second": rt["cpu"], "load_average": rt["load"]}
     mix = search_like(graph, topo, grouping, builtins["dp_allreduce"], 50)
     rt = rate(sim, mix, seconds)
     row["search_like"] = {"strategies": len(mix), "evaluations_per_second": rt["best"],
-                          "mean_evaluations_per_second": rt["mean"], "evaluations_per_cpu_second": rt["cpu"]}
+                          "mean_evaluations_per_second": rt["mean"], "evaluations_per_cpu_second": rt["cpu"],
+                          "load_average": rt["load"]}
     row["evaluations_per_second"] = rt["best"]
     feasible = [r["step_time_s"] for r in row["builtin"].values() if r["feasible"]]
     incumbent = min(feasible) if feasible else float("inf")
     sc = screened_rate(sim, mix, incumbent, seconds)
     row["search_like_screened"] = {"strategies": len(mix), "incumbent_s": incumbent,
                                    "evaluations_per_second": sc["best"], "mean_evaluations_per_second": sc["mean"],
-                                   "evaluations_per_cpu_second": sc["cpu"], "rejected_fraction": sc["rejected"]}
+                                   "evaluations_per_cpu_second": sc["cpu"], "rejected_fraction": sc["rejected"],
+                                   "load_average": sc["load"]}
     row["screened_evaluations_per_second"] = sc["best"]
+    row["reusable_prefix"] = reusable_prefix(sim, builtins["dp_allreduce"], mix)
+    if with_profile:
+        row["profile"] = profile(sim, mix, seconds)
     return row
 
 
@@ -177,6 +255,8 @@ def main(argv=None) -> int:
                                                    "lab-v100-1080ti.pbtxt"))
     ap.add_argument("--groups", type=int, default=100, help="target number of op groups (default 100)")
     ap.add_argument("--seconds", type=float, default=None, help="timing budget per model (default 6, quick 1.5)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also sample where evaluate's CPU time goes on the search-like mix (per tag.sim function)")
     args = ap.parse_args(argv)
     import tag
 
@@ -184,7 +264,7 @@ def main(argv=None) -> int:
     seconds = args.seconds if args.seconds is not None else (1.5 if args.quick else 6.0)
     results = {}
     for name in MODELS:
-        results[name] = bench_model(name, topo, seconds, args.groups)
+        results[name] = bench_model(name, topo, seconds, args.groups, args.profile)
         print(f"  {name}: done", file=sys.stderr)
 
     print(f"Simulator speed on {topo.name} ({topo.num_devices} devices, {len(topo.groups)} device groups), "
@@ -192,18 +272,33 @@ def main(argv=None) -> int:
     print("evaluations per second (fastest pass, wall clock; search-like also: mean over passes, CPU time)")
     hdr = f"{'model':<10} {'ops':>6} {'groups':>6} {'tasks':>6} {'init s':>7} " + \
           " ".join(f"{n:>13}" for n in results["resnet50"]["builtin"]) + \
-          f" {'search-like':>12} {'(mean)':>9} {'(CPU)':>9} {'screened':>10} {'(mean)':>9} {'(CPU)':>9} {'rejected':>8}"
+          f" {'search-like':>12} {'(mean)':>9} {'(CPU)':>9} {'load':>5} {'screened':>10} {'(mean)':>9} {'(CPU)':>9}" \
+          f" {'rejected':>8} {'load':>5}"
     print(hdr)
     for name, r in results.items():
         sl, sc = r["search_like"], r["search_like_screened"]
         cells = " ".join(f"{b['evaluations_per_second']:>11.0f}/s" for b in r["builtin"].values())
         print(f"{name:<10} {r['ops']:>6} {r['groups']:>6} {r['tasks']:>6} {r['simulator_init_s']:>7.2f} {cells} "
               f"{sl['evaluations_per_second']:>10.0f}/s {sl['mean_evaluations_per_second']:>7.0f}/s "
-              f"{sl['evaluations_per_cpu_second']:>7.0f}/s {sc['evaluations_per_second']:>8.0f}/s "
+              f"{sl['evaluations_per_cpu_second']:>7.0f}/s {sl['load_average']:>5.1f} "
+              f"{sc['evaluations_per_second']:>8.0f}/s "
               f"{sc['mean_evaluations_per_second']:>7.0f}/s {sc['evaluations_per_cpu_second']:>7.0f}/s "
-              f"{sc['rejected_fraction'] * 100:>7.0f}%")
+              f"{sc['rejected_fraction'] * 100:>7.0f}% {sc['load_average']:>5.1f}")
     print("screened: each candidate first checked against the best step time so far by the lower bound of "
           "tag.sim.bound; only survivors are simulated")
+    print("load: the 1-minute load average at the end of each timing (the machine's other processes slow every "
+          "figure down)")
+    for name, r in results.items():
+        rp = r["reusable_prefix"]
+        print(f"{name}: schedule before the first task an edit can affect (what an exact incremental simulation "
+              f"could reuse from data parallelism's): {rp['search_like'] * 100:.0f}% on the search-like mix, "
+              f"{rp['search_like_same_lanes'] * 100:.0f}% counting only edits that keep the lanes, "
+              f"{rp['single_group'] * 100:.0f}% for one op group edited")
+        if "profile" in r:
+            share = r["profile"]["share"]
+            print(f"{name}: CPU time of evaluate on the search-like mix ({r['profile']['samples']} samples; "
+                  "share of samples with the function on the stack): " +
+                  ", ".join(f"{k} {v * 100:.0f}%" for k, v in list(share.items())[:14]))
     print("predicted step times (ms): " + "; ".join(
         f"{name}: " + ", ".join(f"{n} {b['step_time_s'] * 1e3:.1f}" for n, b in r["builtin"].items())
         for name, r in results.items()))

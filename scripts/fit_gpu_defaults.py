@@ -11,8 +11,9 @@ What is fitted (everything in log space, least squares on log(predicted / publis
 Those come from the FP32 fit rows. Then the tensor-core efficiencies per op class (the fraction of the
 FP16 / TF32 / BF16 tensor-core peak that MatMuls, batched matmuls and convolutions reach) are fitted the
 same way on the one-GPU mixed-precision fit rows, which are all V100 rows (the FP32 efficiencies fixed);
-every class gets those values for every tensor-core precision: no other GPU's mixed or TF32 row is
-fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
+every class gets those values for every tensor-core precision, times its tensor scale (the part of its
+FP32 compute scale that tensor cores share: the sustained clock; ``DERIVED``): no other GPU's mixed or
+TF32 row is fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
 
 One-GPU step time is the sum of the cost model's op times (the simulator's single device runs its ops
 back to back), so the compute fit evaluates that sum directly. The collective defaults (bus bandwidth as
@@ -80,22 +81,27 @@ PEAKS = {
     "T4": {"fp32": 8.1, "fp16": 65.0},
     "GTX1080Ti": {"fp32": 11.3, "fp16": 11.3},
     "RTX2080Ti": {"fp32": 13.4, "fp16": 53.8},
-    "RTX3090": {"fp32": 35.6, "tf32": 17.8, "fp16": 35.6, "bf16": 35.6},
+    # GA102 whitepaper, RTX 3090 dense: 142 FP16 with FP16 accumulation, 71 FP16 / BF16 with FP32
+    # accumulation (the GeForce half rate), 35.6 TF32 (half the A40's / RTX A6000's 2x FP32 ratio)
+    "RTX3090": {"fp32": 35.6, "tf32": 35.6, "fp16": 71.2, "bf16": 71.2},
 }
 #: GPUs without tensor cores: their half-precision MatMuls and convolutions run on the ordinary units, at
 #: their FP32 efficiencies (P100 at its double FP16 rate, the GTX 1080 Ti at its FP32 rate)
 NO_TENSOR_CORES = ("P100", "GTX1080Ti")
-#: classes without FP32 TensorFlow rows: (source class, compute factor, basis)
+#: classes without FP32 TensorFlow rows: (source class, compute factor, basis, tensor-core factor). The
+#: tensor-core factor is the part of the compute factor that also holds for tensor cores: sustained clocks
+#: (the T4's power cap) do, GA102's two FP32 issues per clock (the RTX 3090's 0.65) do not
 DERIVED = {
     "A100": ("V100", 1.0, "derived from V100 (datacenter SXM part of the next generation); no FP32 TensorFlow "
-                          "rows published without TF32; FP32 peak from the topology"),
+                          "rows published without TF32; FP32 peak from the topology", 1.0),
     "H100": ("V100", 1.0, "derived from V100 (datacenter SXM part); no FP32 TensorFlow rows; FP32 peak from the "
-                          "topology"),
+                          "topology", 1.0),
     "T4": ("RTX2080Ti", 0.8, "derived from RTX2080Ti (same Turing architecture) x 0.8: the 70 W T4 sustains "
-                             "clocks below the boost clock its 8.1 TFLOP/s assumes"),
+                             "clocks below the boost clock its 8.1 TFLOP/s assumes", 0.8),
     "RTX3090": ("RTX2080Ti", 0.65, "derived from RTX2080Ti x 0.65: GA102's 35.6 TFLOP/s counts two FP32 issues "
                                    "per clock; Lambda's RTX 3090 ResNet-50 row (precision unconfirmed, TF32 "
-                                   "possible) is 1.73x the RTX 2080 Ti at 2.66x the peak"),
+                                   "possible) is 1.73x the RTX 2080 Ti at 2.66x the peak; its tensor cores "
+                                   "keep the RTX 2080 Ti's scale (the dual issue is FP32 only)", 1.0),
 }
 RELATED = {   # GPUs without a class of their own -> nearest class (by architecture and market segment)
     "Titan V": ([r"^titanv"], "V100"),
@@ -210,27 +216,35 @@ def fit_tensor(rows, graphs, e, mem, launch) -> np.ndarray:
 
 
 def class_table(e, mem, launch, scales, tensor_e=None) -> dict:
+    """Every class's profile. FP32 efficiencies: the shared ones x the class's compute scale (fitted, or its
+    source class's x the derived factor). Tensor-core efficiencies: the V100-fitted ones x the class's
+    tensor scale, the part of its compute scale that tensor cores share (sustained clock against the boost
+    clock the spec-sheet peaks assume, fitted on the class's FP32 rows), capped at 1."""
     shared = {k: float(v) for k, v in zip(SHARED, e)}
     shared["conv:depthwise"] = 0.2           # no rows: memory-bound in practice; the built-in value
     out = {}
     for name, (patterns, spec) in CLASSES.items():
         if name in DERIVED:
-            src, factor, basis = DERIVED[name]
+            src, factor, basis, tensor_factor = DERIVED[name]
             scale = (scales.get(src, 1.0)) * factor
+            tensor_scale = scales.get(src, 1.0) * tensor_factor
         else:
             scale, basis = scales.get(name, 1.0), f"fitted on the {name} fit rows"
+            tensor_scale = scale
             if name == "V100":
                 basis = "fitted on the V100 fit rows (reference scale 1.0)"
         eff = {k: round(min(v * scale, 8.0), 4) if k not in ("default",) else round(min(v * scale, 1.0), 4)
                for k, v in shared.items()}
         tensor = {}
         if tensor_e is not None:
-            table = {k: round(float(v), 4) for k, v in zip(TENSOR, tensor_e)}
+            table = {k: round(float(min(v * tensor_scale, 1.0)), 4) for k, v in zip(TENSOR, tensor_e)}
             tensor = {p: dict(table) for p in ("tf32", "fp16", "bf16") if p in PEAKS[name]
                       and name not in NO_TENSOR_CORES}
         out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name], "efficiency": eff,
                      "tensor_efficiency": tensor, "memory_efficiency": round(mem, 4),
                      "launch_overhead_s": float(f"{launch:.3g}"), "compute_scale": round(scale, 4), "basis": basis}
+        if tensor:
+            out[name]["tensor_scale"] = round(tensor_scale, 4)
     return out
 
 

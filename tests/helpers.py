@@ -84,3 +84,19 @@ def forward_group_order(ir, grouping) -> tuple[list[int], list[int]]:
         ready.sort(key=first.get)
     rest = [g for g in range(grouping.num_groups) if g not in fwd]
     return order, rest
+
+
+ROUNDING_NOISE = 1e-6   # a variable whose largest gradient is below this fraction of the largest of all
+
+
+def zero_gradient_variables(names, grads) -> set[str]:
+    """NAMES whose reference gradient (GRADS, one array each, same order) is zero by construction, so that
+    what a run computes for it is float32 rounding noise: its largest element is at most ``ROUNDING_NOISE``
+    of the largest gradient element of all. Examples: an attention key bias (softmax over the keys ignores
+    a term constant over them: ``q . (k + b) = q . k + q . b``), a convolution bias before BatchNorm.
+    Relative differences of such a variable compare two rounding noises, any value from 0 to 2; they say
+    nothing about the rewrite, so exactness checks leave them out (and bound what they may do instead)."""
+    names, grads = list(names), [np.asarray(g) for g in grads]
+    largest = [float(np.max(np.abs(g))) if g.size else 0.0 for g in grads]
+    gmax = max(largest, default=0.0)
+    return {n for n, m in zip(names, largest) if m <= ROUNDING_NOISE * gmax}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -415,3 +416,43 @@ def test_run_verify_is_tune_2_and_the_kept_candidate_is_trained_and_saved(tmp_pa
     assert t["kept"] == kept != t["plan"] and t["overrode_simulator"]
     assert r["method"] == r["strategy"] == kept and plan.method == kept and plan.report()["strategy"] == kept
     assert f"strategy {kept}" in out and f"kept {kept}, overriding the simulator's {t['plan']}" in out
+
+
+def _pipeline_file(tmp_path, spec: str, name: str, micro_batches: int = 3, extra_stages: int = 0) -> str:
+    """A saved two-stage pipeline of SPEC on localhost (stage 0: the first two forward op groups on worker
+    0, stage 1 the rest on workers 1 and 2); EXTRA_STAGES one-group stages of op groups that do not exist."""
+    from helpers import forward_group_order
+    from tag.api import prepare
+    from tag.frontend import zoo
+    from tag.strategy.pipeline import Pipeline, PipelineStage
+    from tag.strategy.types import Strategy
+    an = prepare(zoo.resolve_model(spec, 12)[1], LOCALHOST)
+    order, rest = forward_group_order(an.graph, an.grouping)
+    pipe = Pipeline((PipelineStage(tuple(order[:2]), (0,)), PipelineStage(tuple(order[2:] + rest), (1, 2))),
+                    micro_batches, "1f1b")
+    msg = Strategy.pipelined(an.grouping, pipe).to_proto()
+    for k in range(extra_stages):
+        msg.pipeline.stages.add(groups=[an.grouping.num_groups + k], placement=[0], mode=1)
+    path = tmp_path / f"{name}.pb"
+    path.write_bytes(msg.SerializeToString())
+    return str(path)
+
+
+def test_bad_pipeline_strategy_files_exit_2_naming_the_stage(tmp_path, capsys):
+    """Issue 21's bad pipelines, read with --strategy-file: one line naming the stage, exit 2, nothing run
+    or written (the model's batch is 32: workers 1 and 2 get 16 examples each)."""
+    big = "zoo:mlp,input_dim=4096,hidden=16384x16384,num_classes=5"     # stage 0 needs more than 2 GiB
+    cases = [(TINY_MLP, _pipeline_file(tmp_path, TINY_MLP, "stages", extra_stages=2), [],
+              r"pipeline stage \d+: op group \d+ does not exist"),
+             (TINY_MLP, _pipeline_file(tmp_path, TINY_MLP, "micro", micro_batches=20), [],
+              "pipeline stage 1: 20 micro-batches but device cpu1/CPU:0 gets only 16 examples"),
+             (big, _pipeline_file(tmp_path, big, "oom"), ["--run", "--steps", "1"],
+              r"does not fit in the devices' memory \(out of memory on cpu0/CPU:0, pipeline stage 0\); "
+              r"nothing was run")]
+    for model, path, extra, message in cases:
+        report = tmp_path / "r.json"
+        rc, out, err = _run(["--topo", LOCALHOST, "--model", model, "--strategy-file", path, "--report",
+                             str(report), *extra], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert re.search(message, err), err
+        assert not report.exists()

@@ -121,6 +121,28 @@ def test_nccl_defaults_slow_collectives_of_known_gpus_only():
     assert b2 == pytest.approx(2 * 7 / 8 / 100e9) and a2 == pytest.approx(14 * 2e-6)
 
 
+def test_tensor_core_efficiencies_share_the_class_clock_scale_not_the_fp32_dual_issue():
+    """Tensor-core efficiencies are the V100-fitted ones x the class's tensor scale: the RTX 2080 Ti's fitted
+    FP32 scale (sustained clock), the RTX 3090 the same (its 0.65 FP32 factor is GA102's dual issue), A100 1."""
+    prof = gpu_profiles()
+    v100, ti, rtx3090, a100 = (prof.classes[n] for n in ("V100", "RTX2080Ti", "RTX3090", "A100"))
+    with open(DATA_PATH, encoding="utf-8") as f:
+        raw = json.load(f)["classes"]
+    ti_scale = raw["RTX2080Ti"]["tensor_scale"]
+    assert ti_scale == pytest.approx(ti.efficiency["conv:1x1"] / v100.efficiency["conv:1x1"], rel=1e-3)
+    assert raw["RTX3090"]["tensor_scale"] == pytest.approx(ti_scale)
+    assert raw["RTX3090"]["compute_scale"] < 0.8 * ti_scale
+    # dense spec-sheet peaks over FP32: GA102 GeForce runs FP16 / BF16 with FP32 accumulation at 2x its FP32
+    # peak and TF32 at 1x (whitepaper), Turing GeForce FP16 at 4x, A100 TF32 8x / FP16 16x
+    assert rtx3090.peak_ratio("fp16") == pytest.approx(2.0, rel=0.01) and rtx3090.peak_ratio("tf32") == pytest.approx(1.0)
+    assert ti.peak_ratio("fp16") == pytest.approx(4.0, rel=0.01) and ti.peak_ratio("tf32") is None
+    assert a100.peak_ratio("tf32") == pytest.approx(8.0) and a100.peak_ratio("fp16") == pytest.approx(16.0)
+    for cls, scale in ((ti, ti_scale), (rtx3090, ti_scale), (a100, 1.0)):
+        for prec, table in cls.tensor_efficiency.items():
+            for k, v in table.items():
+                assert v == pytest.approx(min(v100.tensor_efficiency["fp16"][k] * scale, 1.0), abs=2e-4), (cls.name, k)
+
+
 def test_lockstep_slows_replicated_gpus():
     g = _conv_graph()
     one, eight = CostModel(g, _topo("V100")), CostModel(g, _topo("V100", n=8))

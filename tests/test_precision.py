@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from tag.cost.model import CostModel
-from tag.cost.precision import fusion_bytes, op_precisions
+from tag.cost.precision import fusion_bytes, gradient_bytes_factor, op_precisions
+from tag.errors import TagError
 
-from tiny import DeviceSpec, GraphBuilder, make_topology
+from tiny import DeviceSpec, GraphBuilder, make_topology, mlp_graph
 
 
 def _graph(dtype: str):
@@ -61,6 +62,23 @@ def test_half_matmuls_run_at_the_tensor_core_peak_and_tf32_only_where_enabled():
     # a GPU with no TF32 (V100) keeps its FP32 time with tf32=True
     v100 = _topo("V100", 15.7e12)
     assert CostModel(fp32, v100, tf32=True).op_times(0, 256)[1] == pytest.approx(CostModel(fp32, v100).op_times(0, 256)[1])
+
+
+def test_gradients_cast_to_16_bits_halve_the_allreduce_bytes_of_float32_weights():
+    """CostModel(gradient_dtype="fp16"): a runtime that all-reduces float32 gradients as float16
+    (tf_cnn_benchmarks --use_fp16, Horovod's fp16 compression) moves half the bytes; the fixed cost stays."""
+    g = mlp_graph(batch=8, widths=(64, 128, 10))
+    assert gradient_bytes_factor(g, None) == 1.0 and gradient_bytes_factor(g, "fp32") == 1.0
+    assert gradient_bytes_factor(g, "fp16") == pytest.approx(0.5)
+    topo = make_topology([("h0", [("V100", 4)])], specs={"V100": DeviceSpec(peak_flops=15.7e12, memory_bandwidth=900e9)})
+    (a32, b32), (ha32, hb32) = CostModel(g, topo).allreduce_coeffs(range(4))
+    (a16, b16), (ha16, hb16) = CostModel(g, topo, gradient_dtype="fp16").allreduce_coeffs(range(4))
+    assert b32 > 0 and b16 == pytest.approx(b32 / 2) and a16 == pytest.approx(a32)
+    assert hb16 == pytest.approx(hb32 / 2) and ha16 == pytest.approx(ha32)
+    assert CostModel(g, topo, gradient_dtype="fp16").allreduce_time(1e8, range(4)) < \
+        CostModel(g, topo).allreduce_time(1e8, range(4))
+    with pytest.raises(TagError, match="unknown gradient dtype 'int8'"):
+        CostModel(g, topo, gradient_dtype="int8")
 
 
 def test_xla_fuses_elementwise_chains_into_one_pass_over_memory():

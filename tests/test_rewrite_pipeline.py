@@ -284,7 +284,7 @@ def test_pipelined_step_equals_single_device_step(cluster, case):
     batches = tr.feeds_for(gd, ir, tr.STEPS)
     ref, grads0 = tr.reference(gd, ir, batches)
     got = tr.run_rewritten(res, target, ir, batches)
-    tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer])
+    tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer], adaptive=optimizer == "adam")
 
 
 @pytest.mark.slow
@@ -299,7 +299,7 @@ def test_shared_optimizer_state_trains_exactly_every_time(cluster):
     batches = tr.feeds_for(gd, ir, tr.STEPS)
     ref, grads0 = tr.reference(gd, ir, batches)
     for _ in range(4):
-        tr.assert_same_training(tr.run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.05)
+        tr.assert_same_training(tr.run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.05, adaptive=True)
 
 
 @pytest.mark.slow
@@ -331,3 +331,110 @@ def test_saved_pipelined_plan_deploys_and_trains(tmp_path, capsys):
     assert r["batch_size"] == 12 and len(r["measured_losses"]) == 3 and all(np.isfinite(r["measured_losses"]))
     baseline_last = [line for line in err.splitlines() if line.startswith("tag-deploy: dp_allreduce: step 3/3")]
     assert baseline_last and f"loss {r['measured_losses'][-1]:.3f}" in baseline_last[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the "11/12 gradient bug" of bench_pipeline's searched transformer pipeline
+# ------------------------------------------------------------------------------------------------
+
+# bench_pipeline_run6_quiet.json, rows[1].pipeline: the searched 3-stage, M=4 pipeline of the 4-layer
+# d=384 transformer at batch 12 (op group ids of prepare()'s 64 groups)
+BENCH_TRANSFORMER_PIPELINE = {
+    "stages": [{"groups": [0, 1, 2, 4, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 18, 20, 21, 22, 23,
+                           24, 25, 26, 27, 28], "placement": [0]},
+               {"groups": [29, 30, 31, 32, 34, 33, 35, 36, 37, 38, 39, 40, 41, 42, 43], "placement": [1]},
+               {"groups": [44, 45, 46, 47, 49, 48, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63],
+                "placement": [2]}],
+    "micro_batches": 4, "schedule": "fill_drain"}
+
+
+def _bench_pipeline_module():
+    import importlib.util
+    import sys
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(scripts, "bench_pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_bench_transformer_pipeline_gradients_are_exact(cluster):
+    """The searched transformer pipeline of bench_pipeline run 6 showed max_rel_grad_diff 11/12. Its cause:
+    the attention key biases, whose exact gradient is zero (softmax over the keys ignores a term constant
+    over them), so the one-device and the pipelined gradient are both rounding noise (~1e-11 of the largest
+    gradient) and differ by any fraction of their size. bench_pipeline.weight_diff compared them; it now
+    leaves them out, as assert_same_training always did. Every other gradient is exact (1e-5)."""
+    from tag.api import prepare
+    from tag.backend.mwms import tf1_graph
+    bench = _bench_pipeline_module()
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    an = prepare(tf1_graph("transformer", 12, width=384, depth=4), topo, batch_size=12)
+    assert an.grouping.num_groups == 64
+    res = an.rewrite(Strategy.pipelined(an.grouping, Pipeline.from_dict(BENCH_TRANSFORMER_PIPELINE)))
+    weights, grads, left_out = bench.weight_diff(an, res, target)
+    key_biases = {v.name for v in an.graph.variables if v.name.endswith("/key/bias")}
+    assert len(key_biases) == 4 and key_biases <= set(left_out), left_out
+    assert grads <= 1e-5, f"max relative gradient difference {grads:.2e}"
+    # Adam moves an element by about lr * g / (|g| + 1e-7): rounding of the small gradients of zero-initialised
+    # biases shows in their first step (up to ~1e-3 of the step), so the weights are checked loosely here;
+    # test_pipelined_step_equals_single_device_step checks weights at 1e-5
+    assert weights <= 5e-3, f"max relative weight difference {weights:.2e}"
+
+
+def random_pipeline_cases(count: int, seed: int = 0) -> list[tuple]:
+    """COUNT sweep cases (model, optimizer, stage count, micro-batches, schedule, case seed): MLP, CNN without
+    BatchNorm and transformer, SGD, momentum and Adam in turn; 2-4 stages, M in 2..8, both schedules."""
+    rng = np.random.RandomState(seed)
+    models, optimizers = ("mlp", "cnn", "transformer"), ("sgd", "momentum", "adam")
+    return [(models[i % 3], optimizers[(i // 3) % 3], int(rng.randint(2, 5)), int(rng.randint(2, 9)),
+             ("fill_drain", "1f1b")[int(rng.randint(2))], int(rng.randint(1 << 30))) for i in range(count)]
+
+
+def random_split_strategy(ir, stages: int, micro: int, schedule: str, seed: int) -> Strategy:
+    """STAGES contiguous runs of the forward group order, cut at random points, each on a random non-empty
+    set of the three devices (all-reduce or parameter server inside the stage)."""
+    rng = np.random.RandomState(seed)
+    grouping = group_ops(ir, 12)
+    order, rest = forward_group_order(ir, grouping)
+    cuts = sorted(rng.choice(np.arange(1, len(order)), stages - 1, replace=False))
+    runs = [list(r) for r in np.split(np.array(order), cuts)]
+    runs[-1] += rest
+    out = []
+    for run in runs:
+        devs = tuple(sorted(rng.choice(3, int(rng.randint(1, 4)), replace=False).tolist()))
+        mode = "ps" if len(devs) > 1 and rng.rand() < 0.3 else "allreduce"
+        out.append(PipelineStage(tuple(int(g) for g in run), devs, mode, devs[-1] if mode == "ps" else None))
+    return Strategy.pipelined(grouping, Pipeline(tuple(out), micro, schedule))
+
+
+SWEEP = random_pipeline_cases(int(os.environ.get("TAG_PIPELINE_SWEEP", "9")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"{c[0]}-{c[1]}-S{c[2]}-M{c[3]}-{c[4]}-{c[5]}")
+def test_random_stage_splits_train_exactly(cluster, case):
+    """Random contiguous stage splits (TAG_PIPELINE_SWEEP=N cases; 9 by default: every model with every optimizer): loss and every updated
+    weight equal the single-device step within 1e-5 over three steps. Batch 24 leaves every device a
+    share of at least 8 examples; a split the rewriter refuses (StrategyError) is drawn again."""
+    model, optimizer, stages, micro, schedule, seed = case
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    gd = build(model, optimizer, 24)
+    ir = tag.analyze(gd)
+    for attempt in range(20):
+        st = random_split_strategy(ir, stages, micro, schedule, seed + attempt)
+        try:
+            res = rewrite(gd, ir, st, topo)
+            break
+        except StrategyError:
+            continue
+    else:
+        pytest.fail("no split of 20 drawn rewrote")
+    batches = tr.feeds_for(gd, ir, tr.STEPS)
+    ref, grads0 = tr.reference(gd, ir, batches)
+    got = tr.run_rewritten(res, target, ir, batches)
+    tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer], adaptive=optimizer == "adam")

@@ -15,7 +15,8 @@ Each class holds:
 - ``peaks``: the class's spec-sheet peaks by precision (FP32 and dense TF32 / FP16 / BF16 tensor cores);
   a device's peak in a precision is its own FP32 peak times the class's ratio (``tag.cost.precision``).
 - ``tensor_efficiency``: per tensor-core precision, the fraction of that peak MatMuls and convolutions
-  reach, per op class (fitted on V100 mixed-precision rows, shared by every class with tensor cores).
+  reach, per op class (fitted on V100 mixed-precision rows; every class with tensor cores has them times
+  its ``tensor_scale``, the clock part of its FP32 compute scale).
 - ``memory_efficiency``: the fraction of the spec-sheet memory bandwidth that memory-bound kernels reach.
 - ``launch_overhead_s``: fixed cost per kernel (TensorFlow executor and launch).
 - ``basis``: how the class was calibrated (fitted on which GPU's rows, or derived from which class).

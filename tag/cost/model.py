@@ -6,7 +6,10 @@ device and stored as JSON) or from built-in defaults; a profile entry with a ``m
 (``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
 MatMuls and convolutions use the peak of the precision the graph computes them in (FP16 / BF16 tensor
 cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs
-element-wise chains as XLA fuses them (one pass over memory).
+element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced in their variables'
+dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients instead, for runtimes that
+cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer`` with ``--use_fp16``,
+Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -53,7 +56,7 @@ from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
 from tag.cost.op_classes import op_classes
-from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, op_precisions
+from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, gradient_bytes_factor, op_precisions
 
 PROFILE_VERSION = 1
 
@@ -319,12 +322,15 @@ class CostModel:
     """Compute and communication times for one TrainingGraph on one Topology (see module docstring)."""
 
     def __init__(self, graph: TrainingGraph, topology: Topology, profile: Profile | None = None, *,
-                 tf32: bool = False, xla: bool = False):
+                 tf32: bool = False, xla: bool = False, gradient_dtype: str | None = None):
         self.graph = graph
         self.profile = profile if profile is not None else Profile()
         self.topology = topology
         self.arrays = graph.arrays()
         self.tf32, self.xla = bool(tf32), bool(xla)
+        self.gradient_dtype = gradient_dtype
+        # bytes an all-reduce moves per byte of the variables it reduces (1 unless gradients travel narrower)
+        self.gradient_bytes_factor = gradient_bytes_factor(graph, gradient_dtype)
         types = [op.type for op in graph.ops]
         # efficiency key per op: (op type, op class, precision); the class refines the type for the shipped
         # GPU profiles; the precision (tag.cost.precision) picks the peak: MatMuls and convolutions run on
@@ -535,7 +541,8 @@ class CostModel:
         step_x, byte_x = self.profile.network.collective_extra() if (
             self.profile.network is not None and len(hosts) > 1) else (0.0, 0.0)
         _, call = self._nccl_defaults(devices)
-        ring = (call + 2 * (n - 1) * (lat + step_x), 2 * (n - 1) / n * (1.0 / bw + byte_x))
+        gf = self.gradient_bytes_factor
+        ring = (call + 2 * (n - 1) * (lat + step_x), gf * 2 * (n - 1) / n * (1.0 / bw + byte_x))
         if len(hosts) == 1 or all(len(v) == 1 for v in hosts.values()):
             return ring, ring
         # inside hosts: (k-1)/k of the bytes twice (reduce-scatter + all-gather), slowest host dominates
@@ -549,7 +556,7 @@ class CostModel:
         leaders = [devs[0] for _, devs in sorted(hosts.items())]
         hb, hl, m = self._ring_coeffs(leaders)
         hier = (call + intra_fixed + 2 * (m - 1) * (hl + step_x),
-                intra_per_byte + 2 * (m - 1) / m * (1.0 / hb + byte_x))
+                gf * (intra_per_byte + 2 * (m - 1) / m * (1.0 / hb + byte_x)))
         return ring, hier
 
     def allreduce_time(self, nbytes: float, devices: Sequence[int]) -> float:

@@ -24,6 +24,7 @@ Example::
     precs = op_precisions(training_graph)          # 'fp32' / 'fp16' / 'bf16' / None per op
     device_peak(topology.groups[0], "fp16")        # FLOP/s
     mem_fixed, mem_per_example, fused = fusion_bytes(training_graph)   # XLA's one pass per fused chain
+    gradient_bytes_factor(training_graph, "fp16")   # 0.5 for float32 weights: all-reduced as 16-bit values
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PLAN_PRECISIONS = ("fp32", "tf32", "mixed_float16", "mixed_bfloat16")
 #: IR dtype name -> compute precision
 DTYPE_PRECISION = {"float32": "fp32", "half": "fp16", "float16": "fp16", "bfloat16": "bf16"}
+#: dtypes gradients may travel in through collectives (``CostModel(gradient_dtype=...)``), bytes per element
+GRADIENT_DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
+#: bytes per element of the IR's floating-point dtypes
+DTYPE_BYTES = {"float64": 8, "double": 8, "float32": 4, "float": 4, "half": 2, "float16": 2, "bfloat16": 2}
 
 #: ops XLA fuses into their neighbours: element-wise arithmetic, activations and their gradients, bias
 #: additions and batch/layer normalisation pieces (what a layer's epilogue is made of)
@@ -81,6 +86,24 @@ def device_peak(group: "DeviceGroup", precision: str) -> float:
         if ratio is not None:
             return float(group.peak_flops * ratio)
     return float(group.peak_flops)
+
+
+def gradient_bytes_factor(graph: "TrainingGraph", gradient_dtype: str | None) -> float:
+    """Bytes a collective moves per byte of GRAPH's trainable variables when gradients travel as
+    GRADIENT_DTYPE (None: as the variables' own dtype, 1.0). A runtime may cast float32 gradients to 16
+    bits for their all-reduce only (tf_cnn_benchmarks' ``compact_gradient_transfer``, on by default with
+    ``--use_fp16``; Horovod's ``Compression.fp16``): 0.5 for float32 weights; never above 1."""
+    if gradient_dtype is None:
+        return 1.0
+    if gradient_dtype not in GRADIENT_DTYPES:
+        raise TagError(f"unknown gradient dtype {gradient_dtype!r}: choose one of {', '.join(GRADIENT_DTYPES)}")
+    width = GRADIENT_DTYPES[gradient_dtype]
+    own = moved = 0.0
+    for v in graph.variables:
+        if v.kind == "trainable" and v.nbytes > 0:
+            own += v.nbytes
+            moved += v.nbytes * min(width / DTYPE_BYTES.get(v.dtype, width), 1.0)
+    return moved / own if own > 0 else 1.0
 
 
 def fusion_bytes(graph: "TrainingGraph") -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -11,6 +11,9 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
    Its stages' placements as per-group actions (``pipeline_stages``: the same stages without micro-batches)
    are also evaluated, so they seed the tree search and refinement when they are the best choice so far;
 5. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
+   the best pipelines of step 4 are root candidates of the tree beside the per-group ones, with one level
+   per stage below them choosing the stage's action (``tag.search.pipeline_tree``), so per-group actions and
+   pipelines compete for the same playouts; a better pipeline the tree finds competes as ``mcts_pipeline``;
 6. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
 
 The answer is the best strategy any step found; it is never predicted slower than the best feasible
@@ -42,6 +45,7 @@ from typing import Callable
 
 from tag.search.env import Choice, Outcome, SearchEnv
 from tag.search.pipeline_dp import PipelineSearchResult, pipeline_dp
+from tag.search.pipeline_tree import PipelineRoots
 from tag.sim.simulator import SimResult
 from tag.strategy.types import Strategy
 
@@ -51,7 +55,7 @@ REFINE_EVALUATIONS_PER_PLAYOUT = 8
 MIN_REFINE_EVALUATIONS = 2000
 PIPELINE_BUDGET_FRACTION = 0.25  # with budget_s: the pipeline search's share of what is left after steps 1-3
 PIPELINE_MIN_GAIN = 0.01         # a pipeline must be predicted this much faster than the best per-group answer
-_PIPELINE = ("pipeline",)        # the found-table's marker for the pipeline (not a per-group choice)
+_PIPELINE = ("pipeline",)        # the found-table's marker for a pipeline (not a per-group choice)
 
 
 @dataclass
@@ -141,11 +145,13 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         found["pase_dp"] = (dp.choice, dp.outcome)
 
     piped = None
+    pipelines: dict[str, Strategy] = {}          # found-table name -> the pipelined strategy it stands for
     if use_pipeline:
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         piped = pipeline_dp(env, budget_s=None if left is None else left * PIPELINE_BUDGET_FRACTION)
         if piped.strategy is not None:
             found["pipeline"] = (_PIPELINE, piped.outcome)
+            pipelines["pipeline"] = piped.strategy
             seed_choice = stage_choice(env, piped.strategy)
             if seed_choice is not None:
                 found["pipeline_stages"] = (seed_choice, env.evaluate(seed_choice))
@@ -163,8 +169,13 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         def report(done: int, total: int | None, seconds: float, best: Outcome) -> None:
             progress(SearchProgress(done, total, time.perf_counter() - t0, best.value if best.feasible else 0.0))
     tree = mcts(env, order=order, playouts=playouts, budget_s=None if left is None else left / 2, seed=seed,
-                prior=prior, progress=report, start=best_so_far()[0])
+                prior=prior, progress=report, start=best_so_far()[0],
+                pipelines=PipelineRoots.of(env, piped) if piped is not None else None)
     found["mcts"] = (tree.choice, tree.outcome)
+    if tree.pipeline is not None and tree.pipeline_outcome.feasible and (
+            piped is None or piped.outcome is None or tree.pipeline_outcome.rank > piped.outcome.rank):
+        found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
+        pipelines["mcts_pipeline"] = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
     if use_refine:
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         cap = None if playouts is None else max(MIN_REFINE_EVALUATIONS, REFINE_EVALUATIONS_PER_PLAYOUT * playouts)
@@ -173,10 +184,10 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
 
     per_group = None
     method = max(found, key=lambda n: found[n][1].rank)
-    if method == "pipeline" and found[method][1].feasible:
+    if method in pipelines and found[method][1].feasible:
         # a pipeline has more to mispredict (micro-batches, bubbles): a per-group answer within
         # PIPELINE_MIN_GAIN of it is kept instead
-        others = [n for n in found if n != "pipeline"]
+        others = [n for n in found if n not in pipelines]
         runner_up = max(others, key=lambda n: found[n][1].rank)
         if found[runner_up][1].feasible and \
                 found[runner_up][1].step_time <= found[method][1].step_time * (1 + PIPELINE_MIN_GAIN):
@@ -198,8 +209,9 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         if not notes:
             notes.append(f"no searched strategy beat the built-in {method!r}; the plan is that built-in")
     elif choice is _PIPELINE:
-        strategy, result = piped.strategy, piped.result
-        others = [n for n in found if n != "pipeline"]
+        strategy = pipelines[method]
+        result = piped.result if method == "pipeline" else env.simulator.evaluate(strategy, batch_size=env.batch_size)
+        others = [n for n in found if n not in pipelines]
         runner_up = max(others, key=lambda n: found[n][1].rank)
         runner_choice = found[runner_up][0]
         per_group = (runner_up, env.builtin_strategies[runner_up], env.builtin_results[runner_up]) \
@@ -209,7 +221,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         strategy, result = env.strategy(choice, name=method), env.result(choice)
     baselines = {n: float(v[1].step_time) for n, v in found.items()}
     feasible = {n: bool(v[1].feasible) for n, v in found.items()}
-    candidates = {n: env.builtin_strategies[n] if c is None else piped.strategy if c is _PIPELINE
+    candidates = {n: env.builtin_strategies[n] if c is None else pipelines[n] if c is _PIPELINE
                   else env.strategy(c, name=n) for n, (c, _) in found.items()}
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
                         time.perf_counter() - t0, env.evaluations + (piped.evaluated if piped else 0), notes,

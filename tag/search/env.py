@@ -39,6 +39,7 @@ from tag.strategy.types import Grouping, Strategy
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
     from tag.ir.types import TrainingGraph
+    from tag.strategy.pipeline import Pipeline
 
 Choice = tuple[int, ...]   # one candidate index per op group
 
@@ -81,6 +82,7 @@ class SearchEnv:
         self.partitioner = GroupPartitioner(graph, topology, self.cost_model, grouping.group_of_op, self.batch_size)
         self._partition_maps: dict[tuple[int, int], dict[int, int]] = {}   # (group, candidate) -> op -> device
         self._outcomes: dict[Choice, Outcome] = {}                           # choice -> its outcome
+        self._pipeline_outcomes: dict = {}                                   # Pipeline -> its outcome (or None)
         self.evaluations = 0          # simulator runs
         self.cache_hits = 0
         self.screened = 0             # choices rejected by the lower bound and never simulated
@@ -233,6 +235,31 @@ class SearchEnv:
             self.screened += 1
             return None
         return self.evaluate(key)
+
+    def pipeline_strategy(self, pipeline: "Pipeline", name: str = "pipeline") -> Strategy:
+        """The Strategy that runs PIPELINE (its stages' actions on every op group of the stage)."""
+        return Strategy.pipelined(self.grouping, pipeline, name=name, device_speeds=self.device_speeds)
+
+    def evaluate_pipeline(self, pipeline: "Pipeline") -> Outcome | None:
+        """Simulate PIPELINE (cached by value, as choices are); None when it does not fit the graph (a
+        StrategyError: a cut the dependencies do not allow)."""
+        from tag.errors import StrategyError
+        if pipeline in self._pipeline_outcomes:
+            self.cache_hits += 1
+            return self._pipeline_outcomes[pipeline]
+        t0 = time.perf_counter()
+        try:
+            result = self.simulator.evaluate(self.pipeline_strategy(pipeline), batch_size=self.batch_size)
+        except StrategyError:
+            out = None
+        else:
+            out = self.outcome_of(result)
+            self.evaluations += 1
+        self.simulate_seconds += time.perf_counter() - t0
+        if len(self._pipeline_outcomes) > 200_000:
+            self._pipeline_outcomes.clear()
+        self._pipeline_outcomes[pipeline] = out
+        return out
 
     def result(self, choice: Sequence[int]) -> SimResult:
         """The full simulator result of CHOICE (not cached; for reports)."""

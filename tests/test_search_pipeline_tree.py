@@ -1,0 +1,73 @@
+"""Pipelines as root candidates of the tree search (tag/search/pipeline_tree.py, tag/search/mcts.py): a
+pipeline is chosen when it is the fastest, its stages' actions are searched below it, and it is passed over
+when per-group actions are faster. Tiny hand-made graphs and topologies; no TensorFlow."""
+from tag.search.driver import best_uniform
+from tag.search.mcts import mcts
+from tag.search.pipeline_dp import pipeline_dp
+from tag.search.pipeline_tree import PipelineRoots
+from tag.strategy.pipeline import Pipeline, PipelineStage
+
+from test_search_pipeline import _env
+
+
+def _root_visits(tree, roots):
+    allowed, visits = tree.visits[()]
+    return sum(int(n) for k, n in zip(allowed, visits) if k < 0), sum(int(n) for k, n in zip(allowed, visits) if k >= 0)
+
+
+def test_tree_chooses_a_pipeline_when_it_is_fastest():
+    """A deep MLP on a fast and a 3x slower host behind a slow link: the pipeline wins the tree."""
+    env = _env()
+    choice, uniform = best_uniform(env)
+    roots = PipelineRoots.of(env, pipeline_dp(env))
+    assert 1 <= len(roots) <= 4 and roots.pipelines[0].num_stages == 2
+    tree = mcts(env, playouts=60, seed=0, start=choice, pipelines=roots, keep_visits=True)
+    assert tree.pipeline_wins and tree.pipeline_outcome.step_time < 0.95 * uniform.step_time
+    assert tree.pipeline_outcome.step_time < tree.outcome.step_time
+    on_pipelines, on_groups = _root_visits(tree, roots)
+    assert on_pipelines >= 0.25 * (on_pipelines + on_groups)   # the pipelines got their share of playouts
+
+
+def test_stage_actions_below_a_pipeline_are_searched():
+    """A pipeline whose stages both sit on the fast host at the root: the levels below it move a stage to
+    the slow host (the cuts, M and schedule stay), and that pipeline beats every per-group choice."""
+    env = _env()
+    best = pipeline_dp(env).strategy.pipeline
+    fast = int(env.speeds.argmax())
+    one_host = Pipeline(tuple(PipelineStage(st.groups, (fast,)) for st in best.stages), best.micro_batches,
+                        best.schedule)
+    roots = PipelineRoots.over(env, [one_host])
+    assert roots.build(0, ()) == one_host
+    before = env.evaluate_pipeline(one_host)
+    tree = mcts(env, playouts=100, seed=0, pipelines=roots)
+    assert tree.pipeline != one_host and tree.pipeline_outcome.rank > before.rank
+    assert [st.groups for st in tree.pipeline.stages] == [st.groups for st in one_host.stages]
+    assert {st.placement for st in tree.pipeline.stages} == {(0,), (1,)}
+    assert tree.pipeline_outcome.step_time < 0.9 * before.step_time and tree.pipeline_wins
+
+
+def test_tree_passes_a_pipeline_over_when_per_group_actions_are_faster():
+    """The same model behind a 1 MB/s link: every cut sends activations over it; the fast host alone wins."""
+    env = _env(bandwidth=1e6)
+    order = list(range(env.num_groups))
+    half = env.num_groups // 2
+    pipe = Pipeline((PipelineStage(tuple(order[:half]), (0,)), PipelineStage(tuple(order[half:]), (1,))), 4)
+    roots = PipelineRoots.over(env, [pipe])
+    tree = mcts(env, playouts=60, seed=0, pipelines=roots, keep_visits=True)
+    assert tree.pipeline is not None and not tree.pipeline_wins
+    assert tree.outcome.step_time < tree.pipeline_outcome.step_time    # simulated (for the prior), not chosen
+
+
+def test_evaluate_pipeline_caches_and_refuses_a_backward_cut():
+    env = _env()
+    order = list(range(env.num_groups))
+    good = Pipeline((PipelineStage(tuple(order[:3]), (0,)), PipelineStage(tuple(order[3:]), (1,))), 4)
+    backward = Pipeline((PipelineStage(tuple(order[3:]), (0,)), PipelineStage(tuple(order[:3]), (1,))), 4)
+    runs = env.evaluations
+    out = env.evaluate_pipeline(good)
+    assert out.feasible and env.evaluations == runs + 1
+    assert env.evaluate_pipeline(good) == out and env.evaluations == runs + 1      # cached
+    assert env.evaluate_pipeline(backward) is None                                 # stage 1 feeds stage 0
+    roots = PipelineRoots.over(env, [good])
+    assert roots.allowed(0, 1)[0] == roots.options.index(good.stages[1].action())
+    assert roots.build(0, (roots.options.index(good.stages[1].action()),)).stages[0].placement == (1,)
