@@ -35,7 +35,7 @@ issue's targets hold (``TARGETS``; the held-out figures must lie within 0.03 of 
 Usage::
 
     python scripts/bench_fidelity.py                       # 15 groups, about 107 cases; 26 min at load 1-7
-    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; 8 min at load 5-7
+    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; ~5 min
     python scripts/bench_fidelity.py --runs 3 --json F     # three runs in a row; F's figures are the worst
                                                            # run's, F.run1.profile.json ... their profiles
     python scripts/bench_fidelity.py --configs A,H --models cnn,vgg   # every named model on every named config
@@ -88,6 +88,7 @@ MODELS = [
 ]
 HELDOUT_CONFIG_MAIN_MODELS = ("cnn",)   # the main models that also run on a held-out configuration
 QUICK = (["A"], ["mlp-512", "vgg"], 1)  # --quick: configurations, models, random mixes per group
+QUICK_BUDGET_S, QUICK_CASE_S = 5.0, 2.0 # --quick: search budget per group, timed seconds per case
 TUNE_K = 4                              # as ``tag-deploy --run --tune 4``
 
 
@@ -288,8 +289,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", help="comma-separated subset of the recipe's configurations")
     p.add_argument("--randoms", type=int, default=None, help="random mixed strategies per group (default 3)")
     p.add_argument("--tune-k", type=int, default=TUNE_K, help=f"the tuning step's K (default {TUNE_K}; 0: none)")
-    p.add_argument("--budget", type=float, default=10.0, help="search budget per group (s)")
-    p.add_argument("--case-seconds", type=float, default=3.0, help="timed seconds per case (5-40 steps)")
+    p.add_argument("--budget", type=float, default=None, help="search budget per group (s; default 10, --quick 5)")
+    p.add_argument("--case-seconds", type=float, default=None,
+                   help="timed seconds per case (5-40 steps; default 3, --quick 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
     p.add_argument("--json", help="write the figures here (and each run's profile and topologies beside it)")
@@ -303,7 +305,11 @@ def main(argv=None) -> int:
         configs, names, randoms = QUICK
         models = [m for m in MODELS if m[0] in names]
         args.randoms = randoms if args.randoms is None else args.randoms
+        args.budget = QUICK_BUDGET_S if args.budget is None else args.budget
+        args.case_seconds = QUICK_CASE_S if args.case_seconds is None else args.case_seconds
     args.randoms = 3 if args.randoms is None else args.randoms
+    args.budget = 10.0 if args.budget is None else args.budget
+    args.case_seconds = 3.0 if args.case_seconds is None else args.case_seconds
     if args.models:
         models = [m for m in MODELS if m[0] in args.models.split(",")]
     if args.configs:
@@ -337,6 +343,7 @@ def main(argv=None) -> int:
                        "targets": {k: list(v) for k, v in TARGETS.items()}, "heldout_within": HELDOUT_GAP,
                        "targets_checked": [{"key": k, "value": v, "target": w, "held": ok} for k, v, w, ok in checks],
                        "targets_held": held, "commit": commit, "tune_k": args.tune_k, "randoms": args.randoms,
+                       "budget_s": args.budget, "case_seconds": args.case_seconds,
                        "runs": runs}, f, indent=1, default=str)
     return 0
 
