@@ -35,7 +35,7 @@ issue's targets hold (``TARGETS``; the held-out figures must lie within 0.03 of 
 Usage::
 
     python scripts/bench_fidelity.py                       # 15 groups, about 107 cases; 26 min at load 1-7
-    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; ~5 min
+    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; ~6 min (5 the calibration)
     python scripts/bench_fidelity.py --runs 3 --json F     # three runs in a row; F's figures are the worst
                                                            # run's, F.run1.profile.json ... their profiles
     python scripts/bench_fidelity.py --configs A,H --models cnn,vgg   # every named model on every named config
