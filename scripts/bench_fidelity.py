@@ -71,7 +71,7 @@ from tag.api import prepare, search_plan  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.random_search import random_choice  # noqa: E402
-from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
+from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 from tag.tune import strategy_key, tune_plan  # noqa: E402
 
@@ -112,28 +112,9 @@ def default_groups(recipe: dict, configs: list[str], models: list[tuple]) -> lis
     return out
 
 
-def one_device_placement(strategy, topology) -> tuple | None:
-    """The device of every op group when each runs whole on one device (None otherwise): a one-device action,
-    or a partition whose ops all map to one device. Two strategies with the same such placement run the same
-    program, whatever their modes say."""
-    where = []
-    for g, a in enumerate(strategy.actions):
-        if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
-            where.append(topology.groups[a.placement[0]].devices[0])
-            continue
-        if a.mode != "partition":
-            return None
-        devices = {strategy.partition.get(int(i)) for i in strategy.grouping.members(g)}
-        if len(devices) != 1 or None in devices:
-            return None
-        where.append(devices.pop())
-    return tuple(where)
-
-
 def program_id(strategy, topology) -> str:
-    """What makes two strategies the same measured program: their one-device placement, else their key."""
-    where = one_device_placement(strategy, topology)
-    return f"on:{where}" if where is not None else strategy_key(strategy)
+    """What makes two strategies the same measured program (``tag.tune.strategy_key`` with the topology)."""
+    return strategy_key(strategy, topology)
 
 
 def group_cases(analysis, budget_s: float, randoms: int, seed: int):

@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tag.errors import TagError
-from tag.strategy.baselines import BUILTIN_STRATEGIES
+from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.api import Plan
+    from tag.cluster.topology import Topology
     from tag.strategy.types import Strategy
 
 TUNE_ROUNDS = 3          # interleaved rounds
@@ -109,9 +110,15 @@ def median_absolute_deviation(values: Sequence[float]) -> float:
     return float(statistics.median(abs(v - mid) for v in values))
 
 
-def strategy_key(strategy: "Strategy") -> str:
+def strategy_key(strategy: "Strategy", topology: "Topology | None" = None) -> str:
     """What makes two strategies run the same program (their name aside): actions, partitions, SFB
-    gradients, batch-share speeds and pipeline."""
+    gradients, batch-share speeds and pipeline; with TOPOLOGY, every strategy that runs each op group whole
+    on one device is known by those devices alone (``single``, a one-device ``partition`` and a search step
+    that kept everything on one host are one program: measuring it twice wastes a tuning slot)."""
+    if topology is not None:
+        where = one_device_placement(strategy, topology)
+        if where is not None:
+            return f"on devices {list(where)}"
     d = strategy.to_dict()
     return json.dumps({k: v for k, v in d.items() if k not in ("name", "grouping")}, sort_keys=True)
 
@@ -126,11 +133,12 @@ def check_k(k: Any, what: str = "tune_k") -> int | None:
 
 
 def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predicted: Mapping[str, float],
-                        feasible: Mapping[str, bool]) -> list[Candidate]:
+                        feasible: Mapping[str, bool], topology: "Topology | None" = None) -> list[Candidate]:
     """Every feasible strategy of STRATEGIES (name -> Strategy; PREDICTED: name -> seconds, FEASIBLE: name ->
     fits in memory, missing means it fits) once, the PLAN first, then by predicted time; a strategy found
     under several names keeps the plan's name, else a built-in's, else the fastest one's, and lists the
-    others as aliases. Roles mark the plan, the best built-in and the best uniform action."""
+    others as aliases (with TOPOLOGY, strategies that run on the same single devices are one: ``strategy_key``).
+    Roles mark the plan, the best built-in and the best uniform action."""
     def usable(n: str) -> bool:
         t = predicted.get(n)
         return n in strategies and t is not None and math.isfinite(t) and feasible.get(n, True)
@@ -141,7 +149,7 @@ def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predict
     rank = {n: (n != plan, n not in BUILTIN_STRATEGIES, predicted[n], i) for i, n in enumerate(names)}
     by_key: dict[str, Candidate] = {}
     for n in sorted(names, key=rank.get):
-        key = strategy_key(strategies[n])
+        key = strategy_key(strategies[n], topology)
         if key in by_key:
             by_key[key].aliases.append(n)
         else:
@@ -251,7 +259,7 @@ def analysis_candidates(analysis: Any, name: str, strategy: "Strategy", report: 
             strategies[n] = analysis.builtin(n)
     if BEST_UNIFORM not in strategies:
         strategies[BEST_UNIFORM], predicted[BEST_UNIFORM], feasible[BEST_UNIFORM] = best_uniform_of(analysis)
-    return distinct_candidates(name, strategies, predicted, feasible)
+    return distinct_candidates(name, strategies, predicted, feasible, analysis.topology)
 
 
 def best_uniform_of(analysis: Any) -> tuple["Strategy", float, bool]:

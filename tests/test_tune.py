@@ -52,6 +52,23 @@ def test_distinct_candidates_one_per_strategy_with_roles():
     assert strategy_key(STRATEGIES["single"]) != strategy_key(MIXED)
 
 
+def test_strategies_on_the_same_single_devices_are_one_candidate_with_the_topology():
+    """A one-device partition, ``single`` and a search step that kept every group on one device run one
+    program: with the topology they fold into one candidate (without it, their keys differ)."""
+    from tiny import make_topology
+    topo = make_topology([("h0", [("GPU-A", 1)]), ("h1", [("GPU-A", 1)]), ("h2", [("GPU-A", 1)])])
+    part = Strategy(GROUPING, [Action((0,), "partition")] * 2, partition={i: 0 for i in range(4)}, name="partition")
+    strategies = {"single": strat(ONE, ONE), "partition": part, "mcts": strat(Action((0,), "ps", ps_device=0), ONE),
+                  "refine": MIXED}
+    predicted = {"single": 0.2, "partition": 0.2, "mcts": 0.19, "refine": 0.15}
+    assert strategy_key(part) != strategy_key(strategies["single"])
+    assert strategy_key(part, topo) == strategy_key(strategies["single"], topo) == strategy_key(strategies["mcts"], topo)
+    assert strategy_key(MIXED, topo) != strategy_key(strategies["single"], topo)
+    cands = distinct_candidates("refine", strategies, predicted, {}, topo)
+    assert [c.name for c in cands] == ["refine", "single"]
+    assert sorted(cands[1].aliases) == ["mcts", "partition"]
+
+
 def test_the_plan_is_a_builtin_and_still_meets_the_best_uniform_action():
     predicted = dict(PREDICTED, refine=0.25, pase_dp=0.25, mcts=0.25, best_uniform=0.22)
     strategies = dict(STRATEGIES, best_uniform=strat(ONE, ALL))

@@ -93,6 +93,27 @@ def on_one_device(grouping: "Grouping", topology: "Topology", n_ops: int, device
                     partition={i: device for i in range(n_ops)}, name=name or f"on device {device}")
 
 
+def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int, ...] | None:
+    """The device of every op group when each runs whole on one device (None otherwise): a one-device action,
+    or a partition whose ops all map to one device. Two strategies with the same such placement run the same
+    program, whatever their modes say (``partition`` choosing one device is ``single``). Pipelines: None
+    (micro-batches make another program)."""
+    if strategy.pipeline is not None:
+        return None
+    where = []
+    for g, a in enumerate(strategy.actions):
+        if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
+            where.append(topology.groups[a.placement[0]].devices[0])
+            continue
+        if a.mode != "partition":
+            return None
+        devices = {strategy.partition.get(int(i)) for i in strategy.grouping.members(g)}
+        if len(devices) != 1 or None in devices:
+            return None
+        where.append(devices.pop())
+    return tuple(where)
+
+
 def best_connected_device(topology: "Topology") -> int:
     """The device with the largest total bandwidth to all other devices (ties: lowest index)."""
     bw = np.array(topology.bandwidth, dtype=np.float64, copy=True)
