@@ -17,8 +17,11 @@ thread), the 1-minute load average beside each row:
 - ``plan``: the plan ``tag.optimize`` returns (searched per-group actions, pipelines and built-ins), measured;
 - ``tuned``: that plan after the measured tuning step (``tag.tune.tune_plan``, ``--tune K``: the plan, the
   best built-in, the best uniform action and the next fastest predicted candidates, in interleaved rounds;
-  it looks at built-ins too), then measured as the others (a strategy already measured in the row is not
-  run twice).
+  it looks at built-ins too), then measured as the others.
+  tag's strategies of a case (uniform, dp_all, dp_same, plan, tuned) are timed together in
+  ``INTERLEAVED_ROUNDS`` interleaved rounds, one measurement per program (strategies that run every op group
+  on the same single devices, like the best uniform action and dp on one host, are one program): timed
+  apart, one program measured 41 and 50 ms in one run.
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -96,6 +99,9 @@ TARGETS = {"geomean_speedup_vs_best_mwms": ">= 1.3", "worst_speedup_vs_best_mwms
 MWMS_PORT = 24600
 
 
+INTERLEAVED_ROUNDS = 3      # rounds in which tag's strategies of one case are timed in turn
+
+
 def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
              model_args: tuple[str, ...] = ()) -> float:
     """Median step time of the MWMS anchor, one worker per testbed host (the first HOSTS hosts when given;
@@ -125,11 +131,23 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
     return float(np.median(json.loads(lines[-1])["step_times"][warmup:]))
 
 
-def run_tag(tb: Testbed, runnable, steps: int, warmup: int) -> float:
-    """Median of the timed steps of RUNNABLE (a ``tag.rewrite`` result or a Plan) on the running testbed."""
-    r = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
-                  init=runnable.init, steps=steps, warmup=warmup, synthetic=True)
-    return float(np.median(r.step_times[warmup:]))
+def run_tag_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS) -> dict:
+    """Median step of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), timed in ROUNDS rounds
+    that take the runnables in turn (reversed every other round), each round WARMUP untimed steps and its
+    share of the STEPS - WARMUP timed ones. Why: on this shared machine one program timed a few minutes apart
+    measured 41 and 50 ms (docs/measured/issue22-e2e); interleaving spreads the drift over every candidate,
+    as the tuning step does."""
+    timed = max(steps - warmup, rounds)
+    per_round = [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
+    samples: dict = {k: [] for k in runnables}
+    keys = list(runnables)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            x = runnables[k]
+            res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
+                            steps=warmup + per_round[r], warmup=warmup, synthetic=True)
+            samples[k] += list(res.step_times[warmup:])
+    return {k: float(np.median(v)) for k, v in samples.items()}
 
 
 def uniform_keys(analysis) -> set[str]:
@@ -209,26 +227,21 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     uniform = plan.candidates.get(BEST_UNIFORM) or best_uniform_of(an)[0]
     strategies = {"uniform": uniform, "dp_all": an.builtin("dp_allreduce"),
                   "dp_same": host_prefix_strategy(an, best_k), "plan": plan.strategy}
-    measured: dict[str, float] = {}          # strategy_key -> median step (s)
-    times: dict[str, float] = {}
     tb.start_workers(threads_per_worker=1)
     try:
-        for name, s in strategies.items():
-            key = strategy_key(s)
-            if key not in measured:
-                runnable = plan if name == "plan" else an.rewrite(s)
-                measured[key] = run_tag(tb, runnable, steps, warmup)
-            times[name] = measured[key]
         t1 = time.perf_counter()
         tuned = tune_plan(plan, tb, k=args.tune)
         tune_s = time.perf_counter() - t1
-        key = strategy_key(tuned.strategy)
-        if key not in measured:
-            measured[key] = run_tag(tb, tuned, steps, warmup)
-        times["tuned"] = measured[key]
+        strategies["tuned"] = tuned.strategy
+        # one measurement per program (strategies that run on the same single devices are one), interleaved
+        key_of = {name: strategy_key(s, tb.topology) for name, s in strategies.items()}
+        runnables: dict[str, object] = {}
+        for name, s in strategies.items():
+            runnables.setdefault(key_of[name], plan if name == "plan" else tuned if name == "tuned" else an.rewrite(s))
+        measured = run_tag_interleaved(tb, runnables, steps, warmup)
+        times = {name: measured[key_of[name]] for name in strategies}
     finally:
         tb.stop_workers()
-    strategies["tuned"] = tuned.strategy
     uniform_set = uniform_keys(an)
     # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
     is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
