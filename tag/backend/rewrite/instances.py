@@ -133,12 +133,20 @@ class InstancesMixin(RewriteContext):
 
     def _control(self, p: str, consumer: str, rng: Range, asked_dev: int) -> list[str]:
         """Control inputs: the matching instance when both ops have the same instances (and the consumer's
-        instances act on their own replica's state), else all of them."""
+        instances act on their own replica's state), else all of them -- in a pipeline, all of them that
+        share examples with RNG: a micro-batch's op waits for the same micro-batch of an op in another
+        stage, not for every micro-batch (which orders a later micro-batch's backward before an earlier one's
+        and, under 1F1B's schedule, closes a cycle)."""
         if self.placements.get(consumer) == self.placements.get(p) and not self._shares_copy(consumer):
             inst = self.instance_at.get((p, rng, asked_dev))
             if inst is not None:
                 return [inst.name]
-        return [i.name for i in self.instances[p] if i.primary]
+        primary = [i for i in self.instances[p] if i.primary]
+        if self.stage_of_group is not None:
+            overlapping = [i.name for i in primary if i.rng[0] < rng[1] and rng[0] < i.rng[1]]
+            if overlapping:
+                return overlapping
+        return [i.name for i in primary]
 
     def _clone(self, p: str, rng: Range, dev: int, consumer: str) -> Instance:
         """An extra instance of P computed on RNG at DEV (for a consumer that needs exactly that)."""
