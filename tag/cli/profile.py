@@ -71,7 +71,8 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
     if prof.network is not None:
         n = prof.network
         lines.append(f"  runtime: step overhead {n.step_overhead_s * 1e3:.2f} ms, transfer latency "
-                     f"{n.transfer_latency_s * 1e6:.0f} us, transfer throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s, "
+                     f"{n.transfer_latency_s * 1e6:.0f} us (+{n.per_tensor_s * 1e6:.0f} us per tensor), transfer "
+                     f"throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s, "
                      f"all-reduce latency {n.collective_latency_s * 1e6:.0f} us, throughput "
                      f"{n.collective_bytes_per_s / 1e9:.2f} GB/s")
     lines.append(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
