@@ -15,7 +15,8 @@ their own cluster.
   rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
   opens a session (``TUNE_WARMUP`` untimed steps, a new session's first step sets up the graph on the
   workers) and times ``TUNE_STEPS`` steps. Each candidate's median over all its timed steps is kept
-  beside the median absolute deviation (MAD) of those steps, its noise.
+  beside the median absolute deviation (MAD) of those steps, its noise; the fastest replaces the plan
+  only when it beats it by more than the noise (``TUNE_MIN_GAIN``, the MADs).
 - The default K (``default_k``): as many candidates, in the order above, as cost at most
   ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
   always measured).
@@ -57,6 +58,10 @@ TUNE_ROUNDS = 3          # interleaved rounds
 TUNE_STEPS = 2           # timed steps of each candidate per round
 TUNE_WARMUP = 1          # untimed steps that open each candidate's turn (a new session)
 TUNE_BUDGET_STEPS = 30   # the default K costs at most about this many steps of the slowest candidate
+#: another candidate replaces the plan only when measured faster by more than this share of the plan's median
+#: and by more than the two medians' spread (MADs): on the shared testbed, six steps of one program differed by
+#: up to 15% between tuning and a later measurement, and overriding on smaller gaps deployed slower plans
+TUNE_MIN_GAIN = 0.03
 BEST_UNIFORM = "best_uniform"
 
 PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE = "the plan", "best built-in", "best uniform action"
@@ -204,7 +209,8 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
          say: Callable[[str], None] | None = None) -> TuneResult:
     """Measure CANDIDATES (the first is the plan) in ROUNDS interleaved rounds: MEASURE(candidate,
     total_steps, warmup) runs WARMUP + STEPS steps and returns every step's seconds; the first WARMUP are
-    dropped. The candidate with the lowest median is kept (a tie keeps the earlier: the plan first)."""
+    dropped. The candidate with the lowest median is kept if it beats the plan (the first) by more than the
+    noise (``TUNE_MIN_GAIN`` of the plan's median and the two MADs together); otherwise the plan is kept."""
     if not candidates:
         raise TagError("nothing to tune: no candidate")
     t0 = time.perf_counter()
@@ -218,6 +224,10 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
             times[c.name].extend(float(t) for t in got[warmup:])
     measured = [Measured(c, times[c.name]) for c in candidates]
     kept = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
+    plan = measured[0]
+    if kept is not plan and plan.median_s - kept.median_s <= max(TUNE_MIN_GAIN * plan.median_s,
+                                                                 plan.mad_s + kept.mad_s):
+        kept = plan                                     # within the noise: the simulator's pick stands
     return TuneResult(measured, kept, candidates[0].name, rounds, steps, warmup, time.perf_counter() - t0)
 
 

@@ -128,6 +128,23 @@ def test_tune_interleaves_rounds_keeps_the_fastest_median_and_reports_every_cand
     assert tie.kept.candidate.name == "plan"         # a tie keeps the plan
 
 
+def test_tune_keeps_the_plan_when_the_faster_candidate_is_within_the_noise():
+    """Another candidate replaces the plan only when faster by more than TUNE_MIN_GAIN of the plan's median
+    and more than the two medians' spread."""
+    from tag.tune import TUNE_MIN_GAIN
+    cands = [Candidate("plan", None, 0.10, [PLAN]), Candidate("other", None, 0.11)]
+
+    def run(other: float, jitter: float):
+        def measure(c: Candidate, steps: int, warmup: int) -> list[float]:
+            base = 0.100 if c.name == "plan" else other
+            return [base + jitter * (1 if i % 2 else -1) for i in range(steps)]
+        return tune(cands, measure, rounds=3, steps=2, warmup=1).kept.candidate.name
+
+    assert run(0.100 * (1 - TUNE_MIN_GAIN / 2), 0.0) == "plan"      # 1.5% faster: noise
+    assert run(0.090, 0.008) == "plan"                               # 10% faster, but each +-8 ms
+    assert run(0.090, 0.001) == "other"                              # 10% faster, +-1 ms: a real gain
+
+
 def test_median_absolute_deviation():
     assert median_absolute_deviation([1.0, 1.0, 2.0, 2.0, 4.0, 6.0, 9.0]) == 1.0
     assert median_absolute_deviation([3.0]) == 0.0
