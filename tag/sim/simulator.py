@@ -311,9 +311,10 @@ class Simulator:
             if len(self._pipeline_layouts) > 4096:
                 self._pipeline_layouts.clear()
             insts = []
+            accumulates = bool(pt.accumulate_tensors.any())
             for lane, _, b, ta in base.insts:
                 d = ta[pt.base_task]
-                if pt.accumulate_tensors.any():
+                if accumulates:
                     r = self.cost.rates(lane_dg[lane])
                     d = d + 3.0 * pt.accumulate_bytes / r.memory_bandwidth + pt.accumulate_tensors * r.launch_overhead_s
                 insts.append((lane, d.tolist(), b, d))
