@@ -218,7 +218,8 @@ class Routing:
         return moved
 
     def collective(self, kind: str, devices: list[int], placement: tuple[int, ...], ps_device: int | None) -> tuple:
-        """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier) of a collective of
+        """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier, workers on other hosts
+        than the parameter server (ps only; else 0)) of a collective of
         KIND ("allreduce", "allgather" or "ps") over DEVICES (those of PLACEMENT), cached by placement.
 
         All-reduce and all-gather are charged as the rewriter deploys them: one flat TF collective
@@ -244,7 +245,7 @@ class Routing:
             # a ring across hosts sends and receives on every host's NIC
             res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
                                ([r for h in by_host for r in (H + h, 2 * H + h)] if len(by_host) > 1 else [])))
-            c = (a1, b1, a1, b1, res, wire)
+            c = (a1, b1, a1, b1, res, wire, 0)
         else:
             workers = [d for d in devices if d != ps_device]
             a, b = self.cost.ps_coeffs(devices, ps_device)
@@ -256,6 +257,7 @@ class Routing:
                     rs.add(ph)
                 else:
                     rs.update((H + ph, 2 * H + ph, H + wh, 2 * H + wh))   # push and pull, both ways
-            c = (a, b, a, b, tuple(sorted(rs)), float(len(workers)))
+            remote = sum(1 for w in workers if self._device_host[w] != ph)
+            c = (a, b, a, b, tuple(sorted(rs)), float(len(workers)), remote)
         self._collectives[k] = c
         return c

@@ -142,7 +142,6 @@ class StepSchedule:
         group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
         per_tensor = routing.cost.per_tensor_s if weight_counts is not None else 0.0
-        host_of = routing.topology.devices
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
         comm = self.comm_bytes
@@ -173,9 +172,7 @@ class StepSchedule:
             if a.mode == "ps":
                 dur = c[0] + c[1] * W
                 if per_tensor > 0.0:
-                    ps_host = host_of[int(a.ps_device)].host_index
-                    remote = sum(1 for d in group_layouts[g].devices if host_of[d].host_index != ps_host)
-                    dur += per_tensor * weight_counts[g] * remote
+                    dur += per_tensor * weight_counts[g] * c[6]      # per variable and remote worker
                 st = 0.0
                 for r in c[4]:
                     if rfree[r] > st:
