@@ -622,3 +622,33 @@ def test_killed_worker_is_reported_and_the_run_resumes(tmp_path):
     assert r["measured_start_step"] == saved and len(losses) == saved + 3
     assert losses[:saved] == pytest.approx(meta["losses"])
     assert losses[saved] < losses[0] and losses[saved] <= losses[saved - 1] * 1.02   # continues, not restarts
+
+
+def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
+    """A dp rewrite slices the batch on the first replica's host and sends the other slices; synthetic runs
+    make those slices on the reading devices instead (each host its own share, as MWMS workers do)."""
+    import tag
+    from tag.backend.runtime.inputs import remote_input_slices
+    from tag.strategy.baselines import builtin_strategy
+    from tag.strategy.grouping import group_ops
+    topo = loopback_topology(2)
+    gd = tag.zoo.training_graph("mlp", batch_size=8)
+    tg = tag.analyze(gd)
+    from tag.backend.rewrite import rewrite
+    res = rewrite(gd, tg, builtin_strategy("dp_allreduce", tg, topo, group_ops(tg, 4)), topo)
+    placeholders = {n.name: n for n in res.graph_def.node if n.op == "Placeholder"}
+    stand_ins = remote_input_slices(res.graph_def, placeholders)
+    assert stand_ins, "the second replica's input slices should be made on its own host"
+    for name, node in stand_ins.items():
+        src = placeholders[[n for n in res.graph_def.node if n.name == name][0].input[0].split(":")[0]]
+        assert node.device.startswith("/job:worker/task:1") and "task:0" in src.device
+        dims = [d.size for d in node.attr["shape"].shape.dim]
+        full = [d.size for d in src.attr["shape"].shape.dim]
+        assert dims[0] == full[0] // 2 and dims[1:] == full[1:]
+    # the synthetic import maps each of them to a variable on that device, and the graph still imports
+    from tag.backend.runtime.steps import _import_graph
+    graph, input_map, inits = _import_graph(res.graph_def, synthetic=True, fed_names=set(), seed=0)
+    for name, node in stand_ins.items():
+        assert f"{name}:0" in input_map
+        assert graph.get_operation_by_name(f"tag_synthetic/{name}/batch").device == node.device
+    assert len(inits) == len(placeholders) + len(stand_ins)

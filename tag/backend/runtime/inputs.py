@@ -69,3 +69,47 @@ def synthetic_input(node: Any) -> tuple[Any, Any]:
                              "data; pass feeds= for it")
         var = tf.compat.v1.Variable(value, trainable=False, use_resource=True, collections=[], name="batch")
         return var.initializer, var.value()
+
+
+SLICE_PREFIX = "tag/slice/"     # the rewrite's batch slices (tag.backend.rewrite.batch_split)
+
+
+def remote_input_slices(graph_def: Any, placeholders: dict) -> dict:
+    """Slices of PLACEHOLDERS (name -> NodeDef) that a rewritten GRAPH_DEF sends to another device:
+    slice name -> a Placeholder NodeDef of the slice's shape on the device that reads it.
+
+    The rewrite runs a batch source once, whole batch, and slices it for the replicas on the source's
+    device; every replica elsewhere receives its slice over the network. ``run_steps(synthetic=True)``
+    makes such a slice on the reading device instead (each host its own share of the batch), so these
+    stand-in nodes carry exactly what ``synthetic_input`` needs. A slice read on several devices, or on
+    its own device, is left alone."""
+    tf = import_tf()
+    from tensorflow.core.framework import node_def_pb2
+    nodes = {n.name: n for n in graph_def.node}
+    readers: dict[str, set] = {}
+    for n in graph_def.node:
+        for i in n.input:
+            if not i.startswith("^"):
+                readers.setdefault(i.split(":")[0], set()).add(n.device)
+    out = {}
+    for n in graph_def.node:
+        if n.op != "StridedSlice" or not n.name.startswith(SLICE_PREFIX) or n.input[0].split(":")[0] not in placeholders:
+            continue
+        devices = readers.get(n.name, set())
+        if len(devices) != 1 or n.device in devices:
+            continue
+        bounds = [nodes.get(i.split(":")[0]) for i in n.input[1:3]]
+        if any(b is None or b.op != "Const" for b in bounds):
+            continue
+        begin, end = (tf.make_ndarray(b.attr["value"].tensor) for b in bounds)
+        source = placeholders[n.input[0].split(":")[0]]
+        dims = [d.size for d in source.attr["shape"].shape.dim]
+        ax = len(begin) - 1
+        if ax >= len(dims):
+            continue
+        dims[ax] = int(end[ax]) - int(begin[ax])
+        stand_in = node_def_pb2.NodeDef(name=n.name, op="Placeholder", device=next(iter(devices)))
+        stand_in.attr["dtype"].CopyFrom(source.attr["dtype"])
+        stand_in.attr["shape"].shape.CopyFrom(tf.TensorShape(dims).as_proto())
+        out[n.name] = stand_in
+    return out

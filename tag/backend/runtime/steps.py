@@ -26,7 +26,7 @@ from tag.backend.runtime.checkpoint import Checkpointer
 from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import fresh_collective_keys
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
-from tag.backend.runtime.inputs import random_feed, synthetic_input
+from tag.backend.runtime.inputs import random_feed, remote_input_slices, synthetic_input
 from tag.errors import GraphError, TagError
 
 
@@ -81,11 +81,17 @@ def _import_graph(graph_def: Any, *, synthetic: bool, fed_names: set[str], seed:
     if synthetic:
         with graph.as_default():
             tf.compat.v1.set_random_seed(seed)
+            synthesized = {}
             for node in graph_def.node:
                 if node.op == "Placeholder" and node.name not in fed_names:
                     var_init, value = synthetic_input(node)
                     input_map[f"{node.name}:0"] = value
                     synthetic_init.append(var_init)
+                    synthesized[node.name] = node
+            for name, node in remote_input_slices(graph_def, synthesized).items():
+                var_init, value = synthetic_input(node)
+                input_map[f"{name}:0"] = value
+                synthetic_init.append(var_init)
     with graph.as_default():
         try:
             tf.compat.v1.import_graph_def(graph_def, input_map=input_map or None, name="")
@@ -141,7 +147,10 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
     SYNTHETIC=True: instead of feeding, each placeholder (not in FEEDS) becomes a variable on the
     placeholder's own device holding one random batch of the same distribution, made at start-up and
     reused every step -- as synthetic-data benchmarks do, no input crosses the client connection or
-    the network, so the step time is the training step alone.
+    the network, so the step time is the training step alone. Every replica's slice of a placeholder
+    that the rewrite sends to another device (``remote_input_slices``) becomes such a variable on the
+    reading device too: each host makes its own share of the batch, as each worker's input pipeline
+    does under MultiWorkerMirroredStrategy and as the simulator costs it.
 
     CONTROL (``tag.backend.runtime.guard.RunControl``): progress events, deadlines and a watchdog for
     every blocking call (a dead worker or a hung step is a ``RunError``, never a hang), checkpoints every
