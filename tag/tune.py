@@ -9,7 +9,7 @@ their own cluster.
 - The candidates (``distinct_candidates``): the plan and the best strategy of every search step (best
   uniform action, PaSE DP, tree search, refinement, ...) and every built-in, feasible ones only, one per
   distinct strategy (a search step that found a built-in is that built-in). ``choose`` always takes the
-  plan, the best built-in and the best uniform action (even when the plan is itself a built-in), then the
+  plan, the best built-in, the best uniform action and one device (even when the plan is itself a built-in), then the
   next fastest predicted until there are K.
 - The measurement (``tune``): ``TUNE_ROUNDS`` interleaved rounds (every candidate once per round, the order
   rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
@@ -65,12 +65,15 @@ TUNE_MIN_GAIN = 0.03
 BEST_UNIFORM = "best_uniform"
 
 PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE = "the plan", "best built-in", "best uniform action"
+#: the whole step on the fastest device (built-in ``single``): what a user with one fast machine runs; always
+#: measured, so that a plan predicted faster on several hosts is never deployed when one device is faster
+ONE_DEVICE_ROLE = "one device"
 
 
 @dataclass
 class Candidate:
     """A strategy to measure: its NAME, the STRATEGY, its predicted step time (s) and why it is measured
-    (``roles``: the plan, the best built-in, the best uniform action; ``aliases``: other names of the same
+    (``roles``: the plan, the best built-in, the best uniform action, one device; ``aliases``: other names of the same
     strategy, e.g. the search step that found a built-in)."""
 
     name: str
@@ -143,7 +146,7 @@ def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predict
     fits in memory, missing means it fits) once, the PLAN first, then by predicted time; a strategy found
     under several names keeps the plan's name, else a built-in's, else the fastest one's, and lists the
     others as aliases (with TOPOLOGY, strategies that run on the same single devices are one: ``strategy_key``).
-    Roles mark the plan, the best built-in and the best uniform action."""
+    Roles mark the plan, the best built-in, the best uniform action and the whole step on one device."""
     def usable(n: str) -> bool:
         t = predicted.get(n)
         return n in strategies and t is not None and math.isfinite(t) and feasible.get(n, True)
@@ -169,12 +172,13 @@ def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predict
     mark(PLAN, [plan])
     mark(BEST_BUILTIN, [n for n in names if n in BUILTIN_STRATEGIES])
     mark(BEST_UNIFORM_ROLE, [BEST_UNIFORM])
+    mark(ONE_DEVICE_ROLE, ["single"])
     return out
 
 
 def choose(candidates: Sequence[Candidate], k: int | None) -> list[Candidate]:
     """The candidates to measure: every one with a role (the plan, the best built-in, the best uniform
-    action), then the next fastest predicted until there are K (None: ``default_k``)."""
+    action, one device), then the next fastest predicted until there are K (None: ``default_k``)."""
     if k is None:
         k = default_k(candidates)
     must = [c for c in candidates if c.roles]

@@ -14,7 +14,7 @@ import pytest
 from tag.errors import TagError
 from tag.report import format_tune
 from tag.strategy.types import Action, Grouping, Strategy
-from tag.tune import (BEST_BUILTIN, BEST_UNIFORM_ROLE, PLAN, Candidate, check_k, choose, default_k,
+from tag.tune import (BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE, PLAN, Candidate, check_k, choose, default_k,
                       distinct_candidates, median_absolute_deviation, steps_per_candidate, strategy_key, tune,
                       tune_fields)
 
@@ -46,7 +46,7 @@ def test_distinct_candidates_one_per_strategy_with_roles():
     assert by["refine"].aliases == ["pase_dp"]                 # the same strategy found by two steps
     assert by["single"].aliases == ["partition"]               # a built-in's name wins over a search step's
     assert by["dp_allreduce"].aliases == ["best_uniform"]
-    assert by["refine"].roles == [PLAN] and by["single"].roles == [BEST_BUILTIN]
+    assert by["refine"].roles == [PLAN] and by["single"].roles == [BEST_BUILTIN, ONE_DEVICE_ROLE]
     assert by["dp_allreduce"].roles == [BEST_UNIFORM_ROLE] and by["mcts"].roles == []
     assert strategy_key(STRATEGIES["single"]) == strategy_key(STRATEGIES["partition"])
     assert strategy_key(STRATEGIES["single"]) != strategy_key(MIXED)
@@ -75,7 +75,7 @@ def test_the_plan_is_a_builtin_and_still_meets_the_best_uniform_action():
     cands = distinct_candidates("single", strategies, predicted, {})
     chosen = choose(cands, 1)           # K=1 still measures the roles: the plan (= best built-in), best uniform
     assert [c.name for c in chosen] == ["single", "best_uniform"]
-    assert chosen[0].roles == [PLAN, BEST_BUILTIN] and chosen[1].roles == [BEST_UNIFORM_ROLE]
+    assert chosen[0].roles == [PLAN, BEST_BUILTIN, ONE_DEVICE_ROLE] and chosen[1].roles == [BEST_UNIFORM_ROLE]
     third = choose(cands, 3)[2]      # then the fastest predicted other: the mix that pase_dp and refine found
     assert {third.name, *third.aliases} == {"pase_dp", "refine"} and strategy_key(third.strategy) == strategy_key(MIXED)
     assert len(choose(cands, 100)) == len(cands)
@@ -153,7 +153,7 @@ def test_median_absolute_deviation():
 @pytest.mark.slow
 def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastest():
     """tag.optimize(..., tune_target=TARGET, tune_k=3) on three real TF servers (in this process, on
-    loopback): three distinct candidates measured (the plan, the best built-in, the best uniform action
+    loopback): three or four distinct candidates measured (the plan, the best built-in, the best uniform action, one device
     among them), every one in the report with predicted and measured times, and the returned plan is the
     one measured fastest."""
     import tag
@@ -168,14 +168,14 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     plan = tag.optimize(gd, topo, batch_size=24, playouts=8, tune_target=servers[0].target, tune_k=3)
     t = plan.report()["tune"]
     rows = t["candidates"]
-    assert len(rows) == 3 and len({r["name"] for r in rows}) == 3
+    assert 3 <= len(rows) <= 4 and len({r["name"] for r in rows}) == len(rows)   # K, or the roles if more
     roles = [role for r in rows for role in r["roles"]]
-    assert sorted(roles) == sorted([PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE])
+    assert sorted(roles) == sorted([PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE])
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["mad_ms"] >= 0 and r["steps"] == 6 for r in rows)
     fastest = min(rows, key=lambda r: r["measured_ms"])
     assert t["kept"] == fastest["name"] == plan.method and plan.report()["strategy"] == fastest["name"]
     assert t["overrode_simulator"] == (t["kept"] != rows[0]["name"]) and t["seconds"] > 0
-    assert plan.notes[-1].startswith("tuned on the cluster: 3 candidates measured")
+    assert plan.notes[-1].startswith(f"tuned on the cluster: {len(rows)} candidates measured")
 
 
 @pytest.mark.parametrize("bad", [0, -3])
@@ -198,7 +198,7 @@ def test_a_given_builtin_meets_the_best_builtin_and_the_best_uniform_action():
     cands = analysis_candidates(analysis, name, strategy, report)
     assert cands[0].name == "ps" and PLAN in cands[0].roles
     roles = {role: c.name for c in cands for role in c.roles}
-    assert set(roles) == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE}
+    assert set(roles) == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE}
     best_builtin = min((n for n in ("dp_allreduce", "ps", "single", "partition")), key=report["baselines"].get)
     assert roles[BEST_BUILTIN] == best_builtin or best_builtin in next(c.aliases for c in cands
                                                                           if c.name == roles[BEST_BUILTIN])

@@ -17,7 +17,7 @@ Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each s
   (``tag.tune``: the plan, the best built-in, the best uniform action, then the next fastest predicted; K
   left out: as many as cost about 30 steps of the slowest) in interleaved rounds, prints each one's
   predicted and measured step time (median +- MAD), and trains the fastest measured (the report's ``tune``
-  keys). ``--verify`` is ``--tune 2`` (the plan, the best built-in and the best uniform action). Not with
+  keys). ``--verify`` is ``--tune 2`` (the plan, the best built-in, the best uniform action and one device). Not with
   ``--resume`` (the checkpoint fixes the strategy).
 - ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.tensorboard``).
 
