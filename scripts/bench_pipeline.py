@@ -11,7 +11,10 @@ quota (e.g. 20 GFLOP/s and 25 Gbit/s -> 33 Mbit/s). The models are sized so that
 a stage boundary take about as long on such a link as the stage's work (bytes per FLOP at a boundary of an
 MLP of width W with L layers per stage: 8W / (6 L W^2); a 10 x 2048 MLP at 3 stages: 2.0e-4; a 4-layer
 d=384 transformer encoder: about 8d / (72 d^2 L) = 2.2e-4), at global batches where one host alone takes
-most of a second; all-reducing their weights over the same links takes tens of seconds.
+most of a second; all-reducing their weights over the same links takes tens of seconds. The third case, a
+VGG-style CNN whose fully connected head holds 97% of the weights and whose convolutions do about 80% of
+the FLOPs, is the shape where a pipeline must win: its convolutions want every host (few weights to
+all-reduce), its head one host (too many), at a batch (192) where one host takes a few hundred ms.
 
 Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
 per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
@@ -40,7 +43,7 @@ Needs root (namespaces, tc, cgroup v1 cpu). The machine is shared: the load aver
 
 Usage::
 
-    python scripts/bench_pipeline.py                          # 2 cases; calibration included (~10 min)
+    python scripts/bench_pipeline.py                          # 3 cases; calibration included (~15 min)
     python scripts/bench_pipeline.py --quick                  # the MLP only
     python scripts/bench_pipeline.py --json F --save-profile P   # F: rows and the keys
     python scripts/bench_pipeline.py --profile P              # reuse a calibration
@@ -82,6 +85,9 @@ QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 CASES = [
     ("deep-mlp", "mlp", 2048, 10, 48),
     ("transformer", "transformer", 384, 4, 12),
+    # a VGG-style CNN with a large fully connected head (tag.backend.mwms "vgg": 97% of the weights in the
+    # head, ~80% of the FLOPs in the convolutions): the convolutions want every host, the head one host
+    ("vgg", "vgg", None, None, 192),
 ]
 SKIP_FACTOR = 10.0           # an MWMS host set predicted this much slower than MWMS on one host is not run
 TARGETS = {"pipeline_over_best_uniform": 1.25, "best_case": 1.4, "median_abs_rel_error_pipeline": 0.15,
