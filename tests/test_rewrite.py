@@ -340,6 +340,37 @@ def test_uneven_batch_slices_and_seed_scaling():
     assert tiles == {UNEVEN.tf_device(0): [6], UNEVEN.tf_device(1): [2]}
 
 
+def test_fusion_buckets_split_by_placement_and_size_and_the_rewrite_follows_them(monkeypatch):
+    """Groups on the same replicas share a bucket, taken last group first and closed at the byte cap;
+    groups on other replicas, parameter-server or single-device groups stay apart."""
+    import tag.strategy.fusion as fusion
+    from tag.strategy.fusion import bucket_leaders, fusion_buckets
+    ALL, TWO, PS = Action((0, 1, 2), "allreduce"), Action((0, 1), "allreduce"), Action((0, 1, 2), "ps", ps_device=0)
+    actions = [ALL, ALL, TWO, ALL, PS, ALL, Action((0,), "allreduce")]
+    sizes = [5.0, 5.0, 1.0, 1.0, 1.0, 3.0, 1.0]
+    replicated = [True] * 6 + [False]
+    buckets = fusion_buckets(actions, sizes, replicated, exclude={1}, cap=4.0)
+    assert buckets == [(5, 3), (0,), (2,)]
+    assert bucket_leaders(buckets) == {5: 5, 3: 5, 0: 0, 2: 2}
+    assert fusion_buckets(actions, sizes, replicated, cap=100.0) == [(5, 3, 1, 0), (2,)]
+    # the rewrite of a 3-replica MLP whose groups fall into two buckets: two fused collectives
+    gd, ir = mlp()
+    grouping = group_ops(ir, 6)
+    st = Strategy(grouping, [Action((0, 1, 2), "allreduce")] * grouping.num_groups)
+    group_bytes = [0.0] * grouping.num_groups
+    for v in trainables(ir):
+        group_bytes[int(grouping.group_of_op[v.op])] += v.nbytes
+    cap = min(b for b in group_bytes if b > 0)              # every group closes a bucket by itself
+    want = fusion_buckets(st.actions, group_bytes, [True] * grouping.num_groups, cap=cap)
+    assert len(want) >= 2
+    monkeypatch.setattr(fusion, "FUSION_BUCKET_BYTES", cap)
+    res = rewrite(gd, ir, st, THREE)
+    nodes = _nodes(res)
+    keys = {int(tf.make_ndarray(nodes[n.input[3]].attr["value"].tensor)) for n in res.graph_def.node
+            if n.op == "CollectiveReduceV2"}
+    assert len(keys) == len(want)
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_allreduce_collectives_keys(fuse):
     gd, ir = mlp()
@@ -358,9 +389,9 @@ def test_allreduce_collectives_keys(fuse):
     # every collective runs once on each of the 3 replicas, with its own instance key
     assert all(sorted(d) == sorted(THREE.tf_device(i) for i in range(3)) for d in by_instance.values())
     vs = trainables(ir)
-    if fuse:   # one collective per op group holding optimizer updates (as the simulator models it)
+    if fuse:   # one collective per fusion bucket (tag.strategy.fusion, as the simulator models it)
         groups = {int(grouping.group_of_op[ir.op_index[v.apply_op]]) for v in vs}
-        assert len(by_instance) == len(groups) < len(vs)
+        assert len(by_instance) == 1 < len(groups) < len(vs)      # a small MLP: one bucket
         fused = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2" and nodes[n.input[0]].op == "ConcatV2"]
         assert fused
     else:      # one per trainable variable

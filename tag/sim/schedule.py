@@ -35,6 +35,7 @@ from tag.sim.layouts import Layout
 from tag.sim.routing import Routing
 from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import Recording
+from tag.strategy.fusion import fusion_buckets
 from tag.strategy.types import Action
 
 _VECTOR_MIN = 8      # runs of at least this many task instances are simulated with numpy
@@ -134,18 +135,21 @@ class StepSchedule:
 
     def add_collectives(self, actions: list[Action], group_layouts: list[Layout | None],
                         weight_bytes: list[float], gathers: dict[int, list] | None = None,
-                        weight_counts: list[int] | None = None) -> None:
+                        weight_counts: list[int] | None = None, fuse: bool = False) -> None:
         """ps groups pull their variables now (the forward tasks wait); gradients are all-reduced or pushed
         once the tasks producing them have run (``collectives_after``; the update tasks wait). GATHERS:
         op group -> its SFB all-gathers (``tag.sim.sfb.GatherCharge``), issued with its all-reduce; the
         update tasks also wait for each gather's local recompute. WEIGHT_COUNTS: trainable variables per
-        group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker."""
+        group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker.
+        FUSE: all-reduce groups are summed in the buckets of ``tag.strategy.fusion.fusion_buckets`` (one
+        collective per bucket, issued once every gradient of the bucket exists), as the rewriter fuses them."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
         per_tensor = routing.cost.per_tensor_s if weight_counts is not None else 0.0
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
         comm = self.comm_bytes
         coll_of: dict[int, tuple] = {}       # action id -> collective coefficients (() if none)
+        fused = self._fused_buckets(actions, group_layouts, weight_bytes, gathers) if fuse else {}
         for g, a in enumerate(actions):
             W = weight_bytes[g]
             if gathers and g in gathers:
@@ -188,11 +192,37 @@ class StepSchedule:
                     record.collectives.append((c[4], st, end, W * c[5], f"pull {self.group_names[g]}"))
                 kind = "push"
             else:
+                bucket = fused.get(g)
+                if bucket is not None:
+                    if bucket[0] == g:       # the bucket's collective, filed under its first group
+                        W = sum(weight_bytes[h] for h in bucket)
+                        post.setdefault(max(coll_after[h] for h in bucket), []).append((
+                            g, c[4], min(c[0] + c[1] * W, c[2] + c[3] * W), c[5] * W,
+                            [t for h in bucket for t in coll_deps[h]], [t for h in bucket for t in update_tasks[h]],
+                            0.0, "all-reduce", W, group_layouts[g].devices))
+                    continue
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
                 kind = "all-reduce"
             post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], update_tasks[g], 0.0,
                                                        kind, W, group_layouts[g].devices))
         self.comm_bytes = comm
+
+    def _fused_buckets(self, actions: list[Action], group_layouts: list[Layout | None], weight_bytes: list[float],
+                       gathers: dict[int, list] | None) -> dict[int, tuple[int, ...]]:
+        """Op group -> its fusion bucket, for buckets of two groups or more. A bucket whose update tasks
+        would be scheduled before its last gradient (never with the task order of a training step) keeps
+        one collective per group, so that no update task is released before its collective is known."""
+        replicated = [lay is not None and len(lay.devices) > 1 for lay in group_layouts]
+        coll_after, update_tasks = self.tasks.coll_after, self.tasks.update_tasks
+        out: dict[int, tuple[int, ...]] = {}
+        for bucket in fusion_buckets(actions, weight_bytes, replicated, set(gathers or ())):
+            if len(bucket) < 2:
+                continue
+            after = max(coll_after[h] for h in bucket)
+            if all(t > after for h in bucket for t in update_tasks[h]):
+                for h in bucket:
+                    out[h] = bucket
+        return out
 
     def _start_collectives(self, collectives: list[tuple]) -> None:
         """Start COLLECTIVES (issued after one task) once the tasks they wait for have finished on every

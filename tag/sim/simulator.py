@@ -278,7 +278,7 @@ class Simulator:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
         schedule.add_collectives(actions, group_layouts, sfb.weight_bytes, sfb.gathers,
-                                 self.memory.weight_count_list)
+                                 self.memory.weight_count_list, fuse=True)
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes

@@ -23,6 +23,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from tag.strategy.fusion import bucket_leaders, fusion_buckets
+
 from .context import RewriteContext
 from .graph_edit import Range, attr_type, canonical, fill_defaults, split_tensor
 
@@ -123,7 +125,31 @@ class CollectivesMixin(RewriteContext):
                     or not self.grad_dependent[split_tensor(t)[0]] or t in buckets.get((g, self._dtype(t)), []):
                 continue
             buckets.setdefault((g, self._dtype(t)), []).append(t)
-        return buckets
+        return self._merge_across_groups(buckets)
+
+    def _merge_across_groups(self, buckets: dict[BucketKey, list[str]]) -> dict[BucketKey, list[str]]:
+        """BUCKETS (by op group and dtype) merged by ``tag.strategy.fusion.fusion_buckets``: the groups of one
+        fusion bucket (same replicas) share one collective per dtype, filed under the bucket's first group,
+        as the simulator costs it. Pipelines keep one collective per op group (their stages sync apart)."""
+        if self.strategy.pipeline is not None:
+            return buckets
+        grouping = self.strategy.grouping
+        group_bytes = [0.0] * grouping.num_groups
+        sfb_groups = set()
+        sfb = set(self.strategy.sfb)
+        for v in self.ir.variables:
+            if v.kind == "trainable":
+                g = int(grouping.group_of_op[v.op])
+                group_bytes[g] += float(v.nbytes)
+                if v.name in sfb:
+                    sfb_groups.add(g)
+        actions = self.strategy.actions
+        replicated = [a.mode == "allreduce" and len(self._replicas(g)[0]) > 1 for g, a in enumerate(actions)]
+        leader = bucket_leaders(fusion_buckets(actions, group_bytes, replicated, sfb_groups))
+        merged: dict[BucketKey, list[str]] = {}
+        for (g, dtype), ts in sorted(buckets.items(), key=lambda kv: -kv[0][0]):
+            merged.setdefault((leader.get(g, g), dtype), []).extend(ts)
+        return merged
 
     def _fused(self, t: str, dev: int) -> str | None:
         """The name the fused all-reduce gives gradient T on DEV (None: T is not fused there)."""
