@@ -12,7 +12,8 @@ largest of four quantities, each a fact about every schedule the simulator can p
   batch share the lanes of its device group can have, so it never exceeds what the lane is charged);
 - *resource busy time*: every interconnect and NIC direction is a serialised resource, so the step lasts
   at least the summed durations of the collectives (all-reduce, parameter-server pull and push) that
-  hold it (transfers between layouts, which also hold them, are left out);
+  hold it (transfers between layouts, which also hold them, are left out; an all-reduce counts its bytes
+  only, as the groups of one fusion bucket share one fixed cost);
 - *critical path*: a task starts after the tasks it reads have finished somewhere (on the same lane for
   an unchanged layout, through a flow otherwise) and after the collectives it waits for, so its earliest
   finish is at least the longest chain of minimum task durations and collective durations into it; where
@@ -204,7 +205,8 @@ class StepBound:
             if W > 0 and len(devs) > 1 and not sfb:
                 c = sim.routing.collective("allreduce", devs, a.placement, None)
                 if c[5] > 0:
-                    collective_s = min(c[0] + c[1] * W, c[2] + c[3] * W)
+                    # per byte only: groups fused into one bucket (tag.strategy.fusion) share the fixed cost
+                    collective_s = min(c[1], c[3]) * W
                     resources[list(c[4])] += collective_s
         return GroupTerms(mine, weights, busy, resources, static, split, collective_s, pull_s, places,
                           a.mode == "ps")
