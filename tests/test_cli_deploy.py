@@ -386,8 +386,9 @@ def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_the_fa
     r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=_three_host_topology(tmp_path))
     t = r["tune"]
     rows = t["candidates"]
-    assert len(rows) == 3 and len({x["name"] for x in rows}) == 3 and rows[0]["name"] == t["plan"]
-    assert sorted(role for x in rows for role in x["roles"]) == ["best built-in", "best uniform action", "the plan"]
+    assert 3 <= len(rows) <= 4 and len({x["name"] for x in rows}) == len(rows) and rows[0]["name"] == t["plan"]
+    assert sorted(role for x in rows for role in x["roles"]) == ["best built-in", "best uniform action", "one device",
+                                                                 "the plan"]
     assert all(x["measured_ms"] > 0 and x["mad_ms"] >= 0 and x["steps"] == 6 for x in rows)
     kept = min(rows, key=lambda x: x["measured_ms"])["name"]
     assert t["kept"] == kept == r["method"] == r["strategy"] == plan.method       # trained, reported, saved
@@ -396,7 +397,7 @@ def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_the_fa
     assert len(r["measured_losses"]) == 3 and t["seconds"] > 0
     tune_lines = [line for line in err.splitlines() if line.startswith("tag-deploy: tune: ")]
     rounds = [line for line in tune_lines if ": round " in line]
-    assert len(rounds) == 3 * 3 and rounds[0].endswith(f"round 1/3: {rows[0]['name']}")   # interleaved rounds
+    assert len(rounds) == 3 * len(rows) and rounds[0].endswith(f"round 1/3: {rows[0]['name']}")   # interleaved rounds
     assert len(tune_lines) == 1 + 9 + 1 + 3       # what is measured, the rounds, the verdict, one per candidate
     assert all(f"{x['name']} " in "\n".join(tune_lines) for x in rows)
     assert "tune                 measured 3 candidates" in out and out.count("  <- kept") == 1

@@ -631,7 +631,9 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     from tag.backend.runtime.inputs import remote_input_slices
     from tag.strategy.baselines import builtin_strategy
     from tag.strategy.grouping import group_ops
-    topo = loopback_topology(2)
+    from helpers import in_process_servers
+    ports, servers = in_process_servers(2)
+    topo = parse_topology(topo_text(ports))
     gd = tag.zoo.training_graph("mlp", batch_size=8)
     tg = tag.analyze(gd)
     from tag.backend.rewrite import rewrite
@@ -639,7 +641,7 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     placeholders = {n.name: n for n in res.graph_def.node if n.op == "Placeholder"}
     stand_ins = remote_input_slices(res.graph_def, placeholders)
     assert stand_ins, "the second replica's input slices should be made on its own host"
-    for name, node in stand_ins.items():
+    for name, (node, source, _, _) in stand_ins.items():
         src = placeholders[[n for n in res.graph_def.node if n.name == name][0].input[0].split(":")[0]]
         assert node.device.startswith("/job:worker/task:1") and "task:0" in src.device
         dims = [d.size for d in node.attr["shape"].shape.dim]
@@ -648,7 +650,13 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     # the synthetic import maps each of them to a variable on that device, and the graph still imports
     from tag.backend.runtime.steps import _import_graph
     graph, input_map, inits = _import_graph(res.graph_def, synthetic=True, fed_names=set(), seed=0)
-    for name, node in stand_ins.items():
+    for name, (node, _, _, _) in stand_ins.items():
         assert f"{name}:0" in input_map
         assert graph.get_operation_by_name(f"tag_synthetic/{name}/batch").device == node.device
     assert len(inits) == len(placeholders) + len(stand_ins)
+    # each remote share is the same rows of the same synthetic batch (two in-process TF servers)
+    with tf.compat.v1.Session(servers[0].target, graph=graph, config=bounded(session_config())) as sess:
+        sess.run(inits)
+        for name, (node, source, begin, end) in stand_ins.items():
+            share, whole = sess.run([input_map[f"{name}:0"], input_map[f"{source}:0"]])
+            assert share.shape[0] == end[0] - begin[0] and np.array_equal(share, whole[begin[0]:end[0]])

@@ -14,7 +14,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,10 +46,11 @@ def random_feed(op: Any, rng: np.random.Generator) -> np.ndarray:
     return random_input(op.name, dims, op.get_attr("dtype"), rng)
 
 
-def synthetic_input(node: Any) -> tuple[Any, Any]:
+def synthetic_input(node: Any, initial: Callable[[], Any] | None = None) -> tuple[Any, Any]:
     """(initializer, per-step value) of an on-device variable standing in for placeholder NODE (a NodeDef).
 
     Call inside the graph's ``as_default()``; the variable lives on NODE's device, under ``tag_synthetic/``.
+    INITIAL() (called on that device) gives its value instead of a random batch.
     """
     tf = import_tf()
     dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
@@ -59,7 +60,9 @@ def synthetic_input(node: Any) -> tuple[Any, Any]:
         raise GraphError(f"placeholder {node.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
                          "pass feeds= for it")
     with tf.device(node.device), tf.name_scope(f"tag_synthetic/{node.name}/"):
-        if dtype.is_floating:
+        if initial is not None:
+            value = initial()
+        elif dtype.is_floating:
             value = tf.random.normal(dims, dtype=dtype)
         elif dtype.is_integer or dtype.is_bool:
             value = tf.random.uniform(dims, 0, 2, dtype=tf.int64 if dtype == tf.int64 else tf.int32)
@@ -76,13 +79,14 @@ SLICE_PREFIX = "tag/slice/"     # the rewrite's batch slices (tag.backend.rewrit
 
 def remote_input_slices(graph_def: Any, placeholders: dict) -> dict:
     """Slices of PLACEHOLDERS (name -> NodeDef) that a rewritten GRAPH_DEF sends to another device:
-    slice name -> a Placeholder NodeDef of the slice's shape on the device that reads it.
+    slice name -> (a Placeholder NodeDef of the slice's shape on the device that reads it, the sliced
+    placeholder's name, begin, end) with BEGIN/END the slice's bounds (arrays, as StridedSlice takes them).
 
     The rewrite runs a batch source once, whole batch, and slices it for the replicas on the source's
     device; every replica elsewhere receives its slice over the network. ``run_steps(synthetic=True)``
-    makes such a slice on the reading device instead (each host its own share of the batch), so these
-    stand-in nodes carry exactly what ``synthetic_input`` needs. A slice read on several devices, or on
-    its own device, is left alone."""
+    keeps such a slice on the reading device instead (copied there once, when the input batches are made:
+    each host holds its own share of the same batch), so these stand-in nodes carry what
+    ``synthetic_input`` needs. A slice read on several devices, or on its own device, is left alone."""
     tf = import_tf()
     from tensorflow.core.framework import node_def_pb2
     nodes = {n.name: n for n in graph_def.node}
@@ -111,5 +115,5 @@ def remote_input_slices(graph_def: Any, placeholders: dict) -> dict:
         stand_in = node_def_pb2.NodeDef(name=n.name, op="Placeholder", device=next(iter(devices)))
         stand_in.attr["dtype"].CopyFrom(source.attr["dtype"])
         stand_in.attr["shape"].shape.CopyFrom(tf.TensorShape(dims).as_proto())
-        out[n.name] = stand_in
+        out[n.name] = (stand_in, n.input[0].split(":")[0], begin, end)
     return out

@@ -81,15 +81,15 @@ def _import_graph(graph_def: Any, *, synthetic: bool, fed_names: set[str], seed:
     if synthetic:
         with graph.as_default():
             tf.compat.v1.set_random_seed(seed)
-            synthesized = {}
+            synthesized, made = {}, {}
             for node in graph_def.node:
                 if node.op == "Placeholder" and node.name not in fed_names:
                     var_init, value = synthetic_input(node)
                     input_map[f"{node.name}:0"] = value
                     synthetic_init.append(var_init)
-                    synthesized[node.name] = node
-            for name, node in remote_input_slices(graph_def, synthesized).items():
-                var_init, value = synthetic_input(node)
+                    synthesized[node.name], made[node.name] = node, (var_init, value)
+            for name, (node, source, begin, end) in remote_input_slices(graph_def, synthesized).items():
+                var_init, value = synthetic_input(node, _slice_of(made[source], begin, end))
                 input_map[f"{name}:0"] = value
                 synthetic_init.append(var_init)
     with graph.as_default():
@@ -98,6 +98,24 @@ def _import_graph(graph_def: Any, *, synthetic: bool, fed_names: set[str], seed:
         except (ValueError, TypeError) as err:
             raise GraphError(f"cannot import the graph: {err}") from None
     return graph, input_map, synthetic_init
+
+
+def _slice_of(made: tuple, begin, end) -> Callable[[], Any]:
+    """INITIAL for ``synthetic_input``: rows BEGIN..END of the synthetic batch MADE (initializer, value),
+    read once that batch exists (so a replica's share is a slice of the same batch)."""
+    tf = import_tf()
+    source_init, source_value = made
+
+    read = source_value.op
+    while read.type != "ReadVariableOp" and read.inputs:      # the variable's read, under any identities
+        read = read.inputs[0].op
+
+    def initial():
+        with tf.control_dependencies([source_init]):
+            whole = tf.raw_ops.ReadVariableOp(resource=read.inputs[0], dtype=source_value.dtype)
+        mask = (1 << (len(begin) - 1)) - 1
+        return tf.strided_slice(whole, begin, end, begin_mask=mask, end_mask=mask)
+    return initial
 
 
 def _feeder(graph: Any, input_map: Mapping[str, Any], feeds: Mapping[str, Any] | None,
