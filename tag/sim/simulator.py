@@ -85,6 +85,7 @@ from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
 from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
+from tag.sim.kernel import KernelState, choose_kernel
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
@@ -108,7 +109,7 @@ class Simulator:
     ``StepSchedule`` (tag.sim.schedule)."""
 
     def __init__(self, graph: TrainingGraph, topology: Topology, grouping: Grouping,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, kernel: str | None = None):
         n = len(graph.ops)
         if len(grouping.group_of_op) != n:
             raise StrategyError(f"grouping covers {len(grouping.group_of_op)} ops but the graph has {n}")
@@ -136,6 +137,10 @@ class Simulator:
         self._valid_actions: set[Action] = set()
         self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
         self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
+        # "compiled" (tag.sim.kernel, numba) or "python" (the reference: tag.sim.schedule and tag.sim.memory)
+        self.kernel = choose_kernel(kernel)
+        self._kernel = (KernelState(self.tasks, self.memory, self.routing, self._device_memory)
+                        if self.kernel == "compiled" else None)
 
     @property
     def cost_model(self) -> CostModel:
@@ -254,6 +259,10 @@ class Simulator:
         self.layouts.use_speeds(strategy.device_speeds)
         if strategy.pipeline is not None:
             return self._run_pipeline(strategy.pipeline, batch, record)
+        if self._kernel is not None and record is None and not strategy.sfb:
+            result = self._run_compiled(strategy, batch)
+            if result is not None:
+                return result
         actions = strategy.actions
         # distinct actions (by object: strategies usually share Action objects between groups)
         distinct: dict[int, Action] = {}
@@ -284,6 +293,62 @@ class Simulator:
             record.lanes = lanes
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
         return self._result(actions, distinct, plans, lanes, batch, step, schedule, sfb)
+
+    def _run_compiled(self, strategy: Strategy, batch: int) -> SimResult | None:
+        """One step on the compiled kernel (tag.sim.kernel); None where it does not apply (a partition task
+        split over several devices), for the Python reference to run."""
+        kernel, cache = self._kernel, self.layouts
+        kernel.begin()
+        actions = strategy.actions
+        ids = list(map(id, actions))
+        local = dict.fromkeys(ids)           # distinct actions (by object), in order of first use
+        objects = dict(zip(ids, actions))
+        special: set[int] = set()            # devices that need a lane of their own
+        local_actions = []
+        for i, key in enumerate(local):
+            local[key] = i
+            a = objects[key]
+            local_actions.append(a)
+            if a.mode == "ps":
+                special.add(int(a.ps_device))
+        group_local = np.fromiter(map(local.__getitem__, ids), dtype=np.int64, count=len(ids))
+        local_ai = np.empty(len(local_actions), dtype=np.int64)
+        any_partition = False
+        for i, a in enumerate(local_actions):
+            ai = kernel.action_index.get(a)
+            if ai is None:
+                self._check_action(a)
+                ai = kernel.action(a, cache.devices_of(a.placement))
+            local_ai[i] = ai
+            any_partition |= a.mode == "partition"
+        plans = self._partition_plans(strategy, special) if any_partition else {}
+        for plan in plans.values():
+            if any(kind == "split" for kind, _ in plan["tasks"].values()):
+                return None
+        lanes = cache.lanes(frozenset(special))
+        local_rep = np.full(len(local_actions), -1, dtype=np.int64)
+        local_upd = np.full(len(local_actions), -1, dtype=np.int64)
+        for i, a in enumerate(local_actions):
+            if a.mode != "partition":
+                local_rep[i] = local_upd[i] = kernel.layout(cache.replicated_layout(a.placement, lanes, batch))
+                if a.mode == "ps":
+                    local_upd[i] = kernel.layout(cache.device_layout(int(a.ps_device), lanes, batch))
+        task_override, static0 = kernel.no_override, kernel.static_zero
+        if plans:
+            task_override = task_override.copy()
+            for plan in plans.values():
+                for t, lay in cache.partition_layouts(plan, lanes, batch).items():
+                    task_override[t] = kernel.layout(lay)
+            static0 = self.memory.partition_static(plans, self.topology.num_devices)
+        lane_of_device = lanes.lane_of_device
+        step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
+            group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0)
+        oom = np.flatnonzero(peak > self._device_memory)
+        features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
+                           self.tasks.task_by_group_starts, lane_of_device, step, collective_end, start, finish,
+                           self.topology.num_devices)
+        return SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
+                         batch, _features=features)
 
     # ------------------------------------------------------------------ pipelines
     def pipeline_tasks(self, pipeline: Pipeline) -> PipelineTasks:
@@ -398,3 +463,11 @@ class Simulator:
                            schedule.start, schedule.finish, num_devices)
         return SimResult(float(step) + self._step_overhead, peak, len(oom) == 0, [int(d) for d in oom],
                          float(schedule.comm_bytes), static, activation, batch, _features=features)
+
+
+def _features_of_schedule(num_groups: int, task_by_group: np.ndarray, task_by_group_starts: np.ndarray,
+                          lane_of_device: np.ndarray, step: float, collective_end: np.ndarray, start: np.ndarray,
+                          finish: np.ndarray, num_devices: int) -> dict[str, np.ndarray]:
+    """``schedule_features`` of the compiled kernel's schedule (which lanes ran which task: finish >= 0)."""
+    return schedule_features(num_groups, task_by_group, task_by_group_starts, lane_of_device, step, collective_end,
+                             finish >= 0, start, finish, num_devices)
