@@ -34,13 +34,7 @@ import os
 
 import numpy as np
 
-try:        # numba is an install requirement; without it the simulator runs its Python reference
-    import numba
-    from numba import njit
-    from numba import types as _nt
-    from numba.typed import Dict as _TypedDict
-except ImportError:         # pragma: no cover - exercised only where numba is missing
-    numba = None
+import importlib.util
 
 ENV_VAR = "TAG_SIM_KERNEL"
 KERNELS = ("compiled", "python")
@@ -49,9 +43,29 @@ MODE_CODE = {"allreduce": 0, "ps": 1, "partition": 2}
 COLL_NONE, COLL_ALLREDUCE, COLL_PS = 0, 1, 2
 
 
+_compiled = None        # the jitted _simulate, built on first use (numba's import takes about half a second)
+
+
 def available() -> bool:
-    """Whether the compiled kernel can run here (numba imports)."""
-    return numba is not None
+    """Whether the compiled kernel can run here (numba is installed)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def compiled_simulate():
+    """The compiled ``_simulate`` (numba, cached on disk: the first call in a fresh install compiles it,
+    about 10 s; later processes load it in well under a second)."""
+    global _compiled
+    if _compiled is None:
+        from numba import njit
+        _compiled = njit(cache=True, nogil=True)(_simulate)
+    return _compiled
+
+
+def _int_dict():
+    """An empty numba typed dict int64 -> int64 (readable inside the kernel)."""
+    from numba import types
+    from numba.typed import Dict
+    return Dict.empty(key_type=types.int64, value_type=types.int64)
 
 
 def choose_kernel(kernel: str | None) -> str:
@@ -158,7 +172,7 @@ class KernelState:
         self.dur = _Rows(np.float64, width=max(T, 1))
         self._layouts: list = []                           # dense index -> Layout
         # routes between two layouts: pair key -> dense index; deps (dst lane, src lane) and routes
-        self.pair_index = _TypedDict.empty(key_type=_nt.int64, value_type=_nt.int64)
+        self.pair_index = _int_dict()
         self.m_dep_start, self.m_rt_start = _Rows(np.int64), _Rows(np.int64)
         self.m_dep_start.extend([0])
         self.m_rt_start.extend([0])
@@ -259,8 +273,9 @@ class KernelState:
             task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
         peak, static and activation bytes per device)."""
+        simulate = compiled_simulate()
         for _ in range(2):
-            out = _simulate(
+            out = simulate(
                 group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device, static0,
                 self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
                 self.b_own_fx, self.b_own_n, self.sh_start, self.sh_tid, self.sh_pe, self.sh_fx,
@@ -280,295 +295,297 @@ class KernelState:
         raise RuntimeError("simulation kernel: routes between layouts still missing after registering them")
 
 
-if numba is not None:
-    @njit(cache=True, nogil=True)
-    def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0,
-                  task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
-                  sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
-                  after_start, after_group, w_bytes, w_count, slot_bytes, state_bytes,
-                  live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
-                  a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
-                  l_start, i_lane, i_batch, i_row, dur,
-                  pair_index, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
-        T = task_group.shape[0]
-        G = group_local.shape[0]
-        B = b_src.shape[0]
-        D = local_ai.shape[0]
-        # ---- layout of every task
-        task_layout = np.empty(T, np.int64)
-        for t in range(T):
-            if task_override[t] >= 0:
-                task_layout[t] = task_override[t]
-            else:
-                loc = group_local[task_group[t]]
-                task_layout[t] = local_upd[loc] if task_stage[t] == 2 else local_rep[loc]
-        group_mode = np.empty(G, np.int64)
-        for g in range(G):
-            group_mode[g] = a_mode[local_ai[group_local[g]]]
-        # ---- flows: tensors from a task to the tasks of one other layout (bundles sorted by producer)
-        flow_src = np.empty(B, np.int64)
-        flow_dst_layout = np.empty(B, np.int64)
-        flow_wait_all = np.zeros(B, np.bool_)
-        flow_pe = np.zeros(B)
-        flow_fx = np.zeros(B)
-        flow_n = np.zeros(B, np.int64)
-        flow_move = np.full(B, -1, np.int64)
-        bundle_flow = np.full(B, -1, np.int64)
-        sent_tid = np.empty(sh_tid.shape[0], np.int64)      # shared tensors sent by the current producer
-        sent_layout = np.empty(sh_tid.shape[0], np.int64)
-        missing = np.empty(B, np.int64)
-        num_missing = 0
-        F = 0
-        producer = -1
-        producer_first_flow = 0
-        num_sent = 0
-        into_count = np.zeros(T + 1, np.int64)
-        for b in range(B):
-            k, t = b_src[b], b_dst[b]
-            lk, ld = task_layout[k], task_layout[t]
-            if lk == ld:
-                continue
-            if k != producer:
-                producer = k
-                producer_first_flow = F
-                num_sent = 0
-            wait_all = b_same[b] and group_mode[task_group[k]] == 1
-            m = -1
-            for j in range(producer_first_flow, F):
-                if flow_dst_layout[j] == ld and flow_wait_all[j] == wait_all:
-                    m = j
+def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0,
+              task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
+              sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
+              after_start, after_group, w_bytes, w_count, slot_bytes, state_bytes,
+              live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
+              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
+              l_start, i_lane, i_batch, i_row, dur,
+              pair_index, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
+    """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
+    layouts, ps pulls, the list schedule with transfers and collectives, static and activation memory.
+    Returns (layout pairs without registered routes (then nothing else is valid), step, comm bytes, start,
+    finish, batch [lane, task], collective end per group, peak, static and activation bytes per device)."""
+    T = task_group.shape[0]
+    G = group_local.shape[0]
+    B = b_src.shape[0]
+    D = local_ai.shape[0]
+    # ---- layout of every task
+    task_layout = np.empty(T, np.int64)
+    for t in range(T):
+        if task_override[t] >= 0:
+            task_layout[t] = task_override[t]
+        else:
+            loc = group_local[task_group[t]]
+            task_layout[t] = local_upd[loc] if task_stage[t] == 2 else local_rep[loc]
+    group_mode = np.empty(G, np.int64)
+    for g in range(G):
+        group_mode[g] = a_mode[local_ai[group_local[g]]]
+    # ---- flows: tensors from a task to the tasks of one other layout (bundles sorted by producer)
+    flow_src = np.empty(B, np.int64)
+    flow_dst_layout = np.empty(B, np.int64)
+    flow_wait_all = np.zeros(B, np.bool_)
+    flow_pe = np.zeros(B)
+    flow_fx = np.zeros(B)
+    flow_n = np.zeros(B, np.int64)
+    flow_move = np.full(B, -1, np.int64)
+    bundle_flow = np.full(B, -1, np.int64)
+    sent_tid = np.empty(sh_tid.shape[0], np.int64)      # shared tensors sent by the current producer
+    sent_layout = np.empty(sh_tid.shape[0], np.int64)
+    missing = np.empty(B, np.int64)
+    num_missing = 0
+    F = 0
+    producer = -1
+    producer_first_flow = 0
+    num_sent = 0
+    into_count = np.zeros(T + 1, np.int64)
+    for b in range(B):
+        k, t = b_src[b], b_dst[b]
+        lk, ld = task_layout[k], task_layout[t]
+        if lk == ld:
+            continue
+        if k != producer:
+            producer = k
+            producer_first_flow = F
+            num_sent = 0
+        wait_all = b_same[b] and group_mode[task_group[k]] == 1
+        m = -1
+        for j in range(producer_first_flow, F):
+            if flow_dst_layout[j] == ld and flow_wait_all[j] == wait_all:
+                m = j
+                break
+        if m < 0:
+            m = F
+            F += 1
+            flow_src[m] = k
+            flow_dst_layout[m] = ld
+            flow_wait_all[m] = wait_all
+            if not wait_all:
+                key = (lk << 32) | ld
+                mi = pair_index.get(key, -1)
+                if mi < 0:
+                    missing[num_missing] = key
+                    num_missing += 1
+                flow_move[m] = mi
+        flow_pe[m] += b_own_pe[b]
+        flow_fx[m] += b_own_fx[b]
+        flow_n[m] += b_own_n[b]
+        for s in range(sh_start[b], sh_start[b + 1]):
+            tid = sh_tid[s]
+            seen = False
+            for j in range(num_sent):
+                if sent_tid[j] == tid and sent_layout[j] == ld:
+                    seen = True
                     break
-            if m < 0:
-                m = F
-                F += 1
-                flow_src[m] = k
-                flow_dst_layout[m] = ld
-                flow_wait_all[m] = wait_all
-                if not wait_all:
-                    key = (lk << 32) | ld
-                    mi = pair_index.get(key, -1)
-                    if mi < 0:
-                        missing[num_missing] = key
-                        num_missing += 1
-                    flow_move[m] = mi
-            flow_pe[m] += b_own_pe[b]
-            flow_fx[m] += b_own_fx[b]
-            flow_n[m] += b_own_n[b]
-            for s in range(sh_start[b], sh_start[b + 1]):
-                tid = sh_tid[s]
-                seen = False
-                for j in range(num_sent):
-                    if sent_tid[j] == tid and sent_layout[j] == ld:
-                        seen = True
-                        break
-                if not seen:
-                    sent_tid[num_sent] = tid
-                    sent_layout[num_sent] = ld
-                    num_sent += 1
-                    flow_pe[m] += sh_pe[s]
-                    flow_fx[m] += sh_fx[s]
-                    flow_n[m] += 1
-            bundle_flow[b] = m
-            into_count[t + 1] += 1
-        empty2 = np.zeros((0, 0))
-        empty1 = np.zeros(0)
-        if num_missing:
-            return missing[:num_missing], 0.0, 0.0, empty2, empty2, empty2, empty1, empty1, empty1, empty1
-        # flows into each task (CSR) and out of each task (flows are numbered by producer)
-        into_start = np.cumsum(into_count)
-        into_flow = np.empty(into_start[T], np.int64)
-        fill = into_start[:T].copy()
-        for b in range(B):
-            m = bundle_flow[b]
-            if m >= 0:
-                t = b_dst[b]
-                into_flow[fill[t]] = m
-                fill[t] += 1
-        out_start = np.zeros(T + 1, np.int64)
-        for m in range(F):
-            out_start[flow_src[m] + 1] += 1
-        for t in range(T):
-            out_start[t + 1] += out_start[t]
-        arrival = np.zeros((max(F, 1), nl))
-        # ---- collectives: pulls now, all-reduces and pushes once their gradients are ready
-        resource_free = np.zeros(NR)
-        lane_free = np.zeros(nl)
-        release = np.zeros(T)
-        task_finish = np.zeros(T)
-        collective_end = np.zeros(G)
-        coll_dur = np.zeros(G)
-        coll_bytes = np.zeros(G)
-        coll_on = np.zeros(G, np.bool_)
-        comm = 0.0
-        for g in range(G):
+            if not seen:
+                sent_tid[num_sent] = tid
+                sent_layout[num_sent] = ld
+                num_sent += 1
+                flow_pe[m] += sh_pe[s]
+                flow_fx[m] += sh_fx[s]
+                flow_n[m] += 1
+        bundle_flow[b] = m
+        into_count[t + 1] += 1
+    empty2 = np.zeros((0, 0))
+    empty1 = np.zeros(0)
+    if num_missing:
+        return missing[:num_missing], 0.0, 0.0, empty2, empty2, empty2, empty1, empty1, empty1, empty1
+    # flows into each task (CSR) and out of each task (flows are numbered by producer)
+    into_start = np.cumsum(into_count)
+    into_flow = np.empty(into_start[T], np.int64)
+    fill = into_start[:T].copy()
+    for b in range(B):
+        m = bundle_flow[b]
+        if m >= 0:
+            t = b_dst[b]
+            into_flow[fill[t]] = m
+            fill[t] += 1
+    out_start = np.zeros(T + 1, np.int64)
+    for m in range(F):
+        out_start[flow_src[m] + 1] += 1
+    for t in range(T):
+        out_start[t + 1] += out_start[t]
+    arrival = np.zeros((max(F, 1), nl))
+    # ---- collectives: pulls now, all-reduces and pushes once their gradients are ready
+    resource_free = np.zeros(NR)
+    lane_free = np.zeros(nl)
+    release = np.zeros(T)
+    task_finish = np.zeros(T)
+    collective_end = np.zeros(G)
+    coll_dur = np.zeros(G)
+    coll_bytes = np.zeros(G)
+    coll_on = np.zeros(G, np.bool_)
+    comm = 0.0
+    for g in range(G):
+        ai = local_ai[group_local[g]]
+        W = w_bytes[g]
+        if W <= 0 or a_mode[ai] == 2 or a_ckind[ai] == 0 or a_c[ai, 4] <= 0:
+            continue
+        if a_ckind[ai] == 2:
+            d = a_c[ai, 0] + a_c[ai, 1] * W
+            if per_tensor > 0.0:
+                d += per_tensor * w_count[g] * a_c[ai, 5]
+            st = 0.0
+            for j in range(a_res_start[ai], a_res_start[ai + 1]):
+                if resource_free[a_res[j]] > st:
+                    st = resource_free[a_res[j]]
+            end = st + d
+            for j in range(a_res_start[ai], a_res_start[ai + 1]):
+                resource_free[a_res[j]] = end
+            comm += a_c[ai, 4] * W
+            for j in range(fwd_start[g], fwd_start[g + 1]):
+                if end > release[fwd_task[j]]:
+                    release[fwd_task[j]] = end
+        else:
+            d = min(a_c[ai, 0] + a_c[ai, 1] * W, a_c[ai, 2] + a_c[ai, 3] * W)
+        coll_dur[g] = d
+        coll_bytes[g] = a_c[ai, 4] * W
+        coll_on[g] = True
+    # ---- the list schedule
+    start = np.zeros((nl, T))
+    finish = np.full((nl, T), -1.0)
+    batch = np.zeros((nl, T))
+    for k in range(T):
+        L = task_layout[k]
+        r0 = release[k]
+        latest = 0.0
+        for i in range(l_start[L], l_start[L + 1]):
+            lane = i_lane[i]
+            r = r0
+            for j in range(into_start[k], into_start[k + 1]):
+                x = arrival[into_flow[j], lane]
+                if x > r:
+                    r = x
+            s = lane_free[lane]
+            if r > s:
+                s = r
+            f = s + dur[i_row[i], k]
+            lane_free[lane] = f
+            start[lane, k] = s
+            finish[lane, k] = f
+            batch[lane, k] = i_batch[i]
+            if f > latest:
+                latest = f
+        task_finish[k] = latest
+        # transfers out of task k, then the collectives it completes (groups of task -1 after task 0)
+        for m in range(out_start[k], out_start[k + 1]):
+            ld = flow_dst_layout[m]
+            if flow_wait_all[m]:
+                for i in range(l_start[ld], l_start[ld + 1]):
+                    arrival[m, i_lane[i]] = task_finish[k]
+                continue
+            mi = flow_move[m]
+            for j in range(m_dep_start[mi], m_dep_start[mi + 1]):
+                y = finish[d_sl[j], k]
+                if y > arrival[m, d_dl[j]]:
+                    arrival[m, d_dl[j]] = y
+            tensor_s = flow_n[m] * per_tensor
+            pe, fx = flow_pe[m], flow_fx[m]
+            nbytes = 0.0
+            for j in range(m_rt_start[mi], m_rt_start[mi + 1]):
+                nb = pe * r_f[j, 2] + fx * r_f[j, 3]
+                if nb <= 0:
+                    continue
+                nbytes += nb
+                sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
+                st = finish[sl, k]
+                if resource_free[r1] > st:
+                    st = resource_free[r1]
+                if r2 >= 0:
+                    if resource_free[r2] > st:
+                        st = resource_free[r2]
+                    st += nb * r_f[j, 1] + tensor_s
+                    resource_free[r2] = st
+                else:
+                    st += nb * r_f[j, 1]
+                resource_free[r1] = st
+                st += r_f[j, 0]
+                if st > arrival[m, dl]:
+                    arrival[m, dl] = st
+            comm += nbytes
+        first = after_start[k + 1]
+        if k == 0:
+            first = after_start[0]
+        for j in range(first, after_start[k + 2]):
+            g = after_group[j]
+            if not coll_on[g]:
+                continue
             ai = local_ai[group_local[g]]
-            W = w_bytes[g]
-            if W <= 0 or a_mode[ai] == 2 or a_ckind[ai] == 0 or a_c[ai, 4] <= 0:
-                continue
-            if a_ckind[ai] == 2:
-                d = a_c[ai, 0] + a_c[ai, 1] * W
-                if per_tensor > 0.0:
-                    d += per_tensor * w_count[g] * a_c[ai, 5]
-                st = 0.0
-                for j in range(a_res_start[ai], a_res_start[ai + 1]):
-                    if resource_free[a_res[j]] > st:
-                        st = resource_free[a_res[j]]
-                end = st + d
-                for j in range(a_res_start[ai], a_res_start[ai + 1]):
-                    resource_free[a_res[j]] = end
-                comm += a_c[ai, 4] * W
-                for j in range(fwd_start[g], fwd_start[g + 1]):
-                    if end > release[fwd_task[j]]:
-                        release[fwd_task[j]] = end
-            else:
-                d = min(a_c[ai, 0] + a_c[ai, 1] * W, a_c[ai, 2] + a_c[ai, 3] * W)
-            coll_dur[g] = d
-            coll_bytes[g] = a_c[ai, 4] * W
-            coll_on[g] = True
-        # ---- the list schedule
-        start = np.zeros((nl, T))
-        finish = np.full((nl, T), -1.0)
-        batch = np.zeros((nl, T))
-        for k in range(T):
-            L = task_layout[k]
-            r0 = release[k]
-            latest = 0.0
-            for i in range(l_start[L], l_start[L + 1]):
-                lane = i_lane[i]
-                r = r0
-                for j in range(into_start[k], into_start[k + 1]):
-                    x = arrival[into_flow[j], lane]
-                    if x > r:
-                        r = x
-                s = lane_free[lane]
-                if r > s:
-                    s = r
-                f = s + dur[i_row[i], k]
-                lane_free[lane] = f
-                start[lane, k] = s
-                finish[lane, k] = f
-                batch[lane, k] = i_batch[i]
-                if f > latest:
-                    latest = f
-            task_finish[k] = latest
-            # transfers out of task k, then the collectives it completes (groups of task -1 after task 0)
-            for m in range(out_start[k], out_start[k + 1]):
-                ld = flow_dst_layout[m]
-                if flow_wait_all[m]:
-                    for i in range(l_start[ld], l_start[ld + 1]):
-                        arrival[m, i_lane[i]] = task_finish[k]
-                    continue
-                mi = flow_move[m]
-                for j in range(m_dep_start[mi], m_dep_start[mi + 1]):
-                    y = finish[d_sl[j], k]
-                    if y > arrival[m, d_dl[j]]:
-                        arrival[m, d_dl[j]] = y
-                tensor_s = flow_n[m] * per_tensor
-                pe, fx = flow_pe[m], flow_fx[m]
-                nbytes = 0.0
-                for j in range(m_rt_start[mi], m_rt_start[mi + 1]):
-                    nb = pe * r_f[j, 2] + fx * r_f[j, 3]
-                    if nb <= 0:
-                        continue
-                    nbytes += nb
-                    sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
-                    st = finish[sl, k]
-                    if resource_free[r1] > st:
-                        st = resource_free[r1]
-                    if r2 >= 0:
-                        if resource_free[r2] > st:
-                            st = resource_free[r2]
-                        st += nb * r_f[j, 1] + tensor_s
-                        resource_free[r2] = st
-                    else:
-                        st += nb * r_f[j, 1]
-                    resource_free[r1] = st
-                    st += r_f[j, 0]
-                    if st > arrival[m, dl]:
-                        arrival[m, dl] = st
-                comm += nbytes
-            first = after_start[k + 1]
-            if k == 0:
-                first = after_start[0]
-            for j in range(first, after_start[k + 2]):
-                g = after_group[j]
-                if not coll_on[g]:
-                    continue
-                ai = local_ai[group_local[g]]
-                st = 0.0
-                for q in range(dep_start[g], dep_start[g + 1]):
-                    if task_finish[dep_task[q]] > st:
-                        st = task_finish[dep_task[q]]
-                for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                    if resource_free[a_res[q]] > st:
-                        st = resource_free[a_res[q]]
-                end = st + coll_dur[g]
-                for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                    resource_free[a_res[q]] = end
-                comm += coll_bytes[g]
-                if end > collective_end[g]:
-                    collective_end[g] = end
-                for q in range(upd_start[g], upd_start[g + 1]):
-                    if end > release[upd_task[q]]:
-                        release[upd_task[q]] = end
-        step = 0.0
-        for lane in range(nl):
-            if lane_free[lane] > step:
-                step = lane_free[lane]
-        for r in range(NR):
-            if resource_free[r] > step:
-                step = resource_free[r]
-        for g in range(G):
-            if collective_end[g] > step:
-                step = collective_end[g]
-        # ---- memory: static bytes per device, activation peak per lane
-        num_devices = device_memory.shape[0]
-        static = static0.copy()
-        w_loc = np.zeros(D)
-        s_loc = np.zeros(D)
-        st_loc = np.zeros(D)
-        for g in range(G):
-            loc = group_local[g]
-            w_loc[loc] += w_bytes[g]
-            s_loc[loc] += slot_bytes[g]
-            st_loc[loc] += state_bytes[g]
-        for loc in range(D):
-            ai = local_ai[loc]
-            mode = a_mode[ai]
-            if mode == 2:
-                continue
-            if mode == 1:
-                x = 2 * w_loc[loc] + st_loc[loc]
-                for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
-                    static[a_dev[j]] += x
-                static[a_ps[ai]] += 2 * w_loc[loc] + s_loc[loc]
-            else:
-                x = 2 * w_loc[loc] + s_loc[loc] + st_loc[loc]
-                for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
-                    static[a_dev[j]] += x
-        peak_lane = np.zeros(nl)
-        delta = np.empty(T + 1)
-        R = live_src.shape[0]
-        for lane in range(nl):
-            delta[:] = 0.0
-            for j in range(R):
-                s = live_src[j]
-                if finish[lane, s] >= 0:
-                    held = live_fx[j] + batch[lane, s] * live_pe[j]
-                    delta[s] += held
-                    delta[live_last[j] + 1] -= held
-            live = 0.0
-            best = 0.0
-            for t in range(T):
-                live += delta[t]
-                if finish[lane, t] >= 0:
-                    x = live + (work_fx[t] + batch[lane, t] * work_pe[t])
-                    if x > best:
-                        best = x
-            peak_lane[lane] = best
-        activation = np.empty(num_devices)
-        peak = np.empty(num_devices)
-        for d in range(num_devices):
-            activation[d] = peak_lane[lane_of_device[d]]
-            peak[d] = static[d] + activation[d]
-        return missing[:0], step, comm, start, finish, batch, collective_end, peak, static, activation
+            st = 0.0
+            for q in range(dep_start[g], dep_start[g + 1]):
+                if task_finish[dep_task[q]] > st:
+                    st = task_finish[dep_task[q]]
+            for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                if resource_free[a_res[q]] > st:
+                    st = resource_free[a_res[q]]
+            end = st + coll_dur[g]
+            for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                resource_free[a_res[q]] = end
+            comm += coll_bytes[g]
+            if end > collective_end[g]:
+                collective_end[g] = end
+            for q in range(upd_start[g], upd_start[g + 1]):
+                if end > release[upd_task[q]]:
+                    release[upd_task[q]] = end
+    step = 0.0
+    for lane in range(nl):
+        if lane_free[lane] > step:
+            step = lane_free[lane]
+    for r in range(NR):
+        if resource_free[r] > step:
+            step = resource_free[r]
+    for g in range(G):
+        if collective_end[g] > step:
+            step = collective_end[g]
+    # ---- memory: static bytes per device, activation peak per lane
+    num_devices = device_memory.shape[0]
+    static = static0.copy()
+    w_loc = np.zeros(D)
+    s_loc = np.zeros(D)
+    st_loc = np.zeros(D)
+    for g in range(G):
+        loc = group_local[g]
+        w_loc[loc] += w_bytes[g]
+        s_loc[loc] += slot_bytes[g]
+        st_loc[loc] += state_bytes[g]
+    for loc in range(D):
+        ai = local_ai[loc]
+        mode = a_mode[ai]
+        if mode == 2:
+            continue
+        if mode == 1:
+            x = 2 * w_loc[loc] + st_loc[loc]
+            for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                static[a_dev[j]] += x
+            static[a_ps[ai]] += 2 * w_loc[loc] + s_loc[loc]
+        else:
+            x = 2 * w_loc[loc] + s_loc[loc] + st_loc[loc]
+            for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                static[a_dev[j]] += x
+    peak_lane = np.zeros(nl)
+    delta = np.empty(T + 1)
+    R = live_src.shape[0]
+    for lane in range(nl):
+        delta[:] = 0.0
+        for j in range(R):
+            s = live_src[j]
+            if finish[lane, s] >= 0:
+                held = live_fx[j] + batch[lane, s] * live_pe[j]
+                delta[s] += held
+                delta[live_last[j] + 1] -= held
+        live = 0.0
+        best = 0.0
+        for t in range(T):
+            live += delta[t]
+            if finish[lane, t] >= 0:
+                x = live + (work_fx[t] + batch[lane, t] * work_pe[t])
+                if x > best:
+                    best = x
+        peak_lane[lane] = best
+    activation = np.empty(num_devices)
+    peak = np.empty(num_devices)
+    for d in range(num_devices):
+        activation[d] = peak_lane[lane_of_device[d]]
+        peak[d] = static[d] + activation[d]
+    return missing[:0], step, comm, start, finish, batch, collective_end, peak, static, activation

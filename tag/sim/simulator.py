@@ -141,6 +141,7 @@ class Simulator:
         self.kernel = choose_kernel(kernel)
         self._kernel = (KernelState(self.tasks, self.memory, self.routing, self._device_memory)
                         if self.kernel == "compiled" else None)
+        self.compiled_evaluations = 0        # evaluations the compiled kernel ran (the rest ran the reference)
 
     @property
     def cost_model(self) -> CostModel:
@@ -343,6 +344,7 @@ class Simulator:
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0)
+        self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
                            self.tasks.task_by_group_starts, lane_of_device, step, collective_end, start, finish,
