@@ -167,6 +167,14 @@ class KernelState:
         self.l_start = _Rows(np.int64)
         self.l_start.extend([0])
         self.i_lane, self.i_batch, self.i_row = _Rows(np.int64), _Rows(np.float64), _Rows(np.int64)
+        self.i_seconds = _Rows(np.float64)                # a split task's part: its duration (i_row is -1)
+        self.l_split = _Rows(np.bool_)                    # layout -> a partition task split over devices
+        # transfers between the parts of a split task: (src part, dst part, resource 1, resource 2 or -1)
+        # and (latency, s/byte, bytes), per layout (CSR)
+        self.l_int_start = _Rows(np.int64)
+        self.l_int_start.extend([0])
+        self.int_lane = _Rows(np.int64, width=4)
+        self.int_f = _Rows(np.float64, width=3)
         self._row_of: dict[int, int] = {}                  # id(duration array) -> row
         self._row_arrays: list[np.ndarray] = []            # keeps those arrays alive (ids stay unique)
         self.dur = _Rows(np.float64, width=max(T, 1))
@@ -219,48 +227,79 @@ class KernelState:
         self.action_index[a] = i
         return i
 
-    def layout(self, lay) -> int:
-        """Dense index of layout LAY (replicated or single-device), registering it on first sight."""
+    def layout(self, lay, parts: list | None = None) -> int:
+        """Dense index of layout LAY, registering it on first sight (PARTS: a split partition task's
+        [(device, its ops)] in run order)."""
         li = self.layout_index.get(lay.id)
         if li is not None:
             return li
-        rows = []
-        for _, _, _, ta in lay.insts:
+        rows, seconds = [], []
+        split = lay.kind == "split"
+        for _, d, _, ta in lay.insts:
+            if split:
+                rows.append(-1)
+                seconds.append(float(d))
+                continue
             r = self._row_of.get(id(ta))
             if r is None:
                 r = self.dur.extend([ta])
                 self._row_of[id(ta)] = r
                 self._row_arrays.append(ta)
             rows.append(r)
+            seconds.append(0.0)
         self.i_lane.extend([i[0] for i in lay.insts])
         self.i_batch.extend([i[2] for i in lay.insts])
         self.i_row.extend(rows)
+        self.i_seconds.extend(seconds)
         self.l_start.extend([self.i_lane.size])
+        self.l_split.extend([split])
+        if split:
+            part_of = {d: k for k, (d, _) in enumerate(parts)}
+            moved = self.routing.split_internal_moves(lay.key[1], parts, lay)
+            for (ds, dd), nb in moved.items():
+                if nb <= 0:
+                    continue
+                res, lat, ipb = self.routing.route(ds, dd)
+                self.int_lane.extend([(part_of[ds], part_of[dd], res[0], res[1] if len(res) == 2 else -1)])
+                self.int_f.extend([(lat, ipb, nb)])
+        self.l_int_start.extend([self.int_lane.size])
         li = len(self._layouts)
         self._layouts.append(lay)
         self.layout_index[lay.id] = li
         return li
 
-    def add_moves(self, keys: np.ndarray) -> None:
-        """Register the routes between the layout pairs KEYS (src index << 32 | dst index)."""
+    def add_moves(self, keys: np.ndarray, plans: dict) -> None:
+        """Register the routes of KEYS: src index << 32 | dst index (a flow between two layouts), or
+        -1 - (bundle << 34 | src index << 17 | dst index) (a bundle to or from a split partition task,
+        whose transfers carry fixed bytes: examples 0, copies = bytes; PLANS: the partition plans)."""
         routing = self.routing
         for key in dict.fromkeys(keys.tolist()):
             if key in self.pair_index:
                 continue
-            ls, ld = self._layouts[key >> 32], self._layouts[key & 0xFFFFFFFF]
-            mk = ("c", ls.id, ld.id)
-            cm = routing.moves.get(mk)
-            if cm is None:
-                cm = routing.compiled_moves(mk, ls, ld)
-            deps, routes1, routes2, _ = cm
+            if key < 0:
+                code = -1 - key
+                b, ls, ld = code >> 34, self._layouts[(code >> 17) & 0x1FFFF], self._layouts[code & 0x1FFFF]
+                deps, transfers = routing.split_moves(b, ls, ld, plans)
+                routes1, routes2 = [], []
+                for (p, pl, c, cl, nb) in transfers:
+                    res, lat, ipb = routing.route(p, c)
+                    routes1.append((pl, cl, res[0], res[1] if len(res) == 2 else -1, lat, ipb, 0.0, nb))
+            else:
+                ls, ld = self._layouts[key >> 32], self._layouts[key & 0xFFFFFFFF]
+                mk = ("c", ls.id, ld.id)
+                cm = routing.moves.get(mk)
+                if cm is None:
+                    cm = routing.compiled_moves(mk, ls, ld)
+                deps, r1, r2, _ = cm
+                routes1 = [(sl, dl, r, -1, lat, ipb, ex, cnt) for (sl, dl, r, lat, ipb, ex, cnt) in r1]
+                routes2 = list(r2)
             pairs = [(dl, sl) for dl, sls in deps for sl in sls]
             self.d_dl.extend([p[0] for p in pairs])
             self.d_sl.extend([p[1] for p in pairs])
             self.m_dep_start.extend([self.d_dl.size])
-            lanes = [(sl, dl, r1, -1) for (sl, dl, r1, _, _, _, _) in routes1] + \
-                [(sl, dl, r1, r2) for (sl, dl, r1, r2, _, _, _, _) in routes2]
-            floats = [(lat, ipb, ex, cnt) for (_, _, _, lat, ipb, ex, cnt) in routes1] + \
-                [(lat, ipb, ex, cnt) for (_, _, _, _, lat, ipb, ex, cnt) in routes2]
+            routes = routes1 + routes2
+            lanes = [r[:4] for r in routes]
+            floats = [r[4:] for r in routes]
             if lanes:
                 self.r_lane.extend(lanes)
                 self.r_f.extend(floats)
@@ -270,7 +309,8 @@ class KernelState:
 
     # ------------------------------------------------------------------ one evaluation
     def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
-            task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray) -> tuple:
+            task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
+            plans: dict) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
         peak, static and activation bytes per device)."""
         simulate = compiled_simulate()
@@ -286,12 +326,13 @@ class KernelState:
                 self.a_mode.buf, self.a_ps.buf, self.a_dev_start.buf, self.a_dev.buf, self.a_ckind.buf,
                 self.a_c.buf, self.a_res_start.buf, self.a_res.buf,
                 self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
+                self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
                 self.pair_index, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
                 self.r_lane.buf, self.r_f.buf)
             missing = out[0]
             if not len(missing):
                 return out[1:]
-            self.add_moves(missing)
+            self.add_moves(missing, plans)
         raise RuntimeError("simulation kernel: routes between layouts still missing after registering them")
 
 
@@ -301,7 +342,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
               after_start, after_group, w_bytes, w_count, slot_bytes, state_bytes,
               live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
               a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
-              l_start, i_lane, i_batch, i_row, dur,
+              l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
               pair_index, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
     """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
     layouts, ps pulls, the list schedule with transfers and collectives, static and activation memory.
@@ -350,7 +391,25 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             producer_first_flow = F
             num_sent = 0
         wait_all = b_same[b] and group_mode[task_group[k]] == 1
+        split = l_split[lk] or l_split[ld]
         m = -1
+        if split:       # a flow per bundle: the split-task routes say which device sends what
+            m = F
+            F += 1
+            flow_src[m] = k
+            flow_dst_layout[m] = ld
+            flow_wait_all[m] = wait_all
+            flow_fx[m] = 1.0        # its routes carry fixed bytes (examples 0, copies = bytes)
+            if not wait_all:
+                key = -1 - ((b << 34) | (lk << 17) | ld)
+                mi = pair_index.get(key, -1)
+                if mi < 0:
+                    missing[num_missing] = key
+                    num_missing += 1
+                flow_move[m] = mi
+            bundle_flow[b] = m
+            into_count[t + 1] += 1
+            continue
         for j in range(producer_first_flow, F):
             if flow_dst_layout[j] == ld and flow_wait_all[j] == wait_all:
                 m = j
@@ -450,23 +509,68 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
         L = task_layout[k]
         r0 = release[k]
         latest = 0.0
-        for i in range(l_start[L], l_start[L + 1]):
-            lane = i_lane[i]
-            r = r0
-            for j in range(into_start[k], into_start[k + 1]):
-                x = arrival[into_flow[j], lane]
-                if x > r:
-                    r = x
-            s = lane_free[lane]
-            if r > s:
-                s = r
-            f = s + dur[i_row[i], k]
-            lane_free[lane] = f
-            start[lane, k] = s
-            finish[lane, k] = f
-            batch[lane, k] = i_batch[i]
-            if f > latest:
-                latest = f
+        if l_split[L]:      # the parts one after another, with transfers between them
+            first_inst = l_start[L]
+            internal = np.zeros(l_start[L + 1] - first_inst)
+            comm_task = 0.0
+            for p in range(l_start[L + 1] - first_inst):
+                i = first_inst + p
+                lane = i_lane[i]
+                r = r0
+                if internal[p] > r:
+                    r = internal[p]
+                for j in range(into_start[k], into_start[k + 1]):
+                    x = arrival[into_flow[j], lane]
+                    if x > r:
+                        r = x
+                s = lane_free[lane]
+                if r > s:
+                    s = r
+                f = s + i_seconds[i]
+                lane_free[lane] = f
+                start[lane, k] = s
+                finish[lane, k] = f
+                batch[lane, k] = i_batch[i]
+                if f > latest:
+                    latest = f
+                for q in range(l_int_start[L], l_int_start[L + 1]):
+                    if int_lane[q, 0] != p:
+                        continue
+                    nb = int_f[q, 2]
+                    comm_task += nb
+                    r1, r2 = int_lane[q, 2], int_lane[q, 3]
+                    st = f
+                    if resource_free[r1] > st:
+                        st = resource_free[r1]
+                    if r2 >= 0 and resource_free[r2] > st:
+                        st = resource_free[r2]
+                    st += nb * int_f[q, 1]
+                    resource_free[r1] = st
+                    if r2 >= 0:
+                        resource_free[r2] = st
+                    st += int_f[q, 0]
+                    dp = int_lane[q, 1]
+                    if dp > p and st > internal[dp]:
+                        internal[dp] = st
+            comm += comm_task
+        else:
+            for i in range(l_start[L], l_start[L + 1]):
+                lane = i_lane[i]
+                r = r0
+                for j in range(into_start[k], into_start[k + 1]):
+                    x = arrival[into_flow[j], lane]
+                    if x > r:
+                        r = x
+                s = lane_free[lane]
+                if r > s:
+                    s = r
+                f = s + dur[i_row[i], k]
+                lane_free[lane] = f
+                start[lane, k] = s
+                finish[lane, k] = f
+                batch[lane, k] = i_batch[i]
+                if f > latest:
+                    latest = f
         task_finish[k] = latest
         # transfers out of task k, then the collectives it completes (groups of task -1 after task 0)
         for m in range(out_start[k], out_start[k + 1]):
@@ -572,6 +676,9 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             s = live_src[j]
             if finish[lane, s] >= 0:
                 held = live_fx[j] + batch[lane, s] * live_pe[j]
+                Ls = task_layout[s]
+                if l_split[Ls]:
+                    held = held / (l_start[Ls + 1] - l_start[Ls])
                 delta[s] += held
                 delta[live_last[j] + 1] -= held
         live = 0.0

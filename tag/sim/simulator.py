@@ -261,9 +261,7 @@ class Simulator:
         if strategy.pipeline is not None:
             return self._run_pipeline(strategy.pipeline, batch, record)
         if self._kernel is not None and record is None and not strategy.sfb:
-            result = self._run_compiled(strategy, batch)
-            if result is not None:
-                return result
+            return self._run_compiled(strategy, batch)
         actions = strategy.actions
         # distinct actions (by object: strategies usually share Action objects between groups)
         distinct: dict[int, Action] = {}
@@ -295,9 +293,8 @@ class Simulator:
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
         return self._result(actions, distinct, plans, lanes, batch, step, schedule, sfb)
 
-    def _run_compiled(self, strategy: Strategy, batch: int) -> SimResult | None:
-        """One step on the compiled kernel (tag.sim.kernel); None where it does not apply (a partition task
-        split over several devices), for the Python reference to run."""
+    def _run_compiled(self, strategy: Strategy, batch: int) -> SimResult:
+        """One step on the compiled kernel (tag.sim.kernel)."""
         kernel, cache = self._kernel, self.layouts
         kernel.begin()
         actions = strategy.actions
@@ -323,9 +320,6 @@ class Simulator:
             local_ai[i] = ai
             any_partition |= a.mode == "partition"
         plans = self._partition_plans(strategy, special) if any_partition else {}
-        for plan in plans.values():
-            if any(kind == "split" for kind, _ in plan["tasks"].values()):
-                return None
         lanes = cache.lanes(frozenset(special))
         local_rep = np.full(len(local_actions), -1, dtype=np.int64)
         local_upd = np.full(len(local_actions), -1, dtype=np.int64)
@@ -339,11 +333,12 @@ class Simulator:
             task_override = task_override.copy()
             for plan in plans.values():
                 for t, lay in cache.partition_layouts(plan, lanes, batch).items():
-                    task_override[t] = kernel.layout(lay)
+                    task_override[t] = kernel.layout(lay, plan["tasks"][t][1] if lay.kind == "split" else None)
             static0 = self.memory.partition_static(plans, self.topology.num_devices)
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
-            group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0)
+            group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
+            plans)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
