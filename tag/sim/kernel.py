@@ -162,6 +162,7 @@ class KernelState:
 
     def _reset_registries(self) -> None:
         T = self.T
+        self._args: tuple | None = None         # the kernel's registry arguments (None: rebuild)
         # layouts: dense index -> its lane instances (lane, batch, row of the duration table)
         self.layout_index: dict[int, int] = {}            # Layout.id -> dense index
         self.l_start = _Rows(np.int64)
@@ -216,6 +217,7 @@ class KernelState:
         else:
             c, kind = (), COLL_NONE
         i = len(self.action_index)
+        self._args = None
         self.a_mode.extend([MODE_CODE[a.mode]])
         self.a_ps.extend([int(a.ps_device) if a.mode == "ps" else -1])
         self.a_ckind.extend([kind])
@@ -233,6 +235,7 @@ class KernelState:
         li = self.layout_index.get(lay.id)
         if li is not None:
             return li
+        self._args = None
         rows, seconds = [], []
         split = lay.kind == "split"
         for _, d, _, ta in lay.insts:
@@ -273,6 +276,7 @@ class KernelState:
         -1 - (bundle << 34 | src index << 17 | dst index) (a bundle to or from a split partition task,
         whose transfers carry fixed bytes: examples 0, copies = bytes; PLANS: the partition plans)."""
         routing = self.routing
+        self._args = None
         for key in dict.fromkeys(keys.tolist()):
             if key in self.pair_index:
                 continue
@@ -315,9 +319,20 @@ class KernelState:
         peak, static and activation bytes per device)."""
         simulate = compiled_simulate()
         for _ in range(2):
-            out = simulate(
-                group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device, static0,
-                self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
+            if self._args is None:
+                self._args = self._arguments()
+            out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
+                           static0, *self._args)
+            missing = out[0]
+            if not len(missing):
+                return out[1:]
+            self.add_moves(missing, plans)
+        raise RuntimeError("simulation kernel: routes between layouts still missing after registering them")
+
+    def _arguments(self) -> tuple:
+        """The kernel's arguments after the evaluation's own: the flat task graph and the registries (their
+        current buffers; rebuilt after a registration, which may grow them)."""
+        return (self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
                 self.b_own_fx, self.b_own_n, self.sh_start, self.sh_tid, self.sh_pe, self.sh_fx,
                 self.fwd_start, self.fwd_task, self.dep_start, self.dep_task, self.upd_start, self.upd_task,
                 self.after_start, self.after_group, self.w_bytes, self.w_count, self.slot_bytes,
@@ -329,11 +344,6 @@ class KernelState:
                 self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
                 self.pair_index, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
                 self.r_lane.buf, self.r_f.buf)
-            missing = out[0]
-            if not len(missing):
-                return out[1:]
-            self.add_moves(missing, plans)
-        raise RuntimeError("simulation kernel: routes between layouts still missing after registering them")
 
 
 def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0,
