@@ -2,8 +2,8 @@
 
 Several zoo models (the small versions other tests build, so the zoo's cache serves them), two topologies,
 random strategies over the search's candidate actions and random edit sequences (1-10 op groups changed
-from the strategy before), plus the built-ins: both paths must give the same step time, feasibility,
-memory and bytes on the wire (to 1e-9 relative).
+from the strategy before), plus the built-ins: both paths must give the same step time (bit for bit, so a
+search makes the same decisions on either), feasibility, memory and bytes on the wire (to 1e-9 relative).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def analysed(name: str):
 
 
 def assert_same(fast, ref, what) -> None:
-    assert fast.step_time == pytest.approx(ref.step_time, rel=RTOL, abs=1e-15), what
+    # the kernel repeats the reference's arithmetic operation for operation: the same step time, bit for bit
+    assert fast.step_time == ref.step_time, what
     assert fast.feasible == ref.feasible and fast.oom_devices == ref.oom_devices, what
     assert fast.comm_bytes == pytest.approx(ref.comm_bytes, rel=RTOL, abs=1e-6), what
     for name in ("peak_memory", "static_memory", "activation_memory"):

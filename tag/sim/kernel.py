@@ -515,133 +515,187 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
     start = np.zeros((nl, T))
     finish = np.full((nl, T), -1.0)
     batch = np.zeros((nl, T))
-    for k in range(T):
-        L = task_layout[k]
-        r0 = release[k]
-        latest = 0.0
-        if l_split[L]:      # the parts one after another, with transfers between them
-            first_inst = l_start[L]
-            internal = np.zeros(l_start[L + 1] - first_inst)
-            comm_task = 0.0
-            for p in range(l_start[L + 1] - first_inst):
-                i = first_inst + p
-                lane = i_lane[i]
-                r = r0
-                if internal[p] > r:
-                    r = internal[p]
-                for j in range(into_start[k], into_start[k + 1]):
-                    x = arrival[into_flow[j], lane]
-                    if x > r:
-                        r = x
-                s = lane_free[lane]
-                if r > s:
-                    s = r
-                f = s + i_seconds[i]
-                lane_free[lane] = f
-                start[lane, k] = s
-                finish[lane, k] = f
-                batch[lane, k] = i_batch[i]
-                if f > latest:
-                    latest = f
-                for q in range(l_int_start[L], l_int_start[L + 1]):
-                    if int_lane[q, 0] != p:
-                        continue
-                    nb = int_f[q, 2]
-                    comm_task += nb
-                    r1, r2 = int_lane[q, 2], int_lane[q, 3]
-                    st = f
-                    if resource_free[r1] > st:
-                        st = resource_free[r1]
-                    if r2 >= 0 and resource_free[r2] > st:
-                        st = resource_free[r2]
-                    st += nb * int_f[q, 1]
-                    resource_free[r1] = st
-                    if r2 >= 0:
-                        resource_free[r2] = st
-                    st += int_f[q, 0]
-                    dp = int_lane[q, 1]
-                    if dp > p and st > internal[dp]:
-                        internal[dp] = st
-            comm += comm_task
-        else:
+    # runs: consecutive tasks on one layout, cut where tag.sim.schedule cuts them (before the first update
+    # task, after an update task that issues a collective); transfers and collectives follow each run
+    has_post = np.zeros(T, np.bool_)
+    for t in range(T):
+        for j in range(after_start[t + 1], after_start[t + 2]):
+            if coll_on[after_group[j]]:
+                has_post[t] = True
+    t0 = 0
+    while t0 < T:
+        L = task_layout[t0]
+        e = t0 + 1
+        if not l_split[L]:
+            while e < T and task_layout[e] == L and not (task_stage[e] == 2 and task_stage[e - 1] < 2) \
+                    and not (task_stage[e - 1] == 2 and has_post[e - 1]):
+                e += 1
+        if not l_split[L] and (e - t0) * (l_start[L + 1] - l_start[L]) >= 8:
+            # a long run: as tag.sim.schedule simulates it with numpy, f = C + running max of
+            # (ready - C + d), C the cumulative durations (the same operations, so the same rounding)
+            any_ready = False
+            for k in range(t0, e):
+                if release[k] != 0.0 or into_start[k + 1] > into_start[k]:
+                    any_ready = True
+            for k in range(t0, e):
+                task_finish[k] = -np.inf
             for i in range(l_start[L], l_start[L + 1]):
                 lane = i_lane[i]
-                r = r0
-                for j in range(into_start[k], into_start[k + 1]):
-                    x = arrival[into_flow[j], lane]
-                    if x > r:
-                        r = x
-                s = lane_free[lane]
-                if r > s:
-                    s = r
-                f = s + dur[i_row[i], k]
+                row = i_row[i]
+                free = lane_free[lane]
+                f = free
+                cumulative = 0.0
+                running = 0.0
+                for k in range(t0, e):
+                    d = dur[row, k]
+                    if not any_ready:
+                        f = d + free if k == t0 else f + d
+                    else:
+                        cumulative = d if k == t0 else cumulative + d
+                        r = release[k]
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        x = (r - cumulative) + d
+                        if k == t0:
+                            running = x if x >= free else free
+                        elif x > running:
+                            running = x
+                        f = running + cumulative
+                    start[lane, k] = f - d
+                    finish[lane, k] = f
+                    batch[lane, k] = i_batch[i]
+                    if f > task_finish[k]:
+                        task_finish[k] = f
                 lane_free[lane] = f
-                start[lane, k] = s
-                finish[lane, k] = f
-                batch[lane, k] = i_batch[i]
-                if f > latest:
-                    latest = f
-        task_finish[k] = latest
-        # transfers out of task k, then the collectives it completes (groups of task -1 after task 0)
-        for m in range(out_start[k], out_start[k + 1]):
-            ld = flow_dst_layout[m]
-            if flow_wait_all[m]:
-                for i in range(l_start[ld], l_start[ld + 1]):
-                    arrival[m, i_lane[i]] = task_finish[k]
-                continue
-            mi = flow_move[m]
-            for j in range(m_dep_start[mi], m_dep_start[mi + 1]):
-                y = finish[d_sl[j], k]
-                if y > arrival[m, d_dl[j]]:
-                    arrival[m, d_dl[j]] = y
-            tensor_s = flow_n[m] * per_tensor
-            pe, fx = flow_pe[m], flow_fx[m]
-            nbytes = 0.0
-            for j in range(m_rt_start[mi], m_rt_start[mi + 1]):
-                nb = pe * r_f[j, 2] + fx * r_f[j, 3]
-                if nb <= 0:
-                    continue
-                nbytes += nb
-                sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
-                st = finish[sl, k]
-                if resource_free[r1] > st:
-                    st = resource_free[r1]
-                if r2 >= 0:
-                    if resource_free[r2] > st:
-                        st = resource_free[r2]
-                    st += nb * r_f[j, 1] + tensor_s
-                    resource_free[r2] = st
+        else:
+            for k in range(t0, e):
+                r0 = release[k]
+                latest = 0.0
+                if l_split[L]:      # the parts one after another, with transfers between them
+                    first_inst = l_start[L]
+                    internal = np.zeros(l_start[L + 1] - first_inst)
+                    comm_task = 0.0
+                    for p in range(l_start[L + 1] - first_inst):
+                        i = first_inst + p
+                        lane = i_lane[i]
+                        r = r0
+                        if internal[p] > r:
+                            r = internal[p]
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        s = lane_free[lane]
+                        if r > s:
+                            s = r
+                        f = s + i_seconds[i]
+                        lane_free[lane] = f
+                        start[lane, k] = s
+                        finish[lane, k] = f
+                        batch[lane, k] = i_batch[i]
+                        if f > latest:
+                            latest = f
+                        for q in range(l_int_start[L], l_int_start[L + 1]):
+                            if int_lane[q, 0] != p:
+                                continue
+                            nb = int_f[q, 2]
+                            comm_task += nb
+                            r1, r2 = int_lane[q, 2], int_lane[q, 3]
+                            st = f
+                            if resource_free[r1] > st:
+                                st = resource_free[r1]
+                            if r2 >= 0 and resource_free[r2] > st:
+                                st = resource_free[r2]
+                            st += nb * int_f[q, 1]
+                            resource_free[r1] = st
+                            if r2 >= 0:
+                                resource_free[r2] = st
+                            st += int_f[q, 0]
+                            dp = int_lane[q, 1]
+                            if dp > p and st > internal[dp]:
+                                internal[dp] = st
+                    comm += comm_task
                 else:
-                    st += nb * r_f[j, 1]
-                resource_free[r1] = st
-                st += r_f[j, 0]
-                if st > arrival[m, dl]:
-                    arrival[m, dl] = st
-            comm += nbytes
-        first = after_start[k + 1]
-        if k == 0:
-            first = after_start[0]
-        for j in range(first, after_start[k + 2]):
-            g = after_group[j]
-            if not coll_on[g]:
-                continue
-            ai = local_ai[group_local[g]]
-            st = 0.0
-            for q in range(dep_start[g], dep_start[g + 1]):
-                if task_finish[dep_task[q]] > st:
-                    st = task_finish[dep_task[q]]
-            for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                if resource_free[a_res[q]] > st:
-                    st = resource_free[a_res[q]]
-            end = st + coll_dur[g]
-            for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                resource_free[a_res[q]] = end
-            comm += coll_bytes[g]
-            if end > collective_end[g]:
-                collective_end[g] = end
-            for q in range(upd_start[g], upd_start[g + 1]):
-                if end > release[upd_task[q]]:
-                    release[upd_task[q]] = end
+                    for i in range(l_start[L], l_start[L + 1]):
+                        lane = i_lane[i]
+                        r = r0
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        s = lane_free[lane]
+                        if r > s:
+                            s = r
+                        f = s + dur[i_row[i], k]
+                        lane_free[lane] = f
+                        start[lane, k] = s
+                        finish[lane, k] = f
+                        batch[lane, k] = i_batch[i]
+                        if f > latest:
+                            latest = f
+                task_finish[k] = latest
+        # (the collectives of groups with no task (-1) after the first run)
+        for k in range(-1 if t0 == 0 else t0, e):
+            # transfers out of task k, then the collectives it completes
+            for m in range(out_start[k] if k >= 0 else 0, out_start[k + 1] if k >= 0 else 0):
+                ld = flow_dst_layout[m]
+                if flow_wait_all[m]:
+                    for i in range(l_start[ld], l_start[ld + 1]):
+                        arrival[m, i_lane[i]] = task_finish[k]
+                    continue
+                mi = flow_move[m]
+                for j in range(m_dep_start[mi], m_dep_start[mi + 1]):
+                    y = finish[d_sl[j], k]
+                    if y > arrival[m, d_dl[j]]:
+                        arrival[m, d_dl[j]] = y
+                tensor_s = flow_n[m] * per_tensor
+                pe, fx = flow_pe[m], flow_fx[m]
+                nbytes = 0.0
+                for j in range(m_rt_start[mi], m_rt_start[mi + 1]):
+                    nb = pe * r_f[j, 2] + fx * r_f[j, 3]
+                    if nb <= 0:
+                        continue
+                    nbytes += nb
+                    sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
+                    st = finish[sl, k]
+                    if resource_free[r1] > st:
+                        st = resource_free[r1]
+                    if r2 >= 0:
+                        if resource_free[r2] > st:
+                            st = resource_free[r2]
+                        st += nb * r_f[j, 1] + tensor_s
+                        resource_free[r2] = st
+                    else:
+                        st += nb * r_f[j, 1]
+                    resource_free[r1] = st
+                    st += r_f[j, 0]
+                    if st > arrival[m, dl]:
+                        arrival[m, dl] = st
+                comm += nbytes
+            for j in range(after_start[k + 1], after_start[k + 2]):
+                g = after_group[j]
+                if not coll_on[g]:
+                    continue
+                ai = local_ai[group_local[g]]
+                st = 0.0
+                for q in range(dep_start[g], dep_start[g + 1]):
+                    if task_finish[dep_task[q]] > st:
+                        st = task_finish[dep_task[q]]
+                for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                    if resource_free[a_res[q]] > st:
+                        st = resource_free[a_res[q]]
+                end = st + coll_dur[g]
+                for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                    resource_free[a_res[q]] = end
+                comm += coll_bytes[g]
+                if end > collective_end[g]:
+                    collective_end[g] = end
+                for q in range(upd_start[g], upd_start[g + 1]):
+                    if end > release[upd_task[q]]:
+                        release[upd_task[q]] = end
+        t0 = e
     step = 0.0
     for lane in range(nl):
         if lane_free[lane] > step:
