@@ -2,7 +2,7 @@
 
 Several zoo models (the small versions other tests build, so the zoo's cache serves them), two topologies,
 random strategies over the search's candidate actions and random edit sequences (1-10 op groups changed
-from the strategy before), plus the built-ins: both paths must give the same step time (bit for bit, so a
+from the strategy before), the built-ins, and random pipelines: both paths must give the same step time (bit for bit, so a
 search makes the same decisions on either), feasibility, memory and bytes on the wire (to 1e-9 relative).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tag.search.env import SearchEnv
 from tag.sim import kernel as sim_kernel
 from tag.sim.simulator import Simulator
 from tag.strategy.grouping import group_ops
+from tag.strategy.pipeline import Pipeline, PipelineStage
 from tag.strategy.types import Action, Strategy
 
 pytestmark = pytest.mark.skipif(not sim_kernel.available(), reason="numba is not installed")
@@ -105,6 +106,42 @@ def test_compiled_kernel_equals_the_python_reference(name, topology):
         tried += 1
     # every one of them ran on the kernel
     assert fast.compiled_evaluations - ran == tried
+
+
+@pytest.mark.parametrize("name,topology", [("mlp", CONSUMER), ("transformer", LAB), ("resnet50", LAB)])
+def test_compiled_pipelines_equal_the_python_reference(name, topology):
+    """Random pipelines (1-4 stages of consecutive op groups, all-reduce or parameter-server stages, 1-4
+    micro-batches, both schedules): the same step time, bubble, memory and bytes on either path."""
+    graph = analysed(name)
+    topo = tag.load_topology(topology)
+    grouping = group_ops(graph, target_groups=12)
+    fast = Simulator(graph, topo, grouping, kernel="compiled")
+    ref = Simulator(graph, topo, grouping, fast.cost_model, kernel="python")
+    rng = random.Random(7)
+    ng, G = len(topo.groups), grouping.num_groups
+    batch = 8 * topo.num_devices
+    compared = 0
+    for _ in range(40):
+        S = rng.randint(1, min(4, G))
+        bounds = [0] + sorted(rng.sample(range(1, G), S - 1)) + [G]
+        stages = []
+        for i in range(S):
+            placement = tuple(sorted(rng.sample(range(ng), rng.randint(1, ng))))
+            devices = [d for p in placement for d in topo.groups[p].devices]
+            ps = rng.random() < 0.3
+            stages.append(PipelineStage(tuple(range(bounds[i], bounds[i + 1])), placement, "ps" if ps else "allreduce",
+                                        rng.choice(devices) if ps else None))
+        pipeline = Pipeline(tuple(stages), rng.choice([1, 2, 4]), rng.choice(["1f1b", "fill_drain"]))
+        try:
+            strategy = Strategy.pipelined(grouping, pipeline)
+            want = ref.evaluate(strategy, batch)
+        except StrategyError:       # data flowing backwards between stages: not a pipeline
+            continue
+        got = fast.evaluate(strategy, batch)
+        assert_same(got, want, pipeline)
+        assert got.bubble_fraction == pytest.approx(want.bubble_fraction, rel=RTOL, abs=1e-12)
+        compared += 1
+    assert compared >= 10 and fast.compiled_evaluations == compared
 
 
 def test_kernel_choice():

@@ -145,6 +145,7 @@ class Simulator:
         self._kernel = (KernelState(self.tasks, self.memory, self.routing, self._device_memory)
                         if self.kernel == "compiled" else None)
         self.compiled_evaluations = 0        # evaluations the compiled kernel ran (the rest ran the reference)
+        self._pipeline_kernels: dict[int, tuple] = {}     # PipelineTasks.uid -> its kernel state, layout columns
 
     @property
     def cost_model(self) -> CostModel:
@@ -362,6 +363,7 @@ class Simulator:
             if len(self._pipelines) > 64:
                 self._pipelines.clear()
                 self._pipeline_layouts.clear()
+                self._pipeline_kernels.clear()
             pt = PipelineTasks(self.tasks, self.memory, pipeline, self.grouping.names)
             self._pipelines[key] = pt
         return pt
@@ -421,6 +423,8 @@ class Simulator:
                     for b in sorted(set(sizes))} for st in pipeline.stages]
         ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt, lanes.lane_dg)
                       if a.mode == "ps" else None for a in stage_actions]
+        if self._kernel is not None and record is None:
+            return self._run_pipeline_compiled(pt, stage_actions, by_size, ps_layouts, sizes, lanes, batch)
         update = UPDATE_STAGE
         layout_of_task = []
         for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist()):
@@ -441,6 +445,46 @@ class Simulator:
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
         result = self._result(actions, distinct, {}, lanes, batch, step, schedule, SfbPlan([]), tasks=pt)
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, schedule.start, schedule.finish)
+        return result
+
+    def _run_pipeline_compiled(self, pt: PipelineTasks, stage_actions: list[Action], by_size: list[dict],
+                               ps_layouts: list[Layout | None], sizes: list[int], lanes: Lanes,
+                               batch: int) -> SimResult:
+        """``_run_pipeline`` on the compiled kernel: one kernel state per expanded task graph (its layouts
+        carry their base layouts' ids, so each pipeline structure registers them apart)."""
+        entry = self._pipeline_kernels.get(pt.uid)
+        if entry is None:
+            M = len(sizes)
+            entry = (KernelState(pt, pt.memory, self.routing, self._device_memory),
+                     np.asarray(pt.stage_of_group, dtype=np.int64),
+                     np.where(pt.micro_batch < 0, M, pt.micro_batch))      # task -> column of the layout table
+            self._pipeline_kernels[pt.uid] = entry
+        kernel, group_stage, column = entry
+        kernel.begin()
+        num_stages, M = len(stage_actions), len(sizes)
+        local_ai = np.empty(num_stages, dtype=np.int64)
+        for i, a in enumerate(stage_actions):
+            ai = kernel.action_index.get(a)
+            local_ai[i] = ai if ai is not None else kernel.action(a, self.layouts.devices_of(a.placement))
+        # [stage, micro-batch] -> layout of its forward and backward tasks; [stage, M] -> of its update tasks
+        table = np.empty((num_stages, M + 1), dtype=np.int64)
+        for i in range(num_stages):
+            for m in range(M):
+                table[i, m] = kernel.layout(by_size[i][sizes[m]])
+            table[i, M] = kernel.layout(ps_layouts[i]) if ps_layouts[i] is not None else table[i, 0]
+        task_layout = table[pt.pipeline_stage, column]
+        unused = np.full(num_stages, -1, dtype=np.int64)
+        lane_of_device = lanes.lane_of_device
+        step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
+            group_stage, local_ai, unused, unused, task_layout, len(lanes.lanes), lane_of_device, kernel.static_zero,
+            {})
+        self.compiled_evaluations += 1
+        oom = np.flatnonzero(peak > self._device_memory)
+        features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
+                           lane_of_device, step, collective_end, start, finish, self.topology.num_devices)
+        result = SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
+                           batch, _features=features)
+        result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
         return result
 
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,
