@@ -61,11 +61,44 @@ def compiled_simulate():
     return _compiled
 
 
-def _int_dict():
-    """An empty numba typed dict int64 -> int64 (readable inside the kernel)."""
-    from numba import types
-    from numba.typed import Dict
-    return Dict.empty(key_type=types.int64, value_type=types.int64)
+class _IntMap:
+    """int64 -> non-negative int64 as an open-addressing hash table in two numpy arrays, which the kernel
+    probes the same way (``_slot``; value -1: empty). numba's typed dict would do, but creating and filling
+    the first one costs over a second per process."""
+
+    def __init__(self, capacity: int = 1024):
+        self.keys = np.zeros(capacity, dtype=np.int64)
+        self.vals = np.full(capacity, -1, dtype=np.int64)
+        self.size = 0
+
+    @staticmethod
+    def _slot(key: int, mask: int) -> int:
+        return (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & mask
+
+    def _find(self, key: int) -> int:
+        keys, vals = self.keys, self.vals
+        mask = len(keys) - 1
+        i = self._slot(key, mask)
+        while vals[i] != -1 and keys[i] != key:
+            i = (i + 1) & mask
+        return i
+
+    def __contains__(self, key: int) -> bool:
+        return self.vals[self._find(key)] != -1
+
+    def __setitem__(self, key: int, value: int) -> None:
+        if 2 * (self.size + 1) > len(self.keys):            # keep it at most half full
+            old = [(int(k), int(v)) for k, v in zip(self.keys, self.vals) if v != -1]
+            self.keys = np.zeros(2 * len(self.keys), dtype=np.int64)
+            self.vals = np.full(2 * len(self.vals), -1, dtype=np.int64)
+            self.size = 0
+            for k, v in old:
+                self[k] = v
+        i = self._find(key)
+        if self.vals[i] == -1:
+            self.size += 1
+        self.keys[i] = key
+        self.vals[i] = value
 
 
 def choose_kernel(kernel: str | None) -> str:
@@ -181,7 +214,7 @@ class KernelState:
         self.dur = _Rows(np.float64, width=max(T, 1))
         self._layouts: list = []                           # dense index -> Layout
         # routes between two layouts: pair key -> dense index; deps (dst lane, src lane) and routes
-        self.pair_index = _int_dict()
+        self.pair_index = _IntMap()
         self.m_dep_start, self.m_rt_start = _Rows(np.int64), _Rows(np.int64)
         self.m_dep_start.extend([0])
         self.m_rt_start.extend([0])
@@ -342,7 +375,7 @@ class KernelState:
                 self.a_c.buf, self.a_res_start.buf, self.a_res.buf,
                 self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
                 self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
-                self.pair_index, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
+                self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
                 self.r_lane.buf, self.r_f.buf)
 
 
@@ -353,13 +386,14 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
               live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
               a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
               l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
-              pair_index, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
+              pair_keys, pair_vals, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
     """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
     layouts, ps pulls, the list schedule with transfers and collectives, static and activation memory.
     Returns (layout pairs without registered routes (then nothing else is valid), step, comm bytes, start,
     finish, batch [lane, task], collective end per group, peak, static and activation bytes per device)."""
     T = task_group.shape[0]
     G = group_local.shape[0]
+    pair_mask = pair_keys.shape[0] - 1
     B = b_src.shape[0]
     D = local_ai.shape[0]
     # ---- layout of every task
@@ -412,7 +446,10 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             flow_fx[m] = 1.0        # its routes carry fixed bytes (examples 0, copies = bytes)
             if not wait_all:
                 key = -1 - ((b << 34) | (lk << 17) | ld)
-                mi = pair_index.get(key, -1)
+                slot = (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & pair_mask      # as _IntMap
+                while pair_vals[slot] != -1 and pair_keys[slot] != key:
+                    slot = (slot + 1) & pair_mask
+                mi = pair_vals[slot]
                 if mi < 0:
                     missing[num_missing] = key
                     num_missing += 1
@@ -432,7 +469,10 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             flow_wait_all[m] = wait_all
             if not wait_all:
                 key = (lk << 32) | ld
-                mi = pair_index.get(key, -1)
+                slot = (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & pair_mask      # as _IntMap
+                while pair_vals[slot] != -1 and pair_keys[slot] != key:
+                    slot = (slot + 1) & pair_mask
+                mi = pair_vals[slot]
                 if mi < 0:
                     missing[num_missing] = key
                     num_missing += 1
