@@ -9,10 +9,10 @@ caches of ``tag.sim.layouts`` and ``tag.sim.routing`` the first time it is met a
 here as rows of growing arrays, so later evaluations reuse it without Python work.
 
 The model is the one of ``tag.sim.schedule.StepSchedule`` and ``tag.sim.memory.MemoryModel``, which stay
-the reference (``TAG_SIM_KERNEL=python`` or ``Simulator(..., kernel="python")`` selects them; traces,
-pipelines, sufficient-factor broadcasting and partition tasks split over several devices always use
-them). Results agree with the reference to rounding (tests/test_sim_kernel.py): the kernel runs every
-task lane by lane where the reference simulates runs of tasks with numpy.
+the reference (``TAG_SIM_KERNEL=python`` or ``Simulator(..., kernel="python")`` selects them; traces and
+sufficient-factor broadcasting always use them). The kernel cuts the schedule into the same runs of
+tasks as ``StepSchedule.run`` and computes them with the same operations, so step times equal the
+reference's bit for bit (tests/test_sim_kernel.py); memory figures agree to rounding.
 
 Example::
 

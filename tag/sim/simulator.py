@@ -60,8 +60,8 @@ the list schedule in ``tag.sim.schedule``; static and activation memory in ``tag
 result and its schedule statistics in ``tag.sim.result``; the Chrome trace in ``tag.sim.trace``. This
 module is the API (``Simulator``, ``SimResult``) and wires them together. ``evaluate`` runs the schedule
 and memory model as one compiled call (``tag.sim.kernel``, numba), with ``tag.sim.schedule`` and
-``tag.sim.memory`` as the reference (``kernel="python"`` or ``TAG_SIM_KERNEL=python``), which traces,
-pipelines and SFB strategies always use.
+``tag.sim.memory`` as the reference (``kernel="python"`` or ``TAG_SIM_KERNEL=python``), which traces and
+SFB strategies always use.
 
 Example::
 
