@@ -57,7 +57,10 @@ def compiled_simulate():
     global _compiled
     if _compiled is None:
         from numba import njit
-        _compiled = njit(cache=True, nogil=True)(_simulate)
+        try:
+            _compiled = njit(cache=True, nogil=True)(_simulate)
+        except RuntimeError:        # no writable cache directory anywhere: compile in every process
+            _compiled = njit(cache=False, nogil=True)(_simulate)
     return _compiled
 
 
