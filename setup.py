@@ -57,6 +57,8 @@ setup(
         # (1.1.2+ import torch; 2.x depends on it).
         "dgl==1.1.1",
         "numpy>=2.0",
+        # the simulator's compiled kernel (tag/sim/kernel.py); 0.68.1 is the version tested (with numpy 2.4)
+        "numba>=0.68.1",
         "scipy>=1.11",  # scipy.optimize.milp (HiGHS) for the compression selection
         "protobuf>=7.35",  # must be at least the gencode version of the build-time protoc
         "networkx>=3.0",

@@ -18,6 +18,10 @@ data parallelism's (``reusable_prefix``: the tasks before the first one an edite
 with ``--profile``, where ``evaluate``'s CPU time goes on the search-like mix (``profile``: CPU-time
 samples per ``tag.sim`` function, unaffected by other processes on the machine).
 
+The simulator runs its compiled kernel (``tag.sim.kernel``) unless ``TAG_SIM_KERNEL=python`` selects the
+Python reference; the first evaluation, timed apart (``first_evaluation_s``), compiles the kernel or loads
+it from numba's on-disk cache, outside every timed loop.
+
 The reported figure (``evaluations_per_second``) is the wall-clock rate on the search-like mix in the
 fastest of repeated passes (as ``timeit`` reports; the mean over all passes is recorded too). The
 objects built before timing (TensorFlow graphs, the IR) are moved out of the garbage collector's way
@@ -28,6 +32,7 @@ figure down.
 Usage::
 
     python scripts/bench_simulator.py [--quick] [--profile] [--json FILE] [--topo topologies/lab-v100-1080ti.pbtxt]
+    TAG_SIM_KERNEL=python python scripts/bench_simulator.py ...     # the Python reference simulator
 """
 from __future__ import annotations
 
@@ -217,10 +222,14 @@ def bench_model(name: str, topo, seconds: float, groups: int, with_profile: bool
     del gd
     gc.collect()
     gc.freeze()
+    builtins = {n: builtin_strategy(n, graph, topo, grouping, sim.cost) for n in BUILTIN_STRATEGIES}
+    t5 = time.perf_counter()
+    sim.evaluate(builtins["dp_allreduce"])
+    t6 = time.perf_counter()
     row = {"ops": len(graph.ops), "groups": grouping.num_groups, "tasks": sim.num_tasks,
            "batch_size": graph.batch_size, "build_graph_s": t1 - t0, "analyze_s": t2 - t1,
-           "group_s": t3 - t2, "simulator_init_s": t4 - t3, "builtin": {}}
-    builtins = {n: builtin_strategy(n, graph, topo, grouping, sim.cost) for n in BUILTIN_STRATEGIES}
+           "group_s": t3 - t2, "simulator_init_s": t4 - t3, "kernel": sim.kernel,
+           "first_evaluation_s": t6 - t5, "builtin": {}}
     for n, s in builtins.items():
         r = sim.evaluate(s)
         rt = rate(sim, [s] * 10, seconds / 8)
@@ -267,8 +276,11 @@ def main(argv=None) -> int:
         results[name] = bench_model(name, topo, seconds, args.groups, args.profile)
         print(f"  {name}: done", file=sys.stderr)
 
+    first = results["resnet50"]
     print(f"Simulator speed on {topo.name} ({topo.num_devices} devices, {len(topo.groups)} device groups), "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; simulator kernel: {first['kernel']} "
+          f"(TAG_SIM_KERNEL=python: the reference); first evaluation {first['first_evaluation_s']:.2f} s "
+          "(compiling the kernel, or loading it from numba's cache)")
     print("evaluations per second (fastest pass, wall clock; search-like also: mean over passes, CPU time)")
     hdr = f"{'model':<10} {'ops':>6} {'groups':>6} {'tasks':>6} {'init s':>7} " + \
           " ".join(f"{n:>13}" for n in results["resnet50"]["builtin"]) + \
@@ -307,6 +319,7 @@ def main(argv=None) -> int:
                "screened_evaluations_per_second": {n: r["screened_evaluations_per_second"]
                                                    for n, r in results.items()},
                "topology": topo.name, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
+               "kernel": first["kernel"],
                "models": results}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

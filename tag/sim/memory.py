@@ -163,13 +163,7 @@ class MemoryModel:
                       devices_of: Callable[[tuple[int, ...]], list[int]], num_devices: int) -> np.ndarray:
         """Bytes of parameters, gradients, optimizer slots and state per device under ACTIONS (DISTINCT: the
         distinct actions by id; PLANS: partition plans per group; DEVICES_OF(placement) -> devices)."""
-        static = np.zeros(num_devices)
-        if plans:
-            var_devices = [p["var_dev"] for p in plans.values() if len(p["var_dev"])]
-            if var_devices:
-                static += np.bincount(np.concatenate(var_devices), minlength=num_devices,
-                                      weights=np.concatenate([p["var_bytes"] for p in plans.values()
-                                                              if len(p["var_dev"])]))
+        static = self.partition_static(plans, num_devices)
         keys = list(distinct)
         index_of = {k: i for i, k in enumerate(keys)}
         action_index = [index_of[id(a)] for a in actions]
@@ -186,6 +180,17 @@ class MemoryModel:
                 static[int(a.ps_device)] += 2 * weights[i] + slots[i]
             else:
                 static[devs] += 2 * weights[i] + slots[i] + state[i]
+        return static
+
+    def partition_static(self, plans: dict[int, dict], num_devices: int) -> np.ndarray:
+        """Bytes per device of the variables of partition groups (PLANS: their plans, tag.sim.layouts)."""
+        static = np.zeros(num_devices)
+        if plans:
+            var_devices = [p["var_dev"] for p in plans.values() if len(p["var_dev"])]
+            if var_devices:
+                static += np.bincount(np.concatenate(var_devices), minlength=num_devices,
+                                      weights=np.concatenate([p["var_bytes"] for p in plans.values()
+                                                              if len(p["var_dev"])]))
         return static
 
     def activation_peak(self, ran: np.ndarray, batch: np.ndarray, split_parts: dict[int, list]) -> np.ndarray:

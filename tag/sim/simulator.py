@@ -58,7 +58,10 @@ Where each part lives: the tasks and the bundles between them in ``tag.sim.task_
 and partition plans in ``tag.sim.layouts``; routes and collective coefficients in ``tag.sim.routing``;
 the list schedule in ``tag.sim.schedule``; static and activation memory in ``tag.sim.memory``; the
 result and its schedule statistics in ``tag.sim.result``; the Chrome trace in ``tag.sim.trace``. This
-module is the API (``Simulator``, ``SimResult``) and wires them together.
+module is the API (``Simulator``, ``SimResult``) and wires them together. ``evaluate`` runs the schedule
+and memory model as one compiled call (``tag.sim.kernel``, numba), with ``tag.sim.schedule`` and
+``tag.sim.memory`` as the reference (``kernel="python"`` or ``TAG_SIM_KERNEL=python``), which traces and
+SFB strategies always use.
 
 Example::
 
@@ -85,6 +88,7 @@ from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
 from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
+from tag.sim.kernel import KernelState, choose_kernel
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
@@ -108,7 +112,7 @@ class Simulator:
     ``StepSchedule`` (tag.sim.schedule)."""
 
     def __init__(self, graph: TrainingGraph, topology: Topology, grouping: Grouping,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, kernel: str | None = None):
         n = len(graph.ops)
         if len(grouping.group_of_op) != n:
             raise StrategyError(f"grouping covers {len(grouping.group_of_op)} ops but the graph has {n}")
@@ -136,6 +140,12 @@ class Simulator:
         self._valid_actions: set[Action] = set()
         self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
         self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
+        # "compiled" (tag.sim.kernel, numba) or "python" (the reference: tag.sim.schedule and tag.sim.memory)
+        self.kernel = choose_kernel(kernel)
+        self._kernel = (KernelState(self.tasks, self.memory, self.routing, self._device_memory)
+                        if self.kernel == "compiled" else None)
+        self.compiled_evaluations = 0        # evaluations the compiled kernel ran (the rest ran the reference)
+        self._pipeline_kernels: dict[int, tuple] = {}     # PipelineTasks.uid -> its kernel state, layout columns
 
     @property
     def cost_model(self) -> CostModel:
@@ -254,6 +264,8 @@ class Simulator:
         self.layouts.use_speeds(strategy.device_speeds)
         if strategy.pipeline is not None:
             return self._run_pipeline(strategy.pipeline, batch, record)
+        if self._kernel is not None and record is None and not strategy.sfb:
+            return self._run_compiled(strategy, batch)
         actions = strategy.actions
         # distinct actions (by object: strategies usually share Action objects between groups)
         distinct: dict[int, Action] = {}
@@ -285,6 +297,60 @@ class Simulator:
             record.matrices = (schedule.start.T, schedule.finish.T, schedule.batch.T)
         return self._result(actions, distinct, plans, lanes, batch, step, schedule, sfb)
 
+    def _run_compiled(self, strategy: Strategy, batch: int) -> SimResult:
+        """One step on the compiled kernel (tag.sim.kernel)."""
+        kernel, cache = self._kernel, self.layouts
+        kernel.begin()
+        actions = strategy.actions
+        ids = list(map(id, actions))
+        local = dict.fromkeys(ids)           # distinct actions (by object), in order of first use
+        objects = dict(zip(ids, actions))
+        special: set[int] = set()            # devices that need a lane of their own
+        local_actions = []
+        for i, key in enumerate(local):
+            local[key] = i
+            a = objects[key]
+            local_actions.append(a)
+            if a.mode == "ps":
+                special.add(int(a.ps_device))
+        group_local = np.fromiter(map(local.__getitem__, ids), dtype=np.int64, count=len(ids))
+        local_ai = np.empty(len(local_actions), dtype=np.int64)
+        any_partition = False
+        for i, a in enumerate(local_actions):
+            ai = kernel.action_index.get(a)
+            if ai is None:
+                self._check_action(a)
+                ai = kernel.action(a, cache.devices_of(a.placement))
+            local_ai[i] = ai
+            any_partition |= a.mode == "partition"
+        plans = self._partition_plans(strategy, special) if any_partition else {}
+        lanes = cache.lanes(frozenset(special))
+        local_rep = np.full(len(local_actions), -1, dtype=np.int64)
+        local_upd = np.full(len(local_actions), -1, dtype=np.int64)
+        for i, a in enumerate(local_actions):
+            if a.mode != "partition":
+                local_rep[i] = local_upd[i] = kernel.layout(cache.replicated_layout(a.placement, lanes, batch))
+                if a.mode == "ps":
+                    local_upd[i] = kernel.layout(cache.device_layout(int(a.ps_device), lanes, batch))
+        task_override, static0 = kernel.no_override, kernel.static_zero
+        if plans:
+            task_override = task_override.copy()
+            for plan in plans.values():
+                for t, lay in cache.partition_layouts(plan, lanes, batch).items():
+                    task_override[t] = kernel.layout(lay, plan["tasks"][t][1] if lay.kind == "split" else None)
+            static0 = self.memory.partition_static(plans, self.topology.num_devices)
+        lane_of_device = lanes.lane_of_device
+        step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
+            group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
+            plans)
+        self.compiled_evaluations += 1
+        oom = np.flatnonzero(peak > self._device_memory)
+        features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
+                           self.tasks.task_by_group_starts, lane_of_device, step, collective_end, start, finish,
+                           self.topology.num_devices)
+        return SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
+                         batch, _features=features)
+
     # ------------------------------------------------------------------ pipelines
     def pipeline_tasks(self, pipeline: Pipeline) -> PipelineTasks:
         """The expanded task graph of PIPELINE's structure (tag.sim.pipeline), cached by stages, M, schedule."""
@@ -297,6 +363,7 @@ class Simulator:
             if len(self._pipelines) > 64:
                 self._pipelines.clear()
                 self._pipeline_layouts.clear()
+                self._pipeline_kernels.clear()
             pt = PipelineTasks(self.tasks, self.memory, pipeline, self.grouping.names)
             self._pipelines[key] = pt
         return pt
@@ -356,6 +423,8 @@ class Simulator:
                     for b in sorted(set(sizes))} for st in pipeline.stages]
         ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt, lanes.lane_dg)
                       if a.mode == "ps" else None for a in stage_actions]
+        if self._kernel is not None and record is None:
+            return self._run_pipeline_compiled(pt, stage_actions, by_size, ps_layouts, sizes, lanes, batch)
         update = UPDATE_STAGE
         layout_of_task = []
         for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist()):
@@ -378,6 +447,46 @@ class Simulator:
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, schedule.start, schedule.finish)
         return result
 
+    def _run_pipeline_compiled(self, pt: PipelineTasks, stage_actions: list[Action], by_size: list[dict],
+                               ps_layouts: list[Layout | None], sizes: list[int], lanes: Lanes,
+                               batch: int) -> SimResult:
+        """``_run_pipeline`` on the compiled kernel: one kernel state per expanded task graph (its layouts
+        carry their base layouts' ids, so each pipeline structure registers them apart)."""
+        entry = self._pipeline_kernels.get(pt.uid)
+        if entry is None:
+            M = len(sizes)
+            entry = (KernelState(pt, pt.memory, self.routing, self._device_memory),
+                     np.asarray(pt.stage_of_group, dtype=np.int64),
+                     np.where(pt.micro_batch < 0, M, pt.micro_batch))      # task -> column of the layout table
+            self._pipeline_kernels[pt.uid] = entry
+        kernel, group_stage, column = entry
+        kernel.begin()
+        num_stages, M = len(stage_actions), len(sizes)
+        local_ai = np.empty(num_stages, dtype=np.int64)
+        for i, a in enumerate(stage_actions):
+            ai = kernel.action_index.get(a)
+            local_ai[i] = ai if ai is not None else kernel.action(a, self.layouts.devices_of(a.placement))
+        # [stage, micro-batch] -> layout of its forward and backward tasks; [stage, M] -> of its update tasks
+        table = np.empty((num_stages, M + 1), dtype=np.int64)
+        for i in range(num_stages):
+            for m in range(M):
+                table[i, m] = kernel.layout(by_size[i][sizes[m]])
+            table[i, M] = kernel.layout(ps_layouts[i]) if ps_layouts[i] is not None else table[i, 0]
+        task_layout = table[pt.pipeline_stage, column]
+        unused = np.full(num_stages, -1, dtype=np.int64)
+        lane_of_device = lanes.lane_of_device
+        step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
+            group_stage, local_ai, unused, unused, task_layout, len(lanes.lanes), lane_of_device, kernel.static_zero,
+            {})
+        self.compiled_evaluations += 1
+        oom = np.flatnonzero(peak > self._device_memory)
+        features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
+                           lane_of_device, step, collective_end, start, finish, self.topology.num_devices)
+        result = SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
+                           batch, _features=features)
+        result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
+        return result
+
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,
                 batch: int, step: float, schedule: StepSchedule, sfb: SfbPlan,
                 tasks: TaskGraph | PipelineTasks | None = None) -> SimResult:
@@ -398,3 +507,11 @@ class Simulator:
                            schedule.start, schedule.finish, num_devices)
         return SimResult(float(step) + self._step_overhead, peak, len(oom) == 0, [int(d) for d in oom],
                          float(schedule.comm_bytes), static, activation, batch, _features=features)
+
+
+def _features_of_schedule(num_groups: int, task_by_group: np.ndarray, task_by_group_starts: np.ndarray,
+                          lane_of_device: np.ndarray, step: float, collective_end: np.ndarray, start: np.ndarray,
+                          finish: np.ndarray, num_devices: int) -> dict[str, np.ndarray]:
+    """``schedule_features`` of the compiled kernel's schedule (which lanes ran which task: finish >= 0)."""
+    return schedule_features(num_groups, task_by_group, task_by_group_starts, lane_of_device, step, collective_end,
+                             finish >= 0, start, finish, num_devices)

@@ -1,0 +1,805 @@
+"""The compiled simulation kernel: one step's flows, collectives, list schedule and memory in one numba call.
+
+``Simulator.evaluate`` spends its time in thousands of small Python steps per strategy (the list schedule,
+transfers between layouts, collectives, activation memory; see docs/measured/issue26-kernel). This module
+moves all of them into one compiled function over flat arrays. What depends only on the graph, grouping
+and topology is flattened once per ``Simulator`` (``KernelState``); what depends on a strategy's actions
+(layouts, the routes between two layouts, collective coefficients) is still worked out by the Python
+caches of ``tag.sim.layouts`` and ``tag.sim.routing`` the first time it is met and then *registered*
+here as rows of growing arrays, so later evaluations reuse it without Python work.
+
+The model is the one of ``tag.sim.schedule.StepSchedule`` and ``tag.sim.memory.MemoryModel``, which stay
+the reference (``TAG_SIM_KERNEL=python`` or ``Simulator(..., kernel="python")`` selects them; traces and
+sufficient-factor broadcasting always use them). The kernel cuts the schedule into the same runs of
+tasks as ``StepSchedule.run`` and computes them with the same operations, so step times equal the
+reference's bit for bit (tests/test_sim_kernel.py); memory figures agree to rounding.
+
+Example::
+
+    import tag
+    from tag.strategy.baselines import builtin_strategy
+    from tag.strategy.grouping import group_ops
+    from tag.sim import Simulator
+    tg = tag.analyze(tag.zoo.training_graph("mlp", batch_size=32))
+    topo = tag.load_topology("topologies/a100-8x-nvlink.pbtxt")
+    grouping = group_ops(tg, target_groups=8)
+    fast = Simulator(tg, topo, grouping)                       # compiled kernel (numba), when installed
+    ref = Simulator(tg, topo, grouping, kernel="python")
+    s = builtin_strategy("ps", tg, topo, grouping)
+    fast.kernel, fast.evaluate(s).step_time, ref.evaluate(s).step_time
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import importlib.util
+
+ENV_VAR = "TAG_SIM_KERNEL"
+KERNELS = ("compiled", "python")
+
+MODE_CODE = {"allreduce": 0, "ps": 1, "partition": 2}
+COLL_NONE, COLL_ALLREDUCE, COLL_PS = 0, 1, 2
+
+
+_compiled = None        # the jitted _simulate, built on first use (numba's import takes about half a second)
+
+
+def available() -> bool:
+    """Whether the compiled kernel can run here (numba is installed)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def compiled_simulate():
+    """The compiled ``_simulate`` (numba, cached on disk: the first call in a fresh install compiles it,
+    about 10 s; later processes load it in well under a second)."""
+    global _compiled
+    if _compiled is None:
+        from numba import njit
+        try:
+            _compiled = njit(cache=True, nogil=True)(_simulate)
+        except RuntimeError:        # no writable cache directory anywhere: compile in every process
+            _compiled = njit(cache=False, nogil=True)(_simulate)
+    return _compiled
+
+
+class _IntMap:
+    """int64 -> non-negative int64 as an open-addressing hash table in two numpy arrays, which the kernel
+    probes the same way (``_slot``; value -1: empty). numba's typed dict would do, but creating and filling
+    the first one costs over a second per process."""
+
+    def __init__(self, capacity: int = 1024):
+        self.keys = np.zeros(capacity, dtype=np.int64)
+        self.vals = np.full(capacity, -1, dtype=np.int64)
+        self.size = 0
+
+    @staticmethod
+    def _slot(key: int, mask: int) -> int:
+        return (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & mask
+
+    def _find(self, key: int) -> int:
+        keys, vals = self.keys, self.vals
+        mask = len(keys) - 1
+        i = self._slot(key, mask)
+        while vals[i] != -1 and keys[i] != key:
+            i = (i + 1) & mask
+        return i
+
+    def __contains__(self, key: int) -> bool:
+        return self.vals[self._find(key)] != -1
+
+    def __setitem__(self, key: int, value: int) -> None:
+        if 2 * (self.size + 1) > len(self.keys):            # keep it at most half full
+            old = [(int(k), int(v)) for k, v in zip(self.keys, self.vals) if v != -1]
+            self.keys = np.zeros(2 * len(self.keys), dtype=np.int64)
+            self.vals = np.full(2 * len(self.vals), -1, dtype=np.int64)
+            self.size = 0
+            for k, v in old:
+                self[k] = v
+        i = self._find(key)
+        if self.vals[i] == -1:
+            self.size += 1
+        self.keys[i] = key
+        self.vals[i] = value
+
+
+def choose_kernel(kernel: str | None) -> str:
+    """The kernel a Simulator uses: KERNEL if given, else $TAG_SIM_KERNEL, else "compiled" where numba is
+    installed (else "python")."""
+    from tag.errors import StrategyError
+    name = kernel if kernel is not None else os.environ.get(ENV_VAR, "").strip().lower() or None
+    if name is None:
+        return "compiled" if available() else "python"
+    if name not in KERNELS:
+        raise StrategyError(f"simulator kernel {name!r} is not one of {', '.join(KERNELS)} "
+                            f"(argument kernel= or ${ENV_VAR})")
+    if name == "compiled" and not available():
+        raise StrategyError(f"simulator kernel 'compiled' needs numba, which does not import here "
+                            f"(pip install numba, or ${ENV_VAR}=python)")
+    return name
+
+
+class _Rows:
+    """A growing numpy array (amortised doubling); ``buf`` is passed to the kernel whole."""
+
+    def __init__(self, dtype, width: int = 0, fill=0):
+        self.width, self.fill, self.size = width, fill, 0
+        shape = (16, width) if width else (16,)
+        self.buf = np.full(shape, fill, dtype=dtype)
+
+    def extend(self, values) -> int:
+        """Append VALUES (rows); returns the index of the first."""
+        values = np.asarray(values, dtype=self.buf.dtype)
+        n = len(values)
+        first = self.size
+        if first + n > len(self.buf):
+            cap = max(2 * len(self.buf), first + n)
+            grown = np.full((cap, self.width) if self.width else (cap,), self.fill, dtype=self.buf.dtype)
+            grown[:first] = self.buf[:first]
+            self.buf = grown
+        self.buf[first:first + n] = values
+        self.size = first + n
+        return first
+
+
+def _csr(lists: list, dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, flat values) of a list of lists."""
+    starts = np.zeros(len(lists) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum([len(x) for x in lists]) if lists else []
+    flat = np.array([v for x in lists for v in x], dtype=dtype)
+    return starts, flat
+
+
+class KernelState:
+    """The flat arrays of one Simulator (task graph, memory rows) and the registries of layouts, routes
+    between layouts and actions that the kernel reads; ``run`` simulates one strategy."""
+
+    MAX_LAYOUTS = 50000         # registry bound: past it, start afresh (like LayoutCache's bound)
+
+    def __init__(self, tasks, memory, routing, device_memory: np.ndarray):
+        self.tasks, self.routing = tasks, routing
+        T, G = tasks.num_tasks, tasks.num_groups
+        self.T, self.G = T, G
+        self.num_resources = len(routing.resource_names)
+        self.task_group = np.asarray(tasks.task_group, dtype=np.int64)
+        self.task_stage = np.asarray(tasks.task_stage, dtype=np.int64)
+        self.b_src = np.asarray(tasks.bundle_src, dtype=np.int64)
+        self.b_dst = np.asarray(tasks.bundle_dst, dtype=np.int64)
+        self.b_same = np.asarray(tasks.bundle_same_group, dtype=np.bool_)
+        own = np.asarray(tasks.bundle_own, dtype=np.float64).reshape(-1, 2)
+        self.b_own_pe, self.b_own_fx = own[:, 0].copy(), own[:, 1].copy()
+        self.b_own_n = np.asarray(tasks.bundle_own_tensors, dtype=np.int64)
+        self.sh_start, self.sh_tid = _csr([[s[0] for s in x] for x in tasks.bundle_shared])
+        _, self.sh_pe = _csr([[s[1] for s in x] for x in tasks.bundle_shared], np.float64)
+        _, self.sh_fx = _csr([[s[2] for s in x] for x in tasks.bundle_shared], np.float64)
+        self.fwd_start, self.fwd_task = _csr(tasks.forward_tasks)
+        self.dep_start, self.dep_task = _csr(tasks.coll_deps)
+        self.upd_start, self.upd_task = _csr(tasks.update_tasks)
+        after: list[list[int]] = [[] for _ in range(T + 1)]      # task + 1 -> groups whose collective follows it
+        for g, t in enumerate(tasks.coll_after):
+            after[t + 1].append(g)
+        self.after_start, self.after_group = _csr(after)
+        self.w_bytes = np.asarray(memory.weight_bytes, dtype=np.float64)
+        self.w_count = np.asarray(memory.weight_count_list, dtype=np.int64)
+        self.slot_bytes = np.asarray(memory.slot_bytes, dtype=np.float64)
+        self.state_bytes = np.asarray(memory.state_bytes, dtype=np.float64)
+        self.live_src = np.asarray(memory.live_src_task, dtype=np.int64)
+        self.live_last = np.asarray(memory.live_last_task, dtype=np.int64)
+        self.live_pe = np.asarray(memory.live_per_example, dtype=np.float64)
+        self.live_fx = np.asarray(memory.live_fixed, dtype=np.float64)
+        self.work_fx = np.asarray(memory.working_fixed, dtype=np.float64)
+        self.work_pe = np.asarray(memory.working_per_example, dtype=np.float64)
+        self.device_memory = np.asarray(device_memory, dtype=np.float64)
+        self.per_tensor = float(routing.cost.per_tensor_s)
+        self.no_override = np.full(T, -1, dtype=np.int64)
+        self.static_zero = np.zeros(len(device_memory))
+        self._reset_registries()
+
+    def _reset_registries(self) -> None:
+        T = self.T
+        self._args: tuple | None = None         # the kernel's registry arguments (None: rebuild)
+        # layouts: dense index -> its lane instances (lane, batch, row of the duration table)
+        self.layout_index: dict[int, int] = {}            # Layout.id -> dense index
+        self.l_start = _Rows(np.int64)
+        self.l_start.extend([0])
+        self.i_lane, self.i_batch, self.i_row = _Rows(np.int64), _Rows(np.float64), _Rows(np.int64)
+        self.i_seconds = _Rows(np.float64)                # a split task's part: its duration (i_row is -1)
+        self.l_split = _Rows(np.bool_)                    # layout -> a partition task split over devices
+        # transfers between the parts of a split task: (src part, dst part, resource 1, resource 2 or -1)
+        # and (latency, s/byte, bytes), per layout (CSR)
+        self.l_int_start = _Rows(np.int64)
+        self.l_int_start.extend([0])
+        self.int_lane = _Rows(np.int64, width=4)
+        self.int_f = _Rows(np.float64, width=3)
+        self._row_of: dict[int, int] = {}                  # id(duration array) -> row
+        self._row_arrays: list[np.ndarray] = []            # keeps those arrays alive (ids stay unique)
+        self.dur = _Rows(np.float64, width=max(T, 1))
+        self._layouts: list = []                           # dense index -> Layout
+        # routes between two layouts: pair key -> dense index; deps (dst lane, src lane) and routes
+        self.pair_index = _IntMap()
+        self.m_dep_start, self.m_rt_start = _Rows(np.int64), _Rows(np.int64)
+        self.m_dep_start.extend([0])
+        self.m_rt_start.extend([0])
+        self.d_dl, self.d_sl = _Rows(np.int64), _Rows(np.int64)
+        self.r_lane = _Rows(np.int64, width=4)            # (src lane, dst lane, resource 1, resource 2 or -1)
+        self.r_f = _Rows(np.float64, width=4)             # (latency, s/byte, examples, whole copies)
+        self.num_moves = 0
+        # actions: dense index -> mode, ps device, devices, collective coefficients and resources
+        self.action_index: dict = {}                       # Action -> dense index
+        self.a_mode, self.a_ps, self.a_ckind = _Rows(np.int64), _Rows(np.int64), _Rows(np.int64)
+        self.a_c = _Rows(np.float64, width=6)             # (a, b, alt a, alt b, wire multiplier, remote workers)
+        self.a_dev_start, self.a_res_start = _Rows(np.int64), _Rows(np.int64)
+        self.a_dev_start.extend([0])
+        self.a_res_start.extend([0])
+        self.a_dev, self.a_res = _Rows(np.int64), _Rows(np.int64)
+
+    # ------------------------------------------------------------------ registries
+    def begin(self) -> None:
+        """Call before registering an evaluation's actions and layouts: bounds the registries."""
+        if len(self._layouts) >= self.MAX_LAYOUTS or len(self.action_index) >= self.MAX_LAYOUTS:
+            self._reset_registries()
+
+    def action(self, a, devices: list[int]) -> int:
+        """Dense index of action A (DEVICES: its placement's devices), registering it on first sight."""
+        i = self.action_index.get(a)
+        if i is not None:
+            return i
+        routing = self.routing
+        if a.mode == "ps":
+            c, kind = routing.collective("ps", devices, a.placement, int(a.ps_device)), COLL_PS
+        elif a.mode == "allreduce" and len(devices) > 1:
+            c, kind = routing.collective("allreduce", devices, a.placement, None), COLL_ALLREDUCE
+        else:
+            c, kind = (), COLL_NONE
+        i = len(self.action_index)
+        self._args = None
+        self.a_mode.extend([MODE_CODE[a.mode]])
+        self.a_ps.extend([int(a.ps_device) if a.mode == "ps" else -1])
+        self.a_ckind.extend([kind])
+        self.a_c.extend([[c[0], c[1], c[2], c[3], c[5], c[6]] if c else [0.0] * 6])
+        self.a_dev.extend(devices)
+        self.a_dev_start.extend([self.a_dev.size])
+        self.a_res.extend(list(c[4]) if c else [])
+        self.a_res_start.extend([self.a_res.size])
+        self.action_index[a] = i
+        return i
+
+    def layout(self, lay, parts: list | None = None) -> int:
+        """Dense index of layout LAY, registering it on first sight (PARTS: a split partition task's
+        [(device, its ops)] in run order)."""
+        li = self.layout_index.get(lay.id)
+        if li is not None:
+            return li
+        self._args = None
+        rows, seconds = [], []
+        split = lay.kind == "split"
+        for _, d, _, ta in lay.insts:
+            if split:
+                rows.append(-1)
+                seconds.append(float(d))
+                continue
+            r = self._row_of.get(id(ta))
+            if r is None:
+                r = self.dur.extend([ta])
+                self._row_of[id(ta)] = r
+                self._row_arrays.append(ta)
+            rows.append(r)
+            seconds.append(0.0)
+        self.i_lane.extend([i[0] for i in lay.insts])
+        self.i_batch.extend([i[2] for i in lay.insts])
+        self.i_row.extend(rows)
+        self.i_seconds.extend(seconds)
+        self.l_start.extend([self.i_lane.size])
+        self.l_split.extend([split])
+        if split:
+            part_of = {d: k for k, (d, _) in enumerate(parts)}
+            moved = self.routing.split_internal_moves(lay.key[1], parts, lay)
+            for (ds, dd), nb in moved.items():
+                if nb <= 0:
+                    continue
+                res, lat, ipb = self.routing.route(ds, dd)
+                self.int_lane.extend([(part_of[ds], part_of[dd], res[0], res[1] if len(res) == 2 else -1)])
+                self.int_f.extend([(lat, ipb, nb)])
+        self.l_int_start.extend([self.int_lane.size])
+        li = len(self._layouts)
+        self._layouts.append(lay)
+        self.layout_index[lay.id] = li
+        return li
+
+    def add_moves(self, keys: np.ndarray, plans: dict) -> None:
+        """Register the routes of KEYS: src index << 32 | dst index (a flow between two layouts), or
+        -1 - (bundle << 34 | src index << 17 | dst index) (a bundle to or from a split partition task,
+        whose transfers carry fixed bytes: examples 0, copies = bytes; PLANS: the partition plans)."""
+        routing = self.routing
+        self._args = None
+        for key in dict.fromkeys(keys.tolist()):
+            if key in self.pair_index:
+                continue
+            if key < 0:
+                code = -1 - key
+                b, ls, ld = code >> 34, self._layouts[(code >> 17) & 0x1FFFF], self._layouts[code & 0x1FFFF]
+                deps, transfers = routing.split_moves(b, ls, ld, plans)
+                routes1, routes2 = [], []
+                for (p, pl, c, cl, nb) in transfers:
+                    res, lat, ipb = routing.route(p, c)
+                    routes1.append((pl, cl, res[0], res[1] if len(res) == 2 else -1, lat, ipb, 0.0, nb))
+            else:
+                ls, ld = self._layouts[key >> 32], self._layouts[key & 0xFFFFFFFF]
+                mk = ("c", ls.id, ld.id)
+                cm = routing.moves.get(mk)
+                if cm is None:
+                    cm = routing.compiled_moves(mk, ls, ld)
+                deps, r1, r2, _ = cm
+                routes1 = [(sl, dl, r, -1, lat, ipb, ex, cnt) for (sl, dl, r, lat, ipb, ex, cnt) in r1]
+                routes2 = list(r2)
+            pairs = [(dl, sl) for dl, sls in deps for sl in sls]
+            self.d_dl.extend([p[0] for p in pairs])
+            self.d_sl.extend([p[1] for p in pairs])
+            self.m_dep_start.extend([self.d_dl.size])
+            routes = routes1 + routes2
+            lanes = [r[:4] for r in routes]
+            floats = [r[4:] for r in routes]
+            if lanes:
+                self.r_lane.extend(lanes)
+                self.r_f.extend(floats)
+            self.m_rt_start.extend([self.r_lane.size])
+            self.pair_index[key] = self.num_moves
+            self.num_moves += 1
+
+    # ------------------------------------------------------------------ one evaluation
+    def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
+            task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
+            plans: dict) -> tuple:
+        """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
+        peak, static and activation bytes per device)."""
+        simulate = compiled_simulate()
+        for _ in range(2):
+            if self._args is None:
+                self._args = self._arguments()
+            out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
+                           static0, *self._args)
+            missing = out[0]
+            if not len(missing):
+                return out[1:]
+            self.add_moves(missing, plans)
+        raise RuntimeError("simulation kernel: routes between layouts still missing after registering them")
+
+    def _arguments(self) -> tuple:
+        """The kernel's arguments after the evaluation's own: the flat task graph and the registries (their
+        current buffers; rebuilt after a registration, which may grow them)."""
+        return (self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
+                self.b_own_fx, self.b_own_n, self.sh_start, self.sh_tid, self.sh_pe, self.sh_fx,
+                self.fwd_start, self.fwd_task, self.dep_start, self.dep_task, self.upd_start, self.upd_task,
+                self.after_start, self.after_group, self.w_bytes, self.w_count, self.slot_bytes,
+                self.state_bytes, self.live_src, self.live_last, self.live_pe, self.live_fx, self.work_fx,
+                self.work_pe, self.device_memory, self.per_tensor, self.num_resources,
+                self.a_mode.buf, self.a_ps.buf, self.a_dev_start.buf, self.a_dev.buf, self.a_ckind.buf,
+                self.a_c.buf, self.a_res_start.buf, self.a_res.buf,
+                self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
+                self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
+                self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
+                self.r_lane.buf, self.r_f.buf)
+
+
+def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0,
+              task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
+              sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
+              after_start, after_group, w_bytes, w_count, slot_bytes, state_bytes,
+              live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
+              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
+              l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
+              pair_keys, pair_vals, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
+    """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
+    layouts, ps pulls, the list schedule with transfers and collectives, static and activation memory.
+    Returns (layout pairs without registered routes (then nothing else is valid), step, comm bytes, start,
+    finish, batch [lane, task], collective end per group, peak, static and activation bytes per device)."""
+    T = task_group.shape[0]
+    G = group_local.shape[0]
+    pair_mask = pair_keys.shape[0] - 1
+    B = b_src.shape[0]
+    D = local_ai.shape[0]
+    # ---- layout of every task
+    task_layout = np.empty(T, np.int64)
+    for t in range(T):
+        if task_override[t] >= 0:
+            task_layout[t] = task_override[t]
+        else:
+            loc = group_local[task_group[t]]
+            task_layout[t] = local_upd[loc] if task_stage[t] == 2 else local_rep[loc]
+    group_mode = np.empty(G, np.int64)
+    for g in range(G):
+        group_mode[g] = a_mode[local_ai[group_local[g]]]
+    # ---- flows: tensors from a task to the tasks of one other layout (bundles sorted by producer)
+    flow_src = np.empty(B, np.int64)
+    flow_dst_layout = np.empty(B, np.int64)
+    flow_wait_all = np.zeros(B, np.bool_)
+    flow_pe = np.zeros(B)
+    flow_fx = np.zeros(B)
+    flow_n = np.zeros(B, np.int64)
+    flow_move = np.full(B, -1, np.int64)
+    bundle_flow = np.full(B, -1, np.int64)
+    sent_tid = np.empty(sh_tid.shape[0], np.int64)      # shared tensors sent by the current producer
+    sent_layout = np.empty(sh_tid.shape[0], np.int64)
+    missing = np.empty(B, np.int64)
+    num_missing = 0
+    F = 0
+    producer = -1
+    producer_first_flow = 0
+    num_sent = 0
+    into_count = np.zeros(T + 1, np.int64)
+    for b in range(B):
+        k, t = b_src[b], b_dst[b]
+        lk, ld = task_layout[k], task_layout[t]
+        if lk == ld:
+            continue
+        if k != producer:
+            producer = k
+            producer_first_flow = F
+            num_sent = 0
+        wait_all = b_same[b] and group_mode[task_group[k]] == 1
+        split = l_split[lk] or l_split[ld]
+        m = -1
+        if split:       # a flow per bundle: the split-task routes say which device sends what
+            m = F
+            F += 1
+            flow_src[m] = k
+            flow_dst_layout[m] = ld
+            flow_wait_all[m] = wait_all
+            flow_fx[m] = 1.0        # its routes carry fixed bytes (examples 0, copies = bytes)
+            if not wait_all:
+                key = -1 - ((b << 34) | (lk << 17) | ld)
+                slot = (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & pair_mask      # as _IntMap
+                while pair_vals[slot] != -1 and pair_keys[slot] != key:
+                    slot = (slot + 1) & pair_mask
+                mi = pair_vals[slot]
+                if mi < 0:
+                    missing[num_missing] = key
+                    num_missing += 1
+                flow_move[m] = mi
+            bundle_flow[b] = m
+            into_count[t + 1] += 1
+            continue
+        for j in range(producer_first_flow, F):
+            if flow_dst_layout[j] == ld and flow_wait_all[j] == wait_all:
+                m = j
+                break
+        if m < 0:
+            m = F
+            F += 1
+            flow_src[m] = k
+            flow_dst_layout[m] = ld
+            flow_wait_all[m] = wait_all
+            if not wait_all:
+                key = (lk << 32) | ld
+                slot = (key ^ (key >> 17) ^ (key >> 31) ^ (key >> 47)) & pair_mask      # as _IntMap
+                while pair_vals[slot] != -1 and pair_keys[slot] != key:
+                    slot = (slot + 1) & pair_mask
+                mi = pair_vals[slot]
+                if mi < 0:
+                    missing[num_missing] = key
+                    num_missing += 1
+                flow_move[m] = mi
+        flow_pe[m] += b_own_pe[b]
+        flow_fx[m] += b_own_fx[b]
+        flow_n[m] += b_own_n[b]
+        for s in range(sh_start[b], sh_start[b + 1]):
+            tid = sh_tid[s]
+            seen = False
+            for j in range(num_sent):
+                if sent_tid[j] == tid and sent_layout[j] == ld:
+                    seen = True
+                    break
+            if not seen:
+                sent_tid[num_sent] = tid
+                sent_layout[num_sent] = ld
+                num_sent += 1
+                flow_pe[m] += sh_pe[s]
+                flow_fx[m] += sh_fx[s]
+                flow_n[m] += 1
+        bundle_flow[b] = m
+        into_count[t + 1] += 1
+    empty2 = np.zeros((0, 0))
+    empty1 = np.zeros(0)
+    if num_missing:
+        return missing[:num_missing], 0.0, 0.0, empty2, empty2, empty2, empty1, empty1, empty1, empty1
+    # flows into each task (CSR) and out of each task (flows are numbered by producer)
+    into_start = np.cumsum(into_count)
+    into_flow = np.empty(into_start[T], np.int64)
+    fill = into_start[:T].copy()
+    for b in range(B):
+        m = bundle_flow[b]
+        if m >= 0:
+            t = b_dst[b]
+            into_flow[fill[t]] = m
+            fill[t] += 1
+    out_start = np.zeros(T + 1, np.int64)
+    for m in range(F):
+        out_start[flow_src[m] + 1] += 1
+    for t in range(T):
+        out_start[t + 1] += out_start[t]
+    arrival = np.zeros((max(F, 1), nl))
+    # ---- collectives: pulls now, all-reduces and pushes once their gradients are ready
+    resource_free = np.zeros(NR)
+    lane_free = np.zeros(nl)
+    release = np.zeros(T)
+    task_finish = np.zeros(T)
+    collective_end = np.zeros(G)
+    coll_dur = np.zeros(G)
+    coll_bytes = np.zeros(G)
+    coll_on = np.zeros(G, np.bool_)
+    comm = 0.0
+    for g in range(G):
+        ai = local_ai[group_local[g]]
+        W = w_bytes[g]
+        if W <= 0 or a_mode[ai] == 2 or a_ckind[ai] == 0 or a_c[ai, 4] <= 0:
+            continue
+        if a_ckind[ai] == 2:
+            d = a_c[ai, 0] + a_c[ai, 1] * W
+            if per_tensor > 0.0:
+                d += per_tensor * w_count[g] * a_c[ai, 5]
+            st = 0.0
+            for j in range(a_res_start[ai], a_res_start[ai + 1]):
+                if resource_free[a_res[j]] > st:
+                    st = resource_free[a_res[j]]
+            end = st + d
+            for j in range(a_res_start[ai], a_res_start[ai + 1]):
+                resource_free[a_res[j]] = end
+            comm += a_c[ai, 4] * W
+            for j in range(fwd_start[g], fwd_start[g + 1]):
+                if end > release[fwd_task[j]]:
+                    release[fwd_task[j]] = end
+        else:
+            d = min(a_c[ai, 0] + a_c[ai, 1] * W, a_c[ai, 2] + a_c[ai, 3] * W)
+        coll_dur[g] = d
+        coll_bytes[g] = a_c[ai, 4] * W
+        coll_on[g] = True
+    # ---- the list schedule
+    start = np.zeros((nl, T))
+    finish = np.full((nl, T), -1.0)
+    batch = np.zeros((nl, T))
+    # runs: consecutive tasks on one layout, cut where tag.sim.schedule cuts them (before the first update
+    # task, after an update task that issues a collective); transfers and collectives follow each run
+    has_post = np.zeros(T, np.bool_)
+    for t in range(T):
+        for j in range(after_start[t + 1], after_start[t + 2]):
+            if coll_on[after_group[j]]:
+                has_post[t] = True
+    t0 = 0
+    while t0 < T:
+        L = task_layout[t0]
+        e = t0 + 1
+        if not l_split[L]:
+            while e < T and task_layout[e] == L and not (task_stage[e] == 2 and task_stage[e - 1] < 2) \
+                    and not (task_stage[e - 1] == 2 and has_post[e - 1]):
+                e += 1
+        if not l_split[L] and (e - t0) * (l_start[L + 1] - l_start[L]) >= 8:
+            # a long run: as tag.sim.schedule simulates it with numpy, f = C + running max of
+            # (ready - C + d), C the cumulative durations (the same operations, so the same rounding)
+            any_ready = False
+            for k in range(t0, e):
+                if release[k] != 0.0 or into_start[k + 1] > into_start[k]:
+                    any_ready = True
+            for k in range(t0, e):
+                task_finish[k] = -np.inf
+            for i in range(l_start[L], l_start[L + 1]):
+                lane = i_lane[i]
+                row = i_row[i]
+                free = lane_free[lane]
+                f = free
+                cumulative = 0.0
+                running = 0.0
+                for k in range(t0, e):
+                    d = dur[row, k]
+                    if not any_ready:
+                        f = d + free if k == t0 else f + d
+                    else:
+                        cumulative = d if k == t0 else cumulative + d
+                        r = release[k]
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        x = (r - cumulative) + d
+                        if k == t0:
+                            running = x if x >= free else free
+                        elif x > running:
+                            running = x
+                        f = running + cumulative
+                    start[lane, k] = f - d
+                    finish[lane, k] = f
+                    batch[lane, k] = i_batch[i]
+                    if f > task_finish[k]:
+                        task_finish[k] = f
+                lane_free[lane] = f
+        else:
+            for k in range(t0, e):
+                r0 = release[k]
+                latest = 0.0
+                if l_split[L]:      # the parts one after another, with transfers between them
+                    first_inst = l_start[L]
+                    internal = np.zeros(l_start[L + 1] - first_inst)
+                    comm_task = 0.0
+                    for p in range(l_start[L + 1] - first_inst):
+                        i = first_inst + p
+                        lane = i_lane[i]
+                        r = r0
+                        if internal[p] > r:
+                            r = internal[p]
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        s = lane_free[lane]
+                        if r > s:
+                            s = r
+                        f = s + i_seconds[i]
+                        lane_free[lane] = f
+                        start[lane, k] = s
+                        finish[lane, k] = f
+                        batch[lane, k] = i_batch[i]
+                        if f > latest:
+                            latest = f
+                        for q in range(l_int_start[L], l_int_start[L + 1]):
+                            if int_lane[q, 0] != p:
+                                continue
+                            nb = int_f[q, 2]
+                            comm_task += nb
+                            r1, r2 = int_lane[q, 2], int_lane[q, 3]
+                            st = f
+                            if resource_free[r1] > st:
+                                st = resource_free[r1]
+                            if r2 >= 0 and resource_free[r2] > st:
+                                st = resource_free[r2]
+                            st += nb * int_f[q, 1]
+                            resource_free[r1] = st
+                            if r2 >= 0:
+                                resource_free[r2] = st
+                            st += int_f[q, 0]
+                            dp = int_lane[q, 1]
+                            if dp > p and st > internal[dp]:
+                                internal[dp] = st
+                    comm += comm_task
+                else:
+                    for i in range(l_start[L], l_start[L + 1]):
+                        lane = i_lane[i]
+                        r = r0
+                        for j in range(into_start[k], into_start[k + 1]):
+                            x = arrival[into_flow[j], lane]
+                            if x > r:
+                                r = x
+                        s = lane_free[lane]
+                        if r > s:
+                            s = r
+                        f = s + dur[i_row[i], k]
+                        lane_free[lane] = f
+                        start[lane, k] = s
+                        finish[lane, k] = f
+                        batch[lane, k] = i_batch[i]
+                        if f > latest:
+                            latest = f
+                task_finish[k] = latest
+        # (the collectives of groups with no task (-1) after the first run)
+        for k in range(-1 if t0 == 0 else t0, e):
+            # transfers out of task k, then the collectives it completes
+            for m in range(out_start[k] if k >= 0 else 0, out_start[k + 1] if k >= 0 else 0):
+                ld = flow_dst_layout[m]
+                if flow_wait_all[m]:
+                    for i in range(l_start[ld], l_start[ld + 1]):
+                        arrival[m, i_lane[i]] = task_finish[k]
+                    continue
+                mi = flow_move[m]
+                for j in range(m_dep_start[mi], m_dep_start[mi + 1]):
+                    y = finish[d_sl[j], k]
+                    if y > arrival[m, d_dl[j]]:
+                        arrival[m, d_dl[j]] = y
+                tensor_s = flow_n[m] * per_tensor
+                pe, fx = flow_pe[m], flow_fx[m]
+                nbytes = 0.0
+                for j in range(m_rt_start[mi], m_rt_start[mi + 1]):
+                    nb = pe * r_f[j, 2] + fx * r_f[j, 3]
+                    if nb <= 0:
+                        continue
+                    nbytes += nb
+                    sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
+                    st = finish[sl, k]
+                    if resource_free[r1] > st:
+                        st = resource_free[r1]
+                    if r2 >= 0:
+                        if resource_free[r2] > st:
+                            st = resource_free[r2]
+                        st += nb * r_f[j, 1] + tensor_s
+                        resource_free[r2] = st
+                    else:
+                        st += nb * r_f[j, 1]
+                    resource_free[r1] = st
+                    st += r_f[j, 0]
+                    if st > arrival[m, dl]:
+                        arrival[m, dl] = st
+                comm += nbytes
+            for j in range(after_start[k + 1], after_start[k + 2]):
+                g = after_group[j]
+                if not coll_on[g]:
+                    continue
+                ai = local_ai[group_local[g]]
+                st = 0.0
+                for q in range(dep_start[g], dep_start[g + 1]):
+                    if task_finish[dep_task[q]] > st:
+                        st = task_finish[dep_task[q]]
+                for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                    if resource_free[a_res[q]] > st:
+                        st = resource_free[a_res[q]]
+                end = st + coll_dur[g]
+                for q in range(a_res_start[ai], a_res_start[ai + 1]):
+                    resource_free[a_res[q]] = end
+                comm += coll_bytes[g]
+                if end > collective_end[g]:
+                    collective_end[g] = end
+                for q in range(upd_start[g], upd_start[g + 1]):
+                    if end > release[upd_task[q]]:
+                        release[upd_task[q]] = end
+        t0 = e
+    step = 0.0
+    for lane in range(nl):
+        if lane_free[lane] > step:
+            step = lane_free[lane]
+    for r in range(NR):
+        if resource_free[r] > step:
+            step = resource_free[r]
+    for g in range(G):
+        if collective_end[g] > step:
+            step = collective_end[g]
+    # ---- memory: static bytes per device, activation peak per lane
+    num_devices = device_memory.shape[0]
+    static = static0.copy()
+    w_loc = np.zeros(D)
+    s_loc = np.zeros(D)
+    st_loc = np.zeros(D)
+    for g in range(G):
+        loc = group_local[g]
+        w_loc[loc] += w_bytes[g]
+        s_loc[loc] += slot_bytes[g]
+        st_loc[loc] += state_bytes[g]
+    for loc in range(D):
+        ai = local_ai[loc]
+        mode = a_mode[ai]
+        if mode == 2:
+            continue
+        if mode == 1:
+            x = 2 * w_loc[loc] + st_loc[loc]
+            for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                static[a_dev[j]] += x
+            static[a_ps[ai]] += 2 * w_loc[loc] + s_loc[loc]
+        else:
+            x = 2 * w_loc[loc] + s_loc[loc] + st_loc[loc]
+            for j in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                static[a_dev[j]] += x
+    peak_lane = np.zeros(nl)
+    delta = np.empty(T + 1)
+    R = live_src.shape[0]
+    for lane in range(nl):
+        delta[:] = 0.0
+        for j in range(R):
+            s = live_src[j]
+            if finish[lane, s] >= 0:
+                held = live_fx[j] + batch[lane, s] * live_pe[j]
+                Ls = task_layout[s]
+                if l_split[Ls]:
+                    held = held / (l_start[Ls + 1] - l_start[Ls])
+                delta[s] += held
+                delta[live_last[j] + 1] -= held
+        live = 0.0
+        best = 0.0
+        for t in range(T):
+            live += delta[t]
+            if finish[lane, t] >= 0:
+                x = live + (work_fx[t] + batch[lane, t] * work_pe[t])
+                if x > best:
+                    best = x
+        peak_lane[lane] = best
+    activation = np.empty(num_devices)
+    peak = np.empty(num_devices)
+    for d in range(num_devices):
+        activation[d] = peak_lane[lane_of_device[d]]
+        peak[d] = static[d] + activation[d]
+    return missing[:0], step, comm, start, finish, batch, collective_end, peak, static, activation
