@@ -180,6 +180,7 @@ class KernelState:
         for g, t in enumerate(tasks.coll_after):
             after[t + 1].append(g)
         self.after_start, self.after_group = _csr(after)
+        self.g_after = np.asarray(tasks.coll_after, dtype=np.int64)
         self.w_bytes = np.asarray(memory.weight_bytes, dtype=np.float64)
         self.w_count = np.asarray(memory.weight_count_list, dtype=np.int64)
         self.slot_bytes = np.asarray(memory.slot_bytes, dtype=np.float64)
@@ -233,6 +234,8 @@ class KernelState:
         self.a_dev_start.extend([0])
         self.a_res_start.extend([0])
         self.a_dev, self.a_res = _Rows(np.int64), _Rows(np.int64)
+        self.a_place = _Rows(np.int64)                     # dense index -> its placement's dense index
+        self.place_index: dict = {}                        # placement -> dense index (fusion buckets)
 
     # ------------------------------------------------------------------ registries
     def begin(self) -> None:
@@ -262,6 +265,7 @@ class KernelState:
         self.a_dev_start.extend([self.a_dev.size])
         self.a_res.extend(list(c[4]) if c else [])
         self.a_res_start.extend([self.a_res.size])
+        self.a_place.extend([self.place_index.setdefault(a.placement, len(self.place_index))])
         self.action_index[a] = i
         return i
 
@@ -350,15 +354,16 @@ class KernelState:
     # ------------------------------------------------------------------ one evaluation
     def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
             task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
-            plans: dict) -> tuple:
+            plans: dict, fuse_cap: float = -1.0) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
-        peak, static and activation bytes per device)."""
+        peak, static and activation bytes per device). FUSE_CAP: all-reduce groups are summed in the fusion
+        buckets of ``tag.strategy.fusion`` closed at that many bytes (negative: one collective per group)."""
         simulate = compiled_simulate()
         for _ in range(2):
             if self._args is None:
                 self._args = self._arguments()
             out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
-                           static0, *self._args)
+                           static0, float(fuse_cap), *self._args)
             missing = out[0]
             if not len(missing):
                 return out[1:]
@@ -371,23 +376,23 @@ class KernelState:
         return (self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
                 self.b_own_fx, self.b_own_n, self.sh_start, self.sh_tid, self.sh_pe, self.sh_fx,
                 self.fwd_start, self.fwd_task, self.dep_start, self.dep_task, self.upd_start, self.upd_task,
-                self.after_start, self.after_group, self.w_bytes, self.w_count, self.slot_bytes,
+                self.after_start, self.after_group, self.g_after, self.w_bytes, self.w_count, self.slot_bytes,
                 self.state_bytes, self.live_src, self.live_last, self.live_pe, self.live_fx, self.work_fx,
                 self.work_pe, self.device_memory, self.per_tensor, self.num_resources,
                 self.a_mode.buf, self.a_ps.buf, self.a_dev_start.buf, self.a_dev.buf, self.a_ckind.buf,
-                self.a_c.buf, self.a_res_start.buf, self.a_res.buf,
+                self.a_c.buf, self.a_res_start.buf, self.a_res.buf, self.a_place.buf,
                 self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
                 self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
                 self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
                 self.r_lane.buf, self.r_f.buf)
 
 
-def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0,
+def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap,
               task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
-              after_start, after_group, w_bytes, w_count, slot_bytes, state_bytes,
+              after_start, after_group, g_after, w_bytes, w_count, slot_bytes, state_bytes,
               live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
-              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res,
+              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res, a_place,
               l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
               pair_keys, pair_vals, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
     """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
@@ -554,6 +559,74 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
         coll_dur[g] = d
         coll_bytes[g] = a_c[ai, 4] * W
         coll_on[g] = True
+    # ---- fusion buckets (tag.strategy.fusion.fusion_buckets): all-reduce groups on one placement, the last
+    # group first, a bucket closed at FUSE_CAP bytes; issued after its members' last gradient task
+    leader = np.arange(G)
+    members = np.ones(G, np.int64)
+    issue = g_after.copy()
+    if fuse_cap >= 0.0:
+        open_leader = np.full(a_place.shape[0] + 1, -1, np.int64)
+        open_bytes = np.zeros(a_place.shape[0] + 1)
+        for g in range(G - 1, -1, -1):
+            ai = local_ai[group_local[g]]
+            if not coll_on[g] or a_ckind[ai] != 1:
+                continue
+            p = a_place[ai]
+            if open_leader[p] < 0:
+                open_leader[p] = g
+            leader[g] = open_leader[p]
+            open_bytes[p] += w_bytes[g]
+            if open_bytes[p] >= fuse_cap:
+                open_leader[p] = -1
+                open_bytes[p] = 0.0
+        members[:] = 0
+        wsum = np.zeros(G)
+        last = np.full(G, -1, np.int64)
+        for g in range(G):
+            L = leader[g]
+            members[L] += 1
+            wsum[L] += w_bytes[g]
+            if g_after[g] > last[L]:
+                last[L] = g_after[g]
+        bad = np.zeros(G, np.bool_)       # an update task before the bucket's last gradient: no fusion
+        for g in range(G):
+            L = leader[g]
+            if members[L] > 1:
+                for q in range(upd_start[g], upd_start[g + 1]):
+                    if upd_task[q] <= last[L]:
+                        bad[L] = True
+        for g in range(G):
+            L = leader[g]
+            if members[L] > 1 and bad[L]:
+                leader[g] = g
+        members[:] = 0
+        for g in range(G):
+            members[leader[g]] += 1
+        for g in range(G):
+            L = leader[g]
+            if members[L] < 2:
+                continue
+            if L != g:
+                coll_on[g] = False
+                continue
+            ai = local_ai[group_local[g]]
+            W = wsum[g]
+            coll_dur[g] = min(a_c[ai, 0] + a_c[ai, 1] * W, a_c[ai, 2] + a_c[ai, 3] * W)
+            coll_bytes[g] = a_c[ai, 4] * W
+            issue[g] = last[g]
+    # the groups whose collective is issued after each task (task + 1 -> groups, ascending), as after_start
+    dyn_start = np.zeros(T + 3, np.int64)
+    for g in range(G):
+        if coll_on[g]:
+            dyn_start[issue[g] + 2] += 1
+    for t in range(T + 2):
+        dyn_start[t + 1] += dyn_start[t]
+    dyn_group = np.empty(max(dyn_start[T + 2], 1), np.int64)
+    fill = dyn_start.copy()
+    for g in range(G):
+        if coll_on[g]:
+            dyn_group[fill[issue[g] + 1]] = g
+            fill[issue[g] + 1] += 1
     # ---- the list schedule
     start = np.zeros((nl, T))
     finish = np.full((nl, T), -1.0)
@@ -562,8 +635,8 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
     # task, after an update task that issues a collective); transfers and collectives follow each run
     has_post = np.zeros(T, np.bool_)
     for t in range(T):
-        for j in range(after_start[t + 1], after_start[t + 2]):
-            if coll_on[after_group[j]]:
+        for j in range(dyn_start[t + 1], dyn_start[t + 2]):
+            if coll_on[dyn_group[j]]:
                 has_post[t] = True
     t0 = 0
     while t0 < T:
@@ -717,15 +790,19 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                     if st > arrival[m, dl]:
                         arrival[m, dl] = st
                 comm += nbytes
-            for j in range(after_start[k + 1], after_start[k + 2]):
-                g = after_group[j]
+            for j in range(dyn_start[k + 1], dyn_start[k + 2]):
+                g = dyn_group[j]
                 if not coll_on[g]:
                     continue
                 ai = local_ai[group_local[g]]
                 st = 0.0
-                for q in range(dep_start[g], dep_start[g + 1]):
-                    if task_finish[dep_task[q]] > st:
-                        st = task_finish[dep_task[q]]
+                fused = members[g] > 1
+                for h in range(0 if fused else g, G if fused else g + 1):     # the bucket's members
+                    if fused and leader[h] != g:
+                        continue
+                    for q in range(dep_start[h], dep_start[h + 1]):
+                        if task_finish[dep_task[q]] > st:
+                            st = task_finish[dep_task[q]]
                 for q in range(a_res_start[ai], a_res_start[ai + 1]):
                     if resource_free[a_res[q]] > st:
                         st = resource_free[a_res[q]]
@@ -735,9 +812,12 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                 comm += coll_bytes[g]
                 if end > collective_end[g]:
                     collective_end[g] = end
-                for q in range(upd_start[g], upd_start[g + 1]):
-                    if end > release[upd_task[q]]:
-                        release[upd_task[q]] = end
+                for h in range(0 if fused else g, G if fused else g + 1):
+                    if fused and leader[h] != g:
+                        continue
+                    for q in range(upd_start[h], upd_start[h + 1]):
+                        if end > release[upd_task[q]]:
+                            release[upd_task[q]] = end
         t0 = e
     step = 0.0
     for lane in range(nl):

@@ -98,6 +98,7 @@ from tag.sim.schedule import StepSchedule
 from tag.sim.sfb import SfbModel, SfbPlan
 from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import STAGE_NAMES, Recording, chrome_trace
+from tag.strategy import fusion
 from tag.strategy.pipeline import Pipeline
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares
 
@@ -342,7 +343,7 @@ class Simulator:
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans)
+            plans, fusion.FUSION_BUCKET_BYTES)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
