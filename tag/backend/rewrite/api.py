@@ -85,7 +85,8 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
     ``batch_size`` overrides the global batch (default: ``graph.batch_size``). ``train_op``, ``loss``
     and ``init`` name the original ops to keep runnable (``loss``/``init`` may be absent).
     ``fuse_allreduce``: the gradients of each allreduce op group are summed by one collective over a
-    concatenated buffer (as the simulator models it) instead of one collective per variable. With
+    concatenated buffer per fusion bucket (``tag.strategy.fusion``: the groups on the same replicas, up to
+    16 MB; as the simulator models it) instead of one collective per variable. With
     ``validate`` the result is imported into a fresh ``tf.Graph`` (shape inference) before it is
     returned. Raises RewriteError (naming the op) for what cannot be rewritten and StrategyError
     when the strategy does not fit the graph or the topology.

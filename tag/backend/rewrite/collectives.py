@@ -1,7 +1,8 @@
 """Collectives: gradient partial sums of ``allreduce`` op groups summed by ``CollectiveReduceV2``.
 
 Among the replicas of an ``allreduce`` group, gradient partial sums are summed by one collective per
-op group and dtype (``fuse_allreduce``, as the simulator models it): gradients flattened,
+fusion bucket and dtype (``fuse_allreduce``; the buckets of ``tag.strategy.fusion``, as the simulator
+models it): gradients flattened,
 concatenated, all-reduced, split and reshaped back. Without fusion (or for a lone gradient) there is
 one collective per gradient. The group key is a hash of the device set (``collective_group_key``: the
 same set gets the same key in any graph); instance keys are unique per collective within a graph.
@@ -39,7 +40,7 @@ def collective_group_key(device_strings: Iterable[str]) -> int:
 
 
 class CollectivesMixin(RewriteContext):
-    """All-reduces of gradients: per gradient (``_allreduce``) or fused per op group and dtype."""
+    """All-reduces of gradients: per gradient (``_allreduce``) or fused per fusion bucket and dtype."""
 
     def _allreduce(self, t: str, devs: list[int], ranges: list[Range]) -> dict[int, str]:
         """One CollectiveReduceV2 per device of DEVS summing T's partial sums (ranges RANGES)."""
