@@ -85,7 +85,41 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     return float(np.median(r.step_times[warmup:]))
 
 
-def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True):
+def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, float, list[float]]]:
+    """(predicted step, ops, per-family parts) of ANALYSIS's graph run whole on each of DEVICES, costed with
+    PROFILE. ``parts[f]``: the seconds of the step that family f's scale multiplies (``FAMILIES`` order), found
+    by doubling that scale; ``ops``: the ops that pay a launch overhead, found by adding a probe overhead. The
+    rest of the step (launch overheads, the runtime's step overhead) is ``predicted - sum(parts)``."""
+    import dataclasses
+    from tag.cost.model import CostModel, Profile
+    from tag.cost.op_classes import FAMILIES
+    from tag.sim import Simulator
+    from tag.strategy.baselines import on_one_device
+    probe = 1e-4                                        # extra launch overhead that counts the charged ops
+
+    def changed(change) -> Profile:
+        return Profile({t: change(d) for t, d in profile.devices.items()}, network=profile.network)
+
+    probes = {"ops": changed(lambda d: dataclasses.replace(d, launch_overhead_s=(d.launch_overhead_s or 0.0) + probe)),
+              **{f: changed(lambda d, f=f: dataclasses.replace(
+                  d, family_scale={**d.family_scale, f: 2.0 * d.family_scale.get(f, 1.0)})) for f in FAMILIES}}
+    # the same analysis costed with each probe (graph analysis is the expensive part)
+    sims = {k: Simulator(analysis.graph, analysis.topology, analysis.grouping,
+                         CostModel(analysis.graph, analysis.topology, p)) for k, p in probes.items()}
+    base = Simulator(analysis.graph, analysis.topology, analysis.grouping,
+                     CostModel(analysis.graph, analysis.topology, profile))
+    out = []
+    for device in devices:
+        whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), device)
+        predicted = base.evaluate(whole, batch_size=batch).step_time
+        ops = (sims["ops"].evaluate(whole, batch_size=batch).step_time - predicted) / probe
+        out.append((predicted, ops, [sims[f].evaluate(whole, batch_size=batch).step_time - predicted
+                                     for f in FAMILIES]))
+    return out
+
+
+def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True,
+                   record: dict | None = None):
     """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
 
     Each calibration model runs whole on the first host of each device type, through tag's runtime (a TF
@@ -103,44 +137,28 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     13 us/op, fit within 17%``). Why the overhead: a quarter of the batch took 0.25-0.50 of the whole batch's
     step where the traced profile predicted 0.26-0.44 (scripts/bench_transfers.py, ``batch_share``): the
     executor's cost per op, which a replica's share of the batch and every micro-batch of a pipeline pay again
-    in full."""
+    in full. RECORD (a dict), when given, receives per device type the points and both fits as plain data."""
     import dataclasses
     import numpy as np
     from tag.api import prepare
     from tag.cost.fitting import fit_levels
-    from tag.cost.model import CostModel, Profile
+    from tag.cost.model import Profile
     from tag.cost.op_classes import FAMILIES
-    from tag.sim import Simulator
     from tag.strategy.baselines import on_one_device
     batch = int(recipe["calibration"]["batch"])
     small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
-    probe = 1e-4                                        # extra launch overhead that counts the charged ops
     first_group = {}                                    # device type -> its first group (one host each here)
     for group in tb.topology.groups:
         first_group.setdefault(group.device_type, group)
     # device type -> (predicted, ops, per-family parts, measured) per calibration step
     points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
-
-    def changed(change) -> Profile:
-        return Profile({t: change(d) for t, d in profile.devices.items()}, network=profile.network)
-
-    bumped = changed(lambda d: dataclasses.replace(d, launch_overhead_s=(d.launch_overhead_s or 0.0) + probe))
-    doubled = {f: changed(lambda d, f=f: dataclasses.replace(
-        d, family_scale={**d.family_scale, f: 2.0 * d.family_scale.get(f, 1.0)})) for f in FAMILIES}
     for spec in recipe["calibration"]["models"]:
         for b in (batch, small):
             analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
                                name="calibration")
-            sim = analysis.simulator()
-            # the same analysis costed with the probes (graph analysis is the expensive part)
-            probes = {k: Simulator(analysis.graph, analysis.topology, analysis.grouping,
-                                   CostModel(analysis.graph, analysis.topology, p))
-                      for k, p in [("ops", bumped), *doubled.items()]}
-            for dtype, group in first_group.items():
+            splits = one_host_split(analysis, profile, b, [g.devices[0] for g in first_group.values()])
+            for (dtype, group), (predicted, ops, parts) in zip(first_group.items(), splits):
                 whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), group.devices[0])
-                predicted = sim.evaluate(whole, batch_size=b).step_time
-                ops = (probes["ops"].evaluate(whole, batch_size=b).step_time - predicted) / probe
-                parts = [probes[f].evaluate(whole, batch_size=b).step_time - predicted for f in FAMILIES]
                 measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
                 points[dtype].append((predicted, ops, parts, measured))
     devices = dict(profile.devices)
@@ -157,6 +175,12 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
         devices[dtype] = dataclasses.replace(
             entry, family_scale={f: entry.family_scale.get(f, 1.0) * fit.scales[f] for f in FAMILIES},
             launch_overhead_s=(entry.launch_overhead_s or 0.0) + fit.overhead_s)
+        if record is not None:
+            record[dtype] = {"predicted_s": p_.tolist(), "ops": n_.tolist(), "parts_s": parts_.tolist(),
+                             "measured_s": m_.tolist(), "families": list(FAMILIES),
+                             **{k: {"scales": f.scales, "overhead_s": f.overhead_s, "groups": [list(g) for g in f.groups],
+                                    "ratio": f.ratio.tolist(), "max_error": f.max_error, "note": f.note}
+                                for k, f in (("per_family", fit), ("one_scale", one))}}
         shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_))
         notes.append(f"{dtype} {fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: {one.describe()}; "
                      f"measured/predicted {'/'.join(f'{x:.2f}' for x in m_ / p_)}; residuals per family "
