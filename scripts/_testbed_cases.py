@@ -85,6 +85,16 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     return float(np.median(r.step_times[warmup:]))
 
 
+def levelled(entry, scales: dict, overhead_s: float):
+    """ENTRY (a DeviceProfile) with each family's scale multiplied by SCALES[family] and OVERHEAD_S added to its
+    launch overhead: a runtime_levels fit applied."""
+    import dataclasses
+    return dataclasses.replace(
+        entry, family_scale={**entry.family_scale,
+                             **{f: entry.family_scale.get(f, 1.0) * s for f, s in scales.items()}},
+        launch_overhead_s=(entry.launch_overhead_s or 0.0) + overhead_s)
+
+
 def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, float, list[float]]]:
     """(predicted step, ops, per-family parts) of ANALYSIS's graph run whole on each of DEVICES, costed with
     PROFILE. ``parts[f]``: the seconds of the step that family f's scale multiplies (``FAMILIES`` order), found
@@ -138,7 +148,6 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     step where the traced profile predicted 0.26-0.44 (scripts/bench_transfers.py, ``batch_share``): the
     executor's cost per op, which a replica's share of the batch and every micro-batch of a pipeline pay again
     in full. RECORD (a dict), when given, receives per device type the points and both fits as plain data."""
-    import dataclasses
     import numpy as np
     from tag.api import prepare
     from tag.cost.fitting import fit_levels
@@ -171,15 +180,13 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
         fixed_ = p_ - parts_.sum(axis=1)
         one = fit_levels(parts_, fixed_, n_, m_, FAMILIES, groupings=[(tuple(FAMILIES),)])
         fit = fit_levels(parts_, fixed_, n_, m_, FAMILIES)
-        entry = devices[dtype]
-        devices[dtype] = dataclasses.replace(
-            entry, family_scale={f: entry.family_scale.get(f, 1.0) * fit.scales[f] for f in FAMILIES},
-            launch_overhead_s=(entry.launch_overhead_s or 0.0) + fit.overhead_s)
+        devices[dtype] = levelled(devices[dtype], fit.scales, fit.overhead_s)
         if record is not None:
             record[dtype] = {"predicted_s": p_.tolist(), "ops": n_.tolist(), "parts_s": parts_.tolist(),
                              "measured_s": m_.tolist(), "families": list(FAMILIES),
-                             **{k: {"scales": f.scales, "overhead_s": f.overhead_s, "groups": [list(g) for g in f.groups],
-                                    "ratio": f.ratio.tolist(), "max_error": f.max_error, "note": f.note}
+                             **{k: {"scales": f.scales, "overhead_s": f.overhead_s,
+                                    "groups": [list(g) for g in f.groups], "ratio": f.ratio.tolist(),
+                                    "max_error": f.max_error, "note": f.note}
                                 for k, f in (("per_family", fit), ("one_scale", one))}}
         shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_))
         notes.append(f"{dtype} {fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: {one.describe()}; "

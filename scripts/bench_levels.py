@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 from _testbed_cases import (calibrate_testbed, calibration_graph, load_recipe, measure_on_testbed,  # noqa: E402
-                            one_host_split, runtime_levels, testbed_topology)
+                            levelled, one_host_split, runtime_levels, testbed_topology)
 from tag.api import prepare  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.fitting import LEVEL_GROUPINGS, fit_levels  # noqa: E402
@@ -50,11 +49,7 @@ def one_scale_profile(base: Profile, record: dict) -> Profile:
     """BASE levelled with RECORD's one-scale fits (what runtime_levels did before per-family scales)."""
     devices = dict(base.devices)
     for dtype, r in record.items():
-        e = devices[dtype]
-        fit = r["one_scale"]
-        devices[dtype] = dataclasses.replace(
-            e, family_scale={f: e.family_scale.get(f, 1.0) * s for f, s in fit["scales"].items()},
-            launch_overhead_s=(e.launch_overhead_s or 0.0) + fit["overhead_s"])
+        devices[dtype] = levelled(devices[dtype], r["one_scale"]["scales"], r["one_scale"]["overhead_s"])
     return Profile(devices, source=base.source + "; one-scale levels", network=base.network)
 
 

@@ -54,6 +54,17 @@ def test_collinear_families_are_tied():
     assert fit.max_error < 0.02
 
 
+def test_scales_far_from_the_one_scale_fit_are_tied():
+    # families trading time 8x apart (what a few noisy steps can make a free fit claim) are not believed
+    fit = fit_levels(PARTS, FIXED, OPS, _steps([0.3, 1.0, 2.5], 0.0), FAMILIES)
+    assert len(fit.groups) < 3 and "beyond 2x the one scale" in fit.note
+    one = fit_levels(PARTS, FIXED, OPS, _steps([0.3, 1.0, 2.5], 0.0), FAMILIES, groupings=[(FAMILIES,)])
+    assert all(0.5 <= fit.scales[f] / one.scales[f] <= 2.0 for f in FAMILIES)
+    # a wider MAX_SPREAD believes them
+    free = fit_levels(PARTS, FIXED, OPS, _steps([0.3, 1.0, 2.5], 0.0), FAMILIES, max_spread=10.0)
+    assert free.scales == pytest.approx({"conv": 0.3, "matmul": 1.0, "other": 2.5}, rel=1e-6)
+
+
 def test_no_sane_fit_falls_back_to_one_geometric_mean_scale():
     measured = FIXED + PARTS.sum(axis=1) * 50.0        # 50x slower: outside the sane scale range
     fit = fit_levels(PARTS, FIXED, OPS, measured, FAMILIES)

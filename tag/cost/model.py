@@ -8,12 +8,12 @@ A profile entry's ``family_scale`` multiplies the roofline time (not the launch 
 one family (``tag.cost.op_classes.op_family``: ``conv``, ``matmul``, ``other``) on that device type: how
 a runtime's convolutions or MatMuls run relative to what the traced kernels predicted (fitted by
 ``scripts/_testbed_cases.py``'s ``runtime_levels``); peaks and efficiencies stay as measured, so every
-efficiency stays <= 1. MatMuls and convolutions use the peak of the precision the graph computes them in (FP16 / BF16 tensor
-cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs
-element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced in their variables'
-dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients instead, for runtimes that
-cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer`` with ``--use_fp16``,
-Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
+efficiency stays <= 1. MatMuls and convolutions use the peak of the precision the graph computes them in
+(FP16 / BF16 tensor cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and
+``xla=True`` costs element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced
+in their variables' dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients
+instead, for runtimes that cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer``
+with ``--use_fp16``, Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
