@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
+from bench_fidelity import git_commit  # noqa: E402
 from _testbed_cases import (calibrate_testbed, calibration_graph, load_recipe, measure_on_testbed,  # noqa: E402
                             levelled, one_host_split, runtime_levels, testbed_topology)
 from tag.api import prepare  # noqa: E402
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         tb.start_workers(threads_per_worker=1)
         try:
             load_before = os.getloadavg()[0]
-            per_family = runtime_levels(tb, recipe, base, args.budget, record=record)
+            per_family = runtime_levels(tb, recipe, base, args.budget, record=record, per_family=True)
             print(f"levels fitted (load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)", flush=True)
             profiles = {"unlevelled": base, "one_scale": one_scale_profile(base, record), "per_family": per_family}
             print("out of sample: the benchmark models whole on one host", flush=True)
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         print(f"  {t['grouping']:38s} {ins:32s} {t['out_of_sample_median']:6.1%} / {t['out_of_sample_max']:6.1%}{flag}")
     print(f"total {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
     if args.json:
-        out = {"config": args.config, "levels": record, "check": rows, "groupings": table,
+        out = {"commit": git_commit(), "config": args.config, "levels": record, "check": rows, "groupings": table,
                "check_errors": {k: dict(zip(("median", "max"), errors(rows, k))) for k in profiles},
                "load1_end": os.getloadavg()[0]}
         with open(args.json, "w") as f:
