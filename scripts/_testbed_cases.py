@@ -144,7 +144,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     Why per family: on the servers the same one-host steps ran 8-19% slower than in the profiling processes
     (their own session, pinned to one core), but not every family alike: one scale left the calibration CNN
     at 0.67-0.79 of its prediction and the MLP at 1.15-1.21 on the same device type (e.g. ``CPUq100 x0.854 +
-    13 us/op, fit within 17%``). On configuration A (``scripts/bench_levels.py``, three runs at load 2-5) one
+    13 us/op, fit within 17%``). On configuration A (``scripts/bench_levels.py``, four runs at load 0.7-5) one
     scale fitted the calibration steps within 27-50% per device type, per family within 12-39%, the
     convolutions' scale at 0.41-0.68 in every run. Why the overhead: a quarter of the batch took 0.25-0.50 of
     the whole batch's step where the traced profile predicted 0.26-0.44 (scripts/bench_transfers.py,
