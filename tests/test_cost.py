@@ -128,6 +128,7 @@ def test_family_scale_applies_to_its_family_only_and_not_to_the_launch_overhead(
     ('{"version": 1, "devices": {"CPU": {"family_scale": {"lstm": 2}}}}', "unknown op family 'lstm'"),
     ('{"version": 1, "devices": {"CPU": {"family_scale": {"conv": 0}}}}', "finite number > 0"),
     ('{"version": 1, "devices": {"CPU": {"family_scale": [1, 2]}}}', "family_scale must be an object"),
+    ('{"version": 1, "devices": {"CPU": {"family_scale": 0}}}', "family_scale must be an object"),
 ])
 def test_bad_profile_files_raise_one_line_tag_error(tmp_path, text, needle):
     path = tmp_path / "bad.json"

@@ -243,7 +243,8 @@ class Profile:
                 effs[str(op_type)] = float(e)
             table = (MatmulTable.from_dict(entry["matmul_table"], f"{where}: devices.{dtype}.matmul_table")
                      if entry.get("matmul_table") is not None else None)
-            fam = entry.get("family_scale") or {}
+            fam = entry.get("family_scale")
+            fam = {} if fam is None else fam
             if not isinstance(fam, dict):
                 raise bad(f"devices.{dtype}.family_scale must be an object mapping op family to a time scale")
             scales = {}
