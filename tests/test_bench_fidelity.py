@@ -116,3 +116,28 @@ def test_transformer_vocabulary_knob_and_model_spec_options():
     assert [300, 16] in shapes and [1000, 16] not in shapes
     with pytest.raises(ValueError, match="unknown option"):
         calibration_graph("mwms:transformer,heads=2", 4)
+
+
+def test_one_host_split_adds_up_to_the_prediction_and_levelled_applies_a_fit():
+    """runtime_levels' split of a predicted one-host step: the family parts plus the launch overheads of the
+    charged ops plus the runtime's step overhead are the simulated step; a fit applied with ``levelled``
+    moves the prediction exactly as the fitted line says."""
+    from _testbed_cases import calibration_graph, levelled, one_host_split
+    from tag.api import prepare
+    from tag.cluster.topology import parse_topology
+    from tag.cost.model import DeviceProfile, NetworkProfile, Profile
+    from tag.strategy.baselines import on_one_device
+    topo = parse_topology('host { name: "h0" address: "127.0.0.1" port: 1 device { type: "CPU" kind: CPU '
+                          'count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 } }\n', path="<t>")
+    prof = Profile({"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3}, family_scale={"conv": 0.5})},
+                   network=NetworkProfile(step_overhead_s=1e-3))
+    an = prepare(calibration_graph("mwms:cnn,width=4", 4), topo, batch_size=4, profile=prof, name="t")
+    [(predicted, ops, parts)] = one_host_split(an, prof, 4, [0])
+    assert parts[0] > 0 and parts[2] > 0 and ops > 10
+    assert predicted == pytest.approx(sum(parts) + ops * 2e-5 + 1e-3, rel=1e-6)
+    scales = {"conv": 0.8, "matmul": 1.0, "other": 1.5}
+    after = Profile({"CPU": levelled(prof.devices["CPU"], scales, 5e-6)}, network=prof.network)
+    assert after.devices["CPU"].family_scale == pytest.approx({"conv": 0.4, "matmul": 1.0, "other": 1.5})
+    [(moved, _, _)] = one_host_split(an, after, 4, [0])
+    expected = predicted + (0.8 - 1) * parts[0] + (1.5 - 1) * parts[2] + 5e-6 * ops
+    assert moved == pytest.approx(expected, rel=1e-6)

@@ -65,6 +65,57 @@ def test_profile_round_trip(tmp_path):
     assert back == prof
 
 
+def test_profile_round_trip_with_family_scales_and_old_files_still_load(tmp_path):
+    prof = Profile({"CPU": DeviceProfile(1.1e11, 9e9, 1.2e-5, {"MatMul": 0.6}, family_scale={"conv": 0.75,
+                                                                                           "matmul": 1.2})})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert json.loads(path.read_text())["devices"]["CPU"]["family_scale"] == {"conv": 0.75, "matmul": 1.2}
+    back = Profile.load(path)
+    assert back == prof and back.devices["CPU"].family_scale == {"conv": 0.75, "matmul": 1.2}
+    # scaling the entry to another quota keeps its family scales
+    assert back.devices["CPU"].scaled(0.5).family_scale == {"conv": 0.75, "matmul": 1.2}
+    # a profile written before family scales existed has no such key and loads with none
+    old = tmp_path / "old.json"
+    old.write_text('{"version": 1, "devices": {"CPU": {"peak_flops": 1e11, "memory_bandwidth": 1e10, '
+                   '"efficiency": {"MatMul": 0.5}}}}')
+    assert Profile.load(old).devices["CPU"].family_scale == {}
+    assert "family_scale" not in Profile.load(old).to_dict()["devices"]["CPU"]
+
+
+def test_family_scale_applies_to_its_family_only_and_not_to_the_launch_overhead():
+    b = GraphBuilder(batch_size=8)
+    b.op("x", "Placeholder", out_pe=4000)
+    b.op("conv", "Conv2D", inputs=("x",), flops=1e9, out_pe=1000)
+    b.op("dconv", "Conv2DBackpropFilter", inputs=("conv",), flops=1e9, out_pe=1000)
+    b.op("mm", "MatMul", inputs=("dconv",), flops=2e9, out_pe=1000)
+    b.op("bmm", "BatchMatMulV2", inputs=("mm",), flops=2e9, out_pe=1000)
+    b.op("add", "AddV2", inputs=("bmm",), flops_pe=10, out_bytes=1e9)
+    b.op("id", "Identity", inputs=("add",), out_bytes=1e9)
+    graph = b.build()
+    entry = DeviceProfile(efficiency={"default": 0.5}, launch_overhead_s=1e-5)
+    plain = CostModel(graph, _topo(), Profile({"GPU-A": entry})).op_times(0, 8)
+    conv_only = Profile({"GPU-A": DeviceProfile(efficiency={"default": 0.5}, launch_overhead_s=1e-5,
+                                                family_scale={"conv": 0.5})})
+    t = CostModel(graph, _topo(), conv_only).op_times(0, 8)
+    for i in (1, 2):                                                 # Conv2D and its backprop: half the roofline
+        assert t[i] == pytest.approx((plain[i] - 1e-5) * 0.5 + 1e-5)
+    assert list(t[3:]) == list(plain[3:]) and t[0] == plain[0] == 0.0    # MatMuls, the rest, free ops: unchanged
+    every = Profile({"GPU-A": DeviceProfile(efficiency={"default": 0.5}, launch_overhead_s=1e-5,
+                                            family_scale={"conv": 2.0, "matmul": 3.0, "other": 4.0})})
+    t = CostModel(graph, _topo(), every).op_times(0, 8)
+    for i, k in [(1, 2.0), (2, 2.0), (3, 3.0), (4, 3.0), (5, 4.0)]:
+        assert t[i] == pytest.approx((plain[i] - 1e-5) * k + 1e-5)
+    assert t[6] == 0.0
+    # another device type without an exact entry, served by the "default" entry, takes its family scales too
+    by_default = CostModel(graph, _topo(), Profile({"default": DeviceProfile(
+        efficiency={"default": 0.5}, launch_overhead_s=1e-5, family_scale={"matmul": 2.0})}))
+    base = CostModel(graph, _topo(), Profile({"default": DeviceProfile(efficiency={"default": 0.5},
+                                                                       launch_overhead_s=1e-5)}))
+    t2, p2 = by_default.op_times(2, 8), base.op_times(2, 8)
+    assert t2[3] == pytest.approx((p2[3] - 1e-5) * 2 + 1e-5) and t2[1] == p2[1] and t2[5] == p2[5]
+
+
 @pytest.mark.parametrize("text, needle", [
     ("{not json", "not valid JSON"),
     ("[]", "expected a JSON object"),
@@ -74,6 +125,10 @@ def test_profile_round_trip(tmp_path):
     ('{"version": 1, "devices": {"CPU": {"peak_flops": -1}}}', "finite number >= 0"),
     ('{"version": 1, "devices": {"CPU": {"peak_flops": "fast"}}}', "finite number >= 0"),
     ('{"version": 1, "devices": {"CPU": {"speed": 3}}}', "unknown field 'speed'"),
+    ('{"version": 1, "devices": {"CPU": {"family_scale": {"lstm": 2}}}}', "unknown op family 'lstm'"),
+    ('{"version": 1, "devices": {"CPU": {"family_scale": {"conv": 0}}}}', "finite number > 0"),
+    ('{"version": 1, "devices": {"CPU": {"family_scale": [1, 2]}}}', "family_scale must be an object"),
+    ('{"version": 1, "devices": {"CPU": {"family_scale": 0}}}', "family_scale must be an object"),
 ])
 def test_bad_profile_files_raise_one_line_tag_error(tmp_path, text, needle):
     path = tmp_path / "bad.json"

@@ -83,6 +83,8 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
     if table is not None:
         spans = ", ".join(f"{v} {a.min():.3g}-{a.max():.3g}" for v, a in table.efficiency.items())
         lines.append(f"  MatMul by shape (sides {table.sides[0]}-{table.sides[-1]}): efficiency {spans}")
+    if d.get("family_scale"):
+        lines.append("  time scale per op family: " + ", ".join(f"{f} x{v:.3g}" for f, v in d["family_scale"].items()))
     return lines
 
 

@@ -169,3 +169,131 @@ def fit_line(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(fixed seconds >= 0, bytes per second) of ``seconds = fixed + sizes / rate``."""
     slope, intercept = np.polyfit(sizes, np.maximum(seconds, 0.0), 1)
     return float(max(intercept, 0.0)), (1.0 / slope if slope > 0 else float("inf"))
+
+
+# ------------------------------------------------------------------ runtime levels per op family
+#: how the families may be tied together, most families first (``fit_levels`` takes the first that is sane)
+LEVEL_GROUPINGS = (
+    (("conv",), ("matmul",), ("other",)),
+    (("conv",), ("matmul", "other")),
+    (("matmul",), ("conv", "other")),
+    (("conv", "matmul"), ("other",)),
+    (("conv", "matmul", "other"),),
+)
+
+
+@dataclass
+class LevelFit:
+    """Per-family time scales and an added per-op overhead fitted to measured steps (``fit_levels``).
+
+    ``scales``: family -> the factor its predicted (roofline) time is multiplied by (tied families share
+    one); ``overhead_s``: seconds added to every charged op's launch overhead; ``groups``: the families
+    fitted together; ``ratio``: modelled / measured per point; ``note``: why families were tied, if they were.
+    """
+
+    scales: dict[str, float]
+    overhead_s: float
+    groups: tuple[tuple[str, ...], ...]
+    ratio: np.ndarray
+    note: str = ""
+
+    @property
+    def max_error(self) -> float:
+        """The largest relative error of the fit over its points (0.17 = 17%)."""
+        return float(np.max(np.abs(self.ratio - 1.0))) if len(self.ratio) else 0.0
+
+    def describe(self) -> str:
+        scales = ", ".join(f"{'+'.join(g)} x{self.scales[g[0]]:.3f}" for g in self.groups)
+        return f"{scales} + {self.overhead_s * 1e6:.0f} us/op (fit within {self.max_error * 100:.0f}%)"
+
+
+def fit_levels(parts: np.ndarray, fixed: np.ndarray, ops: np.ndarray, measured: np.ndarray,
+               families: Sequence[str] = ("conv", "matmul", "other"), *,
+               groupings: Sequence[tuple[tuple[str, ...], ...]] | None = None, min_share: float = 0.05,
+               max_condition: float = 1e3, scale_range: tuple[float, float] = (0.1, 10.0),
+               max_spread: float = 2.0) -> LevelFit:
+    """Fit ``measured = fixed + sum_f a_f * parts[:, f] + c * ops`` by relative least squares (each point
+    counts alike), with every ``a_f`` and ``c`` >= 0.
+
+    One row per measured step: PARTS the predicted time of each of FAMILIES' ops (the part a family scale
+    multiplies), FIXED the rest of the prediction (launch overheads, which no scale touches), OPS the ops that
+    pay a launch overhead. Families are tied (one shared scale) when fitting them apart is not sane: a group
+    whose predicted share is below MIN_SHARE in every point, a design matrix whose condition number (columns
+    normalised) exceeds MAX_CONDITION, a scale outside SCALE_RANGE, or a scale more than MAX_SPREAD times
+    above or below the one-scale fit's (a few noisy steps can make the groups trade time absurdly, e.g. one
+    family x0.25 and another x2.3 where one scale is x0.83). GROUPINGS lists the ways to tie them, most
+    families first (default ``LEVEL_GROUPINGS``: all apart, then each pair tied, then one scale); of the sane
+    ones with the most groups, the smallest squared error is kept. When none is sane, one scale for everything
+    from the geometric mean of ``(measured - fixed) / sum(parts)`` (clipped to SCALE_RANGE), no added
+    overhead."""
+    parts = np.atleast_2d(np.asarray(parts, dtype=np.float64))
+    fixed, ops, measured = (np.asarray(x, dtype=np.float64).ravel() for x in (fixed, ops, measured))
+    families = tuple(families)
+    n = len(measured)
+    if parts.shape != (n, len(families)) or fixed.shape != (n,) or ops.shape != (n,):
+        raise ValueError(f"fit_levels: parts must be (points, families) = ({n}, {len(families)}), "
+                         f"fixed and ops one value per point")
+    if n == 0 or np.any(measured <= 0) or np.any(parts < 0) or not np.all(np.isfinite(parts)):
+        raise ValueError("fit_levels: needs at least one point, measured steps > 0 and parts >= 0")
+    from scipy.optimize import nnls
+    if groupings is None:
+        groupings = [g for g in LEVEL_GROUPINGS if sorted(f for grp in g for f in grp) == sorted(families)]
+        if not groupings:
+            groupings = [(families,)]
+    column = {f: i for i, f in enumerate(families)}
+    predicted = fixed + parts.sum(axis=1)
+    target = (measured - fixed) / measured
+    use_ops = bool(np.any(ops > 0))
+    lo, hi = scale_range
+
+    def solve(grouping) -> tuple[np.ndarray | None, float, str]:
+        """(coefficients, squared error, why not sane) of one way of tying the families."""
+        name = "/".join("+".join(g) for g in grouping)
+        cols = np.stack([parts[:, [column[f] for f in grp]].sum(axis=1) for grp in grouping], axis=1)
+        share = cols / predicted[:, None]
+        light = [i for i in range(len(grouping)) if np.max(share[:, i]) < min_share]
+        if light:
+            return None, math.inf, f"{'+'.join(grouping[light[0]])} under {min_share:.0%} of every step"
+        design = np.concatenate([cols, ops[:, None]], axis=1) if use_ops else cols
+        design = design / measured[:, None]
+        norms = np.linalg.norm(design, axis=0)
+        cond = float(np.linalg.cond(design / norms)) if np.all(norms > 0) and n >= design.shape[1] else math.inf
+        if cond > max_condition:
+            return None, math.inf, f"{name} ill-conditioned ({cond:.0f})"
+        x, _ = nnls(design, target)
+        scales = x[:len(grouping)]
+        worst = float(scales[np.argmax(np.abs(np.log(np.maximum(scales, 1e-12))))])
+        if np.any(scales < lo) or np.any(scales > hi):
+            return None, math.inf, f"{name} scale {worst:.2f}"
+        return x, float(np.sum((design @ x - target) ** 2)), ""
+
+    one, _, _ = solve((families,)) if len(groupings[0]) > 1 else (None, 0.0, "")
+    best, reasons = None, []
+    for grouping in groupings:
+        if best is not None and len(grouping) < len(best[1]):
+            break                                           # a sane fit with more groups was found
+        x, err, why = solve(grouping)
+        if x is not None and one is not None and len(grouping) > 1:
+            ratio = x[:len(grouping)] / one[0]
+            if np.any(ratio > max_spread) or np.any(ratio < 1.0 / max_spread):
+                x, why = None, (f"{'/'.join('+'.join(g) for g in grouping)} scales "
+                                f"{'/'.join(f'{v:.2f}' for v in x[:len(grouping)])} beyond {max_spread:g}x "
+                                f"the one scale {one[0]:.2f}")
+        if x is None:
+            reasons.append(why)
+        elif best is None or err < best[0]:
+            best = (err, grouping, x)
+    if best is None:
+        total = parts.sum(axis=1)
+        ok = total > 0
+        ratio = np.maximum((measured - fixed)[ok], 1e-12) / total[ok] if ok.any() else np.ones(1)
+        a = float(np.clip(np.exp(np.mean(np.log(ratio))), lo, hi))
+        model = fixed + a * total
+        return LevelFit({f: a for f in families}, 0.0, (families,), model / measured,
+                        "no sane fit (" + "; ".join(reasons) + "): one scale, geometric mean")
+    _, grouping, x = best
+    scales = {f: float(x[i]) for i, grp in enumerate(grouping) for f in grp}
+    c = float(x[len(grouping)]) if use_ops else 0.0
+    model = fixed + parts @ np.array([scales[f] for f in families]) + c * ops
+    note = "; ".join(reasons) if len(grouping) < len(groupings[0]) else ""
+    return LevelFit(scales, c, tuple(grouping), model / measured, note)

@@ -4,12 +4,16 @@ Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), m
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
 device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
 (``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
-MatMuls and convolutions use the peak of the precision the graph computes them in (FP16 / BF16 tensor
-cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs
-element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced in their variables'
-dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients instead, for runtimes that
-cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer`` with ``--use_fp16``,
-Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
+A profile entry's ``family_scale`` multiplies the roofline time (not the launch overhead) of every op of
+one family (``tag.cost.op_classes.op_family``: ``conv``, ``matmul``, ``other``) on that device type: how
+a runtime's convolutions or MatMuls run relative to what the traced kernels predicted (fitted by
+``scripts/_testbed_cases.py``'s ``runtime_levels``); peaks and efficiencies stay as measured, so every
+efficiency stays <= 1. MatMuls and convolutions use the peak of the precision the graph computes them in
+(FP16 / BF16 tensor cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and
+``xla=True`` costs element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced
+in their variables' dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients
+instead, for runtimes that cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer``
+with ``--use_fp16``, Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -29,15 +33,16 @@ Profile JSON::
 
     {"version": 1,
      "devices": {"CPU": {"peak_flops": 1.1e11, "memory_bandwidth": 9e9, "launch_overhead_s": 1.2e-5,
-                         "efficiency": {"MatMul": 0.62, "Conv2D": 0.4, "default": 0.1}}},
+                         "efficiency": {"MatMul": 0.62, "Conv2D": 0.4, "default": 0.1},
+                         "family_scale": {"conv": 0.8, "matmul": 1.1}}},
      "source": "tag.profile on zoo:mlp, 20 steps"}
 
 How a profile applies to a device group of the topology: the entry named after the group's device type
 (e.g. "V100", "CPU") is used if present, and its measured ``peak_flops`` / ``memory_bandwidth`` (when > 0)
 replace the topology's spec numbers, because its efficiencies were fitted against them. Otherwise the
-entry named "default" gives the efficiencies and launch overhead while the topology's spec numbers give
-peak and bandwidth (other device types scale by their spec sheets). Without either, built-in defaults
-for the group's TF device type (GPU or CPU) are used.
+entry named "default" gives the efficiencies, launch overhead and family scales while the topology's
+spec numbers give peak and bandwidth (other device types scale by their spec sheets). Without either,
+built-in defaults for the group's TF device type (GPU or CPU) are used.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ from tag.errors import TagError
 from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
-from tag.cost.op_classes import op_classes
+from tag.cost.op_classes import FAMILIES, op_classes, op_family
 from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, gradient_bytes_factor, op_precisions
 
 PROFILE_VERSION = 1
@@ -94,6 +99,9 @@ class DeviceProfile:
     efficiency: dict[str, float] = field(default_factory=dict)
     sustained_step_s: float | None = None    # the profiled model's median step over seconds (tag-profile --like)
     matmul_table: MatmulTable | None = None  # MatMul efficiency by shape (tag.cost.matmul_table), fractions of peak
+    #: time multiplier per op family (``tag.cost.op_classes.FAMILIES``) on the roofline part of each op's
+    #: time; an absent family is 1. Fitted on a runtime's measured steps (``runtime_levels``)
+    family_scale: dict[str, float] = field(default_factory=dict)
 
     def scaled(self, share: float, sustained_step_s: float | None = None) -> "DeviceProfile":
         """The same kernels on a device SHARE times as fast (a CPU quota, a shared GPU): peak and bandwidth
@@ -113,6 +121,8 @@ class DeviceProfile:
             d["sustained_step_s"] = float(self.sustained_step_s)
         if self.matmul_table is not None:
             d["matmul_table"] = self.matmul_table.to_dict()
+        if self.family_scale:
+            d["family_scale"] = {k: float(v) for k, v in sorted(self.family_scale.items())}
         return d
 
 
@@ -212,7 +222,7 @@ class Profile:
             if not isinstance(entry, dict):
                 raise bad(f"devices.{dtype} must be an object")
             unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency",
-                                    "sustained_step_s", "matmul_table"}
+                                    "sustained_step_s", "matmul_table", "family_scale"}
             if unknown:
                 raise bad(f"devices.{dtype}: unknown field {sorted(unknown)[0]!r}")
             nums = {}
@@ -233,8 +243,21 @@ class Profile:
                 effs[str(op_type)] = float(e)
             table = (MatmulTable.from_dict(entry["matmul_table"], f"{where}: devices.{dtype}.matmul_table")
                      if entry.get("matmul_table") is not None else None)
+            fam = entry.get("family_scale")
+            fam = {} if fam is None else fam
+            if not isinstance(fam, dict):
+                raise bad(f"devices.{dtype}.family_scale must be an object mapping op family to a time scale")
+            scales = {}
+            for family, v in fam.items():
+                if family not in FAMILIES:
+                    raise bad(f"devices.{dtype}.family_scale: unknown op family {family!r} "
+                              f"(known: {', '.join(FAMILIES)})")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise bad(f"devices.{dtype}.family_scale.{family} must be a finite number > 0, got {v!r}")
+                scales[family] = float(v)
             out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
-                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"), table)
+                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"), table,
+                                            scales)
         network = None
         if data.get("network") is not None:
             net = data["network"]
@@ -299,6 +322,8 @@ class DeviceRates:
     peaks: dict[str, float] = field(default_factory=dict)
     #: tensor-core efficiency per op class by precision (shipped GPU classes); else the FP32 efficiencies
     tensor_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: roofline-time multiplier per op family (``DeviceProfile.family_scale``); absent families are 1
+    family_scale: dict[str, float] = field(default_factory=dict)
 
     def efficiency_of(self, op_type: str) -> float:
         return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
@@ -346,6 +371,8 @@ class CostModel:
         key_id = {k: i for i, k in enumerate(self._keys)}
         self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
         self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
+        #: per op: its index in FAMILIES (DeviceRates.family_scale)
+        self._family = np.array([FAMILIES.index(op_family(t)) for t in types], dtype=np.int64)
         # with XLA, element-wise / normalisation chains cost one pass over memory and one launch
         if self.xla:
             self._mem_fixed, self._mem_per_example, self._fused = fusion_bytes(graph)
@@ -414,7 +441,9 @@ class CostModel:
         # a measured peak replaces the spec's FP32 peak: the other precisions keep their ratio to it
         scale = peak / g.peak_flops if g.peak_flops > 0 else 1.0
         peaks = {k: v * scale for k, v in self._peaks(g).items()}
-        r = DeviceRates(float(peak), float(bw), float(overhead), eff, matmul_table=table, peaks=peaks)
+        family_scale = dict(entry.family_scale) if entry is not None else {}
+        r = DeviceRates(float(peak), float(bw), float(overhead), eff, matmul_table=table, peaks=peaks,
+                        family_scale=family_scale)
         self._rates[device_group] = r
         return r
 
@@ -465,6 +494,8 @@ class CostModel:
             mm = self.matmul_dims
             eff = r.matmul_table.lookup(mm.variant, *mm.at(batch))
             t[mm.ops] = np.maximum(flops[mm.ops] / (r.peak_flops * eff), mem[mm.ops] / r.memory_bandwidth)
+        if r.family_scale:
+            t = t * np.array([r.family_scale.get(f, 1.0) for f in FAMILIES])[self._family]
         t = t + np.where(self._fused, 0.0, r.launch_overhead_s)
         if r.lockstep_factor != 1.0:
             t = t * r.lockstep_factor

@@ -29,11 +29,17 @@ Classes (``None``: no class, the op type is the key):
 ``bmm``            BatchMatMul / Einsum (attention score and context products)
 =================  ==========================================================================
 
+Op *families* are coarser: ``conv`` (convolutions and their backprop ops, depthwise and 3-D included),
+``matmul`` (MatMul, fused MatMul, BatchMatMul, Einsum) and ``other`` (everything else). A profile entry may
+carry one time scale per family (``DeviceProfile.family_scale``), fitted where one scale for every op does not
+fit a runtime (``scripts/_testbed_cases.py``'s ``runtime_levels``).
+
 Example::
 
     from tag.cost.op_classes import op_classes
     keys = op_classes(training_graph)          # one str or None per IR op
     keys[training_graph.op_index["conv1/Conv2D"]]    # e.g. 'conv:kxk'
+    op_family("Conv2DBackpropFilter")          # 'conv'
 """
 from __future__ import annotations
 
@@ -52,6 +58,12 @@ BMM_TYPES = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"
 #: every class key this module can return
 CLASS_KEYS = ("conv:3x3s1", "conv:1x1", "conv:strided", "conv:kxk", "conv:thin", "conv:depthwise",
               "matmul", "matmul:small", "bmm")
+
+CONV3D_TYPES = frozenset({"Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2"})
+#: op families with their own time scale in a profile entry (``DeviceProfile.family_scale``)
+FAMILIES = ("conv", "matmul", "other")
+_FAMILY_OF = {**{t: "conv" for t in CONV_TYPES | DEPTHWISE_TYPES | CONV3D_TYPES},
+              **{t: "matmul" for t in MATMUL_TYPES | BMM_TYPES}}
 
 _THIN_CHANNELS = 8
 _SMALL_SIDE = 128
@@ -77,6 +89,11 @@ def op_class(op: "OpInfo", shapes: dict[str, Shape]) -> str | None:
     if op.type in BMM_TYPES:
         return "bmm"
     return None
+
+
+def op_family(op_type: str) -> str:
+    """The family of an op type: ``conv``, ``matmul`` or ``other`` (see ``FAMILIES``)."""
+    return _FAMILY_OF.get(op_type, "other")
 
 
 def _in(op: "OpInfo", shapes: dict[str, Shape], i: int) -> Shape:
