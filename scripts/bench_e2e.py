@@ -426,9 +426,11 @@ def main(argv=None) -> int:
     if args.profile:
         profile = Profile.load(args.profile)
     else:
-        quota_configs = [c for c in configs if c != GPU_CONFIG] or list(recipe["configs"])[:1]
+        # every quota the run's configurations use, G's included (its links need the profile; its quotas not)
+        cal_recipe = {**recipe, "configs": {**recipe["configs"],
+                                            GPU_CONFIG: {"quotas": GPU_QUOTAS, "links_gbps": [1.0] * 3}}}
         with tempfile.TemporaryDirectory() as workdir:
-            profile = calibrate_testbed(recipe, workdir, quota_configs)
+            profile = calibrate_testbed(cal_recipe, workdir, configs)
     if args.json:
         profile.save(os.path.splitext(args.json)[0] + ".profile.json")
     recipe = config_recipe(recipe, profile, args.gpu_gbps)
