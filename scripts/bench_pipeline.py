@@ -147,9 +147,12 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
         tf.graph_util.import_graph_def(res.graph_def, name="")
     cfg = tf1.ConfigProto()
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    cfg.operation_timeout_in_ms = 600_000          # a step that cannot finish fails instead of waiting forever
     with tf1.Session(target, graph=g, config=cfg) as s:
         s.run(res.init)
-        got_grads = [copies[0] for copies in s.run(grad_inputs, feed)]
+        # with the training op: every replica's collectives launch (a pipeline stage replicated over hosts
+        # names its per-replica update inputs apart, and fetching some of them alone waited forever)
+        got_grads = [copies[0] for copies in s.run([grad_inputs, res.train_op], feed)[0]]
     got = train_copies(res, target, analysis.graph, [feed])[0]
     g = tf.Graph()
     with g.as_default():
