@@ -58,6 +58,10 @@ from tag.strategy.types import batch_shares
 from .context import RewriteContext
 from .graph_edit import Range, attr_type, split_tensor, tensor_name
 
+# ops whose last data input has the type of attr "T" and that oneDNN's layout pass merges with a neighbour,
+# checking their in-edges (a control input among them aborts the TensorFlow worker)
+_FUSED_BY_ONEDNN = frozenset({"Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput", "DepthwiseConv2dNative",
+                              "BiasAdd", "BiasAddGrad", "MatMul"})
 _STEP_PHASE = {"forward": "F", "backward": "B"}
 
 
@@ -232,7 +236,7 @@ class PipelineMixin(RewriteContext):
                         continue
                     if prev is not None:
                         for name in names:
-                            by_name[name].input.append("^" + prev)
+                            self._wait_for(by_name[name], prev)
                             edges += 1
                     done = self._fresh(f"tag/pipeline/stage_{s}/{d}/{kind}{m}_done")
                     node = node_def_pb2.NodeDef(name=done, op="NoOp", device=self.topo.tf_device(d))
@@ -240,6 +244,21 @@ class PipelineMixin(RewriteContext):
                     self.out_nodes.append(node)
                     prev = done
         self.notes.append(f"pipeline: schedule enforced by {edges} control dependencies")
+
+    def _wait_for(self, node: node_def_pb2.NodeDef, done: str) -> None:
+        """Make NODE start after the NoOp DONE: a control input, or for ops oneDNN's graph pass fuses (which
+        aborts the worker on a convolution with a control input: ``MergeConv2DWithBiasAdd``, "Check failed:
+        pred->in_edges().size() == 2"), an Identity of NODE's last data input that waits for DONE instead."""
+        data = [j for j, i in enumerate(node.input) if not i.startswith("^")]
+        if node.op not in _FUSED_BY_ONEDNN or not data or "T" not in node.attr:
+            node.input.append("^" + done)
+            return
+        j = data[-1]
+        gate = node_def_pb2.NodeDef(name=self._fresh(f"{node.name}/tag_wait"), op="Identity", device=node.device)
+        gate.input.extend([node.input[j], "^" + done])
+        gate.attr["T"].CopyFrom(node.attr["T"])
+        self.out_nodes.append(gate)
+        node.input[j] = gate.name
 
     def _pipeline_replicas(self) -> dict[int, list[tuple[int, int, int]]]:
         """Pipelined op group -> [(device, first example, end example)] of its micro-batch instances."""
