@@ -240,7 +240,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
             skipped[k] = pred          # all-reducing every weight over the slow links: minutes of steps
             continue
         meas = run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
-                        model_args=("--width", str(width), "--depth", str(depth)))
+                        model_args=tuple(a for k_, v in (("--width", width), ("--depth", depth)) if v is not None
+                                         for a in (k_, str(v))))
         mwms[k] = (pred, meas)
     best_k = min(mwms, key=lambda k: mwms[k][1])
     p = pipe.pipeline
