@@ -63,7 +63,8 @@ def choices(env: SearchEnv, rng: random.Random, count: int) -> list[tuple[int, .
 
 
 @pytest.mark.parametrize("name,topology", [("mlp", CONSUMER), ("transformer", LAB), ("resnet50", LAB),
-                                           ("bert_base", CONSUMER), ("vgg19", LAB)])
+                                           ("bert_base", CONSUMER), ("vgg19", LAB), ("inception_v3", CONSUMER),
+                                           ("mobilenet_v2", LAB), ("bert_large", LAB)])
 def test_compiled_kernel_equals_the_python_reference(name, topology):
     graph = analysed(name)
     topo = tag.load_topology(topology)
