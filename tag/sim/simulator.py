@@ -88,7 +88,8 @@ from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
 from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
-from tag.sim.kernel import KernelState, choose_kernel
+from tag.sim.kernel import choose_kernel
+from tag.sim.kernel_state import KernelState
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
