@@ -28,11 +28,13 @@ def _env(bandwidth=1.25e9, batch=256):
 def test_chain_and_device_sets():
     env = _env()
     assert group_chain(env.simulator.tasks) == list(range(env.num_groups))      # dense_0 .. dense_7, loss
-    assert stage_device_sets(env.topology, env.speeds) == [[(0,), (1,)], [(1,), (0,)]]
+    assert stage_device_sets(env.topology, env.speeds) == [[(0,), (1,)], [(1,), (0,)], [(0, 1), (0,)],
+                                                           [(0,), (0, 1)]]
     four = make_topology([(f"h{i}", [("GPU-A", 2)]) for i in range(4)])
     sets = stage_device_sets(four, [1.0] * four.num_devices)
     assert [(0,), (1,)] in sets and [(0,), (1,), (2,), (3,)] in sets
     assert [(0, 1), (2, 3)] in sets                 # every host, two stages of two hosts each
+    assert [(0, 1, 2, 3), (0,)] in sets             # every host, then the fastest alone (a CNN's head)
 
 
 def test_dp_gives_the_fast_host_more_groups():

@@ -20,7 +20,9 @@ is one host) sorted by this graph's throughput: one unit per stage over the k fa
 and slowest first), and every unit in S contiguous chunks of about equal throughput (data parallel inside a
 stage over several hosts), the units taken in speed order or in connectivity order (the fastest, then each
 time the unit best linked to the last one: well-connected hosts share a stage). Units of one symmetry class
-are interchangeable, so these orders are enough.
+are interchangeable, so these orders are enough. Two more sequences share the fastest unit: every unit
+then the fastest alone, and the reverse (convolutions data parallel on every host, a large fully connected
+head on the fast one).
 
 The best DP answers (by the objective above, over every sequence, M in ``MICRO_BATCHES`` dividing the
 batch, both schedules) are simulated (``Simulator.evaluate``, the same one every other search uses); from
@@ -132,6 +134,13 @@ def stage_device_sets(topology, speeds: np.ndarray, max_stages: int = MAX_STAGES
             chunks.append(current)
             if len(chunks) == s and all(chunks):
                 add([tuple(sorted(g for i in c for g in units[i])) for c in chunks])
+    # every unit for one end of the model, the fastest unit alone for the other: the layers with few weights
+    # per FLOP (convolutions) data parallel everywhere, those with many (a large fully connected head) where
+    # their weights need not be all-reduced (the stages share the fast unit, which the DP's objective
+    # does not see; the simulator, which ranks its answers, does)
+    everything = tuple(sorted(g for u in units for g in u))
+    add([everything, units[order[0]]])
+    add([units[order[0]], everything])
     return out
 
 
