@@ -9,8 +9,8 @@ their own cluster.
 - The candidates (``distinct_candidates``): the plan and the best strategy of every search step (best
   uniform action, PaSE DP, tree search, refinement, ...) and every built-in, feasible ones only, one per
   distinct strategy (a search step that found a built-in is that built-in). ``choose`` always takes the
-  plan, the best built-in, the best uniform action and one device (even when the plan is itself a built-in), then the
-  next fastest predicted until there are K.
+  plan, the best built-in, the best uniform action and one device (even when the plan is itself a
+  built-in), then the next fastest predicted until there are K.
 - The measurement (``tune``): ``TUNE_ROUNDS`` interleaved rounds (every candidate once per round, the order
   rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
   opens a session (``TUNE_WARMUP`` untimed steps, a new session's first step sets up the graph on the

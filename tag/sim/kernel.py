@@ -83,7 +83,7 @@ def choose_kernel(kernel: str | None) -> str:
 def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap,
               task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
-              after_start, after_group, g_after, w_bytes, w_count, slot_bytes, state_bytes,
+              g_after, w_bytes, w_count, slot_bytes, state_bytes,
               live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
               a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res, a_place,
               l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
@@ -307,7 +307,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             coll_dur[g] = min(a_c[ai, 0] + a_c[ai, 1] * W, a_c[ai, 2] + a_c[ai, 3] * W)
             coll_bytes[g] = a_c[ai, 4] * W
             issue[g] = last[g]
-    # the groups whose collective is issued after each task (task + 1 -> groups, ascending), as after_start
+    # the groups whose collective is issued after each task (task + 1 -> groups, ascending; CSR)
     dyn_start = np.zeros(T + 3, np.int64)
     for g in range(G):
         if coll_on[g]:

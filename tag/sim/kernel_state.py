@@ -118,11 +118,7 @@ class KernelState:
         self.fwd_start, self.fwd_task = _csr(tasks.forward_tasks)
         self.dep_start, self.dep_task = _csr(tasks.coll_deps)
         self.upd_start, self.upd_task = _csr(tasks.update_tasks)
-        after: list[list[int]] = [[] for _ in range(T + 1)]      # task + 1 -> groups whose collective follows it
-        for g, t in enumerate(tasks.coll_after):
-            after[t + 1].append(g)
-        self.after_start, self.after_group = _csr(after)
-        self.g_after = np.asarray(tasks.coll_after, dtype=np.int64)
+        self.g_after = np.asarray(tasks.coll_after, dtype=np.int64)    # group -> task its collective follows
         self.w_bytes = np.asarray(memory.weight_bytes, dtype=np.float64)
         self.w_count = np.asarray(memory.weight_count_list, dtype=np.int64)
         self.slot_bytes = np.asarray(memory.slot_bytes, dtype=np.float64)
@@ -318,7 +314,7 @@ class KernelState:
         return (self.task_group, self.task_stage, self.b_src, self.b_dst, self.b_same, self.b_own_pe,
                 self.b_own_fx, self.b_own_n, self.sh_start, self.sh_tid, self.sh_pe, self.sh_fx,
                 self.fwd_start, self.fwd_task, self.dep_start, self.dep_task, self.upd_start, self.upd_task,
-                self.after_start, self.after_group, self.g_after, self.w_bytes, self.w_count, self.slot_bytes,
+                self.g_after, self.w_bytes, self.w_count, self.slot_bytes,
                 self.state_bytes, self.live_src, self.live_last, self.live_pe, self.live_fx, self.work_fx,
                 self.work_pe, self.device_memory, self.per_tensor, self.num_resources,
                 self.a_mode.buf, self.a_ps.buf, self.a_dev_start.buf, self.a_dev.buf, self.a_ckind.buf,
