@@ -17,6 +17,8 @@ from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa
 from tag.cli.profile import main  # noqa: E402
 from tag.cost.calibration import profile_graph  # noqa: E402
 from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
+from tag.cost.op_classes import cpu_fused_bias_adds  # noqa: E402
+from tag.cluster.topology import load_topology  # noqa: E402
 from tag.cost.profile_store import default_profile_path, load_default_profile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,19 +34,54 @@ def _op(name, type_, flops, mem):
 
 def test_fit_on_hand_made_measurement():
     # peak 100 GFLOP/s, 10 GB/s. Const: 10 us (the kernel floor). MatMul: 1 GFLOP in 20 ms after the floor
-    # -> efficiency 1e9 / (1e11 * 0.02) = 0.5. Relu: 1 MB-bound op of 0.1 ms measured 50 us -> efficiency 1.
+    # -> efficiency 1e9 / (1e11 * 0.02) = 0.5. Relu: a 1 MB memory-bound op, 0.1 ms at the streaming
+    # bandwidth, measured 50 us (40 us after the floor) -> memory-bound ops run at 1e6 / 40e-6 = 25 GB/s.
     ops = [_op("c", "Const", 0, 0), _op("mm", "MatMul", 1e9, 1e6), _op("r", "Relu", 1e6, 1e6)]
     tg = TrainingGraph(ops, [Edge(0, 1, "c:0", Linear(4, 0)), Edge(1, 2, "mm:0", Linear(4, 0))], [], [], 1, [], [])
     m = StepMeasurement(np.array([1e-5, 0.02 + 1e-5, 5e-5]), wall_s=0.05, wall_parallel_s=0.03, steps=1)
     fit = fit_profile(tg, m, peak=1e11, bw=1e10)
     assert fit.efficiency["MatMul"] == pytest.approx(0.5, rel=1e-6)
     assert fit.efficiency["Relu"] == 1.0
+    assert fit.memory_bandwidth == pytest.approx(2.5e10, rel=1e-6)
     assert fit.kernel_floor_s == pytest.approx(1e-5)
-    # roofline sum: 0.02 (MatMul) + 1e-4 (Relu memory term); Const is free in the cost model;
+    # roofline sum: 0.02 (MatMul) + 4e-5 (Relu at the fitted bandwidth); Const is free in the cost model;
     # the rest of the 30 ms wall (TF's default settings, not the 50 ms of ops one at a time) is spread
     # over the 2 charged ops
-    assert fit.launch_overhead_s == pytest.approx((0.03 - 0.02 - 1e-4) / 2, rel=1e-6)
+    assert fit.launch_overhead_s == pytest.approx((0.03 - 0.02 - 4e-5) / 2, rel=1e-6)
     assert 0 < fit.efficiency["default"] <= 1
+    # the fitted bandwidth stays within a factor 4 of the streaming one
+    m = StepMeasurement(np.array([1e-5, 0.02 + 1e-5, 1.1e-5]), wall_s=0.05, wall_parallel_s=0.03, steps=1)
+    assert fit_profile(tg, m, peak=1e11, bw=1e10).memory_bandwidth == pytest.approx(4e10, rel=1e-6)
+
+
+def _conv_bias_graph():
+    """x -> Conv2D -> BiasAdd -> Relu, as the IR holds it (inputs name the producer tensors)."""
+    ops = [_op("x", "Placeholder", 0, 0), _op("conv", "Conv2D", 2e9, 1e6), _op("bias", "BiasAdd", 1e5, 8e5),
+           _op("relu", "Relu", 1e5, 8e5)]
+    ops[1].inputs, ops[2].inputs, ops[3].inputs = ["x:0"], ["conv:0"], ["bias:0"]
+    edges = [Edge(0, 1, "x:0", Linear(4, 0)), Edge(1, 2, "conv:0", Linear(4, 0)), Edge(2, 3, "bias:0", Linear(4, 0))]
+    return TrainingGraph(ops, edges, [], [], 1, [], [])
+
+
+def test_a_convolution_merged_with_its_bias_add_is_charged_its_time():
+    # oneDNN merges Conv2D + BiasAdd on CPU: the step stats show no Conv2D and the merged kernel's 40 ms under
+    # the BiasAdd's name. Fitted as such, BiasAdd would get an absurdly low efficiency and Conv2D the default.
+    tg = _conv_bias_graph()
+    assert cpu_fused_bias_adds(tg) == {2: 1}
+    m = StepMeasurement(np.array([1e-6, np.nan, 0.04, 1e-4]), wall_s=0.05, wall_parallel_s=0.041, steps=1)
+    fit = fit_profile(tg, m, peak=1e11, bw=1e10)
+    assert fit.efficiency["Conv2D"] == pytest.approx(2e9 / (1e11 * (0.04 - 1e-6)), rel=1e-3)
+    assert "BiasAdd" not in fit.efficiency
+    # and the cost model charges that BiasAdd nothing on a CPU device (its work is inside the convolution)
+    topo = load_topology(LOCALHOST)
+    times = CostModel(tg, topo, Profile()).op_times(0, 1.0)
+    assert times[2] == 0.0 and times[1] > 0 and times[3] > 0
+
+
+def test_a_bias_add_with_a_shared_producer_is_not_merged():
+    tg = _conv_bias_graph()
+    tg.edges.append(Edge(1, 3, "conv:0", Linear(4, 0)))     # the convolution's output also feeds the Relu
+    assert cpu_fused_bias_adds(tg) == {}
 
 
 def test_fit_launch_never_below_kernel_floor():

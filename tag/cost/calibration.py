@@ -377,7 +377,8 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
                            for (_, g, name), m in zip(items, ms))
     source = (f"tag.profile: {steps} traced steps on {_cpu_name()} ({os.cpu_count()} cores, TensorFlow "
               f"{tf.__version__}); {steps_text}; kernel floor {fit.kernel_floor_s * 1e6:.1f} us")
-    entry = {"peak_flops": peak, "memory_bandwidth": bw, "launch_overhead_s": fit.launch_overhead_s,
+    source += f"; memory-bound ops at {fit.memory_bandwidth / 1e9:.1f} GB/s (streaming {bw / 1e9:.1f} GB/s)"
+    entry = {"peak_flops": peak, "memory_bandwidth": fit.memory_bandwidth, "launch_overhead_s": fit.launch_overhead_s,
              "efficiency": fit.efficiency}
     if table is not None:
         entry["matmul_table"] = table.scaled(fit.matmul_scale).to_dict()

@@ -23,6 +23,12 @@ How the fit works (one device type, one graph):
   name and the per-device sequential schedule the simulator assumes is what is measured.
 - ``kernel_floor``: the median kernel time of the zero-FLOP ops (a kernel's fixed cost; at least
   the step stats' resolution of 1 us).
+- ``memory_bandwidth``: the memory-bound ops (at ``e = 1`` their bytes take longer than their FLOPs)
+  large enough to fit run at ``bw * sum_i (B_i / bw) / sum_i (t_i - kernel_floor)``, within a factor 4
+  of the streaming benchmark's ``bw``: a ReLU or an addition inside a step finds much of its tensor still
+  in cache (on one CPU core, 2-4x faster than streaming). The efficiencies below use that bandwidth.
+- A convolution that oneDNN merged with its BiasAdd (``tag.cost.op_classes.cpu_fused_bias_adds``) shows
+  its time under the BiasAdd's name: that time is charged to the convolution, and the BiasAdd to nothing.
 - Per op type with FLOPs, the efficiency ``e`` solves ``sum_i max(F_i / (peak * e), B_i / bw) =
   sum_i max(t_i - kernel_floor, 0)`` over that type's ops (``t_i`` the median kernel time), so the
   memory-bound ops are charged to bandwidth, not to efficiency; ``e`` is clipped to (0, 1]. Only
@@ -51,6 +57,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tag.cost.matmul_table import matmul_dims
+from tag.cost.op_classes import cpu_fused_bias_adds
 from tag.cost.model import ZERO_COST_TYPES
 from tag.errors import GraphError
 
@@ -61,6 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 _STEP_STATS_RESOLUTION_S = 1e-6      # step stats count whole microseconds
 _MIN_FIT_S = 20e-6                   # ops faster than this even at the roofline: fixed costs, not efficiency
 _MAX_MATMUL_SCALE = 4.0              # in-graph MatMuls at most this much faster than the table's lone products
+_MAX_BANDWIDTH_GAIN = 4.0            # in-step memory-bound ops at most this much faster (or slower) than streaming
 
 
 @dataclass
@@ -103,6 +111,7 @@ class Fit:
     launch_overhead_s: float
     kernel_floor_s: float
     matmul_scale: float = 1.0       # in-graph MatMul speed over the MatMul table's (1 without a table)
+    memory_bandwidth: float = 0.0   # bytes/s memory-bound ops reach in the step (fitted; 0: not fitted)
 
 
 def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasurement | Sequence[StepMeasurement]",
@@ -136,6 +145,16 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
             dims = matmul_dims(g)
             tabled[start + dims.ops] = matmul_table.lookup(dims.variant, *dims.at(float(g.batch_size)))
             start += len(g.ops)
+    # a Conv2D merged with its BiasAdd (oneDNN, ``cpu_fused_bias_adds``) shows its kernel under the BiasAdd's
+    # name: the time is the convolution's, and the BiasAdd costs nothing (as CostModel.op_times charges it)
+    start = 0
+    for g in graphs:
+        for bias, conv in cpu_fused_bias_adds(g).items():
+            b, c = start + bias, start + conv
+            if np.isnan(op_times[c]) and not np.isnan(op_times[b]):
+                op_times[c], op_times[b] = op_times[b], np.nan
+                costed[b] = False
+        start += len(g.ops)
     seen = ~np.isnan(op_times)                        # per op: did the step stats show it?
     if not (seen & costed).any():
         raise GraphError("TensorFlow's step stats named none of the graph's ops; nothing to fit")
@@ -147,6 +166,14 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     candidates = seen & costed & (flops > 0)
     # a toy graph whose ops are all tiny: fit its largest ops (within 2x of the largest)
     threshold = min(_MIN_FIT_S, 0.5 * float(ideal[candidates].max())) if candidates.any() else _MIN_FIT_S
+    # the bandwidth memory-bound ops reach inside a step (their tensors are often still in cache), not the
+    # streaming benchmark's: fitted over the memory-bound ops large enough to fit, within a factor 4 of BW
+    membound = seen & costed & (mem / bw > flops / peak) & (ideal >= threshold)
+    if membound.any() and busy[membound].sum() > 0:
+        gain = float(np.clip((mem[membound] / bw).sum() / busy[membound].sum(), 1 / _MAX_BANDWIDTH_GAIN,
+                             _MAX_BANDWIDTH_GAIN))
+        bw *= gain
+        ideal = np.maximum(flops / peak, mem / bw)
     fitted = candidates & (ideal >= threshold)
     eff: dict[str, float] = {}
     for t in sorted(set(types[fitted])):
@@ -162,7 +189,7 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     e_op = np.where(np.isnan(tabled), [eff.get(t, eff["default"]) for t in types], tabled)
     roofline = np.where(costed, np.maximum(flops / (peak * e_op), mem / bw), 0.0)
     launch = max(floor, (wall_parallel - float(roofline.sum())) / max(int(costed.sum()), 1))
-    return Fit(eff, float(launch), floor, float(scale))
+    return Fit(eff, float(launch), floor, float(scale), float(bw))
 
 
 def fit_line(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:

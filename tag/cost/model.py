@@ -60,7 +60,7 @@ from tag.errors import TagError
 from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
-from tag.cost.op_classes import FAMILIES, op_classes, op_family
+from tag.cost.op_classes import FAMILIES, cpu_fused_bias_adds, op_classes, op_family
 from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, gradient_bytes_factor, op_precisions
 
 PROFILE_VERSION = 1
@@ -371,6 +371,9 @@ class CostModel:
         key_id = {k: i for i, k in enumerate(self._keys)}
         self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
         self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
+        #: BiasAdds that run inside their convolution's kernel on CPU (oneDNN; ``cpu_fused_bias_adds``)
+        self._cpu_fused = np.zeros(len(types), dtype=bool)
+        self._cpu_fused[list(cpu_fused_bias_adds(graph))] = True
         #: per op: its index in FAMILIES (DeviceRates.family_scale)
         self._family = np.array([FAMILIES.index(op_family(t)) for t in types], dtype=np.int64)
         # with XLA, element-wise / normalisation chains cost one pass over memory and one launch
@@ -500,6 +503,8 @@ class CostModel:
         if r.lockstep_factor != 1.0:
             t = t * r.lockstep_factor
         t[self._zero] = 0.0
+        if self.topology.groups[device_group].tf_device_type == "CPU":
+            t[self._cpu_fused] = 0.0
         t.setflags(write=False)
         self._op_time_cache[key] = t
         return t

@@ -34,6 +34,11 @@ Op *families* are coarser: ``conv`` (convolutions and their backprop ops, depthw
 carry one time scale per family (``DeviceProfile.family_scale``), fitted where one scale for every op does not
 fit a runtime (``scripts/_testbed_cases.py``'s ``runtime_levels``).
 
+On CPU, oneDNN's graph pass merges a Conv2D with the BiasAdd that consumes it into one kernel, whatever
+the session's optimizer settings, and TensorFlow's step stats report that kernel under the BiasAdd's name
+(the Conv2D shows no time of its own). ``cpu_fused_bias_adds`` finds those pairs: the calibration charges
+the pair's time to the convolution and the cost model charges such a BiasAdd nothing on CPU devices.
+
 Example::
 
     from tag.cost.op_classes import op_classes
@@ -89,6 +94,28 @@ def op_class(op: "OpInfo", shapes: dict[str, Shape]) -> str | None:
     if op.type in BMM_TYPES:
         return "bmm"
     return None
+
+
+#: op types oneDNN merges with a BiasAdd consuming their output (its MergeConv2DWithBiasAdd rewrite)
+_BIAS_MERGED_PRODUCERS = frozenset({"Conv2D"})
+
+
+def cpu_fused_bias_adds(graph: "TrainingGraph") -> dict[int, int]:
+    """{BiasAdd op index: the Conv2D op index it runs inside on CPU} for every BiasAdd that is the only
+    data consumer of a Conv2D's output (the pattern oneDNN merges into one kernel; see module docstring)."""
+    consumers: dict[int, list[int]] = {}
+    for e in graph.edges:
+        consumers.setdefault(e.src, []).append(e.dst)
+    fused: dict[int, int] = {}
+    for i, op in enumerate(graph.ops):
+        if op.type not in _BIAS_MERGED_PRODUCERS:
+            continue
+        users = set(consumers.get(i, ()))
+        if len(users) == 1:
+            (j,) = users
+            if graph.ops[j].type == "BiasAdd" and graph.ops[j].inputs and graph.ops[j].inputs[0].split(":")[0] == op.name:
+                fused[j] = i
+    return fused
 
 
 def op_family(op_type: str) -> str:
