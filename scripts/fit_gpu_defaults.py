@@ -350,8 +350,15 @@ def main(argv=None) -> int:
     tensor_e = fit_tensor(rows, graphs, e, mem, launch)
     print("tensor-core efficiencies:", {k: round(float(v), 3) for k, v in zip(TENSOR, tensor_e)})
     classes = class_table(e, mem, launch, scales, tensor_e)
-    lockstep = fit_lockstep(args.out, rows, graphs, classes, 0.5)
-    pcie_eff = fit_pcie(args.out, rows, graphs, classes, lockstep)
+    # the lockstep and PCIe fits simulate with the candidate file: point tag's profile loader at --out
+    import tag.cost.gpu_defaults as gd
+    shipped, gd.DATA_PATH = gd.DATA_PATH, os.path.abspath(args.out)
+    try:
+        lockstep = fit_lockstep(args.out, rows, graphs, classes, 0.5)
+        pcie_eff = fit_pcie(args.out, rows, graphs, classes, lockstep)
+    finally:
+        gd.DATA_PATH = shipped
+        gd.gpu_profiles.cache_clear()
     write(args.out, classes, collectives_table(NVLINK_CALL, pcie_eff, NVLINK_CALL), lockstep)
     print(f"lockstep per doubling {lockstep}, PCIe efficiency {pcie_eff}, wrote {args.out}")
     return 0
