@@ -59,12 +59,14 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "dgx-a100": dict(type="A100-SXM4-40GB", tflops=19.5, gbs=1555, gib=40, link="NVLINK", link_gbs=300),
     # Lambda servers with PCIe 4.0 x16 (31.5 GB/s each way): A100 PCIe 40 GB (its peaks from the A100 class)
     # and RTX A6000 (38.7 FP32; tensor cores from its data sheet, dense: 77.4 TF32, 154.8 FP16/BF16 with
-    # FP32 accumulation -- a workstation card, full rate, unlike the GeForce RTX 3090 tag's class models)
+    # FP32 accumulation -- a workstation card, full rate, unlike the GeForce RTX 3090 tag's class models; tag's
+    # defaults for the RTX A-series family now give the same without the declaration)
     "lambda-a100-pcie": dict(type="A100-PCIe-40GB", tflops=19.5, gbs=1555, gib=40, link="PCIE", link_gbs=31.5),
     "lambda-a6000": dict(type="RTXA6000", tflops=38.7, gbs=768, gib=48, link="PCIE", link_gbs=31.5,
                          peaks=dict(tf32=77.4, fp16=154.8, bf16=154.8)),
     # Quadro RTX 8000 (Turing, 16.3 TFLOP/s FP32, 672 GB/s): FP16 tensor cores with FP32 accumulation at full
-    # rate, 130.5 TFLOP/s (Turing whitepaper), twice the GeForce rate tag's RTX 2080 Ti class has; PCIe 3.0
+    # rate, 130.5 TFLOP/s (Turing whitepaper), twice the GeForce rate tag's RTX 2080 Ti class has (its
+    # Titan / Quadro RTX family in tag's defaults now gives the same); PCIe 3.0
     "lambda-rtx8000": dict(type="QuadroRTX8000", tflops=16.3, gbs=672, gib=48, link="PCIE", link_gbs=15.75,
                            peaks=dict(fp16=130.5)),
     # Lambda workstations / 8-GPU PCIe server (PCIe 3.0 x16: 15.75 GB/s each way)

@@ -106,13 +106,28 @@ DERIVED = {
 RELATED = {   # GPUs without a class of their own -> nearest class (by architecture and market segment)
     "Titan V": ([r"^titanv"], "V100"),
     "A30": ([r"^a30(?![0-9])"], "A100"),
-    "Turing (Titan RTX, Quadro RTX, RTX 20xx)": ([r"titanrtx", r"^rtx[4568]000", r"20[6-8]0"], "RTX2080Ti"),
-    "Ampere / Ada workstation (RTX 30xx, 40xx, A10, A40, RTX A4000-A6000, L4, L40)":
-        ([r"30[5-8]0", r"40[6-9]0", r"^a10(?![0-9])", r"^a10g", r"^a40(?![0-9])", r"^rtxa[456]000",
-          r"^a[456]000", r"^l4(?![0-9])", r"^l40"], "RTX3090"),
+    "Turing GeForce (RTX 20xx)": ([r"20[6-8]0"], "RTX2080Ti"),
+    "Ampere / Ada GeForce and L40 (RTX 30xx, 40xx, A10G, L40)":
+        ([r"30[5-8]0", r"40[6-9]0", r"^a10g", r"^l40"], "RTX3090"),
     "Pascal (GTX 10xx, Titan X/Xp, P4, P40, P6000)": ([r"10[67]0", r"1080(?!ti)", r"titanx", r"^p4(?![0-9]{2})",
                                                         r"^p40(?![0-9])", r"p6000"], "GTX1080Ti"),
     "Kepler / Maxwell datacenter (K40, K80, M40, M60)": ([r"^k[48]0", r"^m[46]0"], "P100"),
+}
+#: related families whose tensor cores run FP16 with FP32 accumulation at full rate, unlike the GeForce class
+#: that serves them: a reference card's spec-sheet peaks (TFLOP/s, dense), whose ratios to FP32 replace the
+#: class's. Turing: the Turing whitepaper's Titan RTX / Quadro RTX 6000 column and the Quadro RTX 8000 data
+#: sheet (16.3 FP32, 130.5 FP16 tensor with FP32 accumulation; Quadro RTX 4000 and 5000 the same 8x). Ampere
+#: / Ada professional: the RTX A6000 data sheet (38.7 FP32; 309.7 tensor TFLOPS with sparsity, so 154.8 dense
+#: FP16 / BF16 and 77.4 TF32), the same 2x / 4x on the A40 (37.4 / 74.8 / 149.7), A10 (31.2 / 62.5 / 125),
+#: RTX A4000 and A5000 and L4 (30.3; 120 TF32 and 242 FP16 with sparsity) data sheets. The GeForce classes
+#: run 4x (Turing) and 1x / 2x (GA102) by the whitepapers' FP32-accumulate columns; the L40 (90.5 / 90.5 /
+#: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios.
+RELATED_FULL_RATE = {
+    "Turing Titan / Quadro (Titan RTX, Quadro RTX 4000-8000)":
+        ([r"titanrtx", r"^rtx[4568]000"], "RTX2080Ti", {"fp32": 16.3, "fp16": 130.5}),
+    "Ampere / Ada professional (RTX A4000-A6000, A10, A40, L4)":
+        ([r"^a10(?![0-9g])", r"^a40(?![0-9])", r"^rtxa[456]000", r"^a[456]000", r"^l4(?![0-9])"], "RTX3090",
+         {"fp32": 38.7, "tf32": 77.4, "fp16": 154.8, "bf16": 154.8}),
 }
 COLLECTIVE_NOTES = {
     "NVLINK": "0.8 of the declared NVLink bandwidth: NCCL's protocol overhead is ~20% (NCCL maintainer, "
@@ -252,7 +267,8 @@ def write(path: str, classes: dict, collectives: dict, lockstep: float) -> None:
     data = {"version": 1, "precision": "fp32", "lockstep_per_doubling": lockstep,
             "source": "scripts/fit_gpu_defaults.py on the fit rows of data/published_throughput.csv",
             "classes": classes,
-            "related": {n: {"patterns": p, "class": c} for n, (p, c) in RELATED.items()},
+            "related": {**{n: {"patterns": p, "class": c} for n, (p, c) in RELATED.items()},
+                        **{n: {"patterns": p, "class": c, "peaks": k} for n, (p, c, k) in RELATED_FULL_RATE.items()}},
             "collectives": collectives}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -334,8 +350,15 @@ def main(argv=None) -> int:
     tensor_e = fit_tensor(rows, graphs, e, mem, launch)
     print("tensor-core efficiencies:", {k: round(float(v), 3) for k, v in zip(TENSOR, tensor_e)})
     classes = class_table(e, mem, launch, scales, tensor_e)
-    lockstep = fit_lockstep(args.out, rows, graphs, classes, 0.5)
-    pcie_eff = fit_pcie(args.out, rows, graphs, classes, lockstep)
+    # the lockstep and PCIe fits simulate with the candidate file: point tag's profile loader at --out
+    import tag.cost.gpu_defaults as gd
+    shipped, gd.DATA_PATH = gd.DATA_PATH, os.path.abspath(args.out)
+    try:
+        lockstep = fit_lockstep(args.out, rows, graphs, classes, 0.5)
+        pcie_eff = fit_pcie(args.out, rows, graphs, classes, lockstep)
+    finally:
+        gd.DATA_PATH = shipped
+        gd.gpu_profiles.cache_clear()
     write(args.out, classes, collectives_table(NVLINK_CALL, pcie_eff, NVLINK_CALL), lockstep)
     print(f"lockstep per doubling {lockstep}, PCIe efficiency {pcie_eff}, wrote {args.out}")
     return 0

@@ -143,6 +143,29 @@ def test_tensor_core_efficiencies_share_the_class_clock_scale_not_the_fp32_dual_
                 assert v == pytest.approx(min(v100.tensor_efficiency["fp16"][k] * scale, 1.0), abs=2e-4), (cls.name, k)
 
 
+@pytest.mark.parametrize("name, tflops, ratios", [
+    # full-rate parts served by a GeForce class: their own data sheets' dense ratios (FP16 with FP32 accumulation)
+    ("Quadro-RTX-8000", 16.3, {"fp16": 8.0, "tf32": None, "bf16": None}),
+    ("TitanRTX", 16.3, {"fp16": 8.0, "tf32": None, "bf16": None}),
+    ("RTX-A6000", 38.7, {"tf32": 2.0, "fp16": 4.0, "bf16": 4.0}),
+    ("A40", 37.4, {"tf32": 2.0, "fp16": 4.0, "bf16": 4.0}),
+    ("A10", 31.2, {"tf32": 2.0, "fp16": 4.0, "bf16": 4.0}),
+    # GeForce parts keep their class's half-rate ratios
+    ("RTX2080", 10.1, {"fp16": 4.0, "tf32": None, "bf16": None}),
+    ("RTX3080", 29.8, {"tf32": 1.0, "fp16": 2.0, "bf16": 2.0}),
+    ("A10G", 31.2, {"tf32": 1.0, "fp16": 2.0, "bf16": 2.0}),
+])
+def test_related_full_rate_parts_get_their_own_spec_sheet_tensor_peaks(name, tflops, ratios):
+    """A topology naming only the type and its FP32 peak: professional Turing / Ampere cards run FP16 tensor
+    cores with FP32 accumulation at twice the GeForce rate of the class serving them (data sheets)."""
+    from tag.cost.precision import device_peak
+    group = _topo(name, tflops=tflops).groups[0]
+    for prec, ratio in ratios.items():
+        want = tflops * (ratio if ratio is not None else 1.0) * 1e12     # no tensor cores for it: the FP32 peak
+        assert device_peak(group, prec) == pytest.approx(want, rel=0.01), (name, prec)
+    assert resolve(name).exact is False
+
+
 def test_lockstep_slows_replicated_gpus():
     g = _conv_graph()
     one, eight = CostModel(g, _topo("V100")), CostModel(g, _topo("V100", n=8))

@@ -35,7 +35,11 @@ spaces, dashes and underscores) against each class's patterns ("V100", "Tesla V1
 "A100-80G" ...), then against ``related`` GPUs that have no profile of their own (Titan V, RTX 2080,
 A6000, A10, ...), which name the nearest class. Peak FLOP/s and bandwidth always come from the
 topology (the device's own spec sheet), so a related GPU is the nearest class scaled by its spec
-sheet. A name that matches nothing keeps tag's generic built-in defaults.
+sheet. A related family may carry its own spec-sheet ``peaks`` (a reference card's FP32 and dense
+tensor-core peaks): its tensor-core ratios then replace the class's, since workstation and datacenter
+parts (Titan RTX, Quadro RTX, RTX A4000-A6000, A10, A40, L4) run FP16 with FP32 accumulation at twice
+the GeForce rate of the class that serves them. A name that matches nothing keeps tag's generic built-in
+defaults.
 
 Example::
 
@@ -105,6 +109,16 @@ class Resolution:
     cls: GpuClass
     exact: bool
     via: str
+    #: the related family's own spec-sheet peaks by precision (empty: the class's ratios hold)
+    peaks: dict[str, float] = field(default_factory=dict)
+
+    def peak_ratio(self, precision: str) -> float | None:
+        """PRECISION's peak over the FP32 peak: the related family's spec sheet where it has one, else the
+        class's (None: no tensor cores for it)."""
+        if self.peaks:
+            p, base = self.peaks.get(precision), self.peaks.get("fp32")
+            return p / base if p and base else None
+        return self.cls.peak_ratio(precision)
 
     def label(self) -> str:
         if self.exact:
@@ -117,7 +131,8 @@ class GpuProfiles:
     """Everything in the shipped data file."""
 
     classes: dict[str, GpuClass]
-    related: tuple[tuple[str, tuple[str, ...], str], ...]      # (name, patterns, class name)
+    #: (name, patterns, class name, the family's own spec-sheet peaks or {})
+    related: tuple[tuple[str, tuple[str, ...], str, dict[str, float]], ...]
     collectives: dict[str, CollectiveDefaults]
     source: str = ""
     precision: str = "fp32"
@@ -135,9 +150,9 @@ class GpuProfiles:
         for cls in self.classes.values():
             if any(re.search(p, key) for p in cls.patterns):
                 return Resolution(cls, True, cls.name)
-        for name, patterns, cls_name in self.related:
+        for name, patterns, cls_name, peaks in self.related:
             if any(re.search(p, key) for p in patterns):
-                return Resolution(self.classes[cls_name], False, name)
+                return Resolution(self.classes[cls_name], False, name, dict(peaks))
         return None
 
 
@@ -199,7 +214,10 @@ def _parse(data: object, where: str) -> GpuProfiles:
     for name, r in (data.get("related") or {}).items():
         if not isinstance(r, dict) or r.get("class") not in classes or not r.get("patterns"):
             raise bad(f"related.{name} needs 'patterns' and a 'class' among {sorted(classes)}")
-        related.append((str(name), tuple(str(p) for p in r["patterns"]), str(r["class"])))
+        peaks = {str(k): num(v, f"related.{name}.peaks.{k}", hi=1e6) for k, v in (r.get("peaks") or {}).items()}
+        if peaks and "fp32" not in peaks:
+            raise bad(f"related.{name}.peaks needs an 'fp32' entry")
+        related.append((str(name), tuple(str(p) for p in r["patterns"]), str(r["class"]), peaks))
     colls = {}
     for kind in COLLECTIVE_KINDS:
         c = (data.get("collectives") or {}).get(kind)

@@ -14,7 +14,9 @@ reads the compute precision of each op from those dtypes and gives a device's pe
 
 A device's peak in a precision (``device_peak``): the topology's ``peak_<precision>_tflops`` where the
 file declares it; else, for a GPU tag ships a class for (``tag.cost.gpu_defaults``), the class's spec
-sheet ratio of that precision's peak to its FP32 peak times the device's own FP32 peak (so a file giving
+sheet ratio of that precision's peak to its FP32 peak (or the related family's own ratio: a Quadro RTX
+8000 runs FP16 at 8x its FP32 peak where the GeForce class serving it runs 4x) times the device's own
+FP32 peak (so a file giving
 only "A100-80G" and 19.5 TFLOP/s plans an A100 at 156 TF32 / 312 FP16 / 312 BF16 TFLOP/s); else the
 FP32 peak (a CPU, a GPU tag does not know, a precision the GPU has no tensor cores for).
 
@@ -82,7 +84,7 @@ def device_peak(group: "DeviceGroup", precision: str) -> float:
     if group.tf_device_type == "GPU" and precision != "fp32":
         from tag.cost.gpu_defaults import resolve
         res = resolve(group.device_type)
-        ratio = res.cls.peak_ratio(precision) if res is not None else None
+        ratio = res.peak_ratio(precision) if res is not None else None
         if ratio is not None:
             return float(group.peak_flops * ratio)
     return float(group.peak_flops)
