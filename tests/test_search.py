@@ -183,3 +183,26 @@ def test_a_searched_strategy_must_beat_the_best_builtin_by_the_margin():
     assert held.method == best and held.step_time == pytest.approx(builtins[best])
     assert any("margin" in n for n in held.notes)
     assert search(env, playouts=50, seed=0, min_gain=gain / 2).method == free.method
+
+
+def test_a_builtin_on_more_devices_must_beat_one_on_fewer_by_the_margin():
+    from tag.search.driver import devices_used, simplest_builtin
+    env = _env()
+    used = {n: devices_used(s, env.topology) for n, s in env.builtin_strategies.items()}
+    assert used["single"] < used["dp_allreduce"] == env.topology.num_devices   # one device group against all
+    # dp predicted 2% faster than one device: within a 5% margin, one device is the answer; beyond, dp
+    assert simplest_builtin(env, {"dp_allreduce": 1.0, "single": 1.02}, 0.05) == "single"
+    assert simplest_builtin(env, {"dp_allreduce": 1.0, "single": 1.02}, 0.01) == "dp_allreduce"
+    assert simplest_builtin(env, {"dp_allreduce": 1.0, "single": 1.10}, 0.05) == "dp_allreduce"
+    # the fastest among the near ones that use the fewest devices, not simply the fastest
+    assert simplest_builtin(env, {"dp_allreduce": 1.0, "ps": 1.01, "single": 1.5}, 0.05) == "dp_allreduce"
+
+
+def test_search_answers_the_simplest_builtin_within_the_margin():
+    from tag.search.driver import devices_used
+    env = _env()
+    found = search(env, playouts=20, seed=0, min_gain=10.0)     # nothing may beat a built-in by 1000%
+    times = {n: found.baselines[n] for n in env.builtin_results if found.baselines_feasible[n]}
+    used = {n: devices_used(env.builtin_strategies[n], env.topology) for n in times}
+    assert found.method == min(times, key=lambda n: (used[n], times[n]))      # every built-in is within 1000%
+    assert used[found.method] < env.topology.num_devices and any(found.notes)
