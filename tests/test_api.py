@@ -250,3 +250,16 @@ def test_search_prior_names():
     assert callable(search_prior("gnn"))
     with pytest.raises(StrategyError, match="unknown prior"):
         search_prior("oracle")
+
+
+def test_a_simpler_builtin_within_the_margin_passes_the_guarantee_check():
+    from types import SimpleNamespace
+    from tag.api import _check_not_slower
+    found = SimpleNamespace(method="single", step_time=1.03, baselines={"single": 1.03, "partition": 1.0},
+                            baselines_feasible={"single": True, "partition": True})
+    _check_not_slower(found, 0.05)                       # one device within 5% of the fastest built-in
+    with pytest.raises(AssertionError, match="slower than the best feasible baseline"):
+        _check_not_slower(found, 0.01)
+    found.method = "refine"                              # a searched strategy never gets the margin
+    with pytest.raises(AssertionError):
+        _check_not_slower(found, 0.05)

@@ -17,7 +17,8 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
 6. ``refine``: local moves (group, prefix and suffix moves; ``tag.search.local``) from the best so far.
 
 The answer is the best strategy any step found; it is never predicted slower than the best feasible
-built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so). A
+built-in (a built-in wins when nothing beats it, and ``SearchResult.method`` and ``notes`` say so), except
+that a built-in on fewer devices within ``min_gain`` of it is preferred (below). A
 searched strategy must also be predicted at least ``min_gain`` (default ``DEFAULT_MIN_GAIN``, 5%) faster
 than the best feasible built-in: a smaller predicted gain is within the simulator's error on real runs
 (``scripts/bench_fidelity.py``), and a mixed strategy has more to mispredict (its transfers), so the
