@@ -139,22 +139,17 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     wall_parallel = float(sum(x.wall_parallel_s for x in measurements))
     costed = np.array([t not in ZERO_COST_TYPES for t in types], dtype=bool)
     tabled = np.full(len(types), np.nan)               # per op: its MatMul table efficiency (NaN: none)
-    if matmul_table is not None:
-        start = 0
-        for g in graphs:
+    for g, start in zip(graphs, np.cumsum([0, *(len(g.ops) for g in graphs[:-1])])):
+        if matmul_table is not None:
             dims = matmul_dims(g)
             tabled[start + dims.ops] = matmul_table.lookup(dims.variant, *dims.at(float(g.batch_size)))
-            start += len(g.ops)
-    # a Conv2D merged with its BiasAdd (oneDNN, ``cpu_fused_bias_adds``) shows its kernel under the BiasAdd's
-    # name: the time is the convolution's, and the BiasAdd costs nothing (as CostModel.op_times charges it)
-    start = 0
-    for g in graphs:
+        # a Conv2D merged with its BiasAdd (oneDNN, ``cpu_fused_bias_adds``) shows its kernel under the
+        # BiasAdd's name: the time is the convolution's, the BiasAdd costs nothing (as CostModel.op_times has it)
         for bias, conv in cpu_fused_bias_adds(g).items():
             b, c = start + bias, start + conv
             if np.isnan(op_times[c]) and not np.isnan(op_times[b]):
                 op_times[c], op_times[b] = op_times[b], np.nan
                 costed[b] = False
-        start += len(g.ops)
     seen = ~np.isnan(op_times)                        # per op: did the step stats show it?
     if not (seen & costed).any():
         raise GraphError("TensorFlow's step stats named none of the graph's ops; nothing to fit")

@@ -371,9 +371,9 @@ class CostModel:
         key_id = {k: i for i, k in enumerate(self._keys)}
         self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
         self._zero = np.array([t in ZERO_COST_TYPES for t in types], dtype=bool)
-        #: BiasAdds that run inside their convolution's kernel on CPU (oneDNN; ``cpu_fused_bias_adds``)
-        self._cpu_fused = np.zeros(len(types), dtype=bool)
-        self._cpu_fused[list(cpu_fused_bias_adds(graph))] = True
+        #: on CPU devices also the BiasAdds that run inside their convolution's kernel (``cpu_fused_bias_adds``)
+        self._zero_cpu = self._zero.copy()
+        self._zero_cpu[list(cpu_fused_bias_adds(graph))] = True
         #: per op: its index in FAMILIES (DeviceRates.family_scale)
         self._family = np.array([FAMILIES.index(op_family(t)) for t in types], dtype=np.int64)
         # with XLA, element-wise / normalisation chains cost one pass over memory and one launch
@@ -502,9 +502,7 @@ class CostModel:
         t = t + np.where(self._fused, 0.0, r.launch_overhead_s)
         if r.lockstep_factor != 1.0:
             t = t * r.lockstep_factor
-        t[self._zero] = 0.0
-        if self.topology.groups[device_group].tf_device_type == "CPU":
-            t[self._cpu_fused] = 0.0
+        t[self._zero_cpu if self.topology.groups[device_group].tf_device_type == "CPU" else self._zero] = 0.0
         t.setflags(write=False)
         self._op_time_cache[key] = t
         return t

@@ -103,17 +103,16 @@ _BIAS_MERGED_PRODUCERS = frozenset({"Conv2D"})
 def cpu_fused_bias_adds(graph: "TrainingGraph") -> dict[int, int]:
     """{BiasAdd op index: the Conv2D op index it runs inside on CPU} for every BiasAdd that is the only
     data consumer of a Conv2D's output (the pattern oneDNN merges into one kernel; see module docstring)."""
-    consumers: dict[int, list[int]] = {}
+    consumers: dict[int, set[int]] = {}
     for e in graph.edges:
-        consumers.setdefault(e.src, []).append(e.dst)
+        consumers.setdefault(e.src, set()).add(e.dst)
     fused: dict[int, int] = {}
     for i, op in enumerate(graph.ops):
-        if op.type not in _BIAS_MERGED_PRODUCERS:
-            continue
-        users = set(consumers.get(i, ()))
-        if len(users) == 1:
-            (j,) = users
-            if graph.ops[j].type == "BiasAdd" and graph.ops[j].inputs and graph.ops[j].inputs[0].split(":")[0] == op.name:
+        users = consumers.get(i, set())
+        if op.type in _BIAS_MERGED_PRODUCERS and len(users) == 1:
+            j = next(iter(users))
+            bias = graph.ops[j]
+            if bias.type == "BiasAdd" and bias.inputs and bias.inputs[0].split(":")[0] == op.name:   # the value
                 fused[j] = i
     return fused
 

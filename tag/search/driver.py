@@ -212,17 +212,15 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     choice, outcome = found[method]
     notes = []
     builtins = [n for n in env.builtin_results if found[n][1].feasible]
-    if choice is None and method in builtins:
-        simplest = simplest_builtin(env, {n: found[n][1].step_time for n in builtins}, min_gain)
-        if simplest != method:
-            gain = found[simplest][1].step_time / outcome.step_time - 1.0
-            notes.append(f"the built-in {method!r} is predicted only {gain * 100:.1f}% faster than {simplest!r}, "
-                         f"which uses fewer devices: less than the {min_gain * 100:g}% margin for the "
-                         f"simulator's error; the plan is {simplest!r}")
-            method = simplest
-            choice, outcome = found[method]
+    best_builtin = simplest_builtin(env, {n: found[n][1].step_time for n in builtins}, min_gain) if builtins else None
+    if choice is None and method in builtins and best_builtin != method:
+        gain = found[best_builtin][1].step_time / outcome.step_time - 1.0
+        notes.append(f"the built-in {method!r} is predicted only {gain * 100:.1f}% faster than {best_builtin!r}, "
+                     f"which uses fewer devices: less than the {min_gain * 100:g}% margin for the "
+                     f"simulator's error; the plan is {best_builtin!r}")
+        method = best_builtin
+        choice, outcome = found[method]
     if choice is not None and outcome.feasible and builtins:
-        best_builtin = simplest_builtin(env, {n: found[n][1].step_time for n in builtins}, min_gain)
         gain = found[best_builtin][1].step_time / outcome.step_time - 1.0
         if gain < min_gain:
             notes.append(f"the searched strategy ({method}) is predicted only {gain * 100:.1f}% faster than the "
