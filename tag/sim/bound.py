@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 
+from tag.sim.memory import sparse_factor
 from tag.sim.task_graph import UPDATE_STAGE
 from tag.strategy.types import Action, Strategy
 
@@ -168,6 +169,9 @@ class StepBound:
             return GroupTerms(mine, weights, busy, resources, static, split, 0.0, 0.0, places, False)
         devs = layouts.devices_of(a.placement)
         shares = layouts.shares_of(a.placement, batch)
+        # what its collective moves (sparse gradients as rows: MemoryModel.collective_bytes)
+        W_coll = W - float(memory.sparse_weight_bytes[g]) + \
+            float(memory.sparse_row_bytes[g]) * batch * sparse_factor(a.mode, len(devs))
         stage = tasks.task_stage[mine]
         on_ps = (stage == UPDATE_STAGE) if a.mode == "ps" else np.zeros(len(mine), dtype=bool)
         replicated = ~on_ps
@@ -195,18 +199,18 @@ class StepBound:
             busy[ps] += float(full[on_ps].sum())
             static[devs] += 2 * W + state_b
             static[ps] += 2 * W + slot_b
-            if W > 0:
+            if W_coll > 0:
                 c = sim.routing.collective("ps", devs, a.placement, ps)
                 if c[5] > 0:
-                    collective_s = pull_s = c[0] + c[1] * W
+                    collective_s = pull_s = c[0] + c[1] * W_coll
                     resources[list(c[4])] += 2 * collective_s
         else:
             static[devs] += 2 * W + slot_b + state_b
-            if W > 0 and len(devs) > 1 and not sfb:
+            if W_coll > 0 and len(devs) > 1 and not sfb:
                 c = sim.routing.collective("allreduce", devs, a.placement, None)
                 if c[5] > 0:
                     # per byte only: groups fused into one bucket (tag.strategy.fusion) share the fixed cost
-                    collective_s = min(c[1], c[3]) * W
+                    collective_s = min(c[1], c[3]) * W_coll
                     resources[list(c[4])] += collective_s
         return GroupTerms(mine, weights, busy, resources, static, split, collective_s, pull_s, places,
                           a.mode == "ps")

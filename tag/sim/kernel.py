@@ -80,7 +80,7 @@ def choose_kernel(kernel: str | None) -> str:
     return name
 
 
-def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap,
+def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap, w_coll,
               task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
               g_after, w_bytes, w_count, slot_bytes, state_bytes,
@@ -229,7 +229,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
     comm = 0.0
     for g in range(G):
         ai = local_ai[group_local[g]]
-        W = w_bytes[g]
+        W = w_coll[g]
         if W <= 0 or a_mode[ai] == 2 or a_ckind[ai] == 0 or a_c[ai, 4] <= 0:
             continue
         if a_ckind[ai] == 2:
@@ -268,7 +268,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             if open_leader[p] < 0:
                 open_leader[p] = g
             leader[g] = open_leader[p]
-            open_bytes[p] += w_bytes[g]
+            open_bytes[p] += w_coll[g]
             if open_bytes[p] >= fuse_cap:
                 open_leader[p] = -1
                 open_bytes[p] = 0.0
@@ -278,7 +278,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
         for g in range(G):
             L = leader[g]
             members[L] += 1
-            wsum[L] += w_bytes[g]
+            wsum[L] += w_coll[g]
             if g_after[g] > last[L]:
                 last[L] = g_after[g]
         bad = np.zeros(G, np.bool_)       # an update task before the bucket's last gradient: no fusion

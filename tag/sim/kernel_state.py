@@ -292,16 +292,17 @@ class KernelState:
     # ------------------------------------------------------------------ one evaluation
     def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
             task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
-            plans: dict, fuse_cap: float = -1.0) -> tuple:
+            plans: dict, fuse_cap: float = -1.0, w_coll: np.ndarray | None = None) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
         peak, static and activation bytes per device). FUSE_CAP: all-reduce groups are summed in the fusion
-        buckets of ``tag.strategy.fusion`` closed at that many bytes (negative: one collective per group)."""
+        buckets of ``tag.strategy.fusion`` closed at that many bytes (negative: one collective per group).
+        W_COLL: per op group, the bytes its collective is charged for (default: its trainable bytes)."""
         simulate = compiled_simulate()
         for _ in range(2):
             if self._args is None:
                 self._args = self._arguments()
             out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
-                           static0, float(fuse_cap), *self._args)
+                           static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, *self._args)
             missing = out[0]
             if not len(missing):
                 return out[1:]

@@ -10,6 +10,13 @@ no buffer of their own; the running task adds its largest op's inputs + outputs.
 and per tensor is folded into per-task arrays once, in ``MemoryModel()``; each evaluation is a few
 numpy reductions over the schedule's [lane, task] matrices.
 
+Sparse gradients: a weight whose gradient grows with the batch (an ``IndexedSlices`` gradient of an
+embedding lookup: the rows the batch touched and their indices) is not all-reduced or pushed as a
+dense tensor. The rewriter gives its update the whole batch's rows and indices on every replica
+(allreduce: each replica receives the others' rows, an all-gather) or on the parameter server (ps:
+each worker pushes its own rows, and its lookup's rows come back from the table on the PS).
+``collective_bytes`` turns that into the bytes the collective models charge (see its docstring).
+
 Example::
 
     import tag
@@ -136,10 +143,15 @@ class MemoryModel:
         var_by_name = {v.name: v for v in graph.variables}
         claimed: set[str] = set()     # slot variables (counted with their weight)
         partition_vars: list[list[tuple[int, float]]] = [[] for _ in range(num_groups)]
+        sparse_weights, sparse_rows = np.zeros(num_groups), np.zeros(num_groups)
         for v in graph.variables:
             if v.kind != "trainable":
                 continue
             g = int(group_of_op[v.op])
+            rows = sparse_gradient_bytes(graph, v)
+            if rows > 0:
+                sparse_weights[g] += v.nbytes
+                sparse_rows[g] += rows
             slot = float(v.slot_bytes) if v.slot_bytes else float(sum(
                 var_by_name[s].nbytes for s in v.slots if s in var_by_name))
             claimed.update(v.slots)
@@ -154,10 +166,21 @@ class MemoryModel:
             state[g] += v.nbytes
             partition_vars[g].append((v.op, float(v.nbytes)))
         self.weight_bytes, self.slot_bytes, self.state_bytes = weights, slots, state
+        self.sparse_weight_bytes, self.sparse_row_bytes = sparse_weights, sparse_rows
+        self.has_sparse = bool(np.any(sparse_rows > 0))
         self.weight_bytes_list: list[float] = weights.tolist()
         self.weight_count_list: list[int] = counts
         self.partition_vars = [(np.array([p[0] for p in pv], dtype=np.int64), np.array([p[1] for p in pv]))
                                for pv in partition_vars]
+
+    def collective_bytes(self, weights: np.ndarray, factor: np.ndarray, batch: int) -> np.ndarray:
+        """Per op group, the bytes its all-reduce or ps transfer is charged for: WEIGHTS (its trainable
+        bytes, or what SFB leaves of them) with every sparse weight's table replaced by BATCH's gradient
+        rows times FACTOR (per group, ``sparse_factor`` of its action). Unchanged without sparse weights."""
+        if not self.has_sparse:
+            return weights
+        return np.asarray(weights, dtype=np.float64) - self.sparse_weight_bytes + \
+            self.sparse_row_bytes * float(batch) * factor
 
     def static_memory(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict],
                       devices_of: Callable[[tuple[int, ...]], list[int]], num_devices: int) -> np.ndarray:
@@ -216,3 +239,32 @@ class MemoryModel:
         delta[:, self._last_tasks + 1] -= np.add.reduceat(held[:, self._last_order], self._last_starts, axis=1)
         live = np.add.accumulate(delta[:, :num_tasks], axis=1)
         return ((live + working) * ran).max(axis=1)
+
+
+def sparse_gradient_bytes(graph: TrainingGraph, variable) -> float:
+    """Bytes per example of trainable VARIABLE's gradient when it is sparse (its gradient tensor grows with
+    the batch: the rows of an ``IndexedSlices``), plus their int32 indices; 0.0 for a dense gradient."""
+    if not variable.gradient:
+        return 0.0
+    name = variable.gradient.lstrip("^")
+    op = graph.ops[graph.op_index[name.rsplit(":", 1)[0]]] if name.rsplit(":", 1)[0] in graph.op_index else None
+    if op is None:
+        return 0.0
+    index = int(name.rsplit(":", 1)[1]) if ":" in name else 0
+    if index >= len(op.outputs):
+        return 0.0
+    per_example = float(op.outputs[index].nbytes.per_example)
+    if per_example <= 0 or not variable.shape or variable.shape[0] <= 0:
+        return 0.0
+    row_bytes = variable.nbytes / variable.shape[0]
+    return per_example + (per_example / row_bytes) * 4.0 if row_bytes > 0 else per_example
+
+
+def sparse_factor(mode: str, replicas: int) -> float:
+    """What a sparse gradient's BATCH rows count for in the collective models of an action in MODE over
+    REPLICAS devices (``CostModel.allreduce_coeffs`` charges 2(n-1)/n of its bytes per device, ``ps_coeffs``
+    its bytes once per worker): allreduce 1/2 (the all-gather of the whole batch's rows moves (n-1)/n of
+    them through each device), ps 1/n (each worker pushes its own share and pulls its lookup's rows)."""
+    if replicas <= 1 or mode == "partition":
+        return 0.0
+    return 0.5 if mode == "allreduce" else 1.0 / replicas

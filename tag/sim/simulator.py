@@ -91,7 +91,7 @@ from tag.ir.types import TrainingGraph
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
-from tag.sim.memory import ALIAS_TYPES, MemoryModel
+from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
 from tag.sim.result import SimResult, schedule_features
 from tag.sim.routing import Routing
@@ -291,8 +291,8 @@ class Simulator:
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
-        schedule.add_collectives(actions, group_layouts, sfb.weight_bytes, sfb.gathers,
-                                 self.memory.weight_count_list, fuse=True)
+        schedule.add_collectives(actions, group_layouts, self._collective_bytes(actions, sfb.weight_bytes, batch),
+                                 sfb.gathers, self.memory.weight_count_list, fuse=True)
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes
@@ -342,9 +342,10 @@ class Simulator:
                     task_override[t] = kernel.layout(lay, plan["tasks"][t][1] if lay.kind == "split" else None)
             static0 = self.memory.partition_static(plans, self.topology.num_devices)
         lane_of_device = lanes.lane_of_device
+        w_coll = self._collective_bytes(local_actions, None, batch, group_local)
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans, fusion.FUSION_BUCKET_BYTES)
+            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
@@ -439,7 +440,8 @@ class Simulator:
                                 record)
         has_ps = any(a.mode == "ps" for a in stage_actions)
         schedule.add_flows(actions, has_ps)
-        schedule.add_collectives(actions, group_layouts, self.memory.weight_bytes_list, None,
+        schedule.add_collectives(actions, group_layouts,
+                                 self._collective_bytes(actions, self.memory.weight_bytes_list, batch), None,
                                  self.memory.weight_count_list)
         step = schedule.run(actions)
         if record is not None:
@@ -479,7 +481,7 @@ class Simulator:
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_stage, local_ai, unused, unused, task_layout, len(lanes.lanes), lane_of_device, kernel.static_zero,
-            {})
+            {}, w_coll=self._collective_bytes(stage_actions, None, batch, group_stage))
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
@@ -488,6 +490,20 @@ class Simulator:
                            batch, _features=features)
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
         return result
+
+    def _collective_bytes(self, actions: list[Action], weights, batch: int, group_of: np.ndarray | None = None):
+        """Bytes each op group's collective is charged for (``MemoryModel.collective_bytes``): WEIGHTS
+        (default: the trainable bytes) with sparse gradients as rows. ACTIONS: one per op group, or with
+        GROUP_OF (group -> index into ACTIONS) one per distinct action. None for the kernel means its own
+        weight bytes; a list stays a list."""
+        memory = self.memory
+        if not memory.has_sparse:
+            return weights
+        factors = np.array([sparse_factor(a.mode, len(self.layouts.devices_of(a.placement))) for a in actions])
+        if group_of is not None:
+            factors = factors[group_of]
+        out = memory.collective_bytes(memory.weight_bytes if weights is None else weights, factors, batch)
+        return out if weights is None else out.tolist()
 
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,
                 batch: int, step: float, schedule: StepSchedule, sfb: SfbPlan,
