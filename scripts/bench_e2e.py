@@ -21,7 +21,9 @@ thread), the 1-minute load average beside each row:
   tag's strategies of a case (uniform, dp_all, dp_same, plan, tuned) are timed together in
   ``INTERLEAVED_ROUNDS`` interleaved rounds, one measurement per program (strategies that run every op group
   on the same single devices, like the best uniform action and dp on one host, are one program): timed
-  apart, one program measured 41 and 50 ms in one run.
+  apart, one program measured 41 and 50 ms in one run. MWMS on every host prefix is timed in the same rounds,
+  before tag's programs (its workers started afresh each round, tag's idle servers left running), so that
+  drift between minutes falls on the anchors as on tag.
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -103,9 +105,9 @@ INTERLEAVED_ROUNDS = 3      # rounds in which tag's strategies of one case are t
 
 
 def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
-             model_args: tuple[str, ...] = ()) -> float:
-    """Median step time of the MWMS anchor, one worker per testbed host (the first HOSTS hosts when given;
-    MODEL_ARGS: more ``tag.backend.mwms`` options, such as ``--width``)."""
+             model_args: tuple[str, ...] = ()) -> list[float]:
+    """The timed step times (after WARMUP of STEPS) of the MWMS anchor, one worker per testbed host (the first
+    HOSTS hosts when given; MODEL_ARGS: more ``tag.backend.mwms`` options, such as ``--width``)."""
     n = len(tb.topology.hosts) if hosts is None else int(hosts)
     workers = [f"{tb.address(i)}:{MWMS_PORT + i}" for i in range(n)]
     procs = []
@@ -128,26 +130,33 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if procs[0].returncode != 0 or not lines:
         raise RuntimeError(f"MWMS chief failed (rc {procs[0].returncode}): {err.strip()[-2000:]}")
-    return float(np.median(json.loads(lines[-1])["step_times"][warmup:]))
+    return [float(t) for t in json.loads(lines[-1])["step_times"][warmup:]]
 
 
-def run_tag_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS) -> dict:
-    """Median step of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), timed in ROUNDS rounds
-    that take the runnables in turn (reversed every other round), each round WARMUP untimed steps and its
-    share of the STEPS - WARMUP timed ones. Why: on this shared machine one program timed a few minutes apart
-    measured 41 and 50 ms (docs/measured/issue22-e2e); interleaving spreads the drift over every candidate,
-    as the tuning step does."""
+def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
+                    mwms: dict | None = None) -> tuple[dict, dict]:
+    """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
+    step} of every MWMS anchor (hosts -> (model, batch, model_args) for ``run_mwms``)), timed in ROUNDS rounds
+    that take the MWMS anchors and then the runnables in turn (reversed every other round), each round WARMUP
+    untimed steps and its share of the STEPS - WARMUP timed ones. Why: on this shared machine one program
+    timed a few minutes apart measured 41 and 50 ms, and MWMS on one host 211 and 250 ms
+    (docs/measured/issue22-e2e); interleaving spreads the drift over tag's programs and the anchors alike."""
     timed = max(steps - warmup, rounds)
     per_round = [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
     samples: dict = {k: [] for k in runnables}
+    anchors: dict = {k: [] for k in (mwms or {})}
     keys = list(runnables)
     for r in range(rounds):
+        for k in (list(anchors) if r % 2 == 0 else list(anchors)[::-1]):
+            model, batch, model_args = mwms[k]
+            anchors[k] += run_mwms(tb, model, batch, warmup + per_round[r], warmup, hosts=k, model_args=model_args)
         for k in (keys if r % 2 == 0 else keys[::-1]):
             x = runnables[k]
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
                             steps=warmup + per_round[r], warmup=warmup, synthetic=True)
             samples[k] += list(res.step_times[warmup:])
-    return {k: float(np.median(v)) for k, v in samples.items()}
+    return ({k: float(np.median(v)) for k, v in samples.items()},
+            {k: float(np.median(v)) for k, v in anchors.items()})
 
 
 def uniform_keys(analysis) -> set[str]:
@@ -221,12 +230,10 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     search_s = time.perf_counter() - t0
     an = plan.analysis
     n_hosts = len(tb.topology.hosts)
-    mwms = {k: run_mwms(tb, model, batch, steps, warmup, hosts=k, model_args=model_args)
-            for k in range(1, n_hosts + 1)}
-    best_k = min(mwms, key=mwms.get)
     uniform = plan.candidates.get(BEST_UNIFORM) or best_uniform_of(an)[0]
-    strategies = {"uniform": uniform, "dp_all": an.builtin("dp_allreduce"),
-                  "dp_same": host_prefix_strategy(an, best_k), "plan": plan.strategy}
+    # dp over every prefix of the hosts: the one on MWMS's best hosts is dp_same (known once MWMS is measured)
+    strategies = {"uniform": uniform, "dp_all": an.builtin("dp_allreduce"), "plan": plan.strategy,
+                  **{f"dp{k}": host_prefix_strategy(an, k) for k in range(1, n_hosts)}}
     tb.start_workers(threads_per_worker=1)
     try:
         t1 = time.perf_counter()
@@ -234,14 +241,19 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
         tune_s = time.perf_counter() - t1
         strategies["tuned"] = tuned.strategy
         # one measurement per program (strategies that run on the same single devices are one), interleaved
+        # with MWMS on every host prefix
         key_of = {name: strategy_key(s, tb.topology) for name, s in strategies.items()}
         runnables: dict[str, object] = {}
         for name, s in strategies.items():
             runnables.setdefault(key_of[name], plan if name == "plan" else tuned if name == "tuned" else an.rewrite(s))
-        measured = run_tag_interleaved(tb, runnables, steps, warmup)
+        measured, mwms = run_interleaved(tb, runnables, steps, warmup,
+                                         mwms={k: (model, batch, model_args) for k in range(1, n_hosts + 1)})
         times = {name: measured[key_of[name]] for name in strategies}
     finally:
         tb.stop_workers()
+    best_k = min(mwms, key=mwms.get)
+    times["dp_same"] = times["dp_all"] if best_k == n_hosts else times[f"dp{best_k}"]
+    strategies["dp_same"] = strategies["dp_all"] if best_k == n_hosts else strategies[f"dp{best_k}"]
     uniform_set = uniform_keys(an)
     # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
     is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1

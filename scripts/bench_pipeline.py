@@ -239,9 +239,9 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
         if k > 1 and pred > SKIP_FACTOR * mwms[1][1]:
             skipped[k] = pred          # all-reducing every weight over the slow links: minutes of steps
             continue
-        meas = run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
-                        model_args=tuple(a for k_, v in (("--width", width), ("--depth", depth)) if v is not None
-                                         for a in (k_, str(v))))
+        meas = float(np.median(run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
+                                        model_args=tuple(a for k_, v in (("--width", width), ("--depth", depth))
+                                                         if v is not None for a in (k_, str(v))))))
         mwms[k] = (pred, meas)
     best_k = min(mwms, key=lambda k: mwms[k][1])
     p = pipe.pipeline
