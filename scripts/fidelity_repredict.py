@@ -1,0 +1,109 @@
+"""Re-predict a saved bench_fidelity run with today's cost model and simulator, against that run's measurements.
+
+A simulator change can be checked on measurements already taken, without the testbed: for every group of a
+saved ``bench_fidelity --json F`` run, the same graph is prepared with the run's own calibrated profile and
+topology (``F.run1.testbed-C.profile.json`` / ``.pbtxt``, written beside F), and its built-ins and random mixes
+(the same seed, so the same strategies) are predicted again. The searched plan and the tuning step's pick are
+left out: the search itself may choose differently today. Prints old and new error per case and the figures
+of ``_fidelity_figures`` (errors by class, Kendall tau; the rest and the held-out part apart); ``--json``
+writes them with every row.
+
+Usage::
+
+    python scripts/fidelity_repredict.py docs/measured/issue20-fidelity/bench_fidelity_quiet_run4.json
+    python scripts/fidelity_repredict.py RUN.json --models transformer,vgg --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+
+from _fidelity_figures import case_class, split_heldout, summary  # noqa: E402
+from _testbed_cases import calibration_graph  # noqa: E402
+from tag.api import prepare  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
+from tag.cost.model import Profile  # noqa: E402
+from tag.search.env import SearchEnv  # noqa: E402
+from tag.search.random_search import random_choice  # noqa: E402
+from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
+
+
+def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str, seed: int,
+                    randoms: int) -> dict[str, float]:
+    """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
+    profile and topology the run saved under PREFIX."""
+    profile = Profile.load(f"{prefix}.run1.testbed-{config}.profile.json")
+    with open(f"{prefix}.run1.testbed-{config}.pbtxt") as f:
+        topology = parse_topology(f.read())
+    analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
+    sim = analysis.simulator()
+    out = {n: sim.evaluate(analysis.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=batch)
+    rng = np.random.default_rng(seed)        # bench_fidelity's sequence: the same strategies
+    for k in range(randoms):
+        out[f"random{k}"] = env.evaluate(random_choice(env, rng)).step_time
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a saved bench_fidelity --json file (its profiles and topologies beside it)")
+    p.add_argument("--models", help="comma-separated subset of the run's models")
+    p.add_argument("--seed", type=int, default=0, help="the run's --seed (default 0, bench_fidelity's)")
+    p.add_argument("--json", help="write the figures and rows here")
+    args = p.parse_args(argv)
+    from bench_fidelity import MODELS, git_commit
+    with open(args.run) as f:
+        run = json.load(f)
+    prefix = args.run[:-len(".json")] if args.run.endswith(".json") else args.run
+    spec_of = {label: (spec, batch) for label, spec, batch in MODELS}
+    rows = [r for r in run["rows"] if case_class(r["strategy"]) in ("uniform", "random")]
+    groups = sorted({(r["config"], r["model"]) for r in rows})
+    wanted = set(args.models.split(",")) if args.models else None
+    out_rows = []
+    for config, label in groups:
+        if (wanted and label not in wanted) or label not in spec_of:
+            continue
+        mine = {r["strategy"]: r for r in rows if (r["config"], r["model"]) == (config, label)}
+        spec, batch = spec_of[label]
+        randoms = sum(1 for n in mine if n.startswith("random"))
+        predicted = repredict_group(prefix, config, spec, batch, label, args.seed, randoms)
+        for name, r in mine.items():
+            if name not in predicted:
+                continue
+            new = dict(r, predicted_s=float(predicted[name]), old_predicted_s=r["predicted_s"])
+            new["rel_error"] = (new["predicted_s"] - r["measured_s"]) / r["measured_s"]
+            new.pop("tuned_pick", None)
+            out_rows.append(new)
+            print(f"{config:<2} {label:<18} {name:<13} measured {r['measured_s'] * 1e3:8.1f} ms  then "
+                  f"{r['predicted_s'] * 1e3:8.1f} ({(r['predicted_s'] / r['measured_s'] - 1) * 100:+5.0f}%)  now "
+                  f"{new['predicted_s'] * 1e3:8.1f} ({new['rel_error'] * 100:+5.0f}%)", flush=True)
+    rest, held = split_heldout(out_rows)
+    result = {"run": os.path.basename(args.run), "run_commit": run.get("commit"), "commit": git_commit(),
+              "rest": {k: v for k, v in summary(rest).items() if k != "groups"} if rest else None,
+              "heldout": {k: v for k, v in summary(held).items() if k != "groups"} if held else None,
+              "rows": out_rows}
+    for part in ("rest", "heldout"):
+        f = result[part]
+        if f:
+            print(f"{part}: {f['cases']} cases, median error {f['median_abs_rel_error'] * 100:.1f}% (uniform "
+                  f"{f['median_abs_rel_error_uniform'] * 100:.1f}%, random {f['median_abs_rel_error_random'] * 100:.1f}%), "
+                  f"max random {f['max_abs_rel_error_random'] * 100:.1f}%, mean Kendall tau {f['mean_kendall_tau']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
