@@ -368,7 +368,7 @@ def markdown_table(result: dict) -> str:
             f"| {r['mwms_best_s'] * 1e3:.0f} ({r['mwms_best_hosts']}) | {r['uniform_s'] * 1e3:.0f} "
             f"| {r['dp_same_s'] * 1e3:.0f} | {r['plan_s'] * 1e3:.0f} ({r['plan_method']}) "
             f"| {r['tuned_s'] * 1e3:.0f} ({r['tuned_method']}) | {r['speedup_vs_best_mwms']:.2f}x "
-            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {r['tuned']} | {r['load'][0]:.1f} |")
+            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {r['tuned'].replace('|', chr(92) + '|')} | {r['load'][0]:.1f} |")
     return "\n".join(lines)
 
 
