@@ -14,6 +14,9 @@ same way on the one-GPU mixed-precision fit rows, which are all V100 rows (the F
 every class gets those values for every tensor-core precision, times its tensor scale (the part of its
 FP32 compute scale that tensor cores share: the sustained clock; ``DERIVED``): no other GPU's mixed or
 TF32 row is fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
+MatMuls and convolutions are charged their SM occupancy at each row's per-GPU batch on its class's SM count
+(``tag.cost.occupancy``, as the cost model charges it; nothing in it is fitted), so the efficiencies are
+fractions of peak at full waves of thread blocks.
 
 One-GPU step time is the sum of the cost model's op times (the simulator's single device runs its ops
 back to back), so the compute fit evaluates that sum directly. The collective defaults (bus bandwidth as
