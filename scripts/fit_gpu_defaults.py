@@ -14,6 +14,9 @@ same way on the one-GPU mixed-precision fit rows, which are all V100 rows (the F
 every class gets those values for every tensor-core precision, times its tensor scale (the part of its
 FP32 compute scale that tensor cores share: the sustained clock; ``DERIVED``): no other GPU's mixed or
 TF32 row is fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
+MatMuls and convolutions are charged their SM occupancy at each row's per-GPU batch on its class's SM count
+(``tag.cost.occupancy``, as the cost model charges it; nothing in it is fitted), so the efficiencies are
+fractions of peak at full waves of thread blocks.
 
 One-GPU step time is the sum of the cost model's op times (the simulator's single device runs its ops
 back to back), so the compute fit evaluates that sum directly. The collective defaults (bus bandwidth as
@@ -34,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -57,15 +61,16 @@ CLASS_OF_TYPE = {"P100-SXM2": "P100", "GTX1080Ti": "GTX1080Ti", "RTX2080Ti": "RT
 PRIOR_WEIGHT = 0.3
 NVLINK_CALL = 2e-5        # s per NCCL call (launch + a few protocol steps); the rows barely see it
 
-CLASSES = {   # name: (patterns on tag.cost.gpu_defaults.normalise(name), spec sheet)
-    "V100": ([r"v100"], dict(peak_tflops=15.7, memory_bandwidth_gbs=900)),
-    "A100": ([r"a100", r"a800"], dict(peak_tflops=19.5, memory_bandwidth_gbs=1555)),
-    "H100": ([r"h100", r"h800", r"h200"], dict(peak_tflops=67.0, memory_bandwidth_gbs=3350)),
-    "P100": ([r"p100"], dict(peak_tflops=10.6, memory_bandwidth_gbs=732)),
-    "T4": ([r"^t4(?![0-9]{3})"], dict(peak_tflops=8.1, memory_bandwidth_gbs=320)),
-    "GTX1080Ti": ([r"1080ti"], dict(peak_tflops=11.3, memory_bandwidth_gbs=484)),
-    "RTX2080Ti": ([r"2080ti"], dict(peak_tflops=13.4, memory_bandwidth_gbs=616)),
-    "RTX3090": ([r"3090"], dict(peak_tflops=35.6, memory_bandwidth_gbs=936)),
+CLASSES = {   # name: (patterns on tag.cost.gpu_defaults.normalise(name), spec sheet; sms: streaming
+    # multiprocessors from the architecture whitepapers (Pascal, Volta, Turing, Ampere GA100 / GA102, Hopper))
+    "V100": ([r"v100"], dict(peak_tflops=15.7, memory_bandwidth_gbs=900, sms=80)),
+    "A100": ([r"a100", r"a800"], dict(peak_tflops=19.5, memory_bandwidth_gbs=1555, sms=108)),
+    "H100": ([r"h100", r"h800", r"h200"], dict(peak_tflops=67.0, memory_bandwidth_gbs=3350, sms=132)),
+    "P100": ([r"p100"], dict(peak_tflops=10.6, memory_bandwidth_gbs=732, sms=56)),
+    "T4": ([r"^t4(?![0-9]{3})"], dict(peak_tflops=8.1, memory_bandwidth_gbs=320, sms=40)),
+    "GTX1080Ti": ([r"1080ti"], dict(peak_tflops=11.3, memory_bandwidth_gbs=484, sms=28)),
+    "RTX2080Ti": ([r"2080ti"], dict(peak_tflops=13.4, memory_bandwidth_gbs=616, sms=68)),
+    "RTX3090": ([r"3090"], dict(peak_tflops=35.6, memory_bandwidth_gbs=936, sms=82)),
 }
 #: spec-sheet peaks in TFLOP/s by precision: FP32 (CUDA cores) and dense tensor-core TF32, FP16 with FP32
 #: accumulation, BF16 (NVIDIA's V100, A100, H100 SXM, P100 SXM2, T4 data sheets; the Turing and GA102
@@ -124,10 +129,10 @@ RELATED = {   # GPUs without a class of their own -> nearest class (by architect
 #: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios.
 RELATED_FULL_RATE = {
     "Turing Titan / Quadro (Titan RTX, Quadro RTX 4000-8000)":
-        ([r"titanrtx", r"^rtx[4568]000"], "RTX2080Ti", {"fp32": 16.3, "fp16": 130.5}),
+        ([r"titanrtx", r"^rtx[4568]000"], "RTX2080Ti", {"fp32": 16.3, "fp16": 130.5}, 72),
     "Ampere / Ada professional (RTX A4000-A6000, A10, A40, L4)":
         ([r"^a10(?![0-9g])", r"^a40(?![0-9])", r"^rtxa[456]000", r"^a[456]000", r"^l4(?![0-9])"], "RTX3090",
-         {"fp32": 38.7, "tf32": 77.4, "fp16": 154.8, "bf16": 154.8}),
+         {"fp32": 38.7, "tf32": 77.4, "fp16": 154.8, "bf16": 154.8}, 84),
 }
 COLLECTIVE_NOTES = {
     "NVLINK": "0.8 of the declared NVLink bandwidth: NCCL's protocol overhead is ~20% (NCCL maintainer, "
@@ -146,9 +151,18 @@ TENSOR_PRIOR = {"conv:3x3s1": (0.35, 0.7), "conv:1x1": (0.35, 0.7), "conv:stride
                 "bmm": (0.2, 0.7)}
 
 
-def op_arrays(graph, batch: int, xla: bool = False):
-    """(flops, bytes, parameter index per op, charged mask, fused mask, tensor-core index or -1) at BATCH."""
+def row_sms(row) -> int:
+    """SMs of ROW's GPU (its class's spec sheet), as the cost model charges occupancy with."""
+    from tag.cost.gpu_defaults import normalise
+    key = normalise(bench.SYSTEMS[row["system"]]["type"])
+    return next(spec["sms"] for patterns, spec in CLASSES.values() if any(re.search(p, key) for p in patterns))
+
+
+def op_arrays(graph, batch: int, xla: bool = False, sms: int = 0):
+    """(flops, bytes, parameter index per op, charged mask, fused mask, tensor-core index or -1, occupancy)
+    at BATCH on a GPU of SMS SMs (``tag.cost.occupancy``; 0: none charged)."""
     from tag.cost.model import ZERO_COST_TYPES
+    from tag.cost.occupancy import gemm_extents, occupancy
     from tag.cost.op_classes import op_classes
     from tag.cost.precision import fusion_bytes, op_precisions
     a = graph.arrays()
@@ -162,7 +176,8 @@ def op_arrays(graph, batch: int, xla: bool = False):
         mem, fused = a.mem_bytes(batch), np.zeros(len(graph.ops), dtype=bool)
     tensor = np.array([TENSOR.index(c) if c in TENSOR and p in ("fp16", "bf16") else -1
                        for c, p in zip(cls, op_precisions(graph))], dtype=np.int64)
-    return a.flops(batch), mem, idx, charged, fused, tensor
+    occ = occupancy(gemm_extents(graph), batch, sms)
+    return a.flops(batch), mem, idx, charged, fused, tensor, occ
 
 
 def unpack(x: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
@@ -174,11 +189,12 @@ def unpack(x: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
 
 def step_time(arr, spec, e, mem, launch, scale, tensor_e=None, tensor_peak: float = 0.0) -> float:
     """One-GPU step: the cost model's roofline summed over ops (tensor-core ops at TENSOR_PEAK x TENSOR_E)."""
-    flops, mbytes, idx, charged, fused, tensor = arr
+    flops, mbytes, idx, charged, fused, tensor, occ = arr
     rate = spec["tflops"] * 1e12 * e[idx] * scale
     if tensor_e is not None:
         on_tc = tensor >= 0
         rate = np.where(on_tc, tensor_peak * tensor_e[np.maximum(tensor, 0)], rate)
+    rate = rate * occ
     t = np.maximum(flops / rate, mbytes / (spec["gbs"] * 1e9 * mem)) + np.where(fused, 0.0, launch)
     return float(t[charged].sum())
 
@@ -186,7 +202,8 @@ def step_time(arr, spec, e, mem, launch, scale, tensor_e=None, tensor_peak: floa
 def fit_compute(rows, graphs):
     from scipy.optimize import least_squares
     one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "fp32"]
-    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"]), bench.SYSTEMS[r["system"]])
+    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
+             bench.SYSTEMS[r["system"]])
             for r in one]
     prior = np.log([PRIOR[k][0] for k in SHARED] + [PRIOR["memory_efficiency"][0], PRIOR["launch_overhead_s"][0]]
                    + [1.0] * len(FITTED_GPUS))
@@ -211,7 +228,8 @@ def fit_tensor(rows, graphs, e, mem, launch) -> np.ndarray:
     from scipy.optimize import least_squares
     one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "mixed"]
     assert all(r["gpu"].startswith("V100") for r in one), "mixed fit rows must be V100 rows (held out by GPU type)"
-    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"]), bench.SYSTEMS[r["system"]])
+    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
+             bench.SYSTEMS[r["system"]])
             for r in one]
     prior = np.log([TENSOR_PRIOR[k][0] for k in TENSOR])
     sd = np.array([TENSOR_PRIOR[k][1] for k in TENSOR])
@@ -268,7 +286,8 @@ def write(path: str, classes: dict, collectives: dict, lockstep: float) -> None:
             "source": "scripts/fit_gpu_defaults.py on the fit rows of data/published_throughput.csv",
             "classes": classes,
             "related": {**{n: {"patterns": p, "class": c} for n, (p, c) in RELATED.items()},
-                        **{n: {"patterns": p, "class": c, "peaks": k} for n, (p, c, k) in RELATED_FULL_RATE.items()}},
+                        **{n: {"patterns": p, "class": c, "peaks": k, "sms": m}
+                           for n, (p, c, k, m) in RELATED_FULL_RATE.items()}},
             "collectives": collectives}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)

@@ -19,6 +19,10 @@ Each class holds:
   its ``tensor_scale``, the clock part of its FP32 compute scale).
 - ``memory_efficiency``: the fraction of the spec-sheet memory bandwidth that memory-bound kernels reach.
 - ``launch_overhead_s``: fixed cost per kernel (TensorFlow executor and launch).
+- ``spec``: the class's own spec sheet, with ``sms``, its streaming multiprocessors (architecture
+  whitepapers), by which the cost model charges GEMM-like ops their occupancy (``tag.cost.occupancy``). A
+  related GPU has its reference card's (a related family's ``sms``) or its class's count, times its FP32
+  peak over that card's (``Resolution.sm_count``).
 - ``basis``: how the class was calibrated (fitted on which GPU's rows, or derived from which class).
 
 Synchronous data parallelism runs each step at the pace of the slowest replica (per-step jitter,
@@ -81,7 +85,7 @@ class GpuClass:
     efficiency: dict[str, float]
     memory_efficiency: float
     launch_overhead_s: float
-    spec: dict[str, float] = field(default_factory=dict)    # the class's own spec sheet (for reference)
+    spec: dict[str, float] = field(default_factory=dict)    # the class's own spec sheet (``sms``: its SMs)
     basis: str = ""
     #: the class's spec-sheet peaks in TFLOP/s by precision ("fp32", "tf32", "fp16", "bf16"; dense tensor cores)
     peaks: dict[str, float] = field(default_factory=dict)
@@ -111,6 +115,21 @@ class Resolution:
     via: str
     #: the related family's own spec-sheet peaks by precision (empty: the class's ratios hold)
     peaks: dict[str, float] = field(default_factory=dict)
+    #: SMs of the related family's reference card (the one whose FP32 peak is ``peaks["fp32"]``; 0: none)
+    reference_sms: float = 0.0
+
+    def sm_count(self, fp32_peak_flops: float) -> int:
+        """Streaming multiprocessors of a device of this resolution with FP32_PEAK_FLOPS (0: unknown). The
+        class's own GPU has its spec sheet's count; a related GPU the reference card's (or the class's)
+        count scaled by its FP32 peak (SMs x clock; the clock assumed the reference's)."""
+        own = self.cls.spec.get("sms", 0.0)
+        if self.exact or own <= 0 and self.reference_sms <= 0:
+            return int(own)
+        ref_sms, ref_peak = ((self.reference_sms, self.peaks.get("fp32", 0.0)) if self.reference_sms > 0
+                             else (own, self.cls.spec.get("peak_tflops", 0.0)))
+        if ref_peak <= 0 or fp32_peak_flops <= 0:
+            return int(ref_sms)
+        return max(1, int(round(ref_sms * fp32_peak_flops / (ref_peak * 1e12))))
 
     def peak_ratio(self, precision: str) -> float | None:
         """PRECISION's peak over the FP32 peak: the related family's spec sheet where it has one, else the
@@ -131,8 +150,8 @@ class GpuProfiles:
     """Everything in the shipped data file."""
 
     classes: dict[str, GpuClass]
-    #: (name, patterns, class name, the family's own spec-sheet peaks or {})
-    related: tuple[tuple[str, tuple[str, ...], str, dict[str, float]], ...]
+    #: (name, patterns, class name, the family's own spec-sheet peaks or {}, its reference card's SMs or 0)
+    related: tuple[tuple[str, tuple[str, ...], str, dict[str, float], float], ...]
     collectives: dict[str, CollectiveDefaults]
     source: str = ""
     precision: str = "fp32"
@@ -150,9 +169,9 @@ class GpuProfiles:
         for cls in self.classes.values():
             if any(re.search(p, key) for p in cls.patterns):
                 return Resolution(cls, True, cls.name)
-        for name, patterns, cls_name, peaks in self.related:
+        for name, patterns, cls_name, peaks, sms in self.related:
             if any(re.search(p, key) for p in patterns):
-                return Resolution(self.classes[cls_name], False, name, dict(peaks))
+                return Resolution(self.classes[cls_name], False, name, dict(peaks), sms)
         return None
 
 
@@ -217,7 +236,10 @@ def _parse(data: object, where: str) -> GpuProfiles:
         peaks = {str(k): num(v, f"related.{name}.peaks.{k}", hi=1e6) for k, v in (r.get("peaks") or {}).items()}
         if peaks and "fp32" not in peaks:
             raise bad(f"related.{name}.peaks needs an 'fp32' entry")
-        related.append((str(name), tuple(str(p) for p in r["patterns"]), str(r["class"]), peaks))
+        sms = num(r["sms"], f"related.{name}.sms", hi=1e4) if "sms" in r else 0.0
+        if sms and "fp32" not in peaks:
+            raise bad(f"related.{name}.sms needs the reference card's 'peaks' (with 'fp32')")
+        related.append((str(name), tuple(str(p) for p in r["patterns"]), str(r["class"]), peaks, sms))
     colls = {}
     for kind in COLLECTIVE_KINDS:
         c = (data.get("collectives") or {}).get(kind)

@@ -14,6 +14,9 @@ efficiency stays <= 1. MatMuls and convolutions use the peak of the precision th
 in their variables' dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients
 instead, for runtimes that cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer``
 with ``--use_fp16``, Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
+On a GPU served by a shipped class, a MatMul's or convolution's compute time is divided by its SM
+occupancy (``tag.cost.occupancy``: how full its waves of thread-block tiles are at the op's batch on the
+device's SM count), so small per-device batches and GPUs with many SMs cost what they leave idle.
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -61,6 +64,7 @@ from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
 from tag.cost.op_classes import FAMILIES, cpu_fused_bias_adds, op_classes, op_family
+from tag.cost.occupancy import GemmExtents, gemm_extents, occupancy
 from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, gradient_bytes_factor, op_precisions
 
 PROFILE_VERSION = 1
@@ -324,6 +328,9 @@ class DeviceRates:
     tensor_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
     #: roofline-time multiplier per op family (``DeviceProfile.family_scale``); absent families are 1
     family_scale: dict[str, float] = field(default_factory=dict)
+    #: streaming multiprocessors (shipped GPU classes): GEMM-like ops are charged their occupancy
+    #: (``tag.cost.occupancy``); 0: efficiencies apply as they are
+    sms: int = 0
 
     def efficiency_of(self, op_type: str) -> float:
         return self.efficiency.get(op_type, self.efficiency.get("default", 0.25))
@@ -399,6 +406,11 @@ class CostModel:
 
     # ---------------------------------------------------------------- compute
     @functools.cached_property
+    def gemm_extents(self) -> GemmExtents:
+        """The graph's MatMul / convolution GEMM extents, for devices charged their occupancy."""
+        return gemm_extents(self.graph)
+
+    @functools.cached_property
     def matmul_dims(self) -> MatmulDims:
         """The graph's MatMul shapes, for devices whose profile has a MatMul table."""
         return matmul_dims(self.graph)
@@ -426,7 +438,8 @@ class CostModel:
             lockstep = 1.0 + gpu_profiles().lockstep_per_doubling * math.log2(n) if n > 1 else 1.0
             r = DeviceRates(float(peak), float(bw) * gpu.cls.memory_efficiency, gpu.cls.launch_overhead_s,
                             dict(gpu.cls.efficiency), lockstep, peaks=self._peaks(g),
-                            tensor_efficiency={k: dict(v) for k, v in gpu.cls.tensor_efficiency.items()})
+                            tensor_efficiency={k: dict(v) for k, v in gpu.cls.tensor_efficiency.items()},
+                            sms=gpu.sm_count(g.peak_flops))
             self._rates[device_group] = r
             return r
         if entry is not None:
@@ -492,7 +505,10 @@ class CostModel:
         r = self.rates(device_group)
         flops = a.flops_fixed + a.flops_per_example * batch
         mem = self._mem_fixed + self._mem_per_example * batch
-        t = np.maximum(flops * self._inv_compute_rate(device_group), mem / r.memory_bandwidth)
+        compute = flops * self._inv_compute_rate(device_group)
+        if r.sms > 0:
+            compute = compute / occupancy(self.gemm_extents, batch, r.sms)
+        t = np.maximum(compute, mem / r.memory_bandwidth)
         if r.matmul_table is not None and len(self.matmul_dims.ops):
             mm = self.matmul_dims
             eff = r.matmul_table.lookup(mm.variant, *mm.at(batch))
