@@ -244,20 +244,17 @@ class MemoryModel:
 def sparse_gradient_bytes(graph: TrainingGraph, variable) -> float:
     """Bytes per example of trainable VARIABLE's gradient when it is sparse (its gradient tensor grows with
     the batch: the rows of an ``IndexedSlices``), plus their int32 indices; 0.0 for a dense gradient."""
-    if not variable.gradient:
+    op_name, _, index = (variable.gradient or "").lstrip("^").partition(":")
+    i = graph.op_index.get(op_name)
+    outputs = graph.ops[i].outputs if i is not None else []
+    k = int(index or 0)
+    if k >= len(outputs) or not variable.shape or variable.shape[0] <= 0 or variable.nbytes <= 0:
         return 0.0
-    name = variable.gradient.lstrip("^")
-    op = graph.ops[graph.op_index[name.rsplit(":", 1)[0]]] if name.rsplit(":", 1)[0] in graph.op_index else None
-    if op is None:
+    per_example = float(outputs[k].nbytes.per_example)
+    if per_example <= 0:
         return 0.0
-    index = int(name.rsplit(":", 1)[1]) if ":" in name else 0
-    if index >= len(op.outputs):
-        return 0.0
-    per_example = float(op.outputs[index].nbytes.per_example)
-    if per_example <= 0 or not variable.shape or variable.shape[0] <= 0:
-        return 0.0
-    row_bytes = variable.nbytes / variable.shape[0]
-    return per_example + (per_example / row_bytes) * 4.0 if row_bytes > 0 else per_example
+    rows_per_example = per_example / (variable.nbytes / variable.shape[0])
+    return per_example + 4.0 * rows_per_example
 
 
 def sparse_factor(mode: str, replicas: int) -> float:
