@@ -252,8 +252,8 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     finally:
         tb.stop_workers()
     best_k = min(mwms, key=mwms.get)
-    times["dp_same"] = times["dp_all"] if best_k == n_hosts else times[f"dp{best_k}"]
-    strategies["dp_same"] = strategies["dp_all"] if best_k == n_hosts else strategies[f"dp{best_k}"]
+    same = "dp_all" if best_k == n_hosts else f"dp{best_k}"
+    times["dp_same"], strategies["dp_same"] = times[same], strategies[same]
     uniform_set = uniform_keys(an)
     # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
     is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
@@ -361,6 +361,7 @@ def markdown_table(result: dict) -> str:
             "| vs best MWMS | vs MWMS all | mixed / uniform | the tuned plan runs | load |\n" + "|---" * 13 + "|")
     lines = [head]
     for r in result["rows"]:
+        tuned = r["tuned"].replace("|", "\\|")      # a pipeline's stages are listed with "|"
         mixed = "" if r["mixed_over_uniform"] is None else f"{r['mixed_over_uniform']:.2f}" + \
             (" (win)" if r["mixed_win"] else "")
         lines.append(
@@ -368,7 +369,7 @@ def markdown_table(result: dict) -> str:
             f"| {r['mwms_best_s'] * 1e3:.0f} ({r['mwms_best_hosts']}) | {r['uniform_s'] * 1e3:.0f} "
             f"| {r['dp_same_s'] * 1e3:.0f} | {r['plan_s'] * 1e3:.0f} ({r['plan_method']}) "
             f"| {r['tuned_s'] * 1e3:.0f} ({r['tuned_method']}) | {r['speedup_vs_best_mwms']:.2f}x "
-            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {r['tuned'].replace('|', chr(92) + '|')} | {r['load'][0]:.1f} |")
+            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {tuned} | {r['load'][0]:.1f} |")
     return "\n".join(lines)
 
 

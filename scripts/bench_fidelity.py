@@ -138,14 +138,22 @@ def group_cases(analysis, budget_s: float, randoms: int, seed: int):
         print(f"  (the plan is the built-in {plan.method})", flush=True)
     else:
         cases.append((f"plan:{plan.method}", plan.strategy, plan, plan.predicted_step_time))
+    for name, s, predicted in random_mixes(analysis, randoms, seed):
+        cases.append((name, s, analysis.rewrite(s), predicted))
+    return cases, plan
+
+
+def random_mixes(analysis, randoms: int, seed: int) -> list[tuple]:
+    """(name, strategy, predicted seconds) of RANDOMS random mixed strategies (one random candidate per op
+    group), the same for the same SEED."""
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
-                    batch_size=batch)
+                    batch_size=analysis.batch)
     rng = np.random.default_rng(seed)
+    out = []
     for k in range(randoms):
         choice = random_choice(env, rng)
-        s = env.strategy(choice, name=f"random{k}")
-        cases.append((f"random{k}", s, analysis.rewrite(s), env.evaluate(choice).step_time))
-    return cases, plan
+        out.append((f"random{k}", env.strategy(choice, name=f"random{k}"), env.evaluate(choice).step_time))
+    return out
 
 
 def measure_group(tb, config: str, label: str, source: str, batch: int, held: bool, profile, args):

@@ -24,15 +24,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
 
 from _fidelity_figures import case_class, split_heldout, summary  # noqa: E402
+from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
 from _testbed_cases import calibration_graph  # noqa: E402
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.random_search import random_choice  # noqa: E402
 from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
 
 
@@ -46,11 +44,7 @@ def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str,
     analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
     sim = analysis.simulator()
     out = {n: sim.evaluate(analysis.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
-    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
-                    batch_size=batch)
-    rng = np.random.default_rng(seed)        # bench_fidelity's sequence: the same strategies
-    for k in range(randoms):
-        out[f"random{k}"] = env.evaluate(random_choice(env, rng)).step_time
+    out.update((name, predicted) for name, _, predicted in random_mixes(analysis, randoms, seed))
     return out
 
 
@@ -61,7 +55,6 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the run's --seed (default 0, bench_fidelity's)")
     p.add_argument("--json", help="write the figures and rows here")
     args = p.parse_args(argv)
-    from bench_fidelity import MODELS, git_commit
     with open(args.run) as f:
         run = json.load(f)
     prefix = args.run[:-len(".json")] if args.run.endswith(".json") else args.run

@@ -173,14 +173,15 @@ class MemoryModel:
         self.partition_vars = [(np.array([p[0] for p in pv], dtype=np.int64), np.array([p[1] for p in pv]))
                                for pv in partition_vars]
 
-    def collective_bytes(self, weights: np.ndarray, factor: np.ndarray, batch: int) -> np.ndarray:
-        """Per op group, the bytes its all-reduce or ps transfer is charged for: WEIGHTS (its trainable
-        bytes, or what SFB leaves of them) with every sparse weight's table replaced by BATCH's gradient
-        rows times FACTOR (per group, ``sparse_factor`` of its action). Unchanged without sparse weights."""
+    def collective_bytes(self, weights, factor, batch: int, groups=slice(None)):
+        """Per op group of GROUPS (default all; an int gives one), the bytes its all-reduce or ps transfer is
+        charged for: WEIGHTS (its trainable bytes, or what SFB leaves of them) with every sparse weight's
+        table replaced by BATCH's gradient rows times FACTOR (``sparse_factor`` of its action). Unchanged
+        without sparse weights."""
         if not self.has_sparse:
             return weights
-        return np.asarray(weights, dtype=np.float64) - self.sparse_weight_bytes + \
-            self.sparse_row_bytes * float(batch) * factor
+        return np.asarray(weights, dtype=np.float64) - self.sparse_weight_bytes[groups] + \
+            self.sparse_row_bytes[groups] * float(batch) * factor
 
     def static_memory(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict],
                       devices_of: Callable[[tuple[int, ...]], list[int]], num_devices: int) -> np.ndarray:
