@@ -136,7 +136,9 @@ RELATED = {   # GPUs without a class of their own -> nearest class (by architect
 #: FP16 / BF16 and 77.4 TF32), the same 2x / 4x on the A40 (37.4 / 74.8 / 149.7), A10 (31.2 / 62.5 / 125),
 #: RTX A4000 and A5000 and L4 (30.3; 120 TF32 and 242 FP16 with sparsity) data sheets. The GeForce classes
 #: run 4x (Turing) and 1x / 2x (GA102) by the whitepapers' FP32-accumulate columns; the L40 (90.5 / 90.5 /
-#: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios.
+#: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios, and so with the GeForce
+#: half-rate rule of FULL_RATE_PEAKS (for the L40, whose data sheet does not split the accumulation rates, an
+#: assumption).
 RELATED_FULL_RATE = {
     "Turing Titan / Quadro (Titan RTX, Quadro RTX 4000-8000)":
         ([r"titanrtx", r"^rtx[4568]000"], "RTX2080Ti", {"fp32": 16.3, "fp16": 130.5}, 72),
