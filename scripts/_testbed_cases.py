@@ -85,6 +85,33 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     return float(np.median(r.step_times[warmup:]))
 
 
+INTERLEAVED_ROUNDS = 3     # rounds of measure_interleaved
+
+
+def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEAVED_ROUNDS) -> dict:
+    """{key: median step} of every CASES value (key -> (runnable, predicted seconds); runnable a ``tag.rewrite``
+    result or a Plan) on the running testbed TB, timed side by side: ROUNDS rounds that run every case in turn
+    (the order reversed every other round), each case's timed steps (as many as ``measure_on_testbed`` takes,
+    5-40) spread over the rounds, 2-3 warm-up steps before its first round and 1 before each later one (a new
+    session's first step). Why: on this shared machine one program timed a few minutes apart measured 58 and
+    50 ms (bench_fidelity run 5, B/cnn), more than the gaps between the cases being ranked; interleaving puts
+    the drift on every case alike."""
+    import numpy as np
+    from tag.backend.runtime import run_steps
+    samples: dict = {k: [] for k in cases}
+    keys = list(cases)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            runnable, predicted_s = cases[k]
+            timed = max(int(np.clip(round(budget_s / max(predicted_s, 1e-3)), 5, 40)), rounds)
+            share = timed // rounds + (1 if r < timed % rounds else 0)
+            warmup = (2 if predicted_s > 1.0 else 3) if r == 0 else 1
+            res = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
+                            init=runnable.init, steps=warmup + share, warmup=warmup, synthetic=True)
+            samples[k] += list(res.step_times[warmup:])
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
 def levelled(entry, scales: dict, overhead_s: float):
     """ENTRY (a DeviceProfile) with each family's scale multiplied by SCALES[family] and OVERHEAD_S added to its
     launch overhead: a runtime_levels fit applied."""

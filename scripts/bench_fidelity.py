@@ -19,7 +19,8 @@ calibration models (which share no layer width with the cases) inside each quota
 runtime's network costs (``profile_network``); each configuration's device speeds are then set to the speed
 the same calibration models run at on its hosts through tag's runtime (``runtime_levels``). The measurement:
 the strategy rewritten by ``tag.rewrite`` and run on TF servers inside the namespaces, one one-thread worker
-per host; the median of at least 5 steps after warm-up.
+per host; the median of at least 5 steps after warm-up. A group's cases are timed side by side, in
+interleaved rounds (``measure_interleaved``), and a program two cases share is measured once.
 
 The held-out part (the recipe's ``"heldout"``: configuration H and two models, never used to choose or tune
 anything): every case on a held-out configuration or of a held-out model is reported apart, under the JSON
@@ -65,8 +66,8 @@ import numpy as np  # noqa: E402
 
 from _fidelity_figures import (HELDOUT_GAP, TARGETS, case_class, check_targets, class_table, split_heldout,  # noqa: E402
                                summary, targets_text, worst_of)
-from _testbed_cases import (calibrate_testbed, calibration_graph, heldout, load_recipe, measure_on_testbed,  # noqa: E402
-                            runtime_levels, testbed_topology)
+from _testbed_cases import (calibrate_testbed, calibration_graph, heldout, load_recipe, measure_interleaved,  # noqa: E402
+                            measure_on_testbed, runtime_levels, testbed_topology)
 from tag.api import prepare, search_plan  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
@@ -175,9 +176,15 @@ def measure_group(tb, config: str, label: str, source: str, batch: int, held: bo
         return row
 
     cases, plan = group_cases(analysis, args.budget, args.randoms, args.seed)
+    # every distinct program once, all of them side by side in interleaved rounds
+    programs = {}
     for name, strategy, runnable, predicted in cases:
-        row = record(name, predicted, measure_on_testbed(tb, runnable, predicted, args.case_seconds))
-        ids.setdefault(program_id(strategy, analysis.topology), row)
+        programs.setdefault(program_id(strategy, analysis.topology), (runnable, predicted))
+    measured = measure_interleaved(tb, programs, args.case_seconds)
+    for name, strategy, runnable, predicted in cases:
+        key = program_id(strategy, analysis.topology)
+        row = record(name, predicted, measured[key])
+        ids.setdefault(key, row)
     extras = {"search_seconds": float(plan.report().get("search_seconds", 0.0))}
     tuned = None
     if args.tune_k:

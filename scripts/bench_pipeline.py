@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import numpy as np  # noqa: E402
 
-from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_on_testbed, runtime_levels, \
+from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_interleaved, runtime_levels, \
     testbed_topology  # noqa: E402
 from bench_e2e import geomean, run_mwms  # noqa: E402
 from tag.api import prepare  # noqa: E402
@@ -228,9 +228,10 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     try:
         pipe_res = an.rewrite(pipe)
         diff, grad_diff, zero_grad = weight_diff(an, pipe_res, tb.target)
-        pipe_s = measure_on_testbed(tb, pipe_res, pipe_pred, budget)
-        uni_s = measure_on_testbed(tb, an.rewrite(uniform), uni_pred, budget)
-        hand_s = measure_on_testbed(tb, an.rewrite(hand), hand_pred, budget)
+        # side by side, in interleaved rounds
+        timed = measure_interleaved(tb, {"pipe": (pipe_res, pipe_pred), "uniform": (an.rewrite(uniform), uni_pred),
+                                         "hand": (an.rewrite(hand), hand_pred)}, budget)
+        pipe_s, uni_s, hand_s = timed["pipe"], timed["uniform"], timed["hand"]
     finally:
         tb.stop_workers()
     mwms, skipped = {}, {}

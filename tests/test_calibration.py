@@ -249,6 +249,29 @@ def test_profile_network_measures_the_runtime_between_two_workers():
     assert 1e6 < net.transfer_bytes_per_s < 1e12
 
 
+@pytest.mark.slow
+def test_network_chain_crosses_tasks_at_every_hop():
+    """The chain that measures the transfer latency really moves its tensor at every hop: Grappler fused a
+    chain of unary ops onto one device, so a remote chain ran as fast as a local one. With 4 MB at each of 8
+    hops the remote chain is several times slower than the same chain on one task."""
+    import numpy as np
+    from tag.backend.runtime import LocalCluster, free_ports, run_steps
+    from tag.cluster.topology import parse_topology
+    from tag.cost.calibration import _chain_graph
+    text = "\n".join(f'host {{ name: "c{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
+                     f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
+                     for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
+    topo = parse_topology(text, path="<chain>")
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
+        near, far = topo.tf_device(0), topo.tf_device(1)
+
+        def median(devices) -> float:
+            r = run_steps(_chain_graph(4 << 20, devices, 8), cluster.target, train_op="step", loss=None,
+                          init="init", steps=8, warmup=2)
+            return float(np.median(r.step_times[2:]))
+        assert median((near, far)) > 3 * median((near, near))
+
+
 def test_sustained_step_is_recorded_and_round_trips(mlp, tmp_path):
     gd, tg = mlp
     prof = profile_graph(gd, tg, steps=2, model=MLP_SPEC, sustain_s=0.3)

@@ -254,6 +254,23 @@ def test_nics_are_full_duplex_and_a_receiver_is_shared():
     assert routing.resource_names[2 * 3 + 0].endswith("receive")
 
 
+def test_parameter_server_pull_and_push_each_hold_one_direction():
+    """Two groups on two hosts, each with its PS on the other host: one group's pull (PS send side, worker
+    receive side) and the other's (the reverse) share no NIC side, so they run at once, as the pushes do."""
+    tg = mlp_graph(batch=4, widths=(5000, 5000, 5000))      # two kernels of 1e8 bytes
+    topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-5)
+    grouping = Grouping(np.array([0 if "dense_0" in op.name else 1 for op in tg.ops], dtype=np.int64), ["a", "b"])
+    one_way = 1e-5 + 1e8 / 1e9                  # one pull or push of a kernel over the 1 GB/s NIC
+    crossed = Strategy(grouping, [Action((0, 1), "ps", ps_device=1), Action((0, 1), "ps", ps_device=0)])
+    same = Strategy(grouping, [Action((0, 1), "ps", ps_device=0)] * 2)
+    for kernel in ("python", "compiled"):
+        sim = Simulator(tg, topo, grouping, CostModel(tg, topo, FREE), kernel=kernel)
+        # the pulls overlap and so do the pushes: two one-way times, where holding both directions took four
+        assert sim.evaluate(crossed).step_time == pytest.approx(2 * one_way, rel=1e-3)
+        # both PS on one host: the pulls share its send side, the pushes its receive side
+        assert sim.evaluate(same).step_time == pytest.approx(4 * one_way, rel=1e-3)
+
+
 def test_transfers_hold_the_link_for_their_bytes_and_overlap_their_latencies():
     """Two transfers issued at once on one route: the second waits only for the first one's bytes to leave
     the wire, not for its latency (1 ms here), so it arrives one transfer time after the first."""

@@ -81,6 +81,10 @@ _NAME_RE = re.compile(rf"^{PREFIX}(\d+)t(\d+)(?:h\d+|br|r\d+)?$")
 _LOCK_PATH = os.path.join(tempfile.gettempdir(), "tag-testbed.lock")
 
 
+#: the depth of each HTB class's token bucket, in seconds at its ceiling rate (``Testbed._htb_class``)
+BURST_S = 0.0002
+
+
 class TestbedError(TagError):
     """The testbed cannot be built here (not root, no iproute2, no namespaces) or a step failed."""
 
@@ -432,7 +436,11 @@ class Testbed:
     def _htb_class(tc: list[str], parent: str, classid: str, rate: float, ceil: float, dev: str = "eth0") -> None:
         bits, cbits = (max(8_000, int(round(r * 8))) for r in (rate, ceil))
         quantum = int(min(max(rate / 100, 1514), 200_000))
-        burst = int(max(ceil * 0.002, 15_140))  # 2 ms worth at the ceiling, at least 10 frames
+        # 0.2 ms worth at the ceiling, at least two frames. A real link sends at its rate; HTB's token bucket lets
+        # a burst leave at the veth's speed after an idle gap, and a 2 ms bucket made a lone 256 KB tensor over
+        # 0.3 Gbit/s take 5.1 ms against 7.0 ms on the wire, and random mixed plans run 6-7% faster than with
+        # 0.2 ms (scripts/bench_transfers.py; the rate itself held at 0.185-1 Gbit/s with 0.2 ms)
+        burst = int(max(ceil * BURST_S, 3028))
         _run(tc + ["class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
                    "rate", f"{bits}bit", "ceil", f"{cbits}bit", "burst", str(burst),
                    "cburst", str(burst), "quantum", str(quantum)])

@@ -465,15 +465,46 @@ def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.
 PER_TENSOR_PROBE = 64
 
 
+def _chain_graph(nbytes: int, devices: Sequence[str], hops: int) -> "v1.GraphDef":
+    """A step of HOPS dependent additions on a tensor of NBYTES, the k-th on DEVICES[k % len(DEVICES)]: with two
+    devices on two tasks, each addition waits for the tensor to arrive from the other task."""
+    g = tf.Graph()
+    with g.as_default():
+        with tf.device(devices[0]):
+            payload = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name="payload")
+            x = payload.read_value()
+        factors = []
+        for k in range(hops):
+            with tf.device(devices[(k + 1) % len(devices)]):
+                # times a variable of this device: Grappler fuses chains of unary ops (one device) and folds
+                # chains of constants, so neither would cross
+                factors.append(tf.Variable(1.0, name=f"factor_{k}"))
+                x = x * factors[-1].read_value()
+        with tf.device(devices[0]):
+            sink = tf.Variable(0.0, name="sink")      # used: see _read_graph
+            tf.group(sink.assign_add(tf.reduce_sum(x)), name="step")
+        v1.variables_initializer([payload, sink, *factors], name="init")
+    return g.as_graph_def()
+
+
+#: dependent transfers in measure_network's chain (its per-hop cost is the transfer latency)
+CHAIN_HOPS = 32
+CHAIN_BYTES = 1 << 10
+
+
 def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
                     steps: int = 12) -> "NetworkProfile":
     """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
 
     NEAR and FAR are device strings of two tasks. Transfers: for each size, a variable on FAR (remote)
-    or on NEAR (local) is read and summed on NEAR; the remote-minus-local step time is the transfer,
-    fitted as ``latency + bytes / rate``. Collectives: a ring all-reduce (CollectiveReduceV2) of each
-    size between the two tasks, minus the same step without it, fitted likewise (for two devices a ring
-    all-reduce moves the full size each way). The step overhead is the local step of the smallest size.
+    or on NEAR (local) is read and summed on NEAR; the remote-minus-local step time is the transfer, whose
+    rate is the slope of ``latency + bytes / rate`` over the sizes. The latency is what one transfer that
+    the next op waits for costs: a chain of CHAIN_HOPS additions on a 1 KB tensor alternating between the
+    two tasks, minus the same chain on NEAR, per hop. (The intercept of the sizes' line is no such figure:
+    a lone read overlaps the step's other work, and the intercept fitted on 64 KB-16 MB came out 0.9-1.3
+    ms where a dependent hop cost about 0.3 ms on the testbed, ``scripts/bench_transfers.py``'s waves.)
+    Collectives: a ring all-reduce (CollectiveReduceV2) of each size between the two tasks, minus the same
+    step without it, fitted as a line (for two devices a ring all-reduce moves the full size each way). The step overhead is the local step of the smallest size.
     """
     from tag.cost.model import NetworkProfile
     from tag.backend.runtime import run_steps
@@ -487,8 +518,11 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     remote = np.array([step_time(_read_graph(int(n), near, far)) for n in sizes])
     apart = np.array([step_time(_collective_graph(int(n), (near, far), reduce=False)) for n in sizes])
     reduced = np.array([step_time(_collective_graph(int(n), (near, far), reduce=True)) for n in sizes])
-    t_lat, t_rate = fit_line(sizes, remote - local)
+    _, t_rate = fit_line(sizes, remote - local)
     c_lat, c_rate = fit_line(sizes, reduced - apart)
+    hops = (step_time(_chain_graph(CHAIN_BYTES, (near, far), CHAIN_HOPS))
+            - step_time(_chain_graph(CHAIN_BYTES, (near, near), CHAIN_HOPS))) / CHAIN_HOPS
+    t_lat = max(hops - CHAIN_BYTES / t_rate, 0.0)
     # many small tensors in one step against one tensor of their total size: what each extra tensor costs
     many = PER_TENSOR_PROBE
     small = max(4, int(sizes[0]) // many)

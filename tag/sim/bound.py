@@ -202,7 +202,8 @@ class StepBound:
                 c = sim.routing.collective("ps", devs, a.placement, ps)
                 if c[5] > 0:
                     collective_s = pull_s = c[0] + c[1] * W_coll
-                    resources[list(c[4])] += 2 * collective_s
+                    resources[list(c[4])] += collective_s       # the pull
+                    resources[list(c[7])] += collective_s       # the push (the other direction of each NIC)
         else:
             static[devs] += 2 * W + slot_b + state_b
             if W_coll > 0 and len(devs) > 1 and not sfb:

@@ -85,7 +85,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
               g_after, w_bytes, w_count, slot_bytes, state_bytes,
               live_src, live_last, live_pe, live_fx, work_fx, work_pe, device_memory, per_tensor, NR,
-              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res, a_place,
+              a_mode, a_ps, a_dev_start, a_dev, a_ckind, a_c, a_res_start, a_res, a_pres_start, a_pres, a_place,
               l_start, i_lane, i_batch, i_row, dur, i_seconds, l_split, l_int_start, int_lane, int_f,
               pair_keys, pair_vals, m_dep_start, d_dl, d_sl, m_rt_start, r_lane, r_f):
     """One step (compiled by ``compiled_simulate``; arguments as ``KernelState.run`` passes them): flows between
@@ -496,12 +496,12 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                     for q in range(dep_start[h], dep_start[h + 1]):
                         if task_finish[dep_task[q]] > st:
                             st = task_finish[dep_task[q]]
-                for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                    if resource_free[a_res[q]] > st:
-                        st = resource_free[a_res[q]]
+                for q in range(a_pres_start[ai], a_pres_start[ai + 1]):
+                    if resource_free[a_pres[q]] > st:
+                        st = resource_free[a_pres[q]]
                 end = st + coll_dur[g]
-                for q in range(a_res_start[ai], a_res_start[ai + 1]):
-                    resource_free[a_res[q]] = end
+                for q in range(a_pres_start[ai], a_pres_start[ai + 1]):
+                    resource_free[a_pres[q]] = end
                 comm += coll_bytes[g]
                 if end > collective_end[g]:
                     collective_end[g] = end

@@ -172,6 +172,9 @@ class KernelState:
         self.a_dev_start.extend([0])
         self.a_res_start.extend([0])
         self.a_dev, self.a_res = _Rows(np.int64), _Rows(np.int64)
+        # resources of the collective after the backward pass (a ps push: the other direction of the pull's)
+        self.a_pres_start, self.a_pres = _Rows(np.int64), _Rows(np.int64)
+        self.a_pres_start.extend([0])
         self.a_place = _Rows(np.int64)                     # dense index -> its placement's dense index
         self.place_index: dict = {}                        # placement -> dense index (fusion buckets)
 
@@ -203,6 +206,8 @@ class KernelState:
         self.a_dev_start.extend([self.a_dev.size])
         self.a_res.extend(list(c[4]) if c else [])
         self.a_res_start.extend([self.a_res.size])
+        self.a_pres.extend(list(c[7]) if c else [])
+        self.a_pres_start.extend([self.a_pres.size])
         self.a_place.extend([self.place_index.setdefault(a.placement, len(self.place_index))])
         self.action_index[a] = i
         return i
@@ -319,7 +324,8 @@ class KernelState:
                 self.state_bytes, self.live_src, self.live_last, self.live_pe, self.live_fx, self.work_fx,
                 self.work_pe, self.device_memory, self.per_tensor, self.num_resources,
                 self.a_mode.buf, self.a_ps.buf, self.a_dev_start.buf, self.a_dev.buf, self.a_ckind.buf,
-                self.a_c.buf, self.a_res_start.buf, self.a_res.buf, self.a_place.buf,
+                self.a_c.buf, self.a_res_start.buf, self.a_res.buf, self.a_pres_start.buf, self.a_pres.buf,
+                self.a_place.buf,
                 self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
                 self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
                 self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,

@@ -23,7 +23,7 @@ Example::
     routing.route(0, 9)                          # ((NIC of host 0, NIC of host 1), latency, s/byte)
     placement = tuple(range(len(topo.groups)))
     devices = [d for g in placement for d in topo.groups[g].devices]
-    routing.collective("allreduce", devices, placement, None)   # (ring a, b, ring a, b, resources, x)
+    routing.collective("allreduce", devices, placement, None)   # (ring a, b, ring a, b, resources, x, 0, resources)
 """
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ class Routing:
 
     def collective(self, kind: str, devices: list[int], placement: tuple[int, ...], ps_device: int | None) -> tuple:
         """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier, workers on other hosts
-        than the parameter server (ps only; else 0)) of a collective of
+        than the parameter server (ps only; else 0), resources after the backward pass) of a collective of
         KIND ("allreduce", "allgather" or "ps") over DEVICES (those of PLACEMENT), cached by placement.
 
         All-reduce and all-gather are charged as the rewriter deploys them: one flat TF collective
@@ -245,19 +245,23 @@ class Routing:
             # a ring across hosts sends and receives on every host's NIC
             res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
                                ([r for h in by_host for r in (H + h, 2 * H + h)] if len(by_host) > 1 else [])))
-            c = (a1, b1, a1, b1, res, wire, 0)
+            c = (a1, b1, a1, b1, res, wire, 0, res)
         else:
             workers = [d for d in devices if d != ps_device]
             a, b = self.cost.ps_coeffs(devices, ps_device)
             ph = self._device_host[ps_device]
-            rs = set()
+            # NICs are full duplex: the pull holds the PS host's send side and the workers' receive sides,
+            # the push the other way round, so one group's push and another's pull can overlap
+            pull, push = set(), set()
             for w in workers:
                 wh = self._device_host[w]
                 if wh == ph:
-                    rs.add(ph)
+                    pull.add(ph)
+                    push.add(ph)
                 else:
-                    rs.update((H + ph, 2 * H + ph, H + wh, 2 * H + wh))   # push and pull, both ways
+                    pull.update((H + ph, 2 * H + wh))
+                    push.update((H + wh, 2 * H + ph))
             remote = sum(1 for w in workers if self._device_host[w] != ph)
-            c = (a, b, a, b, tuple(sorted(rs)), float(len(workers)), remote)
+            c = (a, b, a, b, tuple(sorted(pull)), float(len(workers)), remote, tuple(sorted(push)))
         self._collectives[k] = c
         return c

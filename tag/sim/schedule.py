@@ -197,13 +197,13 @@ class StepSchedule:
                     if bucket[0] == g:       # the bucket's collective, filed under its first group
                         W = sum(weight_bytes[h] for h in bucket)
                         post.setdefault(max(coll_after[h] for h in bucket), []).append((
-                            g, c[4], min(c[0] + c[1] * W, c[2] + c[3] * W), c[5] * W,
+                            g, c[7], min(c[0] + c[1] * W, c[2] + c[3] * W), c[5] * W,
                             [t for h in bucket for t in coll_deps[h]], [t for h in bucket for t in update_tasks[h]],
                             0.0, "all-reduce", W, group_layouts[g].devices))
                     continue
                 dur = min(c[0] + c[1] * W, c[2] + c[3] * W)
                 kind = "all-reduce"
-            post.setdefault(coll_after[g], []).append((g, c[4], dur, c[5] * W, coll_deps[g], update_tasks[g], 0.0,
+            post.setdefault(coll_after[g], []).append((g, c[7], dur, c[5] * W, coll_deps[g], update_tasks[g], 0.0,
                                                        kind, W, group_layouts[g].devices))
         self.comm_bytes = comm
 

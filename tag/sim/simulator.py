@@ -27,8 +27,10 @@ What is simulated (the strategy semantics of ARCHITECTURE.md / tag.strategy):
   have finished everywhere; the collective occupies the NICs of the hosts involved (and the bus of each
   host with several of its devices); the group's update tasks wait for it. ps groups pull their
   variables from the PS at the start of the step and push gradients after the backward pass
-  (``CostModel.ps_coeffs`` per direction, on the PS host's NIC and the workers' NICs); the update runs
-  once, on the PS device.
+  (``CostModel.ps_coeffs`` per direction). NICs are full duplex: a pull holds the PS host's send side and
+  the workers' receive sides, a push the workers' send sides and the PS host's receive side, so one group's
+  pull may run beside another's push or a pull from a PS on another host; the update runs once, on the PS
+  device.
 - ``Strategy.sfb`` (sufficient-factor broadcasting, ``tag.sim.sfb``): an SFB variable of a multi-replica
   allreduce group leaves its group's all-reduce; one ring all-gather of its padded factors is issued with
   it, and the group's update waits for the gather plus the extra local MatMul on the gathered rows; the
