@@ -19,7 +19,10 @@ the published one (``scaling``, ``max_abs_scaling_error_8gpu_validation``).
 
 One IR is built per model (10-60 s each; the simulator takes the batch); ``--cache DIR`` keeps them as
 pickles between runs. ``vgg16`` is not a zoo model: it is built here with ``tf_keras.applications.VGG16``
-under the zoo's conventions (placeholders, mean cross-entropy, Momentum 0.9).
+under the zoo's conventions (placeholders, mean cross-entropy, Momentum 0.9). ResNet-50 is built here too,
+as the sources' code builds it: no bias on the convolutions that batch norm follows (Keras' ResNet50, the
+zoo's, has them), v1 for tf_cnn_benchmarks' ``resnet50`` and v1.5 (``resnet50_v1.5``, the stride in the
+3x3 convolution) for NVIDIA's.
 
 Usage::
 
@@ -42,6 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data", "published_throughput.csv")
 IR_BATCH = 8          # reference batch the IRs are built at (costs scale per example)
 GROUPS = 64           # tag-deploy's default number of op groups
+#: models the bench builds itself whose IR file names say how (older caches held Keras' biased ResNet50)
+IR_NAMES = {"resnet50": "resnet50-v1-nobias", "resnet50_v1.5": "resnet50-v1.5-nobias"}
 
 #: the machines of the data file: GPU spec sheet (FP32 peak, memory bandwidth, memory) and the
 #: interconnect between the GPUs of the host as its vendor lists it (GB/s each way per GPU)
@@ -114,9 +119,55 @@ def _vgg16_graph_def(batch_size: int):
     return g.as_graph_def()
 
 
+def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
+    """ResNet-50 training step as the sources build it: convolutions followed by batch norm carry no bias
+    (tf_cnn_benchmarks' models/resnet_model.py passes ``bias=None`` with ``use_batch_norm=True``; NVIDIA's
+    ConvNets model/blocks/conv2d_block.py uses ``use_bias=not use_batch_norm``), unlike Keras' ResNet50,
+    whose 53 biased convolutions add a bias pass and its gradient per convolution. v1 (tf_cnn_benchmarks'
+    ``resnet50``) strides a block's first 1x1 convolution; v1.5 (NVIDIA's) its 3x3 one. The zoo's
+    conventions otherwise (placeholders, mean cross-entropy, Momentum 0.9)."""
+    import tensorflow as tf
+    import tf_keras
+    v1 = tf.compat.v1
+    layers = tf_keras.layers
+    g = tf.Graph()
+    bns: list = []
+
+    def conv_bn(x, filters, kernel, stride, relu=True):
+        x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False)(x)
+        bn = layers.BatchNormalization(epsilon=1e-5)
+        bns.append(bn)
+        x = bn(x, training=True)
+        return layers.ReLU()(x) if relu else x
+
+    with g.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [batch_size, 224, 224, 3], name="input")
+        labels = v1.placeholder(tf.int32, [batch_size], name="labels")
+        y = conv_bn(x, 64, 7, 2)
+        y = layers.MaxPooling2D(3, 2, padding="same")(y)
+        channels = 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for b in range(blocks):
+                s = stride if b == 0 else 1
+                short = conv_bn(y, 4 * width, 1, s, relu=False) if channels != 4 * width else y
+                z = conv_bn(y, width, 1, 1 if stride_in_3x3 else s)
+                z = conv_bn(z, width, 3, s if stride_in_3x3 else 1)
+                z = conv_bn(z, 4 * width, 1, 1, relu=False)
+                y = layers.ReLU()(layers.Add()([short, z]))
+                channels = 4 * width
+        logits = layers.Dense(1000)(layers.GlobalAveragePooling2D()(y))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        loss = tf.identity(tf.reduce_mean(xent), name="loss")
+        step = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="apply_gradients")
+        tf.group(step, *[u for bn in bns for u in bn.updates], name="train_op")
+        v1.variables_initializer(v1.global_variables(), name="init")
+    return g.as_graph_def()
+
+
 def model_key(row: dict[str, Any]) -> str:
     """The IR a row needs: its model (and sequence length), mixed-precision rows their rewritten graph."""
-    return row["model"] + (f"-s{row['seq_len']}" if row["seq_len"] else "") + (
+    return IR_NAMES.get(row["model"], row["model"]) + (f"-s{row['seq_len']}" if row["seq_len"] else "") + (
         "-mixed" if row["precision"] == "mixed" else "")
 
 
@@ -130,6 +181,8 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
     import tag
     if row["model"] == "vgg16":
         gd = _vgg16_graph_def(IR_BATCH)
+    elif row["model"] in ("resnet50", "resnet50_v1.5"):
+        gd = _resnet50_graph_def(IR_BATCH, stride_in_3x3=row["model"] == "resnet50_v1.5")
     else:
         opts = {"seq_len": row["seq_len"]} if row["seq_len"] else {}
         gd = tag.zoo.training_graph(row["model"], batch_size=IR_BATCH, **opts)
@@ -273,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, ROOT)
     rows = read_rows(args.data)
     if args.quick:
-        rows = [r for r in rows if r["model"] == "resnet50" and r["gpu_count"] in (1, 8)]
+        rows = [r for r in rows if r["model"].startswith("resnet50") and r["gpu_count"] in (1, 8)]
     summary = summarise(run(rows, args.cache))
     print(format_table(summary))
     if args.json:

@@ -90,6 +90,16 @@ PEAKS = {
     # accumulation (the GeForce half rate), 35.6 TF32 (half the A40's / RTX A6000's 2x FP32 ratio)
     "RTX3090": {"fp32": 35.6, "tf32": 35.6, "fp16": 71.2, "bf16": 71.2},
 }
+#: GeForce classes whose tensor cores run FP32 accumulation (``PEAKS``) at half their datapath's rate: that
+#: rate, dense TFLOP/s (Turing whitepaper appendix, RTX 2080 Ti reference card: FP16 with FP16 accumulation
+#: 107.6; GA102 whitepaper, RTX 3090: FP16 with FP16 accumulation 142; BF16 at the FP16 rate and TF32 at half
+#: of it, the full-rate GA102 parts' ratios (RTX A6000 / A40 data sheets)). The cost model lets a tensor-core
+#: kernel reach the V100-fitted fraction of this rate, up to what the half-rate math allows
+#: (``tag.cost.gpu_defaults.Resolution.tensor_efficiency``)
+FULL_RATE_PEAKS = {
+    "RTX2080Ti": {"fp16": 107.6},
+    "RTX3090": {"tf32": 71.2, "fp16": 142.3, "bf16": 142.3},
+}
 #: GPUs without tensor cores: their half-precision MatMuls and convolutions run on the ordinary units, at
 #: their FP32 efficiencies (P100 at its double FP16 rate, the GTX 1080 Ti at its FP32 rate)
 NO_TENSOR_CORES = ("P100", "GTX1080Ti")
@@ -126,7 +136,9 @@ RELATED = {   # GPUs without a class of their own -> nearest class (by architect
 #: FP16 / BF16 and 77.4 TF32), the same 2x / 4x on the A40 (37.4 / 74.8 / 149.7), A10 (31.2 / 62.5 / 125),
 #: RTX A4000 and A5000 and L4 (30.3; 120 TF32 and 242 FP16 with sparsity) data sheets. The GeForce classes
 #: run 4x (Turing) and 1x / 2x (GA102) by the whitepapers' FP32-accumulate columns; the L40 (90.5 / 90.5 /
-#: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios.
+#: 181 dense) and the AWS A10G (no NVIDIA data sheet) stay with the GeForce ratios, and so with the GeForce
+#: half-rate rule of FULL_RATE_PEAKS (for the L40, whose data sheet does not split the accumulation rates, an
+#: assumption).
 RELATED_FULL_RATE = {
     "Turing Titan / Quadro (Titan RTX, Quadro RTX 4000-8000)":
         ([r"titanrtx", r"^rtx[4568]000"], "RTX2080Ti", {"fp32": 16.3, "fp16": 130.5}, 72),
@@ -273,7 +285,9 @@ def class_table(e, mem, launch, scales, tensor_e=None) -> dict:
             table = {k: round(float(min(v * tensor_scale, 1.0)), 4) for k, v in zip(TENSOR, tensor_e)}
             tensor = {p: dict(table) for p in ("tf32", "fp16", "bf16") if p in PEAKS[name]
                       and name not in NO_TENSOR_CORES}
-        out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name], "efficiency": eff,
+        out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name],
+                     **({"full_rate_peaks": FULL_RATE_PEAKS[name]} if name in FULL_RATE_PEAKS else {}),
+                     "efficiency": eff,
                      "tensor_efficiency": tensor, "memory_efficiency": round(mem, 4),
                      "launch_overhead_s": float(f"{launch:.3g}"), "compute_scale": round(scale, 4), "basis": basis}
         if tensor:

@@ -143,6 +143,32 @@ def test_tensor_core_efficiencies_share_the_class_clock_scale_not_the_fp32_dual_
                 assert v == pytest.approx(min(v100.tensor_efficiency["fp16"][k] * scale, 1.0), abs=2e-4), (cls.name, k)
 
 
+def test_geforce_half_rate_tensor_cores_reach_the_fitted_fraction_of_their_datapath():
+    """GeForce Turing / GA102 run FP32 accumulation at half their tensor datapath's rate (whitepapers): a
+    convolution the V100 holds to ~0.43 of its full-rate peak by operand feed reaches that fraction of the
+    datapath's rate, i.e. twice the fraction of the half-rate peak, capped at what the best GEMM reaches."""
+    ti, quadro, a6000, v100 = (resolve(n) for n in ("RTX2080Ti", "Quadro-RTX-8000", "RTX-A6000", "V100"))
+    raw = ti.cls.tensor_efficiency["fp16"]
+    ratio = ti.cls.full_rate_peaks["fp16"] / ti.cls.peaks["fp16"]
+    assert ratio == pytest.approx(2.0, rel=0.01)
+    eff = ti.tensor_efficiency()["fp16"]
+    for k, v in raw.items():
+        assert eff[k] == pytest.approx(min(v * ratio, max(raw.values()))), k
+    assert eff["conv:3x3s1"] > 1.9 * raw["conv:3x3s1"] and eff["matmul"] == pytest.approx(raw["matmul"])
+    assert set(resolve("RTX3090").tensor_efficiency()) == {"tf32", "fp16", "bf16"}
+    # full-rate parts the same classes serve, and the V100, keep the fitted fractions of their own peaks
+    for r in (quadro, a6000, v100):
+        assert r.tensor_efficiency() == r.cls.tensor_efficiency, r.via
+    # end to end: a half-precision 3x3 convolution on a 2080 Ti runs at twice the fitted fraction of 53.8 TFLOP/s
+    g = _conv_graph()
+    for op in g.ops:
+        op.outputs[0].dtype = "half"
+    c3 = g.op_index["c3"]
+    rates = CostModel(g, _topo("RTX2080Ti", tflops=13.4, gbs=616)).rates(0)
+    assert rates.peak_for("fp16") == pytest.approx(53.8e12, rel=0.01)
+    assert rates.efficiency_for("Conv2D", op_classes(g)[c3], "fp16") == pytest.approx(eff["conv:3x3s1"])
+
+
 @pytest.mark.parametrize("name, tflops, ratios", [
     # full-rate parts served by a GeForce class: their own data sheets' dense ratios (FP16 with FP32 accumulation)
     ("Quadro-RTX-8000", 16.3, {"fp16": 8.0, "tf32": None, "bf16": None}),

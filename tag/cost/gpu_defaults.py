@@ -17,6 +17,9 @@ Each class holds:
 - ``tensor_efficiency``: per tensor-core precision, the fraction of that peak MatMuls and convolutions
   reach, per op class (fitted on V100 mixed-precision rows; every class with tensor cores has them times
   its ``tensor_scale``, the clock part of its FP32 compute scale).
+- ``full_rate_peaks`` (GeForce classes): the tensor datapath's rate where the FP32-accumulate ``peaks``
+  are half of it (``Resolution.tensor_efficiency``: a convolution held to a fraction of a full-rate peak by
+  its operand feed reaches that fraction of the datapath's rate, up to what the half-rate math allows).
 - ``memory_efficiency``: the fraction of the spec-sheet memory bandwidth that memory-bound kernels reach.
 - ``launch_overhead_s``: fixed cost per kernel (TensorFlow executor and launch).
 - ``spec``: the class's own spec sheet, with ``sms``, its streaming multiprocessors (architecture
@@ -91,6 +94,9 @@ class GpuClass:
     peaks: dict[str, float] = field(default_factory=dict)
     #: fraction of the tensor-core peak reached per op class, by precision ("tf32", "fp16", "bf16")
     tensor_efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: GeForce classes: the tensor datapath's rate by precision (TFLOP/s, dense) where ``peaks`` (FP32
+    #: accumulation, what frameworks run) is a fraction of it (Turing / GA102 whitepapers: FP16 accumulation)
+    full_rate_peaks: dict[str, float] = field(default_factory=dict)
 
     def peak_ratio(self, precision: str) -> float | None:
         """This class's PRECISION peak over its FP32 peak (None: the spec sheet lists none)."""
@@ -130,6 +136,25 @@ class Resolution:
         if ref_peak <= 0 or fp32_peak_flops <= 0:
             return int(ref_sms)
         return max(1, int(round(ref_sms * fp32_peak_flops / (ref_peak * 1e12))))
+
+    def tensor_efficiency(self) -> dict[str, dict[str, float]]:
+        """Fraction of this device's tensor-core peak (``peak_ratio``) reached per op class, by precision.
+
+        The class's fitted table, except on a part that runs FP32 accumulation slower than its tensor
+        datapath (a GeForce class with ``full_rate_peaks``, served without a family's own peaks): the fitted
+        fractions are of a full-rate peak (the V100's), where what holds a convolution to them is feeding
+        operands, not the multiply-add rate. That feed is the datapath's, so such a kernel reaches the same
+        fraction of the full rate, as long as the half-rate math keeps up: at most the fraction the best
+        GEMM reaches (the table's largest), of the peak the part runs at."""
+        out = {}
+        for prec, table in self.cls.tensor_efficiency.items():
+            full, own = self.cls.full_rate_peaks.get(prec), self.cls.peaks.get(prec)
+            if self.peaks or not table or not full or not own or full <= own:
+                out[prec] = dict(table)
+                continue
+            best = max(table.values())
+            out[prec] = {k: min(v * full / own, best) for k, v in table.items()}
+        return out
 
     def peak_ratio(self, precision: str) -> float | None:
         """PRECISION's peak over the FP32 peak: the related family's spec sheet where it has one, else the
@@ -215,6 +240,8 @@ def _parse(data: object, where: str) -> GpuProfiles:
         peaks = {str(k): num(v, f"classes.{name}.peaks.{k}", hi=1e6) for k, v in (c.get("peaks") or {}).items()}
         if peaks and "fp32" not in peaks:
             raise bad(f"classes.{name}.peaks needs an 'fp32' entry")
+        full_rate = {str(k): num(v, f"classes.{name}.full_rate_peaks.{k}", hi=1e6)
+                     for k, v in (c.get("full_rate_peaks") or {}).items()}
         tensor = {}
         for prec, table in (c.get("tensor_efficiency") or {}).items():
             if not isinstance(table, dict):
@@ -226,7 +253,7 @@ def _parse(data: object, where: str) -> GpuProfiles:
             num(c.get("memory_efficiency"), f"classes.{name}.memory_efficiency", hi=1.0),
             num(c.get("launch_overhead_s"), f"classes.{name}.launch_overhead_s", hi=1e-2),
             {str(k): float(v) for k, v in (c.get("spec") or {}).items()}, str(c.get("basis", "")),
-            peaks, tensor)
+            peaks, tensor, full_rate)
     if not classes:
         raise bad("no GPU classes")
     related = []

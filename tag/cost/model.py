@@ -438,7 +438,7 @@ class CostModel:
             lockstep = 1.0 + gpu_profiles().lockstep_per_doubling * math.log2(n) if n > 1 else 1.0
             r = DeviceRates(float(peak), float(bw) * gpu.cls.memory_efficiency, gpu.cls.launch_overhead_s,
                             dict(gpu.cls.efficiency), lockstep, peaks=self._peaks(g),
-                            tensor_efficiency={k: dict(v) for k, v in gpu.cls.tensor_efficiency.items()},
+                            tensor_efficiency=gpu.tensor_efficiency(),
                             sms=gpu.sm_count(g.peak_flops))
             self._rates[device_group] = r
             return r
