@@ -466,8 +466,8 @@ PER_TENSOR_PROBE = 64
 
 
 def _chain_graph(nbytes: int, devices: Sequence[str], hops: int) -> "v1.GraphDef":
-    """A step of HOPS dependent additions on a tensor of NBYTES, the k-th on DEVICES[k % len(DEVICES)]: with two
-    devices on two tasks, each addition waits for the tensor to arrive from the other task."""
+    """A step of HOPS dependent multiplications of a tensor of NBYTES, the k-th on DEVICES[(k + 1) % len(DEVICES)]:
+    with two devices on two tasks, each one waits for the tensor to arrive from the other task."""
     g = tf.Graph()
     with g.as_default():
         with tf.device(devices[0]):
@@ -499,12 +499,13 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     NEAR and FAR are device strings of two tasks. Transfers: for each size, a variable on FAR (remote)
     or on NEAR (local) is read and summed on NEAR; the remote-minus-local step time is the transfer, whose
     rate is the slope of ``latency + bytes / rate`` over the sizes. The latency is what one transfer that
-    the next op waits for costs: a chain of CHAIN_HOPS additions on a 1 KB tensor alternating between the
-    two tasks, minus the same chain on NEAR, per hop. (The intercept of the sizes' line is no such figure:
+    the next op waits for costs: a chain of CHAIN_HOPS multiplications of a 1 KB tensor alternating between
+    the two tasks, minus the same chain on NEAR, per hop. (The intercept of the sizes' line is no such figure:
     a lone read overlaps the step's other work, and the intercept fitted on 64 KB-16 MB came out 0.9-1.3
     ms where a dependent hop cost about 0.3 ms on the testbed, ``scripts/bench_transfers.py``'s waves.)
     Collectives: a ring all-reduce (CollectiveReduceV2) of each size between the two tasks, minus the same
-    step without it, fitted as a line (for two devices a ring all-reduce moves the full size each way). The step overhead is the local step of the smallest size.
+    step without it, fitted as a line (for two devices a ring all-reduce moves the full size each way). The
+    step overhead is the local step of the smallest size.
     """
     from tag.cost.model import NetworkProfile
     from tag.backend.runtime import run_steps
