@@ -73,13 +73,18 @@ def calibration_graph(spec: str, batch: int):
     return zoo.resolve_model(spec, batch)[1]
 
 
+def steps_for(predicted_s: float, budget_s: float) -> tuple[int, int]:
+    """(timed steps, warm-up steps) of a case predicted at PREDICTED_S given BUDGET_S of timed steps: 5-40
+    timed (more when steps are short, so that a 10 ms step's median is not a handful of samples), 2-3 warm-up."""
+    return int(min(max(round(budget_s / max(predicted_s, 1e-3)), 5), 40)), 2 if predicted_s > 1.0 else 3
+
+
 def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> float:
-    """Median step of RUNNABLE (a ``tag.rewrite`` result) on the running testbed TB: 2-3 warm-up steps, then
-    5-40 timed (more when steps are short, so that a 10 ms step's median is not a handful of samples)."""
+    """Median step of RUNNABLE (a ``tag.rewrite`` result) on the running testbed TB, as many steps as
+    ``steps_for`` gives."""
     import numpy as np
     from tag.backend.runtime import run_steps
-    timed = int(np.clip(round(budget_s / max(predicted_s, 1e-3)), 5, 40))
-    warmup = 2 if predicted_s > 1.0 else 3
+    timed, warmup = steps_for(predicted_s, budget_s)
     r = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
                   init=runnable.init, steps=warmup + timed, warmup=warmup, synthetic=True)
     return float(np.median(r.step_times[warmup:]))
@@ -103,9 +108,10 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
     for r in range(rounds):
         for k in (keys if r % 2 == 0 else keys[::-1]):
             runnable, predicted_s = cases[k]
-            timed = max(int(np.clip(round(budget_s / max(predicted_s, 1e-3)), 5, 40)), rounds)
+            timed, first_warmup = steps_for(predicted_s, budget_s)
+            timed = max(timed, rounds)
             share = timed // rounds + (1 if r < timed % rounds else 0)
-            warmup = (2 if predicted_s > 1.0 else 3) if r == 0 else 1
+            warmup = first_warmup if r == 0 else 1
             res = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
                             init=runnable.init, steps=warmup + share, warmup=warmup, synthetic=True)
             samples[k] += list(res.step_times[warmup:])

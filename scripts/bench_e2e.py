@@ -104,6 +104,11 @@ MWMS_PORT = 24600
 INTERLEAVED_ROUNDS = 3      # rounds in which tag's strategies of one case are timed in turn
 
 
+def mwms_model_args(width: int | None, depth: int | None) -> tuple[str, ...]:
+    """``tag.backend.mwms`` options for a case's WIDTH and DEPTH (those given)."""
+    return tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
+
+
 def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
              model_args: tuple[str, ...] = ()) -> list[float]:
     """The timed step times (after WARMUP of STEPS) of the MWMS anchor, one worker per testbed host (the first
@@ -222,7 +227,7 @@ def host_prefix_strategy(analysis, hosts: int) -> Strategy:
 def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile, args) -> dict:
     """One row: MWMS on every host prefix, then tag's uniform, dp, plan and tuned plan on the running testbed."""
     label, model, batch, width, depth = case
-    model_args = tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
+    model_args = mwms_model_args(width, depth)
     steps, warmup = args.steps, args.warmup
     gd = tf1_graph(model, batch, width=width, depth=depth)
     t0 = time.perf_counter()

@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 
 from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_interleaved, runtime_levels, \
     testbed_topology  # noqa: E402
-from bench_e2e import geomean, run_mwms  # noqa: E402
+from bench_e2e import geomean, mwms_model_args, run_mwms  # noqa: E402
 from tag.api import prepare  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
@@ -241,8 +241,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
             skipped[k] = pred          # all-reducing every weight over the slow links: minutes of steps
             continue
         meas = float(np.median(run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
-                                        model_args=tuple(a for k_, v in (("--width", width), ("--depth", depth))
-                                                         if v is not None for a in (k_, str(v))))))
+                                        model_args=mwms_model_args(width, depth))))
         mwms[k] = (pred, meas)
     best_k = min(mwms, key=lambda k: mwms[k][1])
     p = pipe.pipeline

@@ -128,6 +128,7 @@ def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
     conventions otherwise (placeholders, mean cross-entropy, Momentum 0.9)."""
     import tensorflow as tf
     import tf_keras
+    from tag.frontend.zoo import _finish, _xent
     v1 = tf.compat.v1
     layers = tf_keras.layers
     g = tf.Graph()
@@ -157,11 +158,8 @@ def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
                 y = layers.ReLU()(layers.Add()([short, z]))
                 channels = 4 * width
         logits = layers.Dense(1000)(layers.GlobalAveragePooling2D()(y))
-        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        loss = tf.identity(tf.reduce_mean(xent), name="loss")
-        step = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="apply_gradients")
-        tf.group(step, *[u for bn in bns for u in bn.updates], name="train_op")
-        v1.variables_initializer(v1.global_variables(), name="init")
+        # the zoo's loss, optimizer step (train_op waits for the moving statistics) and init
+        _finish(_xent(logits, labels), v1.train.MomentumOptimizer(0.01, 0.9), [u for bn in bns for u in bn.updates])
     return g.as_graph_def()
 
 
