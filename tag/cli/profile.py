@@ -75,6 +75,10 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
                      f"throughput {n.transfer_bytes_per_s / 1e9:.2f} GB/s, "
                      f"all-reduce latency {n.collective_latency_s * 1e6:.0f} us, throughput "
                      f"{n.collective_bytes_per_s / 1e9:.2f} GB/s")
+        if n.host_cpu:
+            lines.append(f"  runtime CPU (one thread of {n.cpu_flops / 1e9:.0f} GFLOP/s): a remote worker "
+                         f"{n.worker_step_cpu_s * 1e3:.2f} ms per step, {n.tensor_cpu_s * 1e6:.0f} us per tensor and "
+                         f"{n.byte_cpu_s * 1e9:.2f} ns per byte at each end")
     lines.append(f"  peak {d['peak_flops'] / 1e9:.1f} GFLOP/s, memory {d['memory_bandwidth'] / 1e9:.1f} GB/s, "
                  f"launch {d['launch_overhead_s'] * 1e6:.1f} us")
     for t, e in sorted(d["efficiency"].items()):

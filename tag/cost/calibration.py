@@ -21,6 +21,7 @@ Where profiles are stored by default: ``tag.cost.profile_store``. The command li
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -257,15 +258,19 @@ def _best_kernel_time(sess, op, reps: int) -> float:
     return float(best)
 
 
-def measure_peak_flops(device_type: str = "CPU", n: int = 1024, reps: int = 20) -> float:
-    """FLOP/s of an n x n x n float32 MatMul (fastest of REPS), the device's attainable peak."""
+def measure_peak_flops(device_type: str = "CPU", n: int = 1024, reps: int = 20, threads: int | None = None) -> float:
+    """FLOP/s of an n x n x n float32 MatMul (fastest of REPS), the device's attainable peak (THREADS: run
+    with that many intra- and inter-op threads, as a worker of that many threads does; default TF's)."""
     g = tf.Graph()
     with g.as_default(), tf.device(_tf_device(device_type)):
         a = tf.Variable(tf.random.normal([n, n], seed=1))
         b = tf.Variable(tf.random.normal([n, n], seed=2))
         mm = tf.matmul(a, b)
         init = v1.global_variables_initializer()
-    with v1.Session(graph=g, config=_session_config(serial=False)) as sess:
+    config = _session_config(serial=False)
+    if threads:
+        config.intra_op_parallelism_threads = config.inter_op_parallelism_threads = int(threads)
+    with v1.Session(graph=g, config=config) as sess:
         sess.run(init)
         return 2.0 * n ** 3 / _best_kernel_time(sess, mm.op, reps)
 
@@ -492,8 +497,26 @@ CHAIN_HOPS = 32
 CHAIN_BYTES = 1 << 10
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds every live thread of process PID has run (``/proc/PID/task/*/schedstat``, nanoseconds);
+    NaN where /proc cannot say (not Linux, or the process is gone)."""
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return math.nan
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue              # a thread that ended between the listing and the read
+    return total * 1e-9
+
+
 def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
-                    steps: int = 12) -> "NetworkProfile":
+                    steps: int = 12, pids: Sequence[int] | None = None) -> "NetworkProfile":
     """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
 
     NEAR and FAR are device strings of two tasks. Transfers: for each size, a variable on FAR (remote)
@@ -506,13 +529,37 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     Collectives: a ring all-reduce (CollectiveReduceV2) of each size between the two tasks, minus the same
     step without it, fitted as a line (for two devices a ring all-reduce moves the full size each way). The
     step overhead is the local step of the smallest size.
+
+    PIDS (the processes of NEAR's and FAR's tasks, when they run on this machine): the runtime's own CPU work,
+    from the CPU time of every thread of each process over the steps of a graph, remote minus local, per step:
+    one tensor of the smallest size gives what taking part in a step from another host costs (FAR's side,
+    ``worker_step_cpu_s``; NEAR's, the session's host, ``master_step_cpu_s``), PER_TENSOR_PROBE tensors of
+    it what each further tensor costs at each end (``tensor_cpu_s``, the mean of both ends), the largest size
+    what each byte costs at each end (``byte_cpu_s``); ``cpu_flops`` is a one-thread MatMul's FLOP/s here.
     """
     from tag.cost.model import NetworkProfile
     from tag.backend.runtime import run_steps
+    from tag.backend.runtime.guard import RunControl
+    cpu_steps: dict[int, np.ndarray] = {}     # id of a graph -> CPU seconds per step of (near, far)
 
     def step_time(graph_def) -> float:
-        r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps, warmup=2)
+        control, marks = None, []
+        if pids:   # the processes' CPU time after the warm-up steps and after the last: setup is not counted
+            def mark(event) -> None:
+                if event.kind == "step" and event.step in (2, steps):
+                    marks.append(np.array([process_cpu_s(p) for p in pids]))
+            control = RunControl(progress=mark)
+        r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps, warmup=2,
+                      control=control)
+        if len(marks) == 2:
+            cpu_steps[id(graph_def)] = (marks[1] - marks[0]) / (steps - 2)
         return float(np.median(r.step_times[2:]))
+
+    def cpu_extra(count: int, nbytes: int) -> np.ndarray:
+        """Runtime CPU per step of (near, far): COUNT tensors of NBYTES read remotely minus locally."""
+        remote, local = _read_graph(nbytes, near, far, count=count), _read_graph(nbytes, near, near, count=count)
+        step_time(remote), step_time(local)
+        return cpu_steps[id(remote)] - cpu_steps[id(local)]
 
     sizes = np.array(sorted(sizes_bytes), dtype=np.float64)
     local = np.array([step_time(_read_graph(int(n), near, near)) for n in sizes])
@@ -530,8 +577,18 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     many_s = step_time(_read_graph(small, near, far, count=many)) - step_time(_read_graph(small, near, near, count=many))
     one_s = step_time(_read_graph(small * many, near, far)) - step_time(_read_graph(small * many, near, near))
     per_tensor = max((many_s - one_s) / (many - 1), 0.0)
+    host_cpu = {}
+    if pids and len(pids) == 2 and all(math.isfinite(process_cpu_s(p)) for p in pids):
+        one = cpu_extra(1, small)
+        tensor_cpu = max(float(np.mean(cpu_extra(many, small) - one)) / (many - 1), 0.0)
+        big = int(sizes[-1])
+        byte_cpu = max(float(np.mean(cpu_extra(1, big) - one)) / (big - small), 0.0)
+        host_cpu = dict(master_step_cpu_s=max(float(one[0]) - tensor_cpu, 0.0),
+                        worker_step_cpu_s=max(float(one[1]) - tensor_cpu, 0.0),
+                        tensor_cpu_s=tensor_cpu, byte_cpu_s=byte_cpu, cpu_flops=measure_peak_flops(threads=1))
     return NetworkProfile(step_overhead_s=float(local[0]), transfer_latency_s=t_lat, transfer_bytes_per_s=t_rate,
-                          collective_latency_s=c_lat, collective_bytes_per_s=c_rate, per_tensor_s=float(per_tensor))
+                          collective_latency_s=c_lat, collective_bytes_per_s=c_rate, per_tensor_s=float(per_tensor),
+                          **host_cpu)
 
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
@@ -544,4 +601,4 @@ def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "Network
                      for i, p in enumerate(ports)) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
     topo = parse_topology(text, path="<network profile>")
     with LocalCluster(topo, threads_per_worker=threads_per_worker) as cluster:
-        return measure_network(cluster.target, topo.tf_device(0), topo.tf_device(1), steps=steps)
+        return measure_network(cluster.target, topo.tf_device(0), topo.tf_device(1), steps=steps, pids=cluster.pids)

@@ -144,6 +144,16 @@ class NetworkProfile:
     parameter-server group pays it per variable and remote worker, each way. Measured on the testbed
     (``scripts/bench_transfers.py``): 64 tensors of 1 KB took 6 ms and 512 took 65 ms, where one flow of
     their bytes would take under 5 ms.
+
+    CPU that the runtime itself spends, measured from the two workers' thread CPU time (``host_cpu``): a
+    worker that takes part in a step from another host spends ``worker_step_cpu_s`` on it (its share of the
+    step's graph launch) and the session's host ``master_step_cpu_s`` per such worker; each tensor sent between
+    hosts costs ``tensor_cpu_s`` at each end, and each byte ``byte_cpu_s`` at each end (serialisation, copies).
+    ``cpu_flops`` is the FLOP/s of the one-thread worker these were measured on: on a host whose device is its
+    CPU the work competes with the host's own compute, at the host's speed relative to ``cpu_flops``
+    (``tag.sim.host_cpu``). Between two one-thread workers on the testbed machine: a remote worker about 1.4
+    ms per step, about 50 us per tensor and 0.4-0.5 ns per byte at each end; on a quarter-core host four times
+    that, which is what parameter-server steps of a small CNN lost there.
     """
 
     step_overhead_s: float = 0.0
@@ -152,6 +162,19 @@ class NetworkProfile:
     collective_latency_s: float = 0.0
     collective_bytes_per_s: float = math.inf
     per_tensor_s: float = 0.0
+    worker_step_cpu_s: float = 0.0
+    master_step_cpu_s: float = 0.0
+    tensor_cpu_s: float = 0.0
+    byte_cpu_s: float = 0.0
+    cpu_flops: float = 0.0
+
+    #: the fields that say what the runtime's own CPU work costs (zero in profiles from before they existed)
+    HOST_CPU_FIELDS = ("worker_step_cpu_s", "master_step_cpu_s", "tensor_cpu_s", "byte_cpu_s", "cpu_flops")
+
+    @property
+    def host_cpu(self) -> bool:
+        """Whether the runtime's CPU work was measured (and is charged to CPU hosts)."""
+        return self.cpu_flops > 0 and (self.worker_step_cpu_s > 0 or self.tensor_cpu_s > 0 or self.byte_cpu_s > 0)
 
     def to_dict(self) -> dict:
         def rate(x: float):
@@ -159,7 +182,8 @@ class NetworkProfile:
         return {"step_overhead_s": float(self.step_overhead_s), "transfer_latency_s": float(self.transfer_latency_s),
                 "transfer_bytes_per_s": rate(self.transfer_bytes_per_s),
                 "collective_latency_s": float(self.collective_latency_s),
-                "collective_bytes_per_s": rate(self.collective_bytes_per_s), "per_tensor_s": float(self.per_tensor_s)}
+                "collective_bytes_per_s": rate(self.collective_bytes_per_s), "per_tensor_s": float(self.per_tensor_s),
+                **{k: float(getattr(self, k)) for k in self.HOST_CPU_FIELDS}}
 
     def collective_extra(self) -> tuple[float, float]:
         """(seconds per ring step, seconds per byte) that TF's collective all-reduce costs beyond plain transfers
@@ -268,7 +292,8 @@ class Profile:
             if not isinstance(net, dict):
                 raise bad("'network' must be an object")
             unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s",
-                                  "collective_latency_s", "collective_bytes_per_s", "per_tensor_s"}
+                                  "collective_latency_s", "collective_bytes_per_s", "per_tensor_s",
+                                  *NetworkProfile.HOST_CPU_FIELDS}
             if unknown:
                 raise bad(f"network: unknown field {sorted(unknown)[0]!r}")
             vals = {}

@@ -81,6 +81,7 @@ def choose_kernel(kernel: str | None) -> str:
 
 
 def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap, w_coll,
+              lane_start, resource_start,
               task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
               g_after, w_bytes, w_count, slot_bytes, state_bytes,
@@ -218,8 +219,8 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
         out_start[t + 1] += out_start[t]
     arrival = np.zeros((max(F, 1), nl))
     # ---- collectives: pulls now, all-reduces and pushes once their gradients are ready
-    resource_free = np.zeros(NR)
-    lane_free = np.zeros(nl)
+    resource_free = resource_start.copy()   # a worker launches its part of the step first (tag.sim.host_cpu)
+    lane_free = lane_start.copy()
     release = np.zeros(T)
     task_finish = np.zeros(T)
     collective_end = np.zeros(G)
@@ -234,8 +235,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
             continue
         if a_ckind[ai] == 2:
             d = a_c[ai, 0] + a_c[ai, 1] * W
-            if per_tensor > 0.0:
-                d += per_tensor * w_count[g] * a_c[ai, 5]
+            d += w_count[g] * a_c[ai, 5]         # seconds per variable (Routing.collective)
             st = 0.0
             for j in range(a_res_start[ai], a_res_start[ai + 1]):
                 if resource_free[a_res[j]] > st:

@@ -297,17 +297,22 @@ class KernelState:
     # ------------------------------------------------------------------ one evaluation
     def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
             task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
-            plans: dict, fuse_cap: float = -1.0, w_coll: np.ndarray | None = None) -> tuple:
+            plans: dict, fuse_cap: float = -1.0, w_coll: np.ndarray | None = None,
+            offsets: tuple[np.ndarray, np.ndarray] | None = None) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
         peak, static and activation bytes per device). FUSE_CAP: all-reduce groups are summed in the fusion
         buckets of ``tag.strategy.fusion`` closed at that many bytes (negative: one collective per group).
-        W_COLL: per op group, the bytes its collective is charged for (default: its trainable bytes)."""
+        W_COLL: per op group, the bytes its collective is charged for (default: its trainable bytes).
+        OFFSETS: (per lane, per resource) when each is first free (``tag.sim.host_cpu.step_offsets``; default 0)."""
         simulate = compiled_simulate()
+        lane_start, resource_start = ((np.zeros(num_lanes), np.zeros(self.num_resources)) if offsets is None
+                                      else (np.asarray(offsets[0], np.float64), np.asarray(offsets[1], np.float64)))
         for _ in range(2):
             if self._args is None:
                 self._args = self._arguments()
             out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
-                           static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, *self._args)
+                           static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, lane_start, resource_start,
+                           *self._args)
             missing = out[0]
             if not len(missing):
                 return out[1:]

@@ -31,6 +31,7 @@ import numpy as np
 
 from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
+from tag.sim.host_cpu import cpu_extra, ps_extra, ring_extra
 from tag.sim.layouts import Layout
 from tag.sim.task_graph import TaskGraph
 
@@ -75,6 +76,9 @@ class Routing:
         # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
         self.moves: dict[tuple, tuple] = {}
         self._collectives: dict[tuple, tuple] = {}
+        # what slower CPU hosts pay for the runtime's own work on each tensor and byte (tag.sim.host_cpu)
+        self._net = cost.profile.network
+        self._cpu_extra = cpu_extra(topology, self._net)
 
     def route(self, p: int, c: int) -> tuple[tuple[int, ...], float, float]:
         """(resources, latency, seconds per byte) of a transfer from device P to device C."""
@@ -218,9 +222,12 @@ class Routing:
         return moved
 
     def collective(self, kind: str, devices: list[int], placement: tuple[int, ...], ps_device: int | None) -> tuple:
-        """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier, workers on other hosts
-        than the parameter server (ps only; else 0), resources after the backward pass) of a collective of
-        KIND ("allreduce", "allgather" or "ps") over DEVICES (those of PLACEMENT), cached by placement.
+        """(fixed s, s per byte, alt fixed, alt s per byte, resources, bytes multiplier, seconds per variable
+        (ps only: the per-tensor cost for each worker on another host than the parameter server, and the
+        runtime's CPU work on slower CPU hosts; else 0), resources after the backward pass) of a collective
+        of KIND ("allreduce", "allgather" or "ps") over DEVICES (those of PLACEMENT), cached by placement.
+        Across hosts the coefficients include what slower CPU hosts pay for the runtime's own work
+        (``tag.sim.host_cpu``).
 
         All-reduce and all-gather are charged as the rewriter deploys them: one flat TF collective
         (``CollectiveReduceV2`` / ``CollectiveGatherV2``, ring) over every device of the group, so only
@@ -245,7 +252,11 @@ class Routing:
             # a ring across hosts sends and receives on every host's NIC
             res = tuple(sorted([h for h, devs in by_host.items() if len(devs) > 1] +
                                ([r for h in by_host for r in (H + h, 2 * H + h)] if len(by_host) > 1 else [])))
-            c = (a1, b1, a1, b1, res, wire, 0, res)
+            if len(by_host) > 1 and n > 1:
+                per_step, per_byte = ring_extra(self._net, self._cpu_extra, devices)
+                steps, device_wire = (2.0 * (n - 1), 2.0 * (n - 1) / n) if kind == "allreduce" else (n - 1.0, n - 1.0)
+                a1, b1 = a1 + steps * per_step, b1 + device_wire * per_byte
+            c = (a1, b1, a1, b1, res, wire, 0.0, res)
         else:
             workers = [d for d in devices if d != ps_device]
             a, b = self.cost.ps_coeffs(devices, ps_device)
@@ -262,6 +273,9 @@ class Routing:
                     pull.update((H + ph, 2 * H + wh))
                     push.update((H + wh, 2 * H + ph))
             remote = sum(1 for w in workers if self._device_host[w] != ph)
-            c = (a, b, a, b, tuple(sorted(pull)), float(len(workers)), remote, tuple(sorted(push)))
+            var_s, byte_s = ps_extra(self._net, self._cpu_extra, self._device_host, workers, ps_device)
+            var_s += self.cost.per_tensor_s * remote
+            b += byte_s
+            c = (a, b, a, b, tuple(sorted(pull)), float(len(workers)), var_s, tuple(sorted(push)))
         self._collectives[k] = c
         return c

@@ -29,6 +29,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from tag.sim.layouts import Layout
@@ -61,15 +63,18 @@ class StepSchedule:
 
     def __init__(self, tasks: TaskGraph, routing: Routing, layout_of_task: list[Layout],
                  split_parts: dict[int, list], num_lanes: int, plans: dict[int, dict], group_names: list[str],
-                 record: Recording | None):
+                 record: Recording | None, offsets: tuple[Sequence[float], Sequence[float]] | None = None):
         T = tasks.num_tasks
         self.tasks, self.routing, self.layout_of_task = tasks, routing, layout_of_task
         self.split_parts = split_parts        # split partition task -> [(device, its ops)] in run order
         self.plans = plans                    # partition group -> its plan (tag.sim.layouts.PartitionPlans)
         self.group_names = group_names
         self.record = record
-        self.resource_free = [0.0] * len(routing.resource_names)     # resource -> when it is next free
-        self.lane_free = [0.0] * num_lanes                       # lane -> when it is next free
+        # resource / lane -> when it is next free (first: a worker's launch of its part, tag.sim.host_cpu)
+        self.resource_free = [0.0] * len(routing.resource_names)
+        self.lane_free = [0.0] * num_lanes
+        if offsets is not None:
+            self.lane_free, self.resource_free = [float(x) for x in offsets[0]], [float(x) for x in offsets[1]]
         self.release = [0.0] * T             # task -> earliest start (parameter-server pulls, collectives)
         self.comm_bytes = 0.0
         self.collective_end = [0.0] * tasks.num_groups
@@ -140,11 +145,11 @@ class StepSchedule:
         once the tasks producing them have run (``collectives_after``; the update tasks wait). GATHERS:
         op group -> its SFB all-gathers (``tag.sim.sfb.GatherCharge``), issued with its all-reduce; the
         update tasks also wait for each gather's local recompute. WEIGHT_COUNTS: trainable variables per
-        group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker.
+        group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker (and
+        the runtime's CPU work on slower CPU hosts: ``Routing.collective``'s seconds per variable).
         FUSE: all-reduce groups are summed in the buckets of ``tag.strategy.fusion.fusion_buckets`` (one
         collective per bucket, issued once every gradient of the bucket exists), as the rewriter fuses them."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
-        per_tensor = routing.cost.per_tensor_s if weight_counts is not None else 0.0
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
         comm = self.comm_bytes
@@ -175,8 +180,8 @@ class StepSchedule:
                 continue
             if a.mode == "ps":
                 dur = c[0] + c[1] * W
-                if per_tensor > 0.0:
-                    dur += per_tensor * weight_counts[g] * c[6]      # per variable and remote worker
+                if weight_counts is not None:
+                    dur += weight_counts[g] * c[6]      # per variable (remote workers, slower CPU hosts)
                 st = 0.0
                 for r in c[4]:
                     if rfree[r] > st:

@@ -92,6 +92,7 @@ from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
+from tag.sim.host_cpu import cpu_speed, step_offsets
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
@@ -141,6 +142,9 @@ class Simulator:
         self._device_memory = np.array([d.memory_bytes for d in topology.devices], dtype=np.float64)
         net = self.cost.profile.network
         self._step_overhead = net.step_overhead_s if net is not None else 0.0
+        # the runtime's CPU work on hosts whose device is their CPU (tag.sim.host_cpu), when it was measured
+        self._host_net = net if net is not None and net.host_cpu else None
+        self._cpu_speed = cpu_speed(topology, net) if self._host_net is not None else None
         self._valid_actions: set[Action] = set()
         self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
         self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
@@ -289,7 +293,7 @@ class Simulator:
         group_layouts, layout_of_task, split_parts, has_ps = self._task_layouts(actions, distinct, plans, lanes,
                                                                                 batch)
         schedule = StepSchedule(self.tasks, self.routing, layout_of_task, split_parts, len(lanes.lanes), plans,
-                                self.grouping.names, record)
+                                self.grouping.names, record, self._step_offsets(actions, lanes))
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
@@ -347,7 +351,7 @@ class Simulator:
         w_coll = self._collective_bytes(local_actions, None, batch, group_local)
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll)
+            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(actions, lanes))
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
@@ -492,6 +496,14 @@ class Simulator:
                            batch, _features=features)
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
         return result
+
+    def _step_offsets(self, actions: list[Action], lanes: Lanes) -> tuple[np.ndarray, np.ndarray] | None:
+        """When each lane and communication resource is first free: workers on other hosts launch their part
+        of the step first (``tag.sim.host_cpu.step_offsets``; None when nothing is charged)."""
+        if self._host_net is None:
+            return None
+        return step_offsets(self.topology, self._host_net, self._cpu_speed, lanes, actions, self.layouts.devices_of,
+                            len(self.routing.resource_names))
 
     def _collective_bytes(self, actions: list[Action], weights, batch: int, group_of: np.ndarray | None = None):
         """Bytes each op group's collective is charged for (``MemoryModel.collective_bytes``): WEIGHTS

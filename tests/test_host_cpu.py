@@ -1,0 +1,99 @@
+"""The runtime's own CPU work on hosts whose device is their CPU (tag.sim.host_cpu), in both kernels."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tag.cost.model import CostModel, DeviceProfile, NetworkProfile, Profile
+from tag.sim.host_cpu import cpu_extra, cpu_speed
+from tag.sim.simulator import Simulator
+from tag.strategy.grouping import group_ops
+from tag.strategy.types import Action, Strategy
+
+from tiny import DeviceSpec, make_topology, mlp_graph
+
+CPU_FLOPS = 1e11
+# a full-speed CPU host (h0) and a quarter-speed one (h1), as the testbed's quotas make them
+SPECS = {"CPU-full": DeviceSpec(tf_device_type="CPU", peak_flops=CPU_FLOPS),
+         "CPU-quarter": DeviceSpec(tf_device_type="CPU", peak_flops=CPU_FLOPS / 4)}
+DEVICES = {t: DeviceProfile(peak_flops=s.peak_flops, memory_bandwidth=1e30, launch_overhead_s=0.0,
+                            efficiency={"default": 1.0}) for t, s in SPECS.items()}
+NET = NetworkProfile(per_tensor_s=40e-6, worker_step_cpu_s=0.6e-3, master_step_cpu_s=0.4e-3, tensor_cpu_s=30e-6,
+                     byte_cpu_s=0.3e-9, cpu_flops=CPU_FLOPS)
+NO_CPU = dataclasses.replace(NET, **{k: 0.0 for k in NetworkProfile.HOST_CPU_FIELDS})
+
+
+def _topology():
+    return make_topology([("h0", [("CPU-full", 1)]), ("h1", [("CPU-quarter", 1)])], specs=SPECS,
+                         inter_bandwidth=1e9, inter_latency=1e-5)
+
+
+def _simulators(net):
+    tg = mlp_graph(batch=8, widths=(256, 256, 256))
+    topo = _topology()
+    grouping = group_ops(tg, target_groups=4)
+    cost = CostModel(tg, topo, Profile(dict(DEVICES), network=net))
+    return tg, grouping, {k: Simulator(tg, topo, grouping, cost, kernel=k) for k in ("python", "compiled")}
+
+
+def test_speeds_and_extras_follow_the_measured_cpu():
+    topo = make_topology([("h0", [("CPU-full", 1)]), ("h1", [("CPU-quarter", 1)]), ("h2", [("GPU-A", 1)])],
+                         specs=SPECS)
+    assert cpu_speed(topo, NET).tolist() == pytest.approx([1.0, 0.25, 1.0])    # a GPU's host CPU works beside it
+    assert cpu_extra(topo, NET).tolist() == pytest.approx([0.0, 3.0, 0.0])     # 1/s - 1: beyond the calibration
+    assert not cpu_extra(topo, NO_CPU).any() and not cpu_extra(topo, None).any()
+
+
+def test_a_step_on_a_slower_remote_cpu_host_waits_for_its_launch():
+    """Everything on h1 (a quarter-speed CPU, not the session's host): the step starts after h1 has launched
+    its part, 0.6 ms of the measured CPU at a quarter of the speed; on h0 nothing changes."""
+    tg, grouping, with_cpu = _simulators(NET)
+    _, _, without = _simulators(NO_CPU)
+    for k in ("python", "compiled"):
+        on_h1 = Strategy(grouping, [Action((1,), "allreduce")] * grouping.num_groups)
+        on_h0 = Strategy(grouping, [Action((0,), "allreduce")] * grouping.num_groups)
+        assert with_cpu[k].evaluate(on_h1).step_time == pytest.approx(
+            without[k].evaluate(on_h1).step_time + 0.6e-3 / 0.25, rel=1e-9)
+        assert with_cpu[k].evaluate(on_h0).step_time == pytest.approx(without[k].evaluate(on_h0).step_time)
+
+
+def test_parameter_server_coefficients_charge_the_slower_end():
+    """A PS on h0 with a worker on h1: each variable costs the per-tensor figure once (one remote worker) plus
+    the runtime's CPU at the quarter-speed worker (3 times the measured 30 us beyond the calibration), each
+    byte 3 x 0.3 ns more."""
+    _, _, sims = _simulators(NET)
+    _, _, plain = _simulators(NO_CPU)
+    c = sims["python"].routing.collective("ps", [0, 1], (0, 1), 0)
+    c0 = plain["python"].routing.collective("ps", [0, 1], (0, 1), 0)
+    assert c[6] == pytest.approx(40e-6 + 3 * 30e-6)
+    assert c0[6] == pytest.approx(40e-6)
+    assert c[1] - c0[1] == pytest.approx(3 * 0.3e-9)
+    ring = sims["python"].routing.collective("allreduce", [0, 1], (0, 1), None)
+    ring0 = plain["python"].routing.collective("allreduce", [0, 1], (0, 1), None)
+    # two devices: 2 ring steps, each a send and a receive at the slower end; 2(n-1)/n = 1 of the payload each way
+    assert ring[0] - ring0[0] == pytest.approx(2 * 2 * 30e-6 * 3)
+    assert ring[1] - ring0[1] == pytest.approx(2 * 0.3e-9 * 3)
+
+
+@pytest.mark.parametrize("mode", ["ps", "allreduce"])
+def test_both_kernels_charge_the_same_and_more_than_without(mode):
+    tg, grouping, sims = _simulators(NET)
+    _, _, plain = _simulators(NO_CPU)
+    a = Action((0, 1), mode, ps_device=0 if mode == "ps" else None)
+    s = Strategy(grouping, [a] * grouping.num_groups)
+    python, compiled = sims["python"].evaluate(s).step_time, sims["compiled"].evaluate(s).step_time
+    assert python == pytest.approx(compiled, rel=1e-9)
+    assert python > plain["python"].evaluate(s).step_time + 0.6e-3 / 0.25 * 0.99
+
+
+def test_profiles_keep_the_measurement_and_old_profiles_load_without_it(tmp_path):
+    prof = Profile(dict(DEVICES), network=NET)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path).network
+    assert back.host_cpu and back.worker_step_cpu_s == pytest.approx(0.6e-3) and back.cpu_flops == CPU_FLOPS
+    d = prof.to_dict()
+    for k in NetworkProfile.HOST_CPU_FIELDS:
+        del d["network"][k]
+    old = Profile.from_dict(d).network
+    assert not old.host_cpu and old.tensor_cpu_s == 0.0 and np.isclose(old.per_tensor_s, 40e-6)
