@@ -15,8 +15,11 @@ their own cluster.
   rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
   opens a session (``TUNE_WARMUP`` untimed steps, a new session's first step sets up the graph on the
   workers) and times ``TUNE_STEPS`` steps. Each candidate's median over all its timed steps is kept
-  beside the median absolute deviation (MAD) of those steps, its noise; the fastest replaces the plan
-  only when it beats it by more than the noise (``TUNE_MIN_GAIN``, the MADs).
+  beside the median absolute deviation (MAD) of those steps, its noise. Kept (``keep``): of the
+  candidates within the noise of the fastest (``TUNE_MIN_GAIN``, the two MADs), the one on the fewest hosts,
+  then the plan, then the fastest. A gain within the noise is no gain, and a plan on more hosts has more to
+  lose: in bench_fidelity run 7 a plan on several hosts measured 40 ms in tuning against one host's 43 ms
+  (MADs 2.8 and 2.2) and then ran 60 ms against 49.
 - The default K (``default_k``): as many candidates, in the order above, as cost at most
   ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
   always measured).
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tag.errors import TagError
-from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement
+from tag.strategy.baselines import BUILTIN_STRATEGIES, hosts_used, one_device_placement
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.api import Plan
@@ -81,6 +84,7 @@ class Candidate:
     predicted_s: float
     roles: list[str] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)
+    hosts: int = 0           # hosts the strategy runs on (0: not known)
 
 
 @dataclass
@@ -161,7 +165,8 @@ def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predict
         if key in by_key:
             by_key[key].aliases.append(n)
         else:
-            by_key[key] = Candidate(n, strategies[n], float(predicted[n]))
+            by_key[key] = Candidate(n, strategies[n], float(predicted[n]),
+                                    hosts=len(hosts_used(strategies[n], topology)) if topology is not None else 0)
     out = sorted(by_key.values(), key=lambda c: (c.name != plan, c.predicted_s))
 
     def mark(role: str, among: list[str]) -> None:
@@ -213,8 +218,7 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
          say: Callable[[str], None] | None = None) -> TuneResult:
     """Measure CANDIDATES (the first is the plan) in ROUNDS interleaved rounds: MEASURE(candidate,
     total_steps, warmup) runs WARMUP + STEPS steps and returns every step's seconds; the first WARMUP are
-    dropped. The candidate with the lowest median is kept if it beats the plan (the first) by more than the
-    noise (``TUNE_MIN_GAIN`` of the plan's median and the two MADs together); otherwise the plan is kept."""
+    dropped. Which one is kept: ``keep``."""
     if not candidates:
         raise TagError("nothing to tune: no candidate")
     t0 = time.perf_counter()
@@ -227,12 +231,18 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
             got = list(measure(c, warmup + steps, warmup))
             times[c.name].extend(float(t) for t in got[warmup:])
     measured = [Measured(c, times[c.name]) for c in candidates]
-    kept = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
+    return TuneResult(measured, keep(measured), candidates[0].name, rounds, steps, warmup, time.perf_counter() - t0)
+
+
+def keep(measured: Sequence[Measured]) -> Measured:
+    """Of MEASURED (the plan first), the one to deploy: among those within the noise of the fastest (slower by
+    at most ``TUNE_MIN_GAIN`` of their median or the two MADs together), the one on the fewest hosts, then the
+    plan, then the fastest."""
+    fastest = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
     plan = measured[0]
-    if kept is not plan and plan.median_s - kept.median_s <= max(TUNE_MIN_GAIN * plan.median_s,
-                                                                 plan.mad_s + kept.mad_s):
-        kept = plan                                     # within the noise: the simulator's pick stands
-    return TuneResult(measured, kept, candidates[0].name, rounds, steps, warmup, time.perf_counter() - t0)
+    tied = [m for m in measured if m.median_s - fastest.median_s <= max(TUNE_MIN_GAIN * m.median_s,
+                                                                          m.mad_s + fastest.mad_s)]
+    return min(tied, key=lambda m: (m.candidate.hosts or math.inf, m is not plan, m.median_s))
 
 
 def tune_fields(result: TuneResult) -> dict[str, Any]:

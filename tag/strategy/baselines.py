@@ -93,6 +93,24 @@ def on_one_device(grouping: "Grouping", topology: "Topology", n_ops: int, device
                     partition={i: device for i in range(n_ops)}, name=name or f"on device {device}")
 
 
+def hosts_used(strategy: Strategy, topology: "Topology") -> frozenset[int]:
+    """The hosts (indices) whose devices STRATEGY runs anything on: every action's device groups, parameter
+    servers, partitions' devices and pipeline stages."""
+    groups: set[int] = set()
+    devices: set[int] = set()
+    for a in strategy.actions:
+        groups.update(a.placement)
+        if a.ps_device is not None:
+            devices.add(int(a.ps_device))
+    if strategy.pipeline is not None:
+        for st in strategy.pipeline.stages:
+            groups.update(st.placement)
+            if st.ps_device is not None:
+                devices.add(int(st.ps_device))
+    devices.update(topology.groups[g].devices[0] for g in groups)     # a device group lies on one host
+    return frozenset(topology.devices[d].host_index for d in devices)
+
+
 def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int, ...] | None:
     """The device of every op group when each runs whole on one device (None otherwise): a one-device action,
     or a partition whose ops all map to one device. Two strategies with the same such placement run the same
