@@ -77,3 +77,13 @@ def test_bad_shapes_raise():
         fit_levels(PARTS[:, :2], FIXED, OPS, _steps([1, 1, 1], 0), FAMILIES)
     with pytest.raises(ValueError):
         fit_levels(PARTS, FIXED, OPS, -_steps([1, 1, 1], 0), FAMILIES)
+
+
+def test_one_step_the_model_cannot_explain_does_not_drag_the_rest():
+    """bench_fidelity run 8's calibration: five steps at their prediction, one at 0.40 of it (below its own
+    launch overheads). The one scale stays at 1, where least squares had put it at 0.66."""
+    measured = _steps([1.0, 1.0, 1.0], 0.0)
+    measured[-1] *= 0.40
+    one = fit_levels(PARTS, FIXED, OPS, measured, FAMILIES, groupings=[(FAMILIES,)])
+    assert one.scales["conv"] == pytest.approx(1.0, rel=1e-6) and one.overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert one.max_error > 1.0          # the outlier is reported, not fitted
