@@ -15,11 +15,12 @@ their own cluster.
   rotated each round, so that a drift of the machine's load is spread over all); each candidate's turn
   opens a session (``TUNE_WARMUP`` untimed steps, a new session's first step sets up the graph on the
   workers) and times ``TUNE_STEPS`` steps. Each candidate's median over all its timed steps is kept
-  beside the median absolute deviation (MAD) of those steps, its noise. Kept (``keep``): of the
-  candidates within the noise of the fastest (``TUNE_MIN_GAIN``, the two MADs), the one on the fewest hosts,
-  then the plan, then the fastest. A gain within the noise is no gain, and a plan on more hosts has more to
-  lose: in bench_fidelity run 7 a plan on several hosts measured 40 ms in tuning against one host's 43 ms
-  (MADs 2.8 and 2.2) and then ran 60 ms against 49.
+  beside the median absolute deviation (MAD) of those steps, its noise. Kept (``keep``): the plan if it
+  is within the noise of the fastest (``TUNE_MIN_GAIN``, the two MADs): when the measurement cannot tell,
+  the prediction decides. Otherwise, of the candidates within the noise of the fastest, the one on the
+  fewest hosts, then the fastest: a gain within the noise is no gain, and a plan on more hosts has more to
+  lose. In bench_fidelity run 7 a plan on several hosts measured 40 ms in tuning against one host's 43 ms
+  (MADs 2.8 and 2.2), both well ahead of the simulator's plan, and then ran 60 ms against 49.
 - The default K (``default_k``): as many candidates, in the order above, as cost at most
   ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
   always measured).
@@ -236,13 +237,13 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
 
 def keep(measured: Sequence[Measured]) -> Measured:
     """Of MEASURED (the plan first), the one to deploy: among those within the noise of the fastest (slower by
-    at most ``TUNE_MIN_GAIN`` of their median or the two MADs together), the one on the fewest hosts, then the
-    plan, then the fastest."""
+    at most ``TUNE_MIN_GAIN`` of their median or the two MADs together), the plan, else the one on the fewest
+    hosts, then the fastest."""
     fastest = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
     plan = measured[0]
     tied = [m for m in measured if m.median_s - fastest.median_s <= max(TUNE_MIN_GAIN * m.median_s,
                                                                           m.mad_s + fastest.mad_s)]
-    return min(tied, key=lambda m: (m.candidate.hosts or math.inf, m is not plan, m.median_s))
+    return min(tied, key=lambda m: (m is not plan, m.candidate.hosts or math.inf, m.median_s))
 
 
 def tune_fields(result: TuneResult) -> dict[str, Any]:

@@ -90,9 +90,9 @@ from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
 from tag.errors import StrategyError
 from tag.ir.types import TrainingGraph
+from tag.sim.host_cpu import cpu_speed, step_offsets
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
-from tag.sim.host_cpu import cpu_speed, step_offsets
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
 from tag.sim.pipeline import PipelineTasks, bubble_fraction
