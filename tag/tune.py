@@ -248,12 +248,12 @@ def keep(measured: Sequence[Measured]) -> Measured:
 
 def tune_fields(result: TuneResult) -> dict[str, Any]:
     """The report's ``tune`` keys: ``candidates`` [{name, roles, aliases, predicted_ms, measured_ms, mad_ms,
-    error (measured / predicted - 1), steps}], ``plan`` (the simulator's pick), ``kept``,
+    error (measured / predicted - 1), steps, hosts (0: not known)}], ``plan`` (the simulator's pick), ``kept``,
     ``overrode_simulator``, ``rounds``, ``steps_per_round``, ``warmup_per_round``, ``seconds``."""
     rows = [{"name": m.candidate.name, "roles": list(m.candidate.roles), "aliases": list(m.candidate.aliases),
              "predicted_ms": m.candidate.predicted_s * 1e3, "measured_ms": m.median_s * 1e3,
              "mad_ms": m.mad_s * 1e3, "error": m.median_s / m.candidate.predicted_s - 1.0,
-             "steps": len(m.step_times)} for m in result.measured]
+             "steps": len(m.step_times), "hosts": m.candidate.hosts} for m in result.measured]
     return {"candidates": rows, "plan": result.plan, "kept": result.kept.candidate.name,
             "overrode_simulator": result.kept.candidate.name != result.plan, "rounds": result.rounds,
             "steps_per_round": result.steps, "warmup_per_round": result.warmup, "seconds": result.seconds}
