@@ -540,30 +540,36 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     from tag.cost.model import NetworkProfile
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.guard import RunControl
-    cpu_steps: dict[int, np.ndarray] = {}     # id of a graph -> CPU seconds per step of (near, far)
-
-    def step_time(graph_def) -> float:
+    def step(graph_def) -> tuple[float, np.ndarray | None]:
+        """The median timed step of GRAPH_DEF and, with PIDS, the CPU seconds per step of (near, far) over the
+        timed steps (the processes' CPU time after the warm-up steps and after the last: setup not counted)."""
         control, marks = None, []
-        if pids:   # the processes' CPU time after the warm-up steps and after the last: setup is not counted
+        if pids:
             def mark(event) -> None:
                 if event.kind == "step" and event.step in (2, steps):
                     marks.append(np.array([process_cpu_s(p) for p in pids]))
             control = RunControl(progress=mark)
         r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps, warmup=2,
                       control=control)
-        if len(marks) == 2:
-            cpu_steps[id(graph_def)] = (marks[1] - marks[0]) / (steps - 2)
-        return float(np.median(r.step_times[2:]))
+        return float(np.median(r.step_times[2:])), (marks[1] - marks[0]) / (steps - 2) if len(marks) == 2 else None
 
-    def cpu_extra(count: int, nbytes: int) -> np.ndarray:
-        """Runtime CPU per step of (near, far): COUNT tensors of NBYTES read remotely minus locally."""
-        remote, local = _read_graph(nbytes, near, far, count=count), _read_graph(nbytes, near, near, count=count)
-        step_time(remote), step_time(local)
-        return cpu_steps[id(remote)] - cpu_steps[id(local)]
+    def step_time(graph_def) -> float:
+        return step(graph_def)[0]
+
+    def cpu_minus(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        return a - b if a is not None and b is not None else None
+
+    def remote_minus_local(nbytes: int, count: int = 1) -> tuple[float, np.ndarray | None]:
+        """COUNT tensors of NBYTES read remotely minus locally: seconds per step, and runtime CPU per step of
+        (near, far) with PIDS."""
+        (t_r, cpu_r), (t_l, cpu_l) = (step(_read_graph(nbytes, near, far, count=count)),
+                                      step(_read_graph(nbytes, near, near, count=count)))
+        return t_r - t_l, cpu_minus(cpu_r, cpu_l)
 
     sizes = np.array(sorted(sizes_bytes), dtype=np.float64)
-    local = np.array([step_time(_read_graph(int(n), near, near)) for n in sizes])
-    remote = np.array([step_time(_read_graph(int(n), near, far)) for n in sizes])
+    local_runs = [step(_read_graph(int(n), near, near)) for n in sizes]
+    remote_runs = [step(_read_graph(int(n), near, far)) for n in sizes]
+    local, remote = (np.array([t for t, _ in runs]) for runs in (local_runs, remote_runs))
     apart = np.array([step_time(_collective_graph(int(n), (near, far), reduce=False)) for n in sizes])
     reduced = np.array([step_time(_collective_graph(int(n), (near, far), reduce=True)) for n in sizes])
     _, t_rate = fit_line(sizes, remote - local)
@@ -574,15 +580,15 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     # many small tensors in one step against one tensor of their total size: what each extra tensor costs
     many = PER_TENSOR_PROBE
     small = max(4, int(sizes[0]) // many)
-    many_s = step_time(_read_graph(small, near, far, count=many)) - step_time(_read_graph(small, near, near, count=many))
-    one_s = step_time(_read_graph(small * many, near, far)) - step_time(_read_graph(small * many, near, near))
+    many_s, many_cpu = remote_minus_local(small, count=many)
+    one_s, _ = remote_minus_local(small * many)
     per_tensor = max((many_s - one_s) / (many - 1), 0.0)
     host_cpu = {}
-    if pids and len(pids) == 2 and all(math.isfinite(process_cpu_s(p)) for p in pids):
-        one = cpu_extra(1, small)
-        tensor_cpu = max(float(np.mean(cpu_extra(many, small) - one)) / (many - 1), 0.0)
-        big = int(sizes[-1])
-        byte_cpu = max(float(np.mean(cpu_extra(1, big) - one)) / (big - small), 0.0)
+    big, big_cpu = int(sizes[-1]), cpu_minus(remote_runs[-1][1], local_runs[-1][1])
+    if many_cpu is not None and big_cpu is not None and np.all(np.isfinite([many_cpu, big_cpu])):
+        one = remote_minus_local(small)[1]
+        tensor_cpu = max(float(np.mean(many_cpu - one)) / (many - 1), 0.0)
+        byte_cpu = max(float(np.mean(big_cpu - one)) / (big - small), 0.0)
         host_cpu = dict(master_step_cpu_s=max(float(one[0]) - tensor_cpu, 0.0),
                         worker_step_cpu_s=max(float(one[1]) - tensor_cpu, 0.0),
                         tensor_cpu_s=tensor_cpu, byte_cpu_s=byte_cpu, cpu_flops=measure_peak_flops(threads=1))

@@ -151,9 +151,10 @@ class NetworkProfile:
     hosts costs ``tensor_cpu_s`` at each end, and each byte ``byte_cpu_s`` at each end (serialisation, copies).
     ``cpu_flops`` is the FLOP/s of the one-thread worker these were measured on: on a host whose device is its
     CPU the work competes with the host's own compute, at the host's speed relative to ``cpu_flops``
-    (``tag.sim.host_cpu``). Between two one-thread workers on the testbed machine: a remote worker about 1.4
-    ms per step, about 50 us per tensor and 0.4-0.5 ns per byte at each end; on a quarter-core host four times
-    that, which is what parameter-server steps of a small CNN lost there.
+    (``tag.sim.host_cpu``). Between two one-thread workers on the testbed machine: a remote worker about 0.6
+    ms per step, the session's host 0.39 ms per remote worker, about 31 us per tensor and 0.3 ns per byte at
+    each end; a quarter-core host takes four times as long, which is what parameter-server steps of a small
+    CNN lost there.
     """
 
     step_overhead_s: float = 0.0

@@ -20,8 +20,8 @@ Where it is charged (``tag.sim.routing.Routing.collective``, the same coefficien
 
 Taking part in a step (``step_offsets``): a worker on a host other than the session's (host 0) spends
 ``worker_step_cpu_s / s`` launching its part before it computes or receives anything, and the session's
-host ``master_step_cpu_s / s`` per such worker before it computes. Activations sent between hosts by mixed
-and partitioned plans carry no extra charge yet.
+host ``master_step_cpu_s / s`` per such worker before it computes. Not charged yet: activations sent
+between hosts by mixed and partitioned plans, and pipelined steps (``Simulator._run_pipeline``).
 
 Example::
 
@@ -30,7 +30,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import numpy as np
 
@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
     from tag.cost.model import NetworkProfile
     from tag.sim.layouts import Lanes
-    from tag.strategy.types import Action
 
 SESSION_HOST = 0          # the host whose task the session connects to (``LocalCluster.target``: task 0)
 
@@ -85,19 +84,14 @@ def ring_extra(net: "NetworkProfile | None", extra: np.ndarray, devices: Sequenc
 
 
 def step_offsets(topology: "Topology", net: "NetworkProfile | None", speed: np.ndarray | None, lanes: "Lanes",
-                 actions: Sequence["Action"], devices_of: Callable[[tuple], list[int]],
-                 num_resources: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(per lane, per communication resource) when each is first free in a step of ACTIONS: a worker on
-    another host than the session's launches its part first (its lanes and its NIC's two sides), the session's
-    host coordinates every such worker first (its lanes). None when nothing is charged."""
+                 used: Collection[int], num_resources: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(per lane, per communication resource) when each is first free in a step that runs on the devices USED
+    (``tag.strategy.baselines.action_devices`` of its actions): a worker on another host than the session's
+    launches its part first (its lanes and its NIC's two sides), the session's host coordinates every such
+    worker first (its lanes). None when nothing is charged."""
     if net is None or not net.host_cpu or speed is None:
         return None
     host_of = [d.host_index for d in topology.devices]
-    used: set[int] = set()
-    for a in actions:
-        used.update(devices_of(a.placement))
-        if a.mode == "ps":
-            used.add(int(a.ps_device))
     remote_hosts = {host_of[d] for d in used} - {SESSION_HOST}
     if not remote_hosts:
         return None

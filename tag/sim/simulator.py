@@ -83,6 +83,7 @@ Example::
 from __future__ import annotations
 
 from functools import partial
+from typing import Iterable
 
 import numpy as np
 
@@ -103,6 +104,7 @@ from tag.sim.sfb import SfbModel, SfbPlan
 from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import STAGE_NAMES, Recording, chrome_trace
 from tag.strategy import fusion
+from tag.strategy.baselines import action_devices
 from tag.strategy.pipeline import Pipeline
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares
 
@@ -145,6 +147,8 @@ class Simulator:
         # the runtime's CPU work on hosts whose device is their CPU (tag.sim.host_cpu), when it was measured
         self._host_net = net if net is not None and net.host_cpu else None
         self._cpu_speed = cpu_speed(topology, net) if self._host_net is not None else None
+        self._action_devices: dict[Action, tuple[int, ...]] = {}      # action -> the devices it runs on
+        self._offsets: dict[tuple, tuple | None] = {}               # (devices used, lanes) -> step_offsets
         self._valid_actions: set[Action] = set()
         self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
         self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
@@ -293,7 +297,7 @@ class Simulator:
         group_layouts, layout_of_task, split_parts, has_ps = self._task_layouts(actions, distinct, plans, lanes,
                                                                                 batch)
         schedule = StepSchedule(self.tasks, self.routing, layout_of_task, split_parts, len(lanes.lanes), plans,
-                                self.grouping.names, record, self._step_offsets(actions, lanes))
+                                self.grouping.names, record, self._step_offsets(distinct.values(), lanes))
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
@@ -351,7 +355,7 @@ class Simulator:
         w_coll = self._collective_bytes(local_actions, None, batch, group_local)
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(actions, lanes))
+            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(local_actions, lanes))
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
@@ -497,13 +501,27 @@ class Simulator:
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
         return result
 
-    def _step_offsets(self, actions: list[Action], lanes: Lanes) -> tuple[np.ndarray, np.ndarray] | None:
+    def _step_offsets(self, actions: Iterable[Action], lanes: Lanes) -> tuple[np.ndarray, np.ndarray] | None:
         """When each lane and communication resource is first free: workers on other hosts launch their part
-        of the step first (``tag.sim.host_cpu.step_offsets``; None when nothing is charged)."""
+        of the step first (``tag.sim.host_cpu.step_offsets``; None when nothing is charged). ACTIONS: the
+        step's distinct actions. Cached by the devices they use, since the search evaluates few such sets."""
         if self._host_net is None:
             return None
-        return step_offsets(self.topology, self._host_net, self._cpu_speed, lanes, actions, self.layouts.devices_of,
-                            len(self.routing.resource_names))
+        used: set[int] = set()
+        for a in actions:
+            devices = self._action_devices.get(a)
+            if devices is None:
+                if len(self._action_devices) > 20000:
+                    self._action_devices.clear()
+                devices = self._action_devices[a] = action_devices(a, self.topology)
+            used.update(devices)
+        key = (frozenset(used), lanes.key)
+        if key not in self._offsets:
+            if len(self._offsets) > 4096:
+                self._offsets.clear()
+            self._offsets[key] = step_offsets(self.topology, self._host_net, self._cpu_speed, lanes, key[0],
+                                              len(self.routing.resource_names))
+        return self._offsets[key]
 
     def _collective_bytes(self, actions: list[Action], weights, batch: int, group_of: np.ndarray | None = None):
         """Bytes each op group's collective is charged for (``MemoryModel.collective_bytes``): WEIGHTS

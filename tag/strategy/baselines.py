@@ -45,6 +45,7 @@ from tag.strategy.types import Action, Grouping, Strategy
 if TYPE_CHECKING:  # pragma: no cover
     from tag.ir.types import TrainingGraph
     from tag.cluster.topology import Topology
+    from tag.strategy.pipeline import PipelineStage
 
 BUILTIN_STRATEGIES: tuple[str, ...] = ("dp_allreduce", "ps", "single", "partition")
 
@@ -93,22 +94,19 @@ def on_one_device(grouping: "Grouping", topology: "Topology", n_ops: int, device
                     partition={i: device for i in range(n_ops)}, name=name or f"on device {device}")
 
 
+def action_devices(action: "Action | PipelineStage", topology: "Topology") -> tuple[int, ...]:
+    """The devices ACTION (or a pipeline stage) runs on: its device groups' devices, then its parameter server."""
+    devices = [d for g in action.placement for d in topology.groups[g].devices]
+    if action.ps_device is not None and int(action.ps_device) not in devices:
+        devices.append(int(action.ps_device))
+    return tuple(devices)
+
+
 def hosts_used(strategy: Strategy, topology: "Topology") -> frozenset[int]:
-    """The hosts (indices) whose devices STRATEGY runs anything on: every action's device groups, parameter
-    servers, partitions' devices and pipeline stages."""
-    groups: set[int] = set()
-    devices: set[int] = set()
-    for a in strategy.actions:
-        groups.update(a.placement)
-        if a.ps_device is not None:
-            devices.add(int(a.ps_device))
-    if strategy.pipeline is not None:
-        for st in strategy.pipeline.stages:
-            groups.update(st.placement)
-            if st.ps_device is not None:
-                devices.add(int(st.ps_device))
-    devices.update(topology.groups[g].devices[0] for g in groups)     # a device group lies on one host
-    return frozenset(topology.devices[d].host_index for d in devices)
+    """The hosts (indices) whose devices STRATEGY runs anything on: every action's and pipeline stage's
+    devices and parameter servers (``action_devices``)."""
+    units = list(strategy.actions) + (list(strategy.pipeline.stages) if strategy.pipeline is not None else [])
+    return frozenset(topology.devices[d].host_index for u in units for d in action_devices(u, topology))
 
 
 def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int, ...] | None:
