@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, pack_quotas, testbed_available
 from bounded import bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,6 +279,25 @@ def test_bad_cpu_quota_and_nic_are_input_errors():
     assert [r * 8 / 1e9 for r in tb.nic_rates] == pytest.approx([1.0, 1.0, 0.2])
 
 
+def test_quotas_pack_onto_cpus_at_most_one_core_each():
+    assert pack_quotas({"a": 1.0, "b": 0.5, "c": 0.25}, [0, 1]) == {"a": "0", "b": "1", "c": "1"}
+    # least-loaded first: 0.25 joins 0.5 (0.75) rather than filling 0.75 up to a whole core
+    assert pack_quotas({"a": 0.75, "b": 0.5, "c": 0.25}, [0, 1]) == {"a": "0", "b": "1", "c": "1"}
+    assert pack_quotas({"a": 0.5, "b": 0.5, "c": 0.5}, [0, 1, 2, 3]) == {"a": "0", "b": "1", "c": "2"}
+    assert pack_quotas({"a": 2.0, "b": 1.0}, [0, 1, 2]) == {"a": "0,1", "b": "2"}
+    assert pack_quotas({"a": 1.0, "b": 1.0, "c": 0.5}, [0, 1]) is None
+    assert pack_quotas({"a": 1.5, "b": 0.6}, [0, 1]) is None
+
+
+def test_bad_cpu_pinning_is_an_input_error():
+    with pytest.raises(TestbedError, match="cpu_pinning"):
+        Testbed(topo(), cpu_quota=[1.0, 0.5], cpu_pinning="sometimes")
+    with pytest.raises(TestbedError, match="CPU list"):
+        Testbed(topo(), cpu_pinning=["0", "one"])
+    assert Testbed(topo(), cpu_quota=[1.0, 0.5], cpu_pinning="off").cpu_pinning == {}
+    assert Testbed(topo(), cpu_pinning=["0", None]).cpu_pinning == {"h0": "0", "h1": None}
+
+
 UNEQUAL = ('link { a: "h0" b: "h1" bandwidth_gbps: 0.4 }\n'
            'link { a: "h0" b: "h2" bandwidth_gbps: 0.1 }\nlink { a: "h1" b: "h2" bandwidth_gbps: 0.1 }\n')
 
@@ -300,6 +319,12 @@ def test_quotas_unequal_links_and_a_shared_nic():
                              "while time.time()-s<1.0: pass\nprint(time.process_time()-t)"],
                              capture_output=True, text=True, timeout=60, check=True)
         assert float(res.stdout) < 0.4
+        # pinned (cpu_pinning="auto"): h0 alone on one CPU, h1 and h2 together on another
+        if len(os.sched_getaffinity(0)) >= 2:
+            show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+            allowed = [subprocess.run(tb.launch_prefix(h) + show, capture_output=True, text=True, timeout=60,
+                                      check=True).stdout.strip() for h in ("h0", "h1", "h2")]
+            assert allowed[0] != allowed[1] and allowed[1] == allowed[2] and all(a.count(",") == 0 for a in allowed)
         goodput = 1448 / 1514
         assert tb.measure_bandwidth("h0", "h1") * 8 / 1e9 == pytest.approx(0.4 * goodput, rel=0.2)
         assert tb.measure_bandwidth("h0", "h2") * 8 / 1e9 == pytest.approx(0.1 * goodput, rel=0.2)

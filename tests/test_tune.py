@@ -69,6 +69,26 @@ def test_strategies_on_the_same_single_devices_are_one_candidate_with_the_topolo
     assert sorted(cands[1].aliases) == ["mcts", "partition"]
 
 
+def test_a_pipeline_of_one_micro_batch_on_single_devices_is_that_placement():
+    """One micro-batch through stages that each run on one device is the program of that per-group
+    placement (``single`` when every stage is on the same device); more micro-batches are another program."""
+    from tiny import make_topology
+    from tag.strategy.pipeline import Pipeline, PipelineStage
+    topo = make_topology([("h0", [("GPU-A", 1)]), ("h1", [("GPU-A", 1)]), ("h2", [("GPU-A", 1)])])
+
+    def pipe(m, first=0, second=0):
+        return Strategy.pipelined(GROUPING, Pipeline((PipelineStage((0,), (first,)), PipelineStage((1,), (second,))), m))
+
+    single = strat(ONE, ONE)
+    assert strategy_key(pipe(1), topo) == strategy_key(single, topo)
+    assert strategy_key(pipe(2), topo) != strategy_key(single, topo)
+    assert strategy_key(pipe(1, 0, 1), topo) == strategy_key(strat(ONE, Action((1,), "allreduce")), topo)
+    assert strategy_key(pipe(1, 0, 1), topo) != strategy_key(single, topo)
+    cands = distinct_candidates("single", {"single": single, "pipeline": pipe(1), "pipeline_m2": pipe(2)},
+                                {"single": 0.2, "pipeline": 0.2, "pipeline_m2": 0.21}, {}, topo)
+    assert [(c.name, c.aliases) for c in cands] == [("single", ["pipeline"]), ("pipeline_m2", [])]
+
+
 def test_the_plan_is_a_builtin_and_still_meets_the_best_uniform_action():
     predicted = dict(PREDICTED, refine=0.25, pase_dp=0.25, mcts=0.25, best_uniform=0.22)
     strategies = dict(STRATEGIES, best_uniform=strat(ONE, ALL))

@@ -24,7 +24,13 @@ IP and TCP headers at MTU 1500).
 
 Hosts of unequal, repeatable speed: ``cpu_quota`` gives each host a CFS bandwidth quota (cgroup v1
 ``cpu.cfs_quota_us`` over a 10 ms ``cpu.cfs_period_us``, ``CFS_PERIOD_US``) in cores, e.g. 1.0, 0.5 and
-0.25: a host never gets more CPU time than that, whatever else runs. Optional CPU shares per host (``cpu.shares``)
+0.25: a host never gets more CPU time than that, whatever else runs. The hosts with a quota are also pinned
+to the machine's CPUs (cgroup v1 ``cpuset``, ``cpu_pinning="auto"``, the default): largest quota first, each on
+the least-loaded CPUs whose quotas still sum to at most one core, e.g. 1.0 on one CPU and 0.5 + 0.25 on
+another. Why: an unpinned host of quota 1.0 runs its threads on two cores at once, spends its 10 ms of CPU
+in 5 ms and is then frozen for 5 ms; the same program measured in 12-step sessions then ran 55-68 ms (two
+modes), pinned 55-56 ms. When the quotas do not pack onto the CPUs, nothing is pinned and a warning says so.
+Optional CPU shares per host (``cpu.shares``)
 only weigh hosts against each other under contention -- a coarser stand-in for slower devices.
 
 Needs root and iproute2 (``ip``, ``tc``); nothing is installed. Everything is torn down on exit, even
@@ -53,6 +59,7 @@ import dataclasses
 import fcntl
 import ipaddress
 import json
+import math
 import os
 import re
 import shutil
@@ -75,6 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range
 BLOCK_PREFIX = 24
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
+CGROUP_CPUSET = "/sys/fs/cgroup/cpuset"
 CFS_PERIOD_US = 10_000     # short slices: a quota slows every kernel alike, as a slower device would
 PREFIX = "tag"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)t(\d+)(?:h\d+|br|r\d+)?$")
@@ -205,6 +213,57 @@ def _parse_quota(cpu_quota, hosts: Sequence["Host"]) -> dict[str, float | None] 
     return out
 
 
+def pack_quotas(quotas: Mapping[str, float], cpus: Sequence[int]) -> dict[str, str] | None:
+    """host -> CPU list ("0", "2,3") that packs QUOTAS (host -> cores) onto CPUS so that no CPU carries more
+    than one core of quota: largest quota first, each on the least-loaded CPUs (a quota q above one core takes
+    ceil(q) CPUs, q / ceil(q) on each); None when they do not fit."""
+    load = {c: 0.0 for c in cpus}
+    out: dict[str, str] = {}
+    for name, q in sorted(quotas.items(), key=lambda kv: (-kv[1], kv[0])):
+        k = max(1, math.ceil(q - 1e-9))
+        chosen = sorted(load, key=lambda c: (load[c], c))[:k]
+        if len(chosen) < k or any(load[c] + q / k > 1.0 + 1e-9 for c in chosen):
+            return None
+        for c in chosen:
+            load[c] += q / k
+        out[name] = ",".join(str(c) for c in sorted(chosen))
+    return out
+
+
+def _parse_pinning(cpu_pinning, cpu_quota: dict | None, hosts: Sequence["Host"]) -> dict[str, str | None]:
+    """host name -> CPU list (None: not pinned) from "auto", "off", a mapping or a list in host order."""
+    if isinstance(cpu_pinning, str):
+        if cpu_pinning == "off":
+            return {}
+        if cpu_pinning != "auto":
+            raise TestbedError(f"cpu_pinning must be 'auto', 'off', or CPU lists per host, got {cpu_pinning!r}")
+        quotas = {n: q for n, q in (cpu_quota or {}).items() if q is not None}
+        if not quotas:
+            return {}
+        cpus = sorted(os.sched_getaffinity(0))
+        packed = pack_quotas(quotas, cpus)
+        if packed is None:
+            warnings.warn(f"cpu quotas {sorted(quotas.values(), reverse=True)} do not pack onto this machine's "
+                          f"{len(cpus)} CPUs at one core each: hosts are not pinned", RuntimeWarning, stacklevel=3)
+            return {}
+        return packed
+    given = _per_host("cpu_pinning", cpu_pinning, hosts, None)
+    for n, c in given.items():
+        if c is not None and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(c)):
+            raise TestbedError(f"cpu_pinning of host {n!r} must be a CPU list such as '0' or '1-3,5', got {c!r}")
+    return {n: (None if c is None else str(c)) for n, c in given.items()}
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 _RECEIVER = r"""
 import json, socket, sys, time
 s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
@@ -279,7 +338,9 @@ class Testbed:
     ``tb.measure_bandwidth(a, b)`` measures a TCP stream between two hosts. ``shape_links=False``
     leaves links at veth speed. ``cpu_shares``: host name -> cgroup v1 cpu.shares (1024 = normal),
     or a list in host order. ``cpu_quota``: host name -> cores (CFS quota; None: unlimited), or a
-    list in host order. ``nic_gbps``: host name -> NIC rate in Gbit/s (or a list); default: each
+    list in host order. ``cpu_pinning``: "auto" (pin the hosts with a quota to CPUs, see the module
+    docstring), "off", or host name -> CPU list ("0", "1-3"; or a list in host order; None: not pinned).
+    ``nic_gbps``: host name -> NIC rate in Gbit/s (or a list); default: each
     host's fastest declared link. ``tb.launch_prefix(host)`` is the argv prefix that runs a command
     in a host's namespace and cgroup (for servers other than tag-worker, e.g. tf.distribute workers).
     """
@@ -289,7 +350,8 @@ class Testbed:
     def __init__(self, topology: "Topology", shape_links: bool = True,
                  cpu_shares: Mapping[str, int] | Sequence[int] | None = None,
                  cpu_quota: Mapping[str, float | None] | Sequence[float | None] | None = None,
-                 nic_gbps: Mapping[str, float] | Sequence[float] | None = None):
+                 nic_gbps: Mapping[str, float] | Sequence[float] | None = None,
+                 cpu_pinning: str | Mapping[str, str | None] | Sequence[str | None] = "auto"):
         if not topology.hosts:
             raise TestbedError(f"topology {topology.name!r} has no hosts")
         if len(topology.hosts) > 250:
@@ -299,6 +361,7 @@ class Testbed:
         self.cpu_shares = _parse_shares(cpu_shares, topology.hosts)
         self.cpu_quota = _parse_quota(cpu_quota, topology.hosts)
         self.nic_rates = self._nic_rates(nic_gbps)   # bytes/s per host index
+        self.cpu_pinning = _parse_pinning(cpu_pinning, self.cpu_quota, topology.hosts)  # host -> CPU list
         self.latency_shaped = False
         self.topology: "Topology | None" = None
         self.target: str | None = None
@@ -334,8 +397,8 @@ class Testbed:
     def _veth(self, i: int) -> str:
         return f"{PREFIX}{self._token}r{i}"
 
-    def _cgroup(self, i: int | None = None) -> str:
-        base = os.path.join(CGROUP_CPU, f"{PREFIX}{self._token}")
+    def _cgroup(self, i: int | None = None, root: str = CGROUP_CPU) -> str:
+        base = os.path.join(root, f"{PREFIX}{self._token}")
         return base if i is None else os.path.join(base, f"h{i}")
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -368,6 +431,8 @@ class Testbed:
                 self._shape()
             if self.cpu_shares is not None or self.cpu_quota is not None:
                 self._make_cgroups()
+            if self.cpu_pinning:
+                self._make_cpusets()
             hosts = [dataclasses.replace(h, address=self.address(i)) for i, h in enumerate(self.source.hosts)]
             self.topology = dataclasses.replace(self.source, hosts=hosts)
         except BaseException:
@@ -528,15 +593,44 @@ class Testbed:
                 with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
                     f.write(str(max(1000, int(round(q * CFS_PERIOD_US)))))
 
+    def _make_cpusets(self) -> None:
+        """One cgroup v1 cpuset per pinned host (``self.cpu_pinning``) under one for the testbed."""
+        if not os.path.isfile(os.path.join(CGROUP_CPUSET, "cpuset.cpus")):
+            raise TestbedError(f"cpu_pinning needs the cgroup v1 cpuset controller at {CGROUP_CPUSET}; "
+                               "pass cpu_pinning='off'")
+        mems = _read(os.path.join(CGROUP_CPUSET, "cpuset.mems"))
+        base = self._cgroup(root=CGROUP_CPUSET)
+        os.mkdir(base)
+        self._created.append(("cgroup", base))
+        _write(os.path.join(base, "cpuset.cpus"), _read(os.path.join(CGROUP_CPUSET, "cpuset.cpus")))
+        _write(os.path.join(base, "cpuset.mems"), mems)
+        for i, h in enumerate(self.source.hosts):
+            cpus = self.cpu_pinning.get(h.name)
+            if cpus is None:
+                continue
+            path = self._cgroup(i, root=CGROUP_CPUSET)
+            os.mkdir(path)
+            self._created.append(("cgroup", path))
+            try:
+                _write(os.path.join(path, "cpuset.cpus"), cpus)
+            except OSError as err:
+                raise TestbedError(f"cannot pin host {h.name!r} to CPUs {cpus!r}: {err}") from None
+            _write(os.path.join(path, "cpuset.mems"), mems)
+
     def launch_prefix(self, host: str | int) -> list[str]:
-        """Argv prefix that runs a command inside HOST's namespace (and its cgroup, when there is one)."""
+        """Argv prefix that runs a command inside HOST's namespace (and its cgroup and cpuset, when it has
+        them)."""
         if self.topology is None:
             raise TestbedError("set up the testbed first (use it as a context manager)")
         i = self._index(host)
-        prefix: list[str] = []
+        groups = []
         if self.cpu_shares is not None or self.cpu_quota is not None:
-            # join the host's cgroup first: `ip netns exec` remounts /sys, hiding the cgroup tree
-            prefix = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self._cgroup(i), "cgroup.procs")]
+            groups.append(os.path.join(self._cgroup(i), "cgroup.procs"))
+        if self.cpu_pinning.get(self.source.hosts[i].name) is not None:
+            groups.append(os.path.join(self._cgroup(i, root=CGROUP_CPUSET), "cgroup.procs"))
+        # join the host's cgroups first: `ip netns exec` remounts /sys, hiding the cgroup tree
+        join = "".join(f'echo $$ > "${k}" && ' for k in range(1, len(groups) + 1))
+        prefix = ["sh", "-c", f'{join}shift {len(groups)} && exec "$@"', "sh", *groups] if groups else []
         return prefix + ["ip", "netns", "exec", self.namespace(i)]
 
     # -- workers ---------------------------------------------------------------------------------
@@ -731,9 +825,11 @@ def cleanup_stale() -> list[str]:
         name = parts[1].strip().split("@")[0]
         if stale(name) and _run(["ip", "link", "del", name], check=False).returncode == 0:
             removed.append(f"link {name}")
-    if os.path.isdir(CGROUP_CPU):
-        for name in os.listdir(CGROUP_CPU):
-            path = os.path.join(CGROUP_CPU, name)
+    for root in (CGROUP_CPU, CGROUP_CPUSET):
+        if not os.path.isdir(root):
+            continue
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
             if os.path.isdir(path) and stale(name):
                 for child in os.listdir(path):
                     if os.path.isdir(os.path.join(path, child)):

@@ -112,10 +112,11 @@ def hosts_used(strategy: Strategy, topology: "Topology") -> frozenset[int]:
 def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int, ...] | None:
     """The device of every op group when each runs whole on one device (None otherwise): a one-device action,
     or a partition whose ops all map to one device. Two strategies with the same such placement run the same
-    program, whatever their modes say (``partition`` choosing one device is ``single``). Pipelines: None
-    (micro-batches make another program)."""
+    program, whatever their modes say (``partition`` choosing one device is ``single``). A pipeline of one
+    micro-batch whose stages each run on one device is that placement too (the stages run one after the
+    other, as a partition's do); with more micro-batches: None (micro-batches make another program)."""
     if strategy.pipeline is not None:
-        return None
+        return pipeline_device_placement(strategy, topology)
     where = []
     for g, a in enumerate(strategy.actions):
         if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
@@ -128,6 +129,21 @@ def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int,
             return None
         where.append(devices.pop())
     return tuple(where)
+
+
+def pipeline_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int, ...] | None:
+    """``one_device_placement`` of a pipelined STRATEGY: the device of every op group when it has one
+    micro-batch and each stage runs on one device; None otherwise."""
+    pipe = strategy.pipeline
+    if pipe.micro_batches != 1:
+        return None
+    where = [None] * strategy.grouping.num_groups
+    for stage in pipe.stages:
+        if len(stage.placement) != 1 or len(topology.groups[stage.placement[0]].devices) != 1:
+            return None
+        for g in stage.groups:
+            where[g] = topology.groups[stage.placement[0]].devices[0]
+    return None if None in where else tuple(where)
 
 
 def best_connected_device(topology: "Topology") -> int:
