@@ -288,7 +288,8 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
         return Profile.load(out)
 
-    with Testbed(topo, shape_links=False, cpu_quota=quotas) as tb:
+    # the quotas are timed one at a time, each profiler pinned by taskset: the testbed need not pack them
+    with Testbed(topo, shape_links=False, cpu_quota=quotas, cpu_pinning="off") as tb:
         base_path = os.path.join(workdir, f"profile-{device_type(quotas[0])}.json")
         table = ["--matmul-table"] if cal.get("matmul_table") else []
         base = profile(0, ["--model", *models, "--steps", str(cal["traced_steps"]), *table], base_path)
