@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, pack_quotas, testbed_available
+from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from tag.backend.testbed_hosts import pack_quotas
 from bounded import bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
