@@ -263,6 +263,7 @@ class Testbed:
         self.cpu_quota = _parse_quota(cpu_quota, topology.hosts)
         self.nic_rates = self._nic_rates(nic_gbps)   # bytes/s per host index
         self.cpu_pinning = _parse_pinning(cpu_pinning, self.cpu_quota, topology.hosts)  # host -> CPU list
+        self._pinning_auto = cpu_pinning == "auto"
         self.latency_shaped = False
         self.topology: "Topology | None" = None
         self.target: str | None = None
@@ -497,6 +498,11 @@ class Testbed:
     def _make_cpusets(self) -> None:
         """One cgroup v1 cpuset per pinned host (``self.cpu_pinning``) under one for the testbed."""
         if not os.path.isfile(os.path.join(CGROUP_CPUSET, "cpuset.cpus")):
+            if self._pinning_auto:    # chosen for the caller: run unpinned, as before pinning existed
+                warnings.warn(f"no cgroup v1 cpuset controller at {CGROUP_CPUSET}: hosts are not pinned",
+                              RuntimeWarning, stacklevel=3)
+                self.cpu_pinning = {}
+                return
             raise TestbedError(f"cpu_pinning needs the cgroup v1 cpuset controller at {CGROUP_CPUSET}; "
                                "pass cpu_pinning='off'")
         mems = _read(os.path.join(CGROUP_CPUSET, "cpuset.mems"))
