@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.signal_teardown import TeardownOnSignal
-from tag.backend.testbed_hosts import TestbedError, _parse_pinning, _parse_quota, _parse_shares, _read, _write
+from tag.backend.testbed_hosts import CGROUP_CPUSET, TestbedError, _parse_pinning, _parse_quota, _parse_shares
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.backend.runtime import LocalCluster
@@ -81,7 +81,6 @@ if TYPE_CHECKING:  # pragma: no cover
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range
 BLOCK_PREFIX = 24
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
-CGROUP_CPUSET = "/sys/fs/cgroup/cpuset"
 CFS_PERIOD_US = 10_000     # short slices: a quota slows every kernel alike, as a slower device would
 PREFIX = "tag"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)t(\d+)(?:h\d+|br|r\d+)?$")
@@ -95,6 +94,16 @@ BURST_S = 0.0002
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
 
 def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
     try:
@@ -263,7 +272,6 @@ class Testbed:
         self.cpu_quota = _parse_quota(cpu_quota, topology.hosts)
         self.nic_rates = self._nic_rates(nic_gbps)   # bytes/s per host index
         self.cpu_pinning = _parse_pinning(cpu_pinning, self.cpu_quota, topology.hosts)  # host -> CPU list
-        self._pinning_auto = cpu_pinning == "auto"
         self.latency_shaped = False
         self.topology: "Topology | None" = None
         self.target: str | None = None
@@ -498,11 +506,6 @@ class Testbed:
     def _make_cpusets(self) -> None:
         """One cgroup v1 cpuset per pinned host (``self.cpu_pinning``) under one for the testbed."""
         if not os.path.isfile(os.path.join(CGROUP_CPUSET, "cpuset.cpus")):
-            if self._pinning_auto:    # chosen for the caller: run unpinned, as before pinning existed
-                warnings.warn(f"no cgroup v1 cpuset controller at {CGROUP_CPUSET}: hosts are not pinned",
-                              RuntimeWarning, stacklevel=3)
-                self.cpu_pinning = {}
-                return
             raise TestbedError(f"cpu_pinning needs the cgroup v1 cpuset controller at {CGROUP_CPUSET}; "
                                "pass cpu_pinning='off'")
         mems = _read(os.path.join(CGROUP_CPUSET, "cpuset.mems"))

@@ -16,6 +16,8 @@ from tag.errors import TagError
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Host
 
+CGROUP_CPUSET = "/sys/fs/cgroup/cpuset"
+
 
 class TestbedError(TagError):
     """The testbed cannot be built here (not root, no iproute2, no namespaces) or a step failed."""
@@ -91,6 +93,10 @@ def _parse_pinning(cpu_pinning, cpu_quota: dict | None, hosts: Sequence["Host"])
         quotas = {n: q for n, q in (cpu_quota or {}).items() if q is not None}
         if not quotas:
             return {}
+        if not os.path.isfile(os.path.join(CGROUP_CPUSET, "cpuset.cpus")):   # run unpinned, as before pinning
+            warnings.warn(f"no cgroup v1 cpuset controller at {CGROUP_CPUSET}: hosts are not pinned",
+                          RuntimeWarning, stacklevel=3)
+            return {}
         cpus = sorted(os.sched_getaffinity(0))
         packed = pack_quotas(quotas, cpus)
         if packed is None:
@@ -103,13 +109,3 @@ def _parse_pinning(cpu_pinning, cpu_quota: dict | None, hosts: Sequence["Host"])
         if c is not None and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(c)):
             raise TestbedError(f"cpu_pinning of host {n!r} must be a CPU list such as '0' or '1-3,5', got {c!r}")
     return {n: (None if c is None else str(c)) for n, c in given.items()}
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)

@@ -119,8 +119,9 @@ def one_device_placement(strategy: Strategy, topology: "Topology") -> tuple[int,
         return pipeline_device_placement(strategy, topology)
     where = []
     for g, a in enumerate(strategy.actions):
-        if len(a.placement) == 1 and len(topology.groups[a.placement[0]].devices) == 1:
-            where.append(topology.groups[a.placement[0]].devices[0])
+        device = single_device(a.placement, topology)
+        if device is not None:
+            where.append(device)
             continue
         if a.mode != "partition":
             return None
@@ -139,11 +140,19 @@ def pipeline_device_placement(strategy: Strategy, topology: "Topology") -> tuple
         return None
     where = [None] * strategy.grouping.num_groups
     for stage in pipe.stages:
-        if len(stage.placement) != 1 or len(topology.groups[stage.placement[0]].devices) != 1:
+        device = single_device(stage.placement, topology)
+        if device is None:
             return None
         for g in stage.groups:
-            where[g] = topology.groups[stage.placement[0]].devices[0]
+            where[g] = device
     return None if None in where else tuple(where)
+
+
+def single_device(placement: tuple[int, ...], topology: "Topology") -> int | None:
+    """The device of PLACEMENT (device groups) when it is one group of one device, else None."""
+    if len(placement) == 1 and len(topology.groups[placement[0]].devices) == 1:
+        return topology.groups[placement[0]].devices[0]
+    return None
 
 
 def best_connected_device(topology: "Topology") -> int:
