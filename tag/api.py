@@ -279,7 +279,8 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     batch = int(batch_size if batch_size is not None else graph.batch_size)
     if batch < topo.num_devices:
         raise TagError(f"the global batch {batch} is smaller than the {topo.num_devices} devices of "
-                       f"{topo.name}; data parallelism needs at least one example per device (pass batch_size=)")
+                       f"{topo.name}; data parallelism needs at least one example per device (a larger batch: "
+                       "batch_size= in tag.optimize, --batch in tag-deploy)")
     if grouping is None:
         grouping = group_ops(graph, target_groups=int(groups))
     elif len(grouping.group_of_op) != len(graph.ops):
