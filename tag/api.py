@@ -186,7 +186,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     ("grpc://host:port"), a running cluster (``LocalCluster``, ``Testbed``) or a ``Topology`` (its cluster
     is opened for it); the ``tune_k`` most promising distinct candidates (the plan, the best built-in, the
     best uniform action, then the next fastest predicted; None: as many as cost about 30 steps of the
-    slowest) run there in interleaved rounds on synthetic batches and the one measured fastest is returned,
+    slowest, none predicted over 3x the fastest) run there in interleaved rounds on synthetic batches and the one measured fastest is returned,
     its report's ``tune`` keys listing every candidate's predicted and measured time. ``min_gain``: a searched
     strategy replaces the best feasible built-in only when predicted at least this much faster (default
     0.05: smaller gains are within the simulator's error on real runs; 0 keeps the fastest predicted).

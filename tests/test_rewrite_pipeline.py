@@ -500,3 +500,13 @@ def test_random_stage_splits_train_exactly(cluster, case):
     ref, grads0 = tr.reference(gd, ir, batches)
     got = tr.run_rewritten(res, target, ir, batches)
     tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer], adaptive=optimizer == "adam")
+
+
+def test_bench_micro_batch_rounding_is_what_float32_order_alone_does():
+    """bench_pipeline.micro_batch_rounding: one micro-batch is the whole batch (0); M micro-batches of a small
+    MLP (and a transformer, whose embedding gradient is IndexedSlices) differ from the whole batch by float32
+    rounding only, far below the 1e-5 the unit tests hold pipelines to."""
+    bench = _bench_pipeline_module()
+    assert bench.micro_batch_rounding("mlp", 48, 64, 3, 1) == 0.0
+    assert 0.0 <= bench.micro_batch_rounding("mlp", 48, 64, 3, 4) < 1e-5
+    assert 0.0 <= bench.micro_batch_rounding("transformer", 12, 32, 2, 4) < 1e-4

@@ -113,6 +113,17 @@ def test_default_k_costs_about_30_steps_of_the_slowest():
     assert len(choose(slow_plan_roles, None)) == 3
 
 
+def test_default_k_leaves_out_candidates_predicted_over_3x_the_fastest():
+    """bench_e2e's deep transformer: the plan at 1.2 s, one device at 1.7 s, then candidates at 1.5, 4.0, 4.1
+    and 10 s. Without the cap the 30-step budget of the slowest (10 s) let all six in (359 s of tuning)."""
+    cands = [Candidate("plan", None, 1.2, [PLAN]), Candidate("single", None, 1.7, [BEST_BUILTIN]),
+             Candidate("refine", None, 1.5), Candidate("partition", None, 4.0), Candidate("dp", None, 4.1),
+             Candidate("ps", None, 10.0)]
+    assert default_k(cands) == 3
+    assert [c.name for c in choose(cands, None)] == ["plan", "refine", "single"]
+    assert len(choose(cands, 6)) == 6                # an explicit K is the user's
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True])
 def test_bad_k_is_an_input_error(bad):
     with pytest.raises(TagError, match="positive number of candidates"):
