@@ -395,8 +395,8 @@ def main(argv=None) -> int:
           f"{summary['pipeline_over_best_uniform']:.2f}x geomean (target >= 1.25), best case {best:.2f}x (>= 1.4); "
           f"pipeline / best MWMS {summary['pipeline_over_best_mwms']:.2f}x; median |rel error| of the pipeline's "
           f"prediction {summary['median_abs_rel_error_pipeline']:.3f} (<= 0.15); max rel weight diff "
-          f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}, float32 summation "
-          f"order alone {summary['max_micro_batch_rounding']:.1e}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}, "
+          f"float32 summation order alone {summary['max_micro_batch_rounding']:.1e}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": quotas,

@@ -186,10 +186,11 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     ("grpc://host:port"), a running cluster (``LocalCluster``, ``Testbed``) or a ``Topology`` (its cluster
     is opened for it); the ``tune_k`` most promising distinct candidates (the plan, the best built-in, the
     best uniform action, then the next fastest predicted; None: as many as cost about 30 steps of the
-    slowest, none predicted over 3x the fastest) run there in interleaved rounds on synthetic batches and the one measured fastest is returned,
-    its report's ``tune`` keys listing every candidate's predicted and measured time. ``min_gain``: a searched
-    strategy replaces the best feasible built-in only when predicted at least this much faster (default
-    0.05: smaller gains are within the simulator's error on real runs; 0 keeps the fastest predicted).
+    slowest, none predicted over 3x the fastest) run there in interleaved rounds on synthetic batches and
+    the one measured fastest is returned, its report's ``tune`` keys listing every candidate's predicted and
+    measured time. ``min_gain``: a searched strategy replaces the best feasible built-in only when
+    predicted at least this much faster (default 0.05: smaller gains are within the simulator's error on
+    real runs; 0 keeps the fastest predicted).
     ``precision``: ``"mixed_float16"`` / ``"mixed_bfloat16"`` rewrite the graph with TensorFlow's automatic
     mixed-precision pass first (FP16 with static loss scaling; ``tag.frontend.precision``), so the plan is
     made for, and deploys, the graph that will run; ``"tf32"`` costs FP32 MatMuls and convolutions at the
