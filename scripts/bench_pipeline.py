@@ -120,6 +120,11 @@ def random_feed(ir, gd, seed: int = 0) -> dict:
     return feed
 
 
+def relative_diff(a, b) -> float:
+    """The largest |A - B| over B's largest magnitude (1 when B is all zeros)."""
+    return float(np.max(np.abs(a - b))) / (float(np.max(np.abs(b))) or 1.0)
+
+
 def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
     """One step of rewrite RES on TARGET vs the original graph on one local device, same batch: (the largest
     |difference| of an updated weight over the weight's largest magnitude, the same for the whole-batch
@@ -178,10 +183,8 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
     noise = zero_gradient_variables([v.name for v in vs], all_grads)
     ref_grads = dict(zip([v.name for v in vs], all_grads))
 
-    def rel(a, b):
-        return float(np.max(np.abs(a - b))) / (float(np.max(np.abs(b))) or 1.0)
-    weights = max((rel(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]), default=0.0)
-    grads = max((rel(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads) if v.name not in noise),
+    weights = max((relative_diff(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]), default=0.0)
+    grads = max((relative_diff(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads) if v.name not in noise),
                 default=0.0)
     return weights, grads, sorted(noise)
 
@@ -222,8 +225,7 @@ def micro_batch_rounding(model: str, batch: int, width: int | None, depth: int |
                                       for m in range(micro_batches)))]
     names = [v.name for v in net.trainable_variables]
     noise = zero_gradient_variables(names, whole)
-    return max((float(np.max(np.abs(a - b))) / (float(np.max(np.abs(b))) or 1.0)
-                for n, a, b in zip(names, summed, whole) if n not in noise), default=0.0)
+    return max((relative_diff(a, b) for n, a, b in zip(names, summed, whole) if n not in noise), default=0.0)
 
 
 def hand_pipeline(env: SearchEnv, micro_batches: int, quotas: list[float], schedule: str = "1f1b") -> Strategy:

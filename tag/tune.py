@@ -245,14 +245,19 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
     return TuneResult(measured, keep(measured), candidates[0].name, rounds, steps, warmup, time.perf_counter() - t0)
 
 
+def within_noise(median: float, mad: float, fastest_median: float, fastest_mad: float) -> bool:
+    """Whether a candidate measured MEDIAN (MAD) is within the noise of the fastest: slower by at most
+    ``TUNE_MIN_GAIN`` of its median or the two MADs together (any one time unit)."""
+    return median - fastest_median <= max(TUNE_MIN_GAIN * median, mad + fastest_mad)
+
+
 def keep(measured: Sequence[Measured]) -> Measured:
     """Of MEASURED (the plan first), the one to deploy: among those within the noise of the fastest (slower by
     at most ``TUNE_MIN_GAIN`` of their median or the two MADs together), the plan, else the one on the fewest
     hosts, then the fastest."""
     fastest = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
     plan = measured[0]
-    tied = [m for m in measured if m.median_s - fastest.median_s <= max(TUNE_MIN_GAIN * m.median_s,
-                                                                          m.mad_s + fastest.mad_s)]
+    tied = [m for m in measured if within_noise(m.median_s, m.mad_s, fastest.median_s, fastest.mad_s)]
     return min(tied, key=lambda m: (m is not plan, m.candidate.hosts or math.inf, m.median_s))
 
 

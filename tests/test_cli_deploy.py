@@ -391,11 +391,10 @@ def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_what_i
                                                                  "the plan"]
     assert all(x["measured_ms"] > 0 and x["mad_ms"] >= 0 and x["steps"] == 6 for x in rows)
     # kept: the fastest, or a candidate within its noise (tag.tune.keep: the plan, else the fewest hosts)
-    from tag.tune import TUNE_MIN_GAIN
+    from tag.tune import within_noise
     kept = t["kept"]
     fastest, row = min(rows, key=lambda x: x["measured_ms"]), next(x for x in rows if x["name"] == kept)
-    noise = max(TUNE_MIN_GAIN * row["measured_ms"], row["mad_ms"] + fastest["mad_ms"])
-    assert row["measured_ms"] - fastest["measured_ms"] <= noise + 1e-9
+    assert within_noise(row["measured_ms"], row["mad_ms"], fastest["measured_ms"] + 1e-9, fastest["mad_ms"])
     assert kept == r["method"] == r["strategy"] == plan.method       # trained, reported, saved
     assert r["predicted_step_time_s"] == pytest.approx(r["baselines"][kept])
     assert t["plan"] in r["baselines"] and r["search_seconds"] > 0                # the search is still reported

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.signal_teardown import TeardownOnSignal
-from tag.backend.testbed_hosts import CGROUP_CPUSET, TestbedError, _parse_pinning, _parse_quota, _parse_shares
+from tag.backend.testbed_hosts import CGROUP_CPUSET, TestbedError, parse_pinning, parse_quota, parse_shares
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.backend.runtime import LocalCluster
@@ -268,10 +268,10 @@ class Testbed:
             raise TestbedError(f"the testbed supports at most 250 hosts, the topology has {len(topology.hosts)}")
         self.source = topology
         self.shape_links = bool(shape_links)
-        self.cpu_shares = _parse_shares(cpu_shares, topology.hosts)
-        self.cpu_quota = _parse_quota(cpu_quota, topology.hosts)
+        self.cpu_shares = parse_shares(cpu_shares, topology.hosts)
+        self.cpu_quota = parse_quota(cpu_quota, topology.hosts)
         self.nic_rates = self._nic_rates(nic_gbps)   # bytes/s per host index
-        self.cpu_pinning = _parse_pinning(cpu_pinning, self.cpu_quota, topology.hosts)  # host -> CPU list
+        self.cpu_pinning = parse_pinning(cpu_pinning, self.cpu_quota, topology.hosts)  # host -> CPU list
         self.latency_shaped = False
         self.topology: "Topology | None" = None
         self.target: str | None = None

@@ -39,7 +39,7 @@ def _per_host(option: str, given, hosts: Sequence["Host"], default) -> dict:
     return dict(zip(names, values))
 
 
-def _parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
+def parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
     if cpu_shares is None:
         return None
     shares = {n: int(v) for n, v in _per_host("cpu_shares", cpu_shares, hosts, 1024).items()}
@@ -49,7 +49,7 @@ def _parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:
     return shares
 
 
-def _parse_quota(cpu_quota, hosts: Sequence["Host"]) -> dict[str, float | None] | None:
+def parse_quota(cpu_quota, hosts: Sequence["Host"]) -> dict[str, float | None] | None:
     """host name -> cores (None: unlimited) from a mapping or a list in host order."""
     if cpu_quota is None:
         return None
@@ -83,7 +83,7 @@ def pack_quotas(quotas: Mapping[str, float], cpus: Sequence[int]) -> dict[str, s
     return out
 
 
-def _parse_pinning(cpu_pinning, cpu_quota: dict | None, hosts: Sequence["Host"]) -> dict[str, str | None]:
+def parse_pinning(cpu_pinning, cpu_quota: dict | None, hosts: Sequence["Host"]) -> dict[str, str | None]:
     """host name -> CPU list (None: not pinned) from "auto", "off", a mapping or a list in host order."""
     if isinstance(cpu_pinning, str):
         if cpu_pinning == "off":
