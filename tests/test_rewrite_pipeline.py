@@ -25,7 +25,7 @@ from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.errors import StrategyError  # noqa: E402
 from tag.frontend import zoo as zoo_builders  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
-from tag.strategy.pipeline import Pipeline, PipelineStage  # noqa: E402
+from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage  # noqa: E402
 from tag.strategy.types import Strategy  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -161,6 +161,43 @@ def test_micro_batch_instances_accumulation_and_schedule():
         assert not any(i.startswith("^") for n in res.graph_def.node if n.op == "Placeholder" for i in n.input)
 
 
+def test_deferred_weight_gradients_run_once_per_step_on_one_device_stages():
+    gd = build("mlp", "adam", 8)
+    ir = tag.analyze(gd)
+    st = pipelined(ir, [(0,), (1, 2)], 4, "deferred_w")
+    res = rewrite(gd, ir, st, THREE)
+    nodes = _nodes(res)
+    # stage 0 (one device): one weight-gradient MatMul over the 4 micro-batches' rows, no running sums
+    assert "gradients/dense_0/MatMul_grad/MatMul_1" in nodes
+    assert not any(n.startswith("gradients/dense_0/MatMul_grad/MatMul_1/replica") for n in nodes)
+    assert not any(n.startswith("tag/accumulate/gradients/dense_0/") for n in nodes)
+    # ... while its input-gradient MatMul still runs per micro-batch, waiting for no weight gradient
+    dx = [n for n in nodes if re.fullmatch(r"gradients/dense_1/MatMul_grad/MatMul/replica_0_micro_\d", n)]
+    assert len(dx) == 4
+    ident = [n for n in res.graph_def.node
+             if n.name.startswith("gradients/dense_1/MatMul_grad/tuple/control_dependency/")]
+    assert ident and not any("MatMul_1" in i for n in ident for i in n.input)
+    # stage 1 (two devices) keeps per-micro-batch partial sums and their accumulation
+    assert any(n.startswith("tag/accumulate/gradients/dense_3/") for n in nodes)
+    assert any("weight-gradient ops run once per step" in n for n in res.notes)
+    done = [n.name.rsplit("/", 1)[1] for n in res.graph_def.node if n.name.startswith("tag/pipeline/stage_0/0/")]
+    assert done == ["F0_done", "F1_done", "F2_done", "F3_done", "B3_done", "B2_done", "B1_done", "B0_done"]
+
+
+def test_weight_gradient_ops_are_the_batch_reductions_only_updates_read():
+    """tag.ir.algorithms.weight_gradient_ops: weight-gradient kernels and what only carries their sums on;
+    never an input gradient, nor batch normalisation's gradient (its batch sums feed input gradients)."""
+    from tag.ir.algorithms import weight_gradient_ops
+    ir = tag.analyze(build("cnn", "momentum", 8, batchnorm=True))
+    weight = {ir.ops[i].name: ir.ops[i].type for i in np.flatnonzero(weight_gradient_ops(ir))}
+    types = set(weight.values())
+    assert {"Conv2DBackpropFilter", "MatMul"} <= types
+    assert not types & {"Conv2DBackpropInput", "FusedBatchNormGradV3", "ReluGrad"}
+    assert all(not n.endswith("MatMul_grad/MatMul") for n in weight)          # dX = dY W^T
+    phases = {ir.ops[i].phase for i in np.flatnonzero(weight_gradient_ops(ir))}
+    assert phases == {"backward"}
+
+
 def test_one_f_one_b_order_and_batchnorm_graph_rewrites():
     gd = build("cnn", "momentum", 8, batchnorm=True)
     ir = tag.analyze(gd)
@@ -282,6 +319,10 @@ CASES = [
     ("transformer", "adam", 8, [(0,), (1, 2)], 2, "1f1b", ["allreduce", "ps"]),
     ("transformer", "sgd", 8, [(2,), (1,), (0,)], 4, "1f1b", None),
     ("transformer", "momentum", 8, [(0, 1), (2,), (1,)], 2, "fill_drain", None),
+    # weight gradients once per step over the whole batch on one-device stages (stage 1 of the MLP has two)
+    ("mlp", "sgd", 8, [(0,), (1, 2)], 4, "deferred_w", None),
+    ("cnn", "adam", 12, [(0,), (1,), (2,)], 3, "deferred_w", ["allreduce", "ps", "allreduce"]),
+    ("transformer", "adam", 8, [(2,), (1,), (0,)], 4, "deferred_w", None),
 ]
 
 
@@ -449,11 +490,11 @@ def test_cut_transformer_pipeline_under_1f1b_trains_exactly(cluster):
 
 def random_pipeline_cases(count: int, seed: int = 0) -> list[tuple]:
     """COUNT sweep cases (model, optimizer, stage count, micro-batches, schedule, case seed): MLP, CNN without
-    BatchNorm and transformer, SGD, momentum and Adam in turn; 2-4 stages, M in 2..8, both schedules."""
+    BatchNorm and transformer, SGD, momentum and Adam in turn; 2-4 stages, M in 2..8, every schedule."""
     rng = np.random.RandomState(seed)
     models, optimizers = ("mlp", "cnn", "transformer"), ("sgd", "momentum", "adam")
     return [(models[i % 3], optimizers[(i // 3) % 3], int(rng.randint(2, 5)), int(rng.randint(2, 9)),
-             ("fill_drain", "1f1b")[int(rng.randint(2))], int(rng.randint(1 << 30))) for i in range(count)]
+             SCHEDULES[int(rng.randint(len(SCHEDULES)))], int(rng.randint(1 << 30))) for i in range(count)]
 
 
 def random_split_strategy(ir, stages: int, micro: int, schedule: str, seed: int) -> Strategy:

@@ -153,3 +153,36 @@ def test_gradient_accumulation_is_charged_per_micro_batch_after_the_first():
     four = slow.evaluate(_two_stages(grouping, 4)).step_time
     # three accumulations of every gradient, three passes each, at 1 GB/s (split over two stages that overlap)
     assert four - one > 0.5 * 3 * 3 * weights / 1e9
+
+
+def test_deferred_weight_gradients_run_once_after_the_stages_last_backward():
+    """``deferred_w``: each one-device stage runs its weight-gradient MatMuls once, after its last backward
+    step, on the whole batch; no accumulation is charged; the input-gradient steps are shorter, so the step
+    is shorter than fill-drain's when memory traffic costs (accumulation) and both stages compute."""
+    slow_memory = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e10, launch_overhead_s=0.0,
+                                                  efficiency={"MatMul": 1.0, "default": 1.0})})
+    tg, topo, grouping, _ = _setup()
+    sim = Simulator(tg, topo, grouping, CostModel(tg, topo, slow_memory))
+    pt = sim.pipeline_tasks(_two_stages(grouping, 4, "deferred_w").pipeline)
+    weights = [pt.labels[x] for x in np.flatnonzero(pt.is_weight_task)]
+    assert sorted(weights) == ["W dense_0", "W dense_1", "W dense_2", "W dense_3"]
+    assert pt.accumulate_bytes.sum() == 0
+    # each stage's W tasks come after its last backward step, before any update
+    for x in np.flatnonzero(pt.is_weight_task):
+        s = pt.pipeline_stage[x]
+        steps = np.flatnonzero((pt.pipeline_stage == s) & (pt.micro_batch >= 0))
+        assert x > steps.max() and x < np.flatnonzero(pt.micro_batch == -1).min()
+    deferred = sim.evaluate(_two_stages(grouping, 4, "deferred_w"))
+    fill = sim.evaluate(_two_stages(grouping, 4, "fill_drain"))
+    assert deferred.step_time < fill.step_time
+    # the same FLOPs: a W task takes the whole batch's weight-gradient time (EXACT: FLOPs / peak)
+    exact = Simulator(tg, topo, grouping, CostModel(tg, topo, EXACT))
+    a = exact.evaluate(_two_stages(grouping, 4, "deferred_w"))
+    b = exact.evaluate(_two_stages(grouping, 4, "fill_drain"))
+    assert a.step_time <= b.step_time * (1 + 1e-9)
+    # a stage on two devices runs fill-drain: with both stages on two devices nothing is deferred
+    both = ((0, 1), (0, 1))
+    pt2 = sim.pipeline_tasks(_two_stages(grouping, 4, "deferred_w", both).pipeline)
+    assert not pt2.is_weight_task.any()
+    assert sim.evaluate(_two_stages(grouping, 4, "deferred_w", both)).step_time == pytest.approx(
+        sim.evaluate(_two_stages(grouping, 4, "fill_drain", both)).step_time)

@@ -126,3 +126,44 @@ class UnionFind:
             ra, rb = rb, ra
         self.parent[rb] = ra  # the lower index stays the root: deterministic
         return ra
+
+
+_GRADIENT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def weight_gradient_ops(graph: TrainingGraph, stages: np.ndarray | None = None) -> np.ndarray:
+    """Per op: does it only add up weight-gradient partial sums over the batch (a pipeline may run it once,
+    over every micro-batch's rows, instead of once per micro-batch: ``deferred_w``)?
+
+    Such an op is a backward op (``op_stages`` 1) whose outputs are floating point and carry no batch axis,
+    that reads a batch-axis tensor (a ``MatMul`` of activations and output gradients, ``BiasAddGrad``,
+    ``Conv2DBackpropFilter``, a ``Sum`` over the batch) or another such op's output (a ``Reshape`` or ``AddN``
+    of the partial sums), and whose outputs no other backward op reads (a batch reduction that feeds input
+    gradients, as batch normalisation's does, stays per micro-batch). Control edges are not followed: the
+    grouping ``tf.tuple`` adds between gradients orders nothing the values need. STAGES: ``op_stages``."""
+    n = len(graph.ops)
+    if stages is None:
+        stages = op_stages(graph)
+    producers: list[list[int]] = [[] for _ in range(n)]
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for e in graph.edges:
+        producers[e.dst].append(e.src)
+        consumers[e.src].append(e.dst)
+    batch_axis = np.zeros(n, dtype=bool)        # some output carries the batch axis
+    reduced = np.zeros(n, dtype=bool)           # backward, float outputs, none with a batch axis
+    for i, op in enumerate(graph.ops):
+        batch_axis[i] = any(t.batch_axis is not None for t in op.outputs)
+        reduced[i] = (int(stages[i]) == 1 and bool(op.outputs) and not batch_axis[i]
+                      and all(t.dtype in _GRADIENT_DTYPES for t in op.outputs))
+    order = topological_order(graph).tolist()
+    weight = np.zeros(n, dtype=bool)
+    for _ in range(n + 1):              # until stable (each round only removes ops)
+        before = weight.copy()
+        for i in order:
+            weight[i] = reduced[i] and any(batch_axis[p] or weight[p] for p in producers[i])
+        for i in reversed(order):
+            if weight[i] and any(int(stages[c]) == 1 and not weight[c] for c in consumers[i]):
+                weight[i] = False
+        if (weight == before).all():
+            break
+    return weight

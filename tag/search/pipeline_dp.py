@@ -25,7 +25,7 @@ then the fastest alone, and the reverse (convolutions data parallel on every hos
 head on the fast one).
 
 The best DP answers (by the objective above, over every sequence, M in ``MICRO_BATCHES`` dividing the
-batch, both schedules) are simulated (``Simulator.evaluate``, the same one every other search uses); from
+batch, every schedule) are simulated (``Simulator.evaluate``, the same one every other search uses); from
 the fastest, a hill-climb moves cuts, M and the schedule on the simulator; its best is the answer.
 
 Example::
@@ -289,7 +289,7 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
                 schedules: tuple[str, ...] = SCHEDULES, max_stages: int = MAX_STAGES, top_k: int = TOP_K,
                 refine_evaluations: int = REFINE_EVALUATIONS, budget_s: float | None = None) -> PipelineSearchResult:
     """Search pipelines for ENV's graph and topology (module docstring): the fastest feasible simulated one,
-    then hill-climbing from it (cuts moved by one or two groups, M doubled or halved, the other schedule;
+    then hill-climbing from it (cuts moved by one or two groups, M doubled or halved, the other schedules;
     at most REFINE_EVALUATIONS more simulations)."""
     t0 = time.perf_counter()
     sim, topo, batch = env.simulator, env.topology, env.batch_size
@@ -353,7 +353,7 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
 
 def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeline]:
     """Pipelines one move from PIPELINE: a cut moved by one or two op groups, M doubled or halved (dividing
-    the batch), the other schedule."""
+    the batch), each other schedule."""
     position = {g: i for i, g in enumerate(chain)}
     bounds = [position[st.groups[0]] for st in pipeline.stages] + [len(chain)]
     out = []
@@ -369,7 +369,7 @@ def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeli
     for other in (m * 2, m // 2):
         if other >= 1 and batch % other == 0:
             out.append(Pipeline(pipeline.stages, other, pipeline.schedule))
-    out.append(Pipeline(pipeline.stages, m, "1f1b" if pipeline.schedule == "fill_drain" else "fill_drain"))
+    out.extend(Pipeline(pipeline.stages, m, other) for other in SCHEDULES if other != pipeline.schedule)
     return out
 
 

@@ -115,14 +115,17 @@ class LayoutCache:
         self._shares: dict[tuple[tuple[int, ...], int], list[int]] = {}   # (placement, batch) -> shares
         self._next_layout_id = 0
 
-    def table(self, dg: int, batch: float) -> tuple[list[float], np.ndarray]:
-        """Seconds per task on one device of device group DG at per-replica BATCH (as list and array)."""
-        k = (self.cost_class(dg), float(batch))
+    def table(self, dg: int, batch: float, ops: np.ndarray | None = None) -> tuple[list[float], np.ndarray]:
+        """Seconds per task on one device of device group DG at per-replica BATCH (as list and array); with
+        OPS (a boolean mask over the ops, the same array every call), of those ops only."""
+        k = (self.cost_class(dg), float(batch), ops is not None)
         t = self._tables.get(k)
         if t is None:
             if len(self._tables) > 4096:
                 self._tables.clear()
             times = self.cost.op_times(k[0], batch)
+            if ops is not None:
+                times = np.where(ops, times, 0.0)
             arr = np.bincount(self.tasks.task_of_op, weights=times, minlength=self.tasks.num_tasks)
             t = (arr.tolist(), arr)
             self._tables[k] = t

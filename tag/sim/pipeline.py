@@ -20,7 +20,12 @@ and memory model simulate it as they simulate any other strategy:
   as for per-group strategies); the update tasks wait for them;
 - every backward task after the first micro-batch also adds its weight gradients into running sums
   (``accumulate_bytes``; the simulator charges three passes over them at the device's memory bandwidth,
-  plus a launch overhead per gradient).
+  plus a launch overhead per gradient);
+- under ``deferred_w`` (``DeferredWeights``), a backward task of a one-device stage that holds
+  weight-gradient ops is split: its micro-batch copies run the other ops (``is_input_part``), and one W task
+  (``micro_batch`` ``WEIGHT_STEP``, after the stage's last step) runs those ops on the stage's whole batch
+  and concatenates their inputs (``concat_per_example``); its gradients leave from the W task, and nothing
+  accumulates.
 
 Bad pipelines raise ``StrategyError`` naming the stage: a forward tensor flowing from a later stage to an
 earlier one (or a backward tensor from an earlier stage to a later one), which no schedule can run.
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,6 +59,18 @@ from tag.strategy.pipeline import Pipeline
 
 # nominal step lengths of the timeline that orders the expanded tasks (a backward costs about twice a forward)
 _NOMINAL = {"F": 1.0, "B": 2.0}
+WEIGHT_STEP = -2        # ``micro_batch`` of a deferred W task (-1: an update task)
+
+
+@dataclass(frozen=True)
+class DeferredWeights:
+    """What ``deferred_w`` defers: STAGES (pipeline stages on one device), OPS (per op:
+    ``tag.ir.algorithms.weight_gradient_ops``) and CONCAT_PER_EXAMPLE (per base task: bytes per example of the
+    batch-axis tensors its weight-gradient ops read, which the rewriter concatenates over the micro-batches)."""
+
+    stages: frozenset
+    ops: np.ndarray
+    concat_per_example: np.ndarray
 _UIDS = itertools.count(1)      # a number per expansion, never reused (keys of the simulator's layout caches)
 
 
@@ -63,7 +81,8 @@ class PipelineTasks:
     Per expanded task: ``base_task`` (the TaskGraph task it copies), ``micro_batch`` (-1: update, once),
     ``pipeline_stage``, ``labels`` (trace names: ``F3 dense_1`` = forward of micro-batch 3)."""
 
-    def __init__(self, base: TaskGraph, memory: MemoryModel, pipeline: Pipeline, group_names: list[str]):
+    def __init__(self, base: TaskGraph, memory: MemoryModel, pipeline: Pipeline, group_names: list[str],
+                 deferred: DeferredWeights | None = None):
         self.base = base
         self.pipeline = pipeline
         self.uid = next(_UIDS)
@@ -81,6 +100,19 @@ class PipelineTasks:
         for t in range(base.num_tasks):
             if base_stage[t] != UPDATE_STAGE:
                 tasks_of.setdefault(("F" if base_stage[t] == 0 else "B", int(stage_of_task[t])), []).append(t)
+        # deferred weight gradients: per base backward task of a deferring stage, whether it holds any
+        self.has_weight_part = np.zeros(base.num_tasks, dtype=bool)
+        self._weight_ops = deferred.ops if deferred is not None else np.zeros(len(base.group_of_op), dtype=bool)
+        if deferred is not None and M > 1:
+            for t in range(base.num_tasks):
+                self.has_weight_part[t] = (base_stage[t] == 1 and int(stage_of_task[t]) in deferred.stages
+                                           and bool(deferred.ops[base.task_ops[t]].any()))
+            last = {s: j for j, (_, s, _) in enumerate(order)}
+            for s in sorted(set(int(x) for x in stage_of_task[self.has_weight_part])):
+                tasks_of[("W", s)] = [t for t in tasks_of.get(("B", s), ()) if self.has_weight_part[t]]
+            order = [step for j, step in enumerate(order) for step in
+                     ([step, ("W", step[1], WEIGHT_STEP)] if last[step[1]] == j and ("W", step[1]) in tasks_of
+                      else [step])]
         base_task, micro = [], []
         for kind, s, m in order:
             for t in tasks_of.get((kind, s), ()):
@@ -93,13 +125,18 @@ class PipelineTasks:
         self.micro_batch = np.asarray(micro, dtype=np.int64)
         self.num_tasks = T = len(base_task)
         index = np.full((base.num_tasks, M), -1, dtype=np.int64)     # (base task, micro-batch) -> expanded
+        self.weight_task = np.full(base.num_tasks, -1, dtype=np.int64)   # base task -> its deferred W task
         for x in range(T):
             t, m = base_task[x], micro[x]
-            if m < 0:
+            if m == WEIGHT_STEP:
+                self.weight_task[t] = x
+            elif m < 0:
                 index[t, :] = x
             else:
                 index[t, m] = x
         self.index = index
+        self.is_weight_task = self.micro_batch == WEIGHT_STEP                 # per expanded task
+        self.is_input_part = (self.micro_batch >= 0) & self.has_weight_part[self.base_task]
         self.task_group = base.task_group[self.base_task]
         self.task_stage = base_stage[self.base_task]
         self.task_group_list: list[int] = self.task_group.tolist()
@@ -110,11 +147,16 @@ class PipelineTasks:
             self.tasks_of_group[self.task_group_list[x]].append(x)
         self.task_by_group = np.argsort(self.task_group, kind="stable")
         self.task_by_group_starts = np.searchsorted(self.task_group[self.task_by_group], np.arange(self.num_groups))
-        self.labels = [f"{'FB'[st]}{m} {group_names[g]}" if m >= 0 else f"update {group_names[g]}"
+        self.labels = [f"{'FB'[st]}{m} {group_names[g]}" if m >= 0 else
+                       f"W {group_names[g]}" if m == WEIGHT_STEP else f"update {group_names[g]}"
                        for st, m, g in zip(self.task_stage_list, micro, self.task_group_list)]
         self._expand_bundles(base, M)
         self._expand_anchors(base, M)
         self._accumulation(base)
+        self.concat_per_example = np.zeros(T)      # bytes per example the W task concatenates (its inputs)
+        if deferred is not None:
+            self.concat_per_example[self.is_weight_task] = deferred.concat_per_example[self.base_task[
+                self.is_weight_task]]
         self.memory = self._expand_memory(memory, M)
         self.dropped_dependencies = base.dropped_dependencies
         self.internal_edges = [base.internal_edges[t] for t in base_task]
@@ -130,7 +172,7 @@ class PipelineTasks:
             if base.task_stage[dst] == UPDATE_STAGE and base.task_stage[src] == 1:
                 grad_bytes[src] += base.bundle_own[b][1] + sum(fx for _, _, fx in base.bundle_shared[b])
                 grad_tensors[src] += base.bundle_own_tensors[b] + len(base.bundle_shared[b])
-        adds = (self.micro_batch >= 1) & (self.task_stage == 1)
+        adds = (self.micro_batch >= 1) & (self.task_stage == 1) & ~self.has_weight_part[self.base_task]
         self.accumulate_bytes = np.where(adds, grad_bytes[self.base_task], 0.0)
         self.accumulate_tensors = np.where(adds, grad_tensors[self.base_task], 0.0)
 
@@ -200,33 +242,58 @@ class PipelineTasks:
 
     # ------------------------------------------------------------------ bundles, anchors, memory
     def _expand_bundles(self, base: TaskGraph, M: int) -> None:
-        index = self.index
-        keys: dict[tuple[int, int], int] = {}    # (expanded src, expanded dst) -> base bundle
+        """One bundle per micro-batch. With deferred weight gradients, the tensors a task's weight-gradient ops
+        send (gradients to the update, partial sums to another W task) leave its W task once; the rest of
+        the bundle still moves per micro-batch; and a W task waits for its task's every micro-batch (a
+        dependency of no bytes: its inputs are already on its device)."""
+        index, weight_task = self.index, self.weight_task
+        # (expanded src, expanded dst) -> base bundle, or (edges, (per-example, fixed), tensors) of a part of one
+        keys: dict[tuple[int, int], object] = {}
+        ops = self._weight_ops
         for b, (a, c) in enumerate(zip(base.bundle_src, base.bundle_dst)):
+            if weight_task[a] >= 0 and (base.task_stage[c] == UPDATE_STAGE or weight_task[c] >= 0):
+                to_update = base.task_stage[c] == UPDATE_STAGE
+                mine = [e for e in base.bundle_edges[b] if ops[e[0]] and (to_update or ops[e[1]])]
+                if mine:
+                    xc = int(index[c, 0]) if to_update else int(weight_task[c])
+                    keys.setdefault((int(weight_task[a]), xc), _part(mine))
+                if to_update:
+                    rest = [e for e in base.bundle_edges[b] if not ops[e[0]]]
+                    if rest or not base.bundle_edges[b]:
+                        for m in range(M):
+                            keys.setdefault((int(index[a, m]), int(index[c, m])), _part(rest))
+                    continue
             for m in range(M):
                 xa, xc = int(index[a, m]), int(index[c, m])
                 if xa < xc and (xa, xc) not in keys:
                     keys[(xa, xc)] = b
+        for t in np.flatnonzero(weight_task >= 0).tolist():
+            for m in range(M):
+                keys.setdefault((int(index[t, m]), int(weight_task[t])), _part([]))
         ordered = sorted(keys)
         self.bundle_src = [k[0] for k in ordered]
         self.bundle_dst = [k[1] for k in ordered]
         self.bundle_src_array = np.asarray(self.bundle_src, dtype=np.int64)
         self.bundle_dst_array = np.asarray(self.bundle_dst, dtype=np.int64)
         base_of = [keys[k] for k in ordered]
-        self.bundle_edges = [base.bundle_edges[b] for b in base_of]
-        self.bundle_same_group = [base.bundle_same_group[b] for b in base_of]
-        self.bundle_own = [base.bundle_own[b] for b in base_of]
-        self.bundle_own_tensors = [base.bundle_own_tensors[b] for b in base_of]
+        group = self.task_group_list
+        self.bundle_edges = [base.bundle_edges[b] if isinstance(b, int) else b[0] for b in base_of]
+        self.bundle_same_group = [base.bundle_same_group[b] if isinstance(b, int) else group[k[0]] == group[k[1]]
+                                  for k, b in zip(ordered, base_of)]
+        self.bundle_own = [base.bundle_own[b] if isinstance(b, int) else b[1] for b in base_of]
+        self.bundle_own_tensors = [base.bundle_own_tensors[b] if isinstance(b, int) else b[2] for b in base_of]
         # a shared tensor moves once per micro-batch and destination layout: one tensor id per micro-batch
         micro = self.micro_batch
         self.bundle_shared = [[(tid * M + max(int(micro[k[0]]), 0), pe, fx) for tid, pe, fx in base.bundle_shared[b]]
-                              for k, b in zip(ordered, base_of)]
+                              if isinstance(b, int) else [] for k, b in zip(ordered, base_of)]
 
     def _expand_anchors(self, base: TaskGraph, M: int) -> None:
         index, stage = self.index, self.task_stage_list
         self.coll_deps, self.coll_after, self.update_tasks, self.forward_tasks = [], [], [], []
+        weight_task = self.weight_task
         for g in range(self.num_groups):
-            deps = sorted({int(index[t, m]) for t in base.coll_deps[g] for m in range(M)})
+            deps = sorted({int(weight_task[t]) if weight_task[t] >= 0 else int(index[t, m])
+                           for t in base.coll_deps[g] for m in range(M)})
             after = max(deps) if deps else -1
             mine = self.tasks_of_group[g]
             self.coll_deps.append(deps)
@@ -237,11 +304,13 @@ class PipelineTasks:
     def _expand_memory(self, memory: MemoryModel, M: int) -> MemoryModel:
         """MEMORY with its per-task arrays over the expanded tasks: a buffer lives per micro-batch from its
         producer's copy to its last reader's copy of the same micro-batch."""
-        index = self.index
+        index, weight_task = self.index, self.weight_task
         src_rows, last_rows, pe_rows, fixed_rows = [], [], [], []
         for s, last, pe, fx in zip(memory.live_src_task.tolist(), memory.live_last_task.tolist(),
                                    memory.live_per_example.tolist(), memory.live_fixed.tolist()):
-            pairs = {(int(index[s, m]), int(index[last, m])) for m in range(M)}
+            # a buffer a deferred task reads lives until its W task (which may read it)
+            pairs = {(int(index[s, m]), int(weight_task[last]) if weight_task[last] >= 0 else int(index[last, m]))
+                     for m in range(M)}
             for xs, xl in pairs:
                 if xl > xs:
                     src_rows.append(xs)
@@ -254,6 +323,15 @@ class PipelineTasks:
         out.set_live_rows(np.asarray(src_rows, dtype=np.int64), np.asarray(last_rows, dtype=np.int64),
                           np.asarray(pe_rows, dtype=np.float64), np.asarray(fixed_rows, dtype=np.float64))
         return out
+
+
+def _part(edges: list) -> tuple[list, tuple[float, float], int]:
+    """A bundle of EDGES alone (each tensor counted once, as a tensor only it moves): (edges, (per-example,
+    fixed) bytes, tensors)."""
+    seen: dict[str, tuple[float, float]] = {}
+    for _, _, pe, fx, tensor in edges:
+        seen.setdefault(tensor, (pe, fx))
+    return edges, (sum(v[0] for v in seen.values()), sum(v[1] for v in seen.values())), len(seen)
 
 
 def bubble_fraction(pipeline_stage: np.ndarray, task_stage: np.ndarray, start: np.ndarray,

@@ -90,13 +90,14 @@ import numpy as np
 from tag.cluster.topology import Topology
 from tag.cost.model import CostModel
 from tag.errors import StrategyError
+from tag.ir.algorithms import weight_gradient_ops
 from tag.ir.types import TrainingGraph
 from tag.sim.host_cpu import cpu_speed, step_offsets
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
-from tag.sim.pipeline import PipelineTasks, bubble_fraction
+from tag.sim.pipeline import WEIGHT_STEP, DeferredWeights, PipelineTasks, bubble_fraction
 from tag.sim.result import SimResult, schedule_features
 from tag.sim.routing import Routing
 from tag.sim.schedule import StepSchedule
@@ -105,7 +106,7 @@ from tag.sim.task_graph import UPDATE_STAGE, TaskGraph
 from tag.sim.trace import STAGE_NAMES, Recording, chrome_trace
 from tag.strategy import fusion
 from tag.strategy.baselines import action_devices
-from tag.strategy.pipeline import Pipeline
+from tag.strategy.pipeline import DEFERRED_W, Pipeline
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares
 
 __all__ = ["ALIAS_TYPES", "STAGE_NAMES", "SimResult", "Simulator"]
@@ -152,6 +153,7 @@ class Simulator:
         self._valid_actions: set[Action] = set()
         self._pipelines: dict[tuple, PipelineTasks] = {}         # pipeline structure -> its expanded tasks
         self._pipeline_layouts: dict[tuple, Layout] = {}         # (layout id, expansion id) -> expanded layout
+        self._weight_ops: tuple[np.ndarray, np.ndarray] | None = None    # ``_weight_gradients``
         # "compiled" (tag.sim.kernel, numba) or "python" (the reference: tag.sim.schedule and tag.sim.memory)
         self.kernel = choose_kernel(kernel)
         self._kernel = (KernelState(self.tasks, self.memory, self.routing, self._device_memory)
@@ -370,16 +372,38 @@ class Simulator:
         if pipeline.num_stages > self.num_groups:
             raise StrategyError(f"pipeline has {pipeline.num_stages} stages but the grouping has only "
                                 f"{self.num_groups} op groups: stage {self.num_groups} and later would be empty")
-        key = (tuple(st.groups for st in pipeline.stages), pipeline.micro_batches, pipeline.schedule)
+        deferring = frozenset(i for i, st in enumerate(pipeline.stages) if len(self.layouts.devices_of(st.placement))
+                              == 1) if pipeline.schedule == DEFERRED_W else frozenset()
+        key = (tuple(st.groups for st in pipeline.stages), pipeline.micro_batches, pipeline.schedule, deferring)
         pt = self._pipelines.get(key)
         if pt is None:
             if len(self._pipelines) > 64:
                 self._pipelines.clear()
                 self._pipeline_layouts.clear()
                 self._pipeline_kernels.clear()
-            pt = PipelineTasks(self.tasks, self.memory, pipeline, self.grouping.names)
+            deferred = None
+            if deferring:
+                ops, concat = self._weight_gradients()
+                deferred = DeferredWeights(deferring, ops, concat)
+            pt = PipelineTasks(self.tasks, self.memory, pipeline, self.grouping.names, deferred)
             self._pipelines[key] = pt
         return pt
+
+    def _weight_gradients(self) -> tuple[np.ndarray, np.ndarray]:
+        """(per op: ``weight_gradient_ops``; per base task: bytes per example of the batch-axis tensors its
+        weight-gradient ops read, each tensor once), computed once."""
+        if self._weight_ops is None:
+            ops = weight_gradient_ops(self.graph)
+            concat = np.zeros(self.num_tasks)
+            seen: set[tuple[int, str]] = set()
+            task_of_op = self.tasks.task_of_op
+            for e in self.graph.edges:
+                t = int(task_of_op[e.dst])
+                if ops[e.dst] and e.nbytes.per_example > 0 and (t, e.tensor) not in seen:
+                    seen.add((t, e.tensor))
+                    concat[t] += e.nbytes.per_example
+            self._weight_ops = (ops, concat)
+        return self._weight_ops
 
     def _expanded_layout(self, base: Layout, pt: PipelineTasks, lane_dg: list[int]) -> Layout:
         """BASE with its per-task durations over PT's expanded tasks (same lanes and holdings, same id: the
@@ -392,11 +416,17 @@ class Simulator:
                 self._pipeline_layouts.clear()
             insts = []
             accumulates = bool(pt.accumulate_tensors.any())
+            defers = bool(pt.is_weight_task.any())
             for lane, _, b, ta in base.insts:
                 d = ta[pt.base_task]
                 if accumulates:
                     r = self.cost.rates(lane_dg[lane])
                     d = d + 3.0 * pt.accumulate_bytes / r.memory_bandwidth + pt.accumulate_tensors * r.launch_overhead_s
+                if defers:      # W tasks: the weight-gradient ops and the concatenation of their inputs
+                    w = self.layouts.table(lane_dg[lane], b, self._weight_gradients()[0])[1][pt.base_task]
+                    r = self.cost.rates(lane_dg[lane])
+                    d = np.where(pt.is_weight_task, w + 2.0 * b * pt.concat_per_example / r.memory_bandwidth,
+                                 np.where(pt.is_input_part, d - w, d))
                 insts.append((lane, d.tolist(), b, d))
             lay = Layout(base.id, base.kind, insts, base.holdings, base.devices, ("pipeline", pt.uid) + base.key)
             self._pipeline_layouts[key] = lay
@@ -434,15 +464,20 @@ class Simulator:
         # per stage: {micro-batch size: expanded layout}, and the PS layout of its update tasks
         by_size = [{b: self._expanded_layout(cache.replicated_layout(st.placement, lanes, b), pt, lanes.lane_dg)
                     for b in sorted(set(sizes))} for st in pipeline.stages]
+        # deferred W tasks run once on the stage's whole share of the batch
+        whole = [self._expanded_layout(cache.replicated_layout(st.placement, lanes, batch), pt, lanes.lane_dg)
+                 if pt.is_weight_task.any() else None for st in pipeline.stages]
         ps_layouts = [self._expanded_layout(cache.device_layout(int(a.ps_device), lanes, sizes[0]), pt, lanes.lane_dg)
                       if a.mode == "ps" else None for a in stage_actions]
         if self._kernel is not None and record is None:
-            return self._run_pipeline_compiled(pt, stage_actions, by_size, ps_layouts, sizes, lanes, batch)
+            return self._run_pipeline_compiled(pt, stage_actions, by_size, ps_layouts, whole, sizes, lanes, batch)
         update = UPDATE_STAGE
         layout_of_task = []
         for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist()):
             if st_kind == update:
                 layout_of_task.append(ps_layouts[s] or by_size[s][sizes[0]])
+            elif m == WEIGHT_STEP:
+                layout_of_task.append(whole[s])
             else:
                 layout_of_task.append(by_size[s][sizes[m]])
         group_layouts = [by_size[int(s)][sizes[0]] for s in pt.stage_of_group]
@@ -462,8 +497,8 @@ class Simulator:
         return result
 
     def _run_pipeline_compiled(self, pt: PipelineTasks, stage_actions: list[Action], by_size: list[dict],
-                               ps_layouts: list[Layout | None], sizes: list[int], lanes: Lanes,
-                               batch: int) -> SimResult:
+                               ps_layouts: list[Layout | None], whole: list[Layout | None], sizes: list[int],
+                               lanes: Lanes, batch: int) -> SimResult:
         """``_run_pipeline`` on the compiled kernel: one kernel state per expanded task graph (its layouts
         carry their base layouts' ids, so each pipeline structure registers them apart)."""
         entry = self._pipeline_kernels.get(pt.uid)
@@ -471,7 +506,8 @@ class Simulator:
             M = len(sizes)
             entry = (KernelState(pt, pt.memory, self.routing, self._device_memory),
                      np.asarray(pt.stage_of_group, dtype=np.int64),
-                     np.where(pt.micro_batch < 0, M, pt.micro_batch))      # task -> column of the layout table
+                     np.where(pt.micro_batch == WEIGHT_STEP, M + 1,
+                              np.where(pt.micro_batch < 0, M, pt.micro_batch)))  # task -> column of the layout table
             self._pipeline_kernels[pt.uid] = entry
         kernel, group_stage, column = entry
         kernel.begin()
@@ -480,12 +516,14 @@ class Simulator:
         for i, a in enumerate(stage_actions):
             ai = kernel.action_index.get(a)
             local_ai[i] = ai if ai is not None else kernel.action(a, self.layouts.devices_of(a.placement))
-        # [stage, micro-batch] -> layout of its forward and backward tasks; [stage, M] -> of its update tasks
-        table = np.empty((num_stages, M + 1), dtype=np.int64)
+        # [stage, micro-batch] -> layout of its forward and backward tasks; [stage, M] -> of its update tasks;
+        # [stage, M + 1] -> of its deferred W tasks
+        table = np.empty((num_stages, M + 2), dtype=np.int64)
         for i in range(num_stages):
             for m in range(M):
                 table[i, m] = kernel.layout(by_size[i][sizes[m]])
             table[i, M] = kernel.layout(ps_layouts[i]) if ps_layouts[i] is not None else table[i, 0]
+            table[i, M + 1] = kernel.layout(whole[i]) if whole[i] is not None else table[i, 0]
         task_layout = table[pt.pipeline_stage, column]
         unused = np.full(num_stages, -1, dtype=np.int64)
         lane_of_device = lanes.lane_of_device

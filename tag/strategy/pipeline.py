@@ -9,7 +9,7 @@ synchronised inside the stage and applied once per step, so the step equals the 
 
 The schedule is generated once (``pipeline_schedule``) and read by both the simulator (the order each stage
 runs its micro-batch tasks) and the rewriter (control dependencies that enforce it), so what is predicted is
-what runs. Two schedules:
+what runs. Three schedules:
 
 ``fill_drain`` (GPipe): every forward, then every backward. 3 stages, M=4 (F2 = forward of micro-batch 2)::
 
@@ -26,6 +26,19 @@ activations instead of M::
     stage 0 | F0 F1 F2 .  B0 F3 B1 .  B2 .  B3
     stage 1 |    F0 F1 .  B0 F2 B1 F3 B2 .  B3
     stage 2 |       F0 B0 F1 B1 F2 B2 F3 B3
+
+``deferred_w``: fill-drain's order, but a stage on one device computes its weight gradients once, after its
+last backward step, over every micro-batch's rows at once (``tag.ir.algorithms.weight_gradient_ops``: one
+``MatMul`` of the concatenated activations and output gradients instead of M partial sums added into running
+sums). Each backward step then only computes input gradients, so the stage before gets them sooner, the
+weight-gradient kernels run at the whole batch's efficiency, and the M - 1 accumulations of every gradient
+(three passes over it each) disappear; the price is holding every micro-batch's output gradients as well
+until the end. The step is still the single-device step (a sum over the same rows). A stage on several
+devices runs it as ``fill_drain`` (its devices' rows are not contiguous in the batch)::
+
+    stage 0 | F0 F1 F2 F3 .  .  .  .  .  b3 b2 b1 b0 W
+    stage 1 |    F0 F1 F2 F3 .  .  b3 b2 b1 b0 W
+    stage 2 |       F0 F1 F2 F3 b3 b2 b1 b0 W
 
 A strategy with a pipeline still carries one ``Action`` per op group: every group of a stage has the stage's
 action (``PipelineStage.action``), so code that reads per-group actions (memory, reports) keeps working;
@@ -50,8 +63,10 @@ import numpy as np
 
 from tag.errors import StrategyError
 
-ScheduleKind = Literal["fill_drain", "1f1b"]
-SCHEDULES: tuple[str, ...] = ("fill_drain", "1f1b")
+ScheduleKind = Literal["fill_drain", "1f1b", "deferred_w"]
+SCHEDULES: tuple[str, ...] = ("fill_drain", "1f1b", "deferred_w")
+#: the schedule whose single-device stages run their weight gradients once per step (module docstring)
+DEFERRED_W = "deferred_w"
 STAGE_MODES: tuple[str, ...] = ("allreduce", "ps")
 
 # one entry of a stage's schedule: ('F' or 'B', micro-batch index)
@@ -104,7 +119,8 @@ class PipelineStage:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """Ordered stages, the number of micro-batches M and the schedule (``fill_drain`` or ``1f1b``)."""
+    """Ordered stages, the number of micro-batches M and the schedule (``fill_drain``, ``1f1b`` or
+    ``deferred_w``)."""
 
     stages: tuple[PipelineStage, ...]
     micro_batches: int
@@ -171,9 +187,9 @@ class Pipeline:
 def pipeline_schedule(num_stages: int, micro_batches: int, kind: str) -> list[list[ScheduleStep]]:
     """Per stage, the order in which it runs its micro-batches' forward ('F') and backward ('B') steps.
 
-    ``fill_drain``: F0..F(M-1), then B(M-1)..B0. ``1f1b``: min(S - s, M) forwards, then one backward and one
-    forward alternately, then the remaining backwards (module docstring draws both). Every stage's list holds
-    each ('F', m) and ('B', m) once, and ('F', m) before ('B', m).
+    ``fill_drain`` and ``deferred_w``: F0..F(M-1), then B(M-1)..B0. ``1f1b``: min(S - s, M) forwards, then one
+    backward and one forward alternately, then the remaining backwards (module docstring draws them). Every
+    stage's list holds each ('F', m) and ('B', m) once, and ('F', m) before ('B', m).
     """
     if num_stages < 1 or micro_batches < 1:
         raise StrategyError(f"a schedule needs at least one stage and one micro-batch "
@@ -182,7 +198,7 @@ def pipeline_schedule(num_stages: int, micro_batches: int, kind: str) -> list[li
         raise StrategyError(f"unknown pipeline schedule {kind!r} (expected one of {', '.join(SCHEDULES)})")
     out: list[list[ScheduleStep]] = []
     for s in range(num_stages):
-        if kind == "fill_drain":
+        if kind in ("fill_drain", DEFERRED_W):
             steps = [("F", m) for m in range(micro_batches)] + [("B", m) for m in reversed(range(micro_batches))]
         else:
             warmup = min(num_stages - s, micro_batches)

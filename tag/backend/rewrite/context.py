@@ -108,6 +108,8 @@ class RewriteContext(NodeBuilder):
         self.stage_of_group: np.ndarray | None = None
         self.micro_ranges: list[Range] = []
         self._stage_instances: dict[int, list[tuple[Range, int]]] = {}
+        # ops a ``deferred_w`` pipeline runs once per step on their stage's device (``pipeline``)
+        self.deferred_ops: set[str] = set()
 
     # -------------------------------------------------------------------------------- checks
     def _check_strategy(self) -> None:

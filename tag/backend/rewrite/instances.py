@@ -136,7 +136,10 @@ class InstancesMixin(RewriteContext):
         instances act on their own replica's state), else all of them -- in a pipeline, all of them that
         share examples with RNG: a micro-batch's op waits for the same micro-batch of an op in another
         stage, not for every micro-batch (which orders a later micro-batch's backward before an earlier one's
-        and, under 1F1B's schedule, closes a cycle)."""
+        and, under 1F1B's schedule, closes a cycle). A micro-batch's op does not wait for a deferred
+        weight-gradient op (``deferred_ops``), which runs once all micro-batches are done."""
+        if p in self.deferred_ops and consumer not in self.deferred_ops and rng != self.full_batch:
+            return []
         if self.placements.get(consumer) == self.placements.get(p) and not self._shares_copy(consumer):
             inst = self.instance_at.get((p, rng, asked_dev))
             if inst is not None:

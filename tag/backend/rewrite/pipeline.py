@@ -18,6 +18,13 @@ rules:
   single-device step;
 * the loss is the share-weighted sum of the micro-batches' losses.
 
+Under the ``deferred_w`` schedule, a stage on one device runs its weight-gradient ops
+(``tag.ir.algorithms.weight_gradient_ops``) once per step over the whole batch: their batch-axis inputs are
+the micro-batches' tensors concatenated, their result is the device's whole gradient (no running sums), and
+they wait for no schedule step, so they run after the stage's last backward step. The control edges
+``tf.tuple`` adds from them to the same layer's input gradients are dropped (they would make every
+micro-batch's input gradient wait for the whole batch's weight gradient).
+
 Ops that do not depend on the batch (variable reads) run once per device of the stage. BatchNorm
 computes its statistics per micro-batch (and per device), as data parallelism does per replica.
 
@@ -52,7 +59,9 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from tag.errors import StrategyError
+from tag.ir.algorithms import weight_gradient_ops
 from tag.ir.op_types import PLACEHOLDER_TYPES
+from tag.strategy.pipeline import DEFERRED_W
 from tag.strategy.types import batch_shares
 
 from .context import RewriteContext
@@ -108,6 +117,22 @@ class PipelineMixin(RewriteContext):
                     at += share
             self._stage_instances[s] = insts
         self.notes.append(f"pipeline: {p.num_stages} stages, {M} micro-batches, {p.schedule} schedule")
+        self._defer_weight_gradients()
+
+    def _defer_weight_gradients(self) -> None:
+        """``deferred_ops``: the weight-gradient ops of the ``deferred_w`` pipeline's one-device stages."""
+        p = self.strategy.pipeline
+        if p.schedule != DEFERRED_W or len(self.micro_ranges) < 2:
+            return
+        single = {s for s, insts in self._stage_instances.items() if len({d for _, d in insts}) == 1}
+        weight = weight_gradient_ops(self.ir)
+        for i in weight.nonzero()[0].tolist():
+            name = self.ir.ops[i].name
+            g = int(self.strategy.grouping.group_of_op[i])
+            if name in self.nodes and int(self.stage_of_group[g]) in single:
+                self.deferred_ops.add(name)
+        if self.deferred_ops:
+            self.notes.append(f"pipeline: {len(self.deferred_ops)} weight-gradient ops run once per step")
 
     def _check_pipeline_order(self) -> None:
         """StrategyError unless the stages follow the dataflow: forward tensors only flow to the same or a
@@ -148,6 +173,8 @@ class PipelineMixin(RewriteContext):
             devs, ranges = self._replicas(g)
             return list(zip(ranges, devs))
         insts = self._stage_instances[int(self.stage_of_group[g])]
+        if op in self.deferred_ops:
+            return [(self.full_batch, insts[0][1])]
         if op is not None and not self._per_micro_batch(op):
             first: dict[int, Range] = {}
             for rng, d in insts:
