@@ -33,6 +33,10 @@ intra-op thread):
   tag's simulation of ``dp_allreduce`` on the same hosts. A host set predicted over ``SKIP_FACTOR`` times
   slower than MWMS measured on one host is not run (all-reducing every weight over these links takes tens
   of seconds a step) and listed as skipped;
+- ``schedule_ablation``: the searched pipeline's stages and M under the other way of computing weight
+  gradients (``deferred_w`` against ``fill_drain``; a searched ``1f1b`` against ``deferred_w``), so
+  ``deferred_w_speedup`` (measured: the time of the schedule that is not ``deferred_w`` over deferred_w's)
+  says what deferring them gives on its own;
 - ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
   ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
 - ``max_rel_weight_diff``: one pipelined step on the testbed against the original graph on one local device,
@@ -53,7 +57,8 @@ Usage::
 JSON keys: ``pipeline_over_best_uniform`` (measured, geomean over cases), ``pipeline_over_best_mwms``,
 ``median_abs_rel_error_pipeline``, ``max_rel_weight_diff``, ``max_rel_grad_diff``, ``max_micro_batch_rounding``
 (``micro_batch_rounding``: what float32 summation order alone changes in the same architecture's gradients on
-one device, M micro-batches against the whole batch), ``rows``, ``link_gbps``, ``quotas``.
+one device, M micro-batches against the whole batch), ``deferred_w_speedup`` (geomean of the rows'),
+``rows``, ``link_gbps``, ``quotas``.
 """
 from __future__ import annotations
 
@@ -81,6 +86,7 @@ from tag.cost.model import Profile  # noqa: E402
 from tag.search.driver import best_uniform  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.pipeline_dp import pipeline_dp  # noqa: E402
+from tag.strategy.pipeline import DEFERRED_W, Pipeline  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 
 GPU_FLOPS = 15e12            # a V100's sustained fp32/tensor-core mix, FLOP/s
@@ -276,6 +282,11 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
     hand = hand_pipeline(env, args.hand_micro_batches, args.quotas)
     hand_pred = env.simulator.evaluate(hand, batch_size=batch).step_time
+    # the same stages and M under the other way of computing weight gradients (deferred_w <-> fill_drain)
+    p = pipe.pipeline
+    other = Pipeline(p.stages, p.micro_batches, "fill_drain" if p.schedule == DEFERRED_W else DEFERRED_W)
+    ablation = Strategy.pipelined(pipe.grouping, other)
+    ablation_pred = env.simulator.evaluate(ablation, batch_size=batch).step_time
     budget = args.budget
     tb.start_workers(threads_per_worker=1)
     try:
@@ -283,8 +294,9 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
         diff, grad_diff, zero_grad = weight_diff(an, pipe_res, tb.target)
         # side by side, in interleaved rounds
         timed = measure_interleaved(tb, {"pipe": (pipe_res, pipe_pred), "uniform": (an.rewrite(uniform), uni_pred),
-                                         "hand": (an.rewrite(hand), hand_pred)}, budget)
-        pipe_s, uni_s, hand_s = timed["pipe"], timed["uniform"], timed["hand"]
+                                         "hand": (an.rewrite(hand), hand_pred),
+                                         "ablation": (an.rewrite(ablation), ablation_pred)}, budget)
+        pipe_s, uni_s, hand_s, ablation_s = timed["pipe"], timed["uniform"], timed["hand"], timed["ablation"]
     finally:
         tb.stop_workers()
     mwms, skipped = {}, {}
@@ -297,7 +309,6 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
                                         model_args=mwms_model_args(width, depth))))
         mwms[k] = (pred, meas)
     best_k = min(mwms, key=lambda k: mwms[k][1])
-    p = pipe.pipeline
     rounding = micro_batch_rounding(model, batch, width, depth, p.micro_batches)
     row = {"case": label, "model": model, "width": width, "depth": depth, "batch": batch,
            "pipeline": p.to_dict(), "pipeline_stages": [len(s.placement) for s in p.stages],
@@ -311,6 +322,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
            "rel_error_pipeline": (pipe_pred - pipe_s) / pipe_s, "rel_error_uniform": (uni_pred - uni_s) / uni_s,
            "hand_pipeline": hand.pipeline.to_dict(), "predicted_hand_pipeline_s": hand_pred,
            "measured_hand_pipeline_s": hand_s, "hand_pipeline_over_best_uniform": uni_s / hand_s,
+           "schedule_ablation": {"schedule": other.schedule, "predicted_s": ablation_pred, "measured_s": ablation_s},
+           "deferred_w_speedup": (ablation_s / pipe_s if p.schedule == DEFERRED_W else pipe_s / ablation_s),
            "max_rel_weight_diff": diff, "max_rel_grad_diff": grad_diff, "micro_batch_rounding": rounding,
            "zero_gradient_variables": zero_grad, "search_s": search_s, "load": list(os.getloadavg())}
     print(f"{label:<12} B={batch:<3} pipeline {pipe_s * 1e3:7.1f} ms (pred {pipe_pred * 1e3:7.1f}; "
@@ -320,7 +333,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
           f"{', '.join(f'{k}:{v[1] * 1e3:.0f}' for k, v in mwms.items())}"
           f"{''.join(f', {k}: skipped, pred {v:.1f} s' for k, v in skipped.items())})  "
           f"hand pipeline {hand_s * 1e3:7.1f} ms (pred {hand_pred * 1e3:7.1f}; {len(hand.pipeline.stages)} stages, "
-          f"M={args.hand_micro_batches})  "
+          f"M={args.hand_micro_batches})  same stages {other.schedule} {ablation_s * 1e3:7.1f} ms (pred "
+          f"{ablation_pred * 1e3:7.1f})  "
           f"x{row['pipeline_over_best_uniform']:.2f} vs uniform, x{row['pipeline_over_best_mwms']:.2f} vs mwms  "
           f"weights {diff:.1e} (gradients {grad_diff:.1e}; float32 order alone {rounding:.1e})  load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     return row
@@ -391,14 +405,16 @@ def main(argv=None) -> int:
                "median_abs_rel_error_pipeline": float(np.median([abs(r["rel_error_pipeline"]) for r in rows])),
                "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows),
                "max_rel_grad_diff": max(r["max_rel_grad_diff"] for r in rows),
-               "max_micro_batch_rounding": max(r["micro_batch_rounding"] for r in rows)}
+               "max_micro_batch_rounding": max(r["micro_batch_rounding"] for r in rows),
+               "deferred_w_speedup": geomean([r["deferred_w_speedup"] for r in rows])}
     best = max(r["pipeline_over_best_uniform"] for r in rows)
     print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: pipeline / best uniform "
           f"{summary['pipeline_over_best_uniform']:.2f}x geomean (target >= 1.25), best case {best:.2f}x (>= 1.4); "
           f"pipeline / best MWMS {summary['pipeline_over_best_mwms']:.2f}x; median |rel error| of the pipeline's "
           f"prediction {summary['median_abs_rel_error_pipeline']:.3f} (<= 0.15); max rel weight diff "
           f"{summary['max_rel_weight_diff']:.1e} (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}, "
-          f"float32 summation order alone {summary['max_micro_batch_rounding']:.1e}); load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"float32 summation order alone {summary['max_micro_batch_rounding']:.1e}); deferred_w / the other schedule "
+          f"{summary['deferred_w_speedup']:.2f}x; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": quotas,

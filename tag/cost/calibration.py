@@ -332,8 +332,8 @@ def measure_matmul_rates(shapes: Sequence[tuple[str, int, int, int]], peak: floa
 
 def measure_matmul_table(peak: float, device_type: str = "CPU", sides: Sequence[int] | None = None) -> "MatmulTable":
     """The MatMul efficiency table of this device (``tag.cost.matmul_table``): every variant on the grid of
-    SIDES (default ``DEFAULT_SIDES``) up to 2^30 FLOPs per product, as fractions of PEAK. About two minutes on one
-    CPU core."""
+    SIDES (default ``DEFAULT_SIDES``) up to ``GRID_MAX_FLOPS`` (2^32) FLOPs per product, as fractions of PEAK.
+    About three minutes on one CPU core."""
     from tag.cost.matmul_table import DEFAULT_SIDES, grid_shapes, table_from_rates
     sides = tuple(sides or DEFAULT_SIDES)
     return table_from_rates(measure_matmul_rates(grid_shapes(sides), peak, device_type), peak, sides)

@@ -257,11 +257,13 @@ class PipelineTasks:
                 if mine:
                     xc = int(index[c, 0]) if to_update else int(weight_task[c])
                     keys.setdefault((int(weight_task[a]), xc), _part(mine))
-                if to_update:
-                    rest = [e for e in base.bundle_edges[b] if not ops[e[0]]]
+                rest = [e for e in base.bundle_edges[b] if not (ops[e[0]] and (to_update or ops[e[1]]))]
+                if to_update or len(rest) < len(base.bundle_edges[b]):
                     if rest or not base.bundle_edges[b]:
                         for m in range(M):
-                            keys.setdefault((int(index[a, m]), int(index[c, m])), _part(rest))
+                            xa, xc = int(index[a, m]), int(index[c, m])
+                            if xa < xc:
+                                keys.setdefault((xa, xc), _part(rest))
                     continue
             for m in range(M):
                 xa, xc = int(index[a, m]), int(index[c, m])
