@@ -299,14 +299,23 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
         pipe_s, uni_s, hand_s, ablation_s = timed["pipe"], timed["uniform"], timed["hand"], timed["ablation"]
     finally:
         tb.stop_workers()
-    mwms, skipped = {}, {}
+    mwms, skipped, failed = {}, {}, {}
     for k in range(1, len(tb.topology.hosts) + 1):
         pred = env.simulator.evaluate(host_prefix_strategy(env, k), batch_size=batch).step_time
         if k > 1 and pred > SKIP_FACTOR * mwms[1][1]:
             skipped[k] = pred          # all-reducing every weight over the slow links: minutes of steps
             continue
-        meas = float(np.median(run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
-                                        model_args=mwms_model_args(width, depth))))
+        try:
+            meas = float(np.median(run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
+                                            model_args=mwms_model_args(width, depth))))
+        except RuntimeError as err:
+            if k == 1:
+                raise
+            # MWMS over several slow links can fail on its own (a coordination-service heartbeat past its
+            # deadline during a 30-second all-reduce, run 17): recorded, not the case's end
+            failed[k] = " ".join(str(err).split())[-300:]
+            print(f"{label:<12} MWMS on {k} hosts failed: {failed[k]}", flush=True)
+            continue
         mwms[k] = (pred, meas)
     best_k = min(mwms, key=lambda k: mwms[k][1])
     rounding = micro_batch_rounding(model, batch, width, depth, p.micro_batches)
@@ -317,7 +326,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
            "best_uniform_action": uniform.actions[0].to_dict(), "predicted_uniform_s": uni_pred,
            "measured_uniform_s": uni_s,
            "mwms": {str(k): {"predicted_s": v[0], "measured_s": v[1]} for k, v in mwms.items()},
-           "mwms_skipped_predicted_s": {str(k): v for k, v in skipped.items()}, "mwms_best_hosts": best_k, "measured_mwms_s": mwms[best_k][1], "predicted_mwms_s": mwms[best_k][0],
+           "mwms_skipped_predicted_s": {str(k): v for k, v in skipped.items()},
+           "mwms_failed": {str(k): v for k, v in failed.items()}, "mwms_best_hosts": best_k, "measured_mwms_s": mwms[best_k][1], "predicted_mwms_s": mwms[best_k][0],
            "pipeline_over_best_uniform": uni_s / pipe_s, "pipeline_over_best_mwms": mwms[best_k][1] / pipe_s,
            "rel_error_pipeline": (pipe_pred - pipe_s) / pipe_s, "rel_error_uniform": (uni_pred - uni_s) / uni_s,
            "hand_pipeline": hand.pipeline.to_dict(), "predicted_hand_pipeline_s": hand_pred,
