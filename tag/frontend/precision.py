@@ -6,7 +6,9 @@ run, so the rewrite happens here, on the GraphDef, before the IR is built:
 - ``"mixed_bfloat16"``: Grappler's ``auto_mixed_precision_onednn_bfloat16`` optimizer (run through
   ``tf_optimizer.OptimizeGraph`` with every other Grappler pass off): MatMuls, convolutions and the
   element-wise ops between them compute in bfloat16, with ``Cast`` ops at the edges; variables, the
-  optimizer update and the gradients that reach it stay float32. This pass runs on any machine.
+  optimizer update and the gradients that reach it stay float32. The pass only acts on a CPU with
+  AVX-512 bfloat16 support (it changed nothing on an AMD EPYC host); elsewhere tag puts the MatMuls and
+  convolutions (``HALF_COMPUTE_OPS``) in bfloat16 itself and leaves the element-wise ops float32.
 - ``"mixed_float16"``: Grappler's ``auto_mixed_precision`` (the CUDA pass) where TensorFlow sees a GPU.
   That pass does nothing on a machine without one (checked with TensorFlow 2.21: the MatMuls stay
   float32, and ``auto_mixed_precision_cpu`` leaves them float32 too), so there the bfloat16 pass decides
@@ -34,8 +36,11 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
+
+import numpy as np
 
 from tag.cost.precision import check_plan_precision
 from tag.errors import GraphError
@@ -58,6 +63,8 @@ def apply_precision(graph_def: Any, precision: str | None, *, train_op: str, los
         out = _grappler(graph_def, "auto_mixed_precision", fetch)
     else:
         out = _grappler(graph_def, "auto_mixed_precision_onednn_bfloat16", fetch)
+        if not any(_is_half(n) for n in out.node):
+            _half_compute_ops(out, fetch)
         if precision == "mixed_float16":
             _bfloat16_to_half(out)
     _repair_types(out)
@@ -157,6 +164,34 @@ def _repair_types(graph_def: Any) -> None:
                 cast.attr["SrcT"].type, cast.attr["DstT"].type = got[k], wanted[pos]
                 cast.device = n.device
                 n.input[list(n.input).index(name)] = cast.name
+
+
+#: the compute ops every TensorFlow mixed-precision pass puts in half precision (its allow list's core)
+HALF_COMPUTE_OPS = frozenset({"MatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"})
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bfloat16_pass_active() -> bool:
+    """Does TensorFlow's oneDNN bfloat16 pass convert anything on this machine (a one-MatMul graph)?"""
+    import tensorflow as tf
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf.constant(np.ones((8, 8), np.float32))
+        tf.identity(tf.matmul(x, w), name="y")
+    out = _grappler(g.as_graph_def(), "auto_mixed_precision_onednn_bfloat16", ["y"])
+    return any(_is_half(n) for n in out.node)
+
+
+def _half_compute_ops(graph_def: Any, fetch: list[str]) -> None:
+    """Where the oneDNN bfloat16 pass converts nothing (it only runs on CPUs with AVX-512 bfloat16 support,
+    and it ran on none of an AMD EPYC host's graphs): the MatMuls and convolutions (``HALF_COMPUTE_OPS``)
+    compute in bfloat16 (in place; ``_repair_types`` then adds the Casts around them). The element-wise ops
+    between them stay float32, where the pass would have moved some of them too."""
+    from tensorflow.core.framework import types_pb2
+    for n in graph_def.node:
+        if n.op in HALF_COMPUTE_OPS and n.name not in fetch and n.attr["T"].type == types_pb2.DT_FLOAT:
+            n.attr["T"].type = types_pb2.DT_BFLOAT16
 
 
 def _is_half(node: Any) -> bool:
