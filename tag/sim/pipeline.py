@@ -71,6 +71,8 @@ class DeferredWeights:
     stages: frozenset
     ops: np.ndarray
     concat_per_example: np.ndarray
+
+
 _UIDS = itertools.count(1)      # a number per expansion, never reused (keys of the simulator's layout caches)
 
 
@@ -78,7 +80,8 @@ class PipelineTasks:
     """The task graph of one pipeline structure (stages' op groups, M, schedule), duck-typing ``TaskGraph``
     for ``StepSchedule`` and ``schedule_features``; ``memory`` is the matching ``MemoryModel``.
 
-    Per expanded task: ``base_task`` (the TaskGraph task it copies), ``micro_batch`` (-1: update, once),
+    Per expanded task: ``base_task`` (the TaskGraph task it copies), ``micro_batch`` (-1: update, once;
+    ``WEIGHT_STEP``: a deferred W task),
     ``pipeline_stage``, ``labels`` (trace names: ``F3 dense_1`` = forward of micro-batch 3)."""
 
     def __init__(self, base: TaskGraph, memory: MemoryModel, pipeline: Pipeline, group_names: list[str],
@@ -254,8 +257,8 @@ class PipelineTasks:
             if weight_task[a] >= 0 and (base.task_stage[c] == UPDATE_STAGE or weight_task[c] >= 0):
                 to_update = base.task_stage[c] == UPDATE_STAGE
                 mine = [e for e in base.bundle_edges[b] if ops[e[0]] and (to_update or ops[e[1]])]
-                if mine:
-                    xc = int(index[c, 0]) if to_update else int(weight_task[c])
+                xc = int(index[c, 0]) if to_update else int(weight_task[c])
+                if mine and int(weight_task[a]) < xc:
                     keys.setdefault((int(weight_task[a]), xc), _part(mine))
                 rest = [e for e in base.bundle_edges[b] if not (ops[e[0]] and (to_update or ops[e[1]]))]
                 if to_update or len(rest) < len(base.bundle_edges[b]):
