@@ -8,7 +8,8 @@ run, so the rewrite happens here, on the GraphDef, before the IR is built:
   element-wise ops between them compute in bfloat16, with ``Cast`` ops at the edges; variables, the
   optimizer update and the gradients that reach it stay float32. The pass only acts on a CPU with
   AVX-512 bfloat16 support (it changed nothing on an AMD EPYC host); elsewhere tag puts the MatMuls and
-  convolutions (``HALF_COMPUTE_OPS``) in bfloat16 itself and leaves the element-wise ops float32.
+  convolutions (``HALF_COMPUTE_OPS``) other than weight gradients in bfloat16 itself and leaves the
+  element-wise ops float32.
 - ``"mixed_float16"``: Grappler's ``auto_mixed_precision`` (the CUDA pass) where TensorFlow sees a GPU.
   That pass does nothing on a machine without one (checked with TensorFlow 2.21: the MatMuls stay
   float32, and ``auto_mixed_precision_cpu`` leaves them float32 too), so there the bfloat16 pass decides
@@ -36,11 +37,8 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
-
-import numpy as np
 
 from tag.cost.precision import check_plan_precision
 from tag.errors import GraphError
@@ -170,27 +168,19 @@ def _repair_types(graph_def: Any) -> None:
 HALF_COMPUTE_OPS = frozenset({"MatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"})
 
 
-@functools.lru_cache(maxsize=1)
-def onednn_bfloat16_pass_active() -> bool:
-    """Does TensorFlow's oneDNN bfloat16 pass convert anything on this machine (a one-MatMul graph)?"""
-    import tensorflow as tf
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
-        w = tf.constant(np.ones((8, 8), np.float32))
-        tf.identity(tf.matmul(x, w), name="y")
-    out = _grappler(g.as_graph_def(), "auto_mixed_precision_onednn_bfloat16", ["y"])
-    return any(_is_half(n) for n in out.node)
-
-
 def _half_compute_ops(graph_def: Any, fetch: list[str]) -> None:
     """Where the oneDNN bfloat16 pass converts nothing (it only runs on CPUs with AVX-512 bfloat16 support,
     and it ran on none of an AMD EPYC host's graphs): the MatMuls and convolutions (``HALF_COMPUTE_OPS``)
-    compute in bfloat16 (in place; ``_repair_types`` then adds the Casts around them). The element-wise ops
-    between them stay float32, where the pass would have moved some of them too."""
+    compute in bfloat16 (in place; ``_repair_types`` then adds the Casts around them), except weight
+    gradients (``Conv2DBackpropFilter``, a ``MatMul`` with ``transpose_a``): data parallelism sums their
+    per-replica partial sums, and partial sums rounded to bfloat16's 8-bit mantissa cancel badly (a
+    two-replica plan of a small MLP with Adam ended 0.99 of an update away from one device; with them in
+    float32, 5e-6). The element-wise ops between them stay float32, where the pass would move some too."""
     from tensorflow.core.framework import types_pb2
     for n in graph_def.node:
-        if n.op in HALF_COMPUTE_OPS and n.name not in fetch and n.attr["T"].type == types_pb2.DT_FLOAT:
+        weight_gradient = n.op == "Conv2DBackpropFilter" or (n.op == "MatMul" and n.attr["transpose_a"].b)
+        if n.op in HALF_COMPUTE_OPS and n.name not in fetch and n.attr["T"].type == types_pb2.DT_FLOAT \
+                and not weight_gradient:
             n.attr["T"].type = types_pb2.DT_BFLOAT16
 
 
