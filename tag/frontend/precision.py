@@ -175,7 +175,9 @@ def _half_compute_ops(graph_def: Any, fetch: list[str]) -> None:
     gradients (``Conv2DBackpropFilter``, a ``MatMul`` with ``transpose_a``): data parallelism sums their
     per-replica partial sums, and partial sums rounded to bfloat16's 8-bit mantissa cancel badly (a
     two-replica plan of a small MLP with Adam ended 0.99 of an update away from one device; with them in
-    float32, 5e-6). The element-wise ops between them stay float32, where the pass would move some too."""
+    float32, 5e-6). The element-wise ops between them stay float32, where the pass would move some too.
+    A plan made on such a machine therefore costs weight gradients at float32 rates, pessimistically for a
+    GPU cluster whose own pass would run them in half precision."""
     from tensorflow.core.framework import types_pb2
     for n in graph_def.node:
         weight_gradient = n.op == "Conv2DBackpropFilter" or (n.op == "MatMul" and n.attr["transpose_a"].b)
