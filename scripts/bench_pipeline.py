@@ -189,7 +189,8 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
     noise = zero_gradient_variables([v.name for v in vs], all_grads)
     ref_grads = dict(zip([v.name for v in vs], all_grads))
 
-    weights = max((relative_diff(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]), default=0.0)
+    weights = max((relative_diff(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]),
+                  default=0.0)
     grads = max((relative_diff(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads) if v.name not in noise),
                 default=0.0)
     return weights, grads, sorted(noise)
@@ -347,7 +348,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
           f"M={args.hand_micro_batches})  same stages {other.schedule} {ablation_s * 1e3:7.1f} ms (pred "
           f"{ablation_pred * 1e3:7.1f})  "
           f"x{row['pipeline_over_best_uniform']:.2f} vs uniform, x{row['pipeline_over_best_mwms']:.2f} vs mwms  "
-          f"weights {diff:.1e} (gradients {grad_diff:.1e}; float32 order alone {rounding:.1e})  load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+          f"weights {diff:.1e} (gradients {grad_diff:.1e}; float32 order alone {rounding:.1e})  "
+          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     return row
 
 

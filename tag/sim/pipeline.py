@@ -254,19 +254,22 @@ class PipelineTasks:
         keys: dict[tuple[int, int], object] = {}
         ops = self._weight_ops
         for b, (a, c) in enumerate(zip(base.bundle_src, base.bundle_dst)):
-            if weight_task[a] >= 0 and (base.task_stage[c] == UPDATE_STAGE or weight_task[c] >= 0):
-                to_update = base.task_stage[c] == UPDATE_STAGE
-                mine = [e for e in base.bundle_edges[b] if ops[e[0]] and (to_update or ops[e[1]])]
+            to_update = base.task_stage[c] == UPDATE_STAGE
+            if weight_task[a] >= 0 and (to_update or weight_task[c] >= 0):
+                edges = base.bundle_edges[b]
+                sent_by_w = [bool(ops[e[0]] and (to_update or ops[e[1]])) for e in edges]
+                mine = [e for e, w in zip(edges, sent_by_w) if w]
+                rest = [e for e, w in zip(edges, sent_by_w) if not w]
                 xc = int(index[c, 0]) if to_update else int(weight_task[c])
                 if mine and int(weight_task[a]) < xc:
                     keys.setdefault((int(weight_task[a]), xc), _part(mine))
-                rest = [e for e in base.bundle_edges[b] if not (ops[e[0]] and (to_update or ops[e[1]]))]
-                if to_update or len(rest) < len(base.bundle_edges[b]):
-                    if rest or not base.bundle_edges[b]:
+                if to_update or mine:           # the rest (if any) per micro-batch, as its own bundle
+                    if rest or not edges:
+                        part = _part(rest)
                         for m in range(M):
                             xa, xc = int(index[a, m]), int(index[c, m])
                             if xa < xc:
-                                keys.setdefault((xa, xc), _part(rest))
+                                keys.setdefault((xa, xc), part)
                     continue
             for m in range(M):
                 xa, xc = int(index[a, m]), int(index[c, m])

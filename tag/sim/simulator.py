@@ -419,12 +419,11 @@ class Simulator:
             defers = bool(pt.is_weight_task.any())
             for lane, _, b, ta in base.insts:
                 d = ta[pt.base_task]
+                r = self.cost.rates(lane_dg[lane])
                 if accumulates:
-                    r = self.cost.rates(lane_dg[lane])
                     d = d + 3.0 * pt.accumulate_bytes / r.memory_bandwidth + pt.accumulate_tensors * r.launch_overhead_s
                 if defers:      # W tasks: the weight-gradient ops and the concatenation of their inputs
                     w = self.layouts.table(lane_dg[lane], b, self._weight_gradients()[0])[1][pt.base_task]
-                    r = self.cost.rates(lane_dg[lane])
                     d = np.where(pt.is_weight_task, w + 2.0 * b * pt.concat_per_example / r.memory_bandwidth,
                                  np.where(pt.is_input_part, d - w, d))
                 insts.append((lane, d.tolist(), b, d))
