@@ -5,7 +5,8 @@ import pytest
 from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.search import SearchEnv, search
 from tag.search.driver import best_uniform, stage_choice
-from tag.search.pipeline_dp import _Tables, balance, group_chain, pipeline_dp, stage_device_sets
+from tag.search.pipeline_dp import _Tables, balance, group_chain, micro_batch_alternatives, pipeline_dp, \
+    stage_device_sets
 from tag.strategy.grouping import group_ops
 
 from tiny import DeviceSpec, make_topology, mlp_graph
@@ -64,6 +65,26 @@ def test_pipeline_beats_the_best_uniform_action_on_a_slow_link():
     assert result.baselines["pipeline"] == pytest.approx(found.outcome.step_time)
     assert stage_choice(env, p and found.strategy) is not None and "pipeline_stages" in result.baselines
     assert "pipeline" not in search(env, playouts=5, seed=0, use_pipeline=False).baselines
+
+
+def test_the_best_pipeline_of_each_other_micro_batch_count_is_a_tuning_candidate():
+    env = _env()
+    found = pipeline_dp(env)
+    chosen = found.strategy.pipeline.micro_batches
+    alternatives = micro_batch_alternatives(found)
+    tried_ms = {p.micro_batches for p, _, o in found.tried if o.feasible}
+    assert set(alternatives) == {f"pipeline_m{m}" for m in tried_ms - {chosen}} and alternatives
+    for name, (pipeline, outcome) in alternatives.items():
+        assert name == f"pipeline_m{pipeline.micro_batches}" and outcome.feasible
+        assert outcome.step_time >= found.outcome.step_time            # the answer is the best of all
+        assert all(o.rank <= outcome.rank for p, _, o in found.tried
+                   if p.micro_batches == pipeline.micro_batches and o.feasible)
+    # in the portfolio: compared in the report and offered to the tuning step, never the plan by themselves
+    result = search(env, playouts=5, seed=0)
+    for name, (pipeline, outcome) in micro_batch_alternatives(result.pipeline).items():
+        assert result.candidates[name].pipeline == pipeline
+        assert result.baselines[name] == pytest.approx(outcome.step_time)
+    assert result.method == "pipeline"
 
 
 def test_no_pipeline_when_the_link_is_too_slow_for_activations():

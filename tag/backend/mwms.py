@@ -123,23 +123,32 @@ def keras_model(name: str, k: Any, inputs: Any = None, width: int | None = None,
 
 
 def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, depth: int | None = None,
-              vocab: int | None = None) -> Any:
+              vocab: int | None = None, floatx: str = "float32") -> Any:
     """The TF1 training step of model NAME at global batch BATCH (GraphDef; see the module docstring);
-    WIDTH, DEPTH, VOCAB: ``keras_model``'s."""
+    WIDTH, DEPTH, VOCAB: ``keras_model``'s. FLOATX="float64": the same model with float64 weights, inputs
+    and arithmetic, for checking a rewrite's exactness where float32 rounding alone is large (a 20-layer MLP's
+    float32 gradient differs from its float64 one by about 1e-2 of its largest element)."""
     import tensorflow as tf
     import tf_keras
     v1 = tf.compat.v1
     shape, dtype = input_spec(name)
+    if dtype == "float32":
+        dtype = floatx
     g = tf.Graph()
-    with g.as_default():
-        v1.set_random_seed(seed)
-        x = v1.placeholder(dtype, [batch, *shape], name="input")
-        labels = v1.placeholder(tf.int32, [batch], name="labels")
-        logits = keras_model(name, tf_keras, inputs=x, width=width, depth=depth, vocab=vocab).output
-        loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                                                         logits=logits)), name="loss")
-        v1.train.AdamOptimizer(LEARNING_RATE, epsilon=1e-7).minimize(loss, name="train_op")
-        v1.variables_initializer(v1.global_variables(), name="init")
+    before = tf_keras.backend.floatx()
+    tf_keras.backend.set_floatx(floatx)
+    try:
+        with g.as_default():
+            v1.set_random_seed(seed)
+            x = v1.placeholder(dtype, [batch, *shape], name="input")
+            labels = v1.placeholder(tf.int32, [batch], name="labels")
+            logits = keras_model(name, tf_keras, inputs=x, width=width, depth=depth, vocab=vocab).output
+            loss = tf.identity(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=labels, logits=logits)), name="loss")
+            v1.train.AdamOptimizer(LEARNING_RATE, epsilon=1e-7).minimize(loss, name="train_op")
+            v1.variables_initializer(v1.global_variables(), name="init")
+    finally:
+        tf_keras.backend.set_floatx(before)
     return g.as_graph_def()
 
 
