@@ -38,7 +38,8 @@ intra-op thread):
   ``deferred_w_speedup`` (measured: the time of the schedule that is not ``deferred_w`` over deferred_w's)
   says what deferring them gives on its own;
 - ``tuned``: the measured tuning step as ``tag-deploy --run --tune`` runs it (``tag.tune``, default K) over the
-  pipeline, the best uniform action and the best pipeline of each other micro-batch count; the one it keeps is
+  pipeline, the best uniform action, the best pipeline of each other micro-batch count and the pipeline under
+  each other schedule (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is
   timed again in the interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
 - ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
   ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
@@ -91,7 +92,7 @@ from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.driver import best_uniform  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.pipeline_dp import micro_batch_alternatives, pipeline_dp  # noqa: E402
+from tag.search.pipeline_dp import pipeline_alternatives, pipeline_dp  # noqa: E402
 from tag.strategy.pipeline import DEFERRED_W, Pipeline  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, candidate_runner, choose, distinct_candidates, tune  # noqa: E402
@@ -205,11 +206,11 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
 
 def tuning_step(an, tb: Testbed, pipe: Strategy, pipe_pred: float, uniform: Strategy, uni_pred: float, found):
     """``tag.tune`` on the running testbed as ``tag-deploy --run --tune`` does it (default K): the pipeline (the
-    plan), the best uniform action and the best pipeline of each other micro-batch count
-    (``micro_batch_alternatives``); the TuneResult."""
+    plan), the best uniform action and ``pipeline_alternatives`` (other micro-batch counts, other schedules);
+    the TuneResult."""
     strategies = {"pipeline": pipe, BEST_UNIFORM: uniform}
     predicted = {"pipeline": pipe_pred, BEST_UNIFORM: uni_pred}
-    for name, (pipeline, outcome) in micro_batch_alternatives(found).items():
+    for name, (pipeline, outcome) in pipeline_alternatives(found).items():
         strategies[name] = Strategy.pipelined(an.grouping, pipeline, name=name, device_speeds=pipe.device_speeds)
         predicted[name] = outcome.step_time
     chosen = choose(distinct_candidates("pipeline", strategies, predicted, {}, an.topology), None)

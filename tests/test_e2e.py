@@ -42,6 +42,21 @@ def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolut
     assert conv > 4 * dense             # about 80% of the FLOPs
 
 
+def test_float64_build_has_float64_weights_and_inputs_and_leaves_keras_in_float32():
+    import tensorflow as tf
+    import tf_keras
+    from tag.backend.mwms import tf1_graph
+    gd = tf1_graph("mlp", 8, width=32, depth=2, floatx="float64")
+    nodes = {n.name: n for n in gd.node}
+    assert nodes["input"].attr["dtype"].type == tf.float64.as_datatype_enum
+    kernels = [n for n in gd.node if n.op == "VarHandleOp" and n.name.endswith("kernel")]
+    assert kernels and all(n.attr["dtype"].type == tf.float64.as_datatype_enum for n in kernels)
+    assert tf_keras.backend.floatx() == "float32"                 # restored for the next build
+    gd32 = tf1_graph("mlp", 8, width=32, depth=2)
+    # the same ops; float64 adds the optimizer's casts of its hyperparameters (and reads them there)
+    assert {n.name for n in gd32.node if n.op != "ReadVariableOp"} <= set(nodes)
+
+
 def test_gpu_ratio_links_and_the_readme_table():
     """Configuration G's links keep a V100's bytes per FLOP; --table renders a row with both anchors."""
     import sys

@@ -551,3 +551,44 @@ def test_bench_micro_batch_rounding_is_what_float32_order_alone_does():
     assert bench.micro_batch_rounding("mlp", 48, 64, 3, 1) == 0.0
     assert 0.0 <= bench.micro_batch_rounding("mlp", 48, 64, 3, 4) < 1e-5
     assert 0.0 <= bench.micro_batch_rounding("transformer", 12, 32, 2, 4) < 1e-4
+
+
+def test_float64_build_takes_the_float32_graphs_op_groups():
+    """bench_pipeline checks exactness on the model built in float64 with the float32 graph's pipeline: the
+    float64 graph gets the float32 op groups (its optimizer's extra casts in their variable's update group)."""
+    from tag.api import prepare
+    from tag.backend.mwms import tf1_graph
+    bench = _bench_pipeline_module()
+    topo = tr.topology([1, 2, 3], [0.1, 0.05, 0.05])
+    an32 = prepare(tf1_graph("mlp", 12, width=64, depth=4), topo, batch_size=12)
+    an64 = prepare(tf1_graph("mlp", 12, width=64, depth=4, floatx="float64"), topo, batch_size=12)
+    grouping = bench.same_groups(an64.graph, an32)
+    assert grouping.names == an32.grouping.names
+    group32 = {op.name: g for op, g in zip(an32.graph.ops, an32.grouping.group_of_op)}
+    casts = 0
+    for op, g in zip(an64.graph.ops, grouping.group_of_op):
+        if op.name in group32:
+            assert g == group32[op.name], op.name
+        else:
+            casts += 1
+            update = op.name.split("/Cast")[0]           # train_op/update_dense_1/kernel
+            assert any(n.startswith(update + "/") and group32[n] == g for n in group32), op.name
+    assert casts > 0
+
+
+@pytest.mark.slow
+def test_float64_exactness_check_of_a_pipeline_is_at_float64_rounding(cluster):
+    import types
+    from tag.api import prepare
+    from tag.backend.mwms import tf1_graph
+    bench = _bench_pipeline_module()
+    ports, target = cluster
+    topo = tr.topology(ports, [0.1, 0.05, 0.05])
+    an = prepare(tf1_graph("mlp", 12, width=64, depth=6), topo, batch_size=12)
+    order, rest = forward_group_order(an.graph, an.grouping)
+    half = len(order) // 2
+    pipe = Pipeline((PipelineStage(tuple(int(g) for g in order[:half]), (0,)),
+                     PipelineStage(tuple(int(g) for g in [*order[half:], *rest]), (1, 2))), 3, "deferred_w")
+    testbed = types.SimpleNamespace(topology=topo, target=target)
+    weights, grads = bench.exactness_float64("mlp", 12, 64, 6, an, pipe, None, testbed)
+    assert weights <= 1e-10 and grads <= 1e-10, (weights, grads)

@@ -5,9 +5,10 @@ import pytest
 from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.search import SearchEnv, search
 from tag.search.driver import best_uniform, stage_choice
-from tag.search.pipeline_dp import _Tables, balance, group_chain, micro_batch_alternatives, pipeline_dp, \
-    stage_device_sets
+from tag.search.pipeline_dp import _has_empty_stage, _Tables, balance, group_chain, pipeline_alternatives, \
+    pipeline_dp, stage_device_sets
 from tag.strategy.grouping import group_ops
+from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage
 
 from tiny import DeviceSpec, make_topology, mlp_graph
 
@@ -67,24 +68,47 @@ def test_pipeline_beats_the_best_uniform_action_on_a_slow_link():
     assert "pipeline" not in search(env, playouts=5, seed=0, use_pipeline=False).baselines
 
 
-def test_the_best_pipeline_of_each_other_micro_batch_count_is_a_tuning_candidate():
+def test_other_micro_batch_counts_and_schedules_are_tuning_candidates():
     env = _env()
     found = pipeline_dp(env)
-    chosen = found.strategy.pipeline.micro_batches
-    alternatives = micro_batch_alternatives(found)
-    tried_ms = {p.micro_batches for p, _, o in found.tried if o.feasible}
-    assert set(alternatives) == {f"pipeline_m{m}" for m in tried_ms - {chosen}} and alternatives
+    answer = found.strategy.pipeline
+    alternatives = pipeline_alternatives(found)
+    feasible = [(p, o) for p, _, o in found.tried if o.feasible]
+    want = {f"pipeline_m{p.micro_batches}" for p, _ in feasible if p.micro_batches != answer.micro_batches}
+    want |= {f"pipeline_{p.schedule}" for p, _ in feasible
+             if p.micro_batches == answer.micro_batches and p.stages == answer.stages and p != answer}
+    assert set(alternatives) == want and any(n.startswith("pipeline_m") for n in want)
+    assert {f"pipeline_{s}" for s in SCHEDULES if s != answer.schedule} <= set(alternatives)   # climbed from it
     for name, (pipeline, outcome) in alternatives.items():
-        assert name == f"pipeline_m{pipeline.micro_batches}" and outcome.feasible
-        assert outcome.step_time >= found.outcome.step_time            # the answer is the best of all
-        assert all(o.rank <= outcome.rank for p, _, o in found.tried
-                   if p.micro_batches == pipeline.micro_batches and o.feasible)
+        assert outcome.feasible and outcome.step_time >= found.outcome.step_time    # the answer is the best
+        if name.startswith("pipeline_m"):
+            assert name == f"pipeline_m{pipeline.micro_batches}"
+            assert all(o.rank <= outcome.rank for p, o in feasible if p.micro_batches == pipeline.micro_batches)
+        else:
+            assert pipeline == Pipeline(answer.stages, answer.micro_batches, name[len("pipeline_"):])
     # in the portfolio: compared in the report and offered to the tuning step, never the plan by themselves
     result = search(env, playouts=5, seed=0)
-    for name, (pipeline, outcome) in micro_batch_alternatives(result.pipeline).items():
+    for name, (pipeline, outcome) in pipeline_alternatives(result.pipeline).items():
         assert result.candidates[name].pipeline == pipeline
         assert result.baselines[name] == pytest.approx(outcome.step_time)
     assert result.method == "pipeline"
+
+
+def test_no_stage_of_only_update_groups_is_tried():
+    """Run 18's deep MLP: the hill-climb moved every layer onto h0 and left h1 + h2 only optimizer groups, a
+    pipeline predicted as fast as one host. Such a stage is no stage: neither the DP nor the climb tries one."""
+    env = _env()
+    chain = group_chain(env.simulator.tasks)
+    tables = _Tables(env, chain)
+    update_only = [g for g in chain if tables.empty_stage[tables.position[g], tables.position[g] + 1]]
+    assert update_only, "the MLP's optimizer groups carry no forward/backward work"
+    work = [g for g in chain if g not in update_only]
+    degenerate = Pipeline((PipelineStage(tuple(work), (0,)), PipelineStage(tuple(update_only), (1,))), 1,
+                          "fill_drain")
+    assert _has_empty_stage(degenerate, tables)
+    found = pipeline_dp(env)
+    assert not _has_empty_stage(found.strategy.pipeline, tables)
+    assert not any(_has_empty_stage(p, tables) for p, _, _ in found.tried)
 
 
 def test_no_pipeline_when_the_link_is_too_slow_for_activations():

@@ -26,8 +26,9 @@ simpler built-in is deployed. Among the built-ins the same margin favours fewer 
 (``simplest_builtin``): one using more devices must be predicted ``min_gain`` faster than one using fewer.
 ``SearchResult.baselines`` holds each step's own best (the ``refine`` entry is the final answer when
 refinement found the winner), and ``SearchResult.candidates`` each step's best strategy and every
-built-in (name -> Strategy), plus the pipeline search's best for each other micro-batch count
-(``pipeline_m{M}``, in ``baselines`` too; never the plan unmeasured): the distinct ones among them are what
+built-in (name -> Strategy), plus the pipeline search's best for each other micro-batch count and its
+answer under each other schedule (``pipeline_m{M}``, ``pipeline_{schedule}``; in ``baselines`` too; never
+the plan unmeasured): the distinct ones among them are what
 the measured tuning step (``tag.tune``) runs on the cluster.
 
 Budgets: with ``budget_s`` the tree search gets half of what is left after steps 1-3 and refinement
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tag.search.env import Choice, Outcome, SearchEnv
-from tag.search.pipeline_dp import PipelineSearchResult, micro_batch_alternatives, pipeline_dp
+from tag.search.pipeline_dp import PipelineSearchResult, pipeline_alternatives, pipeline_dp
 from tag.search.pipeline_tree import PipelineRoots
 from tag.sim.simulator import SimResult
 from tag.strategy.types import Strategy
@@ -249,9 +250,9 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     candidates = {n: env.builtin_strategies[n] if c is None else pipelines[n] if c is _PIPELINE
                   else env.strategy(c, name=n) for n, (c, _) in found.items()}
     if piped is not None:
-        # the best pipeline of every other micro-batch count: compared in the report, measured by the tuning
-        # step when promising (``micro_batch_alternatives``), never the plan without being measured
-        for name, (pipeline, alt) in micro_batch_alternatives(piped).items():
+        # the best pipeline of every other micro-batch count and schedule: compared in the report, measured by
+        # the tuning step when promising (``pipeline_alternatives``), never the plan without being measured
+        for name, (pipeline, alt) in pipeline_alternatives(piped).items():
             candidates[name] = Strategy.pipelined(env.grouping, pipeline, name=name, device_speeds=env.device_speeds)
             baselines[name], feasible[name] = float(alt.step_time), bool(alt.feasible)
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,

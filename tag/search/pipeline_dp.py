@@ -347,27 +347,34 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
         return empty
     if refine_evaluations > 0:
         left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
-        best = _refine(env, chain, best, tried, refine_evaluations, left)
+        best = _refine(env, chain, best, tried, refine_evaluations, left, tables)
     return PipelineSearchResult(best[0], best[1], best[2], best[3], len(tried), time.perf_counter() - t0, tried)
 
 
-def micro_batch_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Pipeline, Outcome]]:
-    """The best feasible pipeline FOUND simulated for each number of micro-batches other than its answer's,
-    named ``pipeline_m{M}``: candidates for the measured tuning step (``tag.tune``). Why: the micro-batch
-    count is where the simulator misjudged the testbed most (VGG, 3-host convolution stage: M = 1 measured
-    0.60-0.72 s and M = 2 0.68-0.74 s, predicted 0.57 and 0.52 s), so the tuning step measures the best of each
-    M instead of trusting the ranking between them."""
+def pipeline_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Pipeline, Outcome]]:
+    """Candidates for the measured tuning step (``tag.tune``) beside FOUND's answer, from what it simulated:
+    the best feasible pipeline for each other number of micro-batches (``pipeline_m{M}``) and the answer's
+    stages and M under each other schedule (``pipeline_{schedule}``, when simulated: the hill-climb tries
+    them). Why: M and the schedule are where the simulator misjudged the testbed most (bench_pipeline run
+    19: the VGG's three-host convolution stage ran 0.61 s at M = 1 and 0.71 s at M = 2, predicted 0.57 and
+    0.48 s; the transformer's stages ran 1.99 s under fill-drain and 2.19 s under deferred_w, predicted 2.37
+    and 2.22 s), so the tuning step measures them instead of trusting the ranking between them."""
     if found.strategy is None or found.strategy.pipeline is None:
         return {}
-    chosen = found.strategy.pipeline.micro_batches
-    best: dict[int, tuple[Pipeline, Outcome]] = {}
+    answer = found.strategy.pipeline
+    best: dict[str, tuple[Pipeline, Outcome]] = {}
     for pipeline, _, outcome in found.tried:
-        m = pipeline.micro_batches
-        if m == chosen or not outcome.feasible:
+        if not outcome.feasible or pipeline == answer:
             continue
-        if m not in best or outcome.rank > best[m][1].rank:
-            best[m] = (pipeline, outcome)
-    return {f"pipeline_m{m}": best[m] for m in sorted(best)}
+        if pipeline.micro_batches != answer.micro_batches:
+            name = f"pipeline_m{pipeline.micro_batches}"
+        elif pipeline.stages == answer.stages:
+            name = f"pipeline_{pipeline.schedule}"
+        else:
+            continue
+        if name not in best or outcome.rank > best[name][1].rank:
+            best[name] = (pipeline, outcome)
+    return dict(sorted(best.items(), key=lambda kv: kv[1][1].step_time))
 
 
 def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeline]:
@@ -392,10 +399,22 @@ def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeli
     return out
 
 
+def _has_empty_stage(pipeline: Pipeline, tables: _Tables) -> bool:
+    """Whether a stage of PIPELINE carries less than ``MIN_STAGE_WORK`` of the forward/backward work (only
+    update or bookkeeping groups): such a pipeline is one host's step with idle hosts beside it (run 18's
+    deep MLP: every layer on h0, only optimizer groups on h1 + h2, predicted as fast as one host)."""
+    for st in pipeline.stages:
+        positions = tables.position[list(st.groups)]
+        if tables.empty_stage[int(positions.min()), int(positions.max()) + 1]:
+            return True
+    return False
+
+
 def _refine(env: SearchEnv, chain: list[int], best: tuple, tried: list, max_evaluations: int,
-            budget_s: float | None) -> tuple:
+            budget_s: float | None, tables: _Tables) -> tuple:
     """Hill-climb from BEST = (strategy, outcome, result, estimate) over ``_neighbours``, simulated, until no
-    move helps or MAX_EVALUATIONS / BUDGET_S run out."""
+    move helps or MAX_EVALUATIONS / BUDGET_S run out; a neighbour with an empty stage (``_has_empty_stage``)
+    is not tried."""
     t0 = time.perf_counter()
     seen = {t[0] for t in tried}
     evaluations = 0
@@ -403,7 +422,7 @@ def _refine(env: SearchEnv, chain: list[int], best: tuple, tried: list, max_eval
     while improved and evaluations < max_evaluations:
         improved = False
         for pipeline in _neighbours(best[0].pipeline, chain, env.batch_size):
-            if pipeline in seen:
+            if pipeline in seen or _has_empty_stage(pipeline, tables):
                 continue
             if evaluations >= max_evaluations or (budget_s is not None and time.perf_counter() - t0 > budget_s):
                 return best
