@@ -356,7 +356,7 @@ def pipeline_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Pipeli
     the best feasible pipeline for each other number of micro-batches (``pipeline_m{M}``) and the answer's
     stages and M under each other schedule (``pipeline_{schedule}``, when simulated: the hill-climb tries
     them). Why: M and the schedule are where the simulator misjudged the testbed most (bench_pipeline run
-    19: the VGG's three-host convolution stage ran 0.61 s at M = 1 and 0.71 s at M = 2, predicted 0.57 and
+    19: the VGG's three-host convolution stage ran 0.61 s at M = 1 and 0.71 s at M = 2, predicted 0.54 and
     0.48 s; the transformer's stages ran 1.99 s under fill-drain and 2.19 s under deferred_w, predicted 2.37
     and 2.22 s), so the tuning step measures them instead of trusting the ranking between them."""
     if found.strategy is None or found.strategy.pipeline is None:
