@@ -98,7 +98,8 @@ def _virtual_gpu_cluster() -> Any:
     from tensorflow.python.grappler import cluster as gcluster
     base = "/job:localhost/replica:0/task:0/device:"
     gpu = dp.NamedDevice(name=base + "GPU:0", properties=dp.DeviceProperties(
-        type="GPU", environment={"architecture": "7.0", "cuda": "11000", "cudnn": "8000"}, num_cores=80, frequency=1530, memory_size=16 << 30))
+        type="GPU", environment={"architecture": "7.0", "cuda": "11000", "cudnn": "8000"}, num_cores=80,
+        frequency=1530, memory_size=16 << 30))
     cpu = dp.NamedDevice(name=base + "CPU:0", properties=dp.DeviceProperties(type="CPU"))
     return gcluster.Cluster(devices=[gpu, cpu])
 
