@@ -164,9 +164,13 @@ def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
 
 
 def model_key(row: dict[str, Any]) -> str:
-    """The IR a row needs: its model (and sequence length), mixed-precision rows their rewritten graph."""
+    """The IR a row needs: its model (and sequence length), mixed-precision rows their rewritten graph
+    (``-mixed-gpu``: TensorFlow's CUDA mixed-precision pass, on a virtual GPU where the machine has none,
+    and the loss scale's unscaling as a backward op; older caches' ``-mixed`` IRs came from the CPU's pass
+    or tag's fallback and had the unscaling as an update op, which held every all-reduce until the end of
+    the backward pass)."""
     return IR_NAMES.get(row["model"], row["model"]) + (f"-s{row['seq_len']}" if row["seq_len"] else "") + (
-        "-mixed" if row["precision"] == "mixed" else "")
+        "-mixed-gpu" if row["precision"] == "mixed" else "")
 
 
 def build_ir(row: dict[str, Any], cache: str | None = None):
@@ -186,7 +190,8 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
         gd = tag.zoo.training_graph(row["model"], batch_size=IR_BATCH, **opts)
     if row["precision"] == "mixed":
         from tag.frontend.precision import apply_precision
-        gd = apply_precision(gd, "mixed_float16", train_op="train_op", loss="loss", init="init")
+        # TensorFlow's CUDA pass (the sources ran on GPUs), on a virtual GPU where this machine has none
+        gd = apply_precision(gd, "mixed_float16", train_op="train_op", loss="loss", init="init", virtual_gpu=True)
     tg = tag.analyze(gd, name=key)
     if path:
         os.makedirs(cache, exist_ok=True)

@@ -16,7 +16,8 @@ FP32 compute scale that tensor cores share: the sustained clock; ``DERIVED``): n
 TF32 row is fitted on (they are the validation rows). XLA rows are costed as ``CostModel(xla=True)`` costs them.
 MatMuls and convolutions are charged their SM occupancy at each row's per-GPU batch on its class's SM count
 (``tag.cost.occupancy``, as the cost model charges it; nothing in it is fitted), so the efficiencies are
-fractions of peak at full waves of thread blocks.
+fractions of peak at full waves of thread blocks; ops on tensor cores are also charged their tile padding in
+the channel dimension (tile quantization), so the tensor-core efficiencies are fractions of peak at full tiles.
 
 One-GPU step time is the sum of the cost model's op times (the simulator's single device runs its ops
 back to back), so the compute fit evaluates that sum directly. The collective defaults (bus bandwidth as
@@ -188,7 +189,7 @@ def op_arrays(graph, batch: int, xla: bool = False, sms: int = 0):
         mem, fused = a.mem_bytes(batch), np.zeros(len(graph.ops), dtype=bool)
     tensor = np.array([TENSOR.index(c) if c in TENSOR and p in ("fp16", "bf16") else -1
                        for c, p in zip(cls, op_precisions(graph))], dtype=np.int64)
-    occ = occupancy(gemm_extents(graph), batch, sms)
+    occ = occupancy(gemm_extents(graph), batch, sms, tensor >= 0)     # tensor cores: tile padding too
     return a.flops(batch), mem, idx, charged, fused, tensor, occ
 
 

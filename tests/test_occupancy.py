@@ -5,7 +5,7 @@ import pytest
 from tag.cluster.topology import parse_topology
 from tag.cost.gpu_defaults import resolve
 from tag.cost.model import CostModel
-from tag.cost.occupancy import gemm_extents, occupancy, wave_fill
+from tag.cost.occupancy import gemm_extents, occupancy, tile_fill, wave_fill
 
 from tiny import GraphBuilder
 
@@ -78,3 +78,70 @@ def test_cost_model_charges_occupancy_on_shipped_gpu_classes_only():
     assert unknown.rates(0).sms == 0
     t = [unknown.op_times(0, b)[mm] - unknown.rates(0).launch_overhead_s for b in (2, 10)]
     assert t[0] / 2 == pytest.approx(t[1] / 10, rel=1e-6)
+
+
+def _conv_graph(dtype: str, channels: int):
+    """A 3x3 convolution at reference batch 8 on 17x17 maps, 192 input and CHANNELS output channels (NHWC),
+    its input gradient and its weight gradient, in DTYPE."""
+    size = 2 if dtype == "half" else 4
+    b = GraphBuilder(batch_size=8)
+    b.op("img", "Placeholder", out_pe=17 * 17 * 192 * size, dtype=dtype)
+    b.op("k", "VarHandleOp", dtype=dtype)
+    flops_pe = 2 * 17 * 17 * channels * 9 * 192
+    b.op("conv", "Conv2D", inputs=("img", "k"), flops_pe=flops_pe, out_pe=17 * 17 * channels * size, dtype=dtype)
+    b.op("dx", "Conv2DBackpropInput", "backward", inputs=("k", "conv"), flops_pe=flops_pe,
+         out_pe=17 * 17 * 192 * size, dtype=dtype)
+    b.op("dk", "Conv2DBackpropFilter", "backward", inputs=("img", "conv"), flops_pe=flops_pe,
+         out_bytes=9 * 192 * channels * size, dtype=dtype)
+    g = b.build()
+    shapes = {"img": ((8, 17, 17, 192), 0), "k": ((3, 3, 192, channels), None), "conv": ((8, 17, 17, channels), 0),
+              "dx": ((8, 17, 17, 192), 0), "dk": ((3, 3, 192, channels), None)}
+    for op in g.ops:
+        op.outputs[0].shape, op.outputs[0].batch_axis = shapes[op.name]
+    return g
+
+
+def test_tile_quantization_charges_the_unfilled_part_of_the_last_tile_along_n():
+    rows = np.array([256.0 * 80 * 4 * 64])       # whole waves of every tile
+    # 48 channels: the best tiles are 64 wide, 3/4 busy; 64 and 192 fill them exactly; 80 needs two (5/8)
+    for n, fill in ((48, 0.75), (64, 1.0), (192, 1.0), (80, 0.625), (160, 160 / 192)):
+        padded = wave_fill(rows, np.array([float(n)]), np.array([1.0]), 80, pad_n=np.array([True]))[0]
+        assert padded == pytest.approx(fill)
+        assert wave_fill(rows, np.array([float(n)]), np.array([1.0]), 80)[0] == pytest.approx(1.0)
+    # a weight gradient's output (kernel input side x output channels): padding in both sides, no waves
+    assert tile_fill(np.array([9 * 192.0]), np.array([48.0]))[0] == pytest.approx(0.75)
+    assert tile_fill(np.array([896.0]), np.array([128.0]))[0] == pytest.approx(1.0)
+
+
+def test_occupancy_charges_tile_padding_only_on_ops_marked_as_tensor_core_ops():
+    g = _conv_graph("half", 48)
+    ext = gemm_extents(g)
+    index = {op.name: i for i, op in enumerate(g.ops)}
+    on_tc = np.ones(len(g.ops), dtype=bool)
+    plain, padded = occupancy(ext, 8192, 80), occupancy(ext, 8192, 80, tensor=on_tc)     # nearly whole waves
+    assert padded[index["conv"]] == pytest.approx(0.75, rel=1e-2)         # 48 of 64 channels per tile
+    assert plain[index["conv"]] == pytest.approx(1.0, rel=1e-2)
+    assert padded[index["dx"]] == pytest.approx(1.0, rel=1e-2)            # 192 input channels: full tiles
+    assert padded[index["dk"]] == pytest.approx(0.75) and plain[index["dk"]] == 1.0
+
+
+def test_cost_model_charges_tile_padding_on_tensor_cores_only():
+    conv = 2
+    half, fp32 = _conv_graph("half", 48), _conv_graph("float32", 48)
+    half64 = _conv_graph("half", 64)
+
+    def per_channel(g, topo, **kw) -> float:
+        cm = CostModel(g, topo, **kw)
+        return (cm.op_times(0, 256)[conv] - cm.rates(0).launch_overhead_s) / g.ops[conv].outputs[0].shape[-1]
+
+    v100 = _topo("V100")
+    # in half precision (tensor cores) 48 channels cost what 64 do; in FP32 they cost 48/64 of them
+    assert per_channel(half, v100) == pytest.approx(per_channel(half64, v100) * 64 / 48, rel=1e-2)
+    assert per_channel(fp32, v100) == pytest.approx(per_channel(_conv_graph("float32", 64), v100), rel=1e-2)
+    # TF32 runs FP32 convolutions on an A100's tensor cores: charged there, not on the FP32 units
+    a100 = _topo("A100-SXM4-40GB", 19.5)
+    tf32 = per_channel(fp32, a100, tf32=True) / per_channel(_conv_graph("float32", 64), a100, tf32=True)
+    assert tf32 == pytest.approx(64 / 48, rel=1e-2)
+    # a GPU without tensor cores (P100) runs half convolutions on its ordinary units: no tile padding
+    p100 = _topo("P100-SXM2", 10.6)
+    assert per_channel(half, p100) == pytest.approx(per_channel(half64, p100), rel=1e-2)

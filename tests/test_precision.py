@@ -172,6 +172,48 @@ def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dt
     assert worst <= rtol
 
 
+def test_fp16_loss_scale_unscaling_is_a_backward_op_so_allreduces_overlap_the_backward_pass():
+    """The 1 / LOSS_SCALE Mul each gradient gets before its update sits in the gradient's scope: a backward
+    op (each replica unscales its own gradient), so a gradient's all-reduce is issued as soon as the
+    gradient exists, not after the whole backward pass (update tasks run last)."""
+    import tag
+    from tag.frontend.precision import apply_precision
+    from tag.sim.task_graph import UPDATE_STAGE
+    from tag.sim.simulator import Simulator
+    from tag.strategy.grouping import group_ops
+    gd = apply_precision(tag.zoo.training_graph("mlp", batch_size=8, **MLP), "mixed_float16",
+                         train_op="train_op", loss="loss")
+    tg = tag.analyze(gd)
+    unscale = [op for op in tg.ops if op.name.endswith("/unscale")]
+    assert len(unscale) == 6 and {op.phase for op in unscale} == {"backward"}
+    index = tg.op_index
+    for v in tg.variables:
+        if v.kind == "trainable":
+            assert tg.ops[index[v.gradient.split(":")[0]]].phase == "backward"
+    topo = _topo()
+    grouping = group_ops(tg, target_groups=4)
+    tasks = Simulator(tg, topo, grouping).tasks
+    stages = tasks.task_stage_list
+    with_grads = {int(tasks.group_of_op[v.op]) for v in tg.variables if v.kind == "trainable" and v.gradient}
+    assert with_grads and all(stages[tasks.coll_after[g]] < UPDATE_STAGE for g in with_grads)
+
+
+def test_virtual_gpu_runs_tensorflows_cuda_pass_whatever_the_cpu():
+    """apply_precision(..., virtual_gpu=True) runs TensorFlow's CUDA pass on a Grappler virtual GPU: the graph
+    a GPU machine gets, with weight gradients and the ReLUs between half-precision MatMuls in half too
+    (the CPU fallback keeps both float32), on any machine."""
+    import tensorflow as tf
+    import tag
+    from tag.frontend.precision import apply_precision
+    gd = apply_precision(tag.zoo.training_graph("mlp", batch_size=8, **MLP), "mixed_float16",
+                         train_op="train_op", loss="loss", virtual_gpu=True)
+    half = tf.float16.as_datatype_enum
+    weight_grads = [n for n in gd.node if n.op == "MatMul" and n.attr["transpose_a"].b]
+    assert weight_grads and all(n.attr["T"].type == half for n in weight_grads)
+    assert any(n.op in ("Relu", "ReluGrad") and n.attr["T"].type == half for n in gd.node)
+    assert sum(n.name.endswith("/unscale") for n in gd.node) == 6
+
+
 def test_bad_precision_names_are_one_line_errors(capsys):
     from tag.cli.deploy import main
     from tag.errors import TagError

@@ -16,7 +16,8 @@ instead, for runtimes that cast them before the collective (tf_cnn_benchmarks' `
 with ``--use_fp16``, Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
 On a GPU served by a shipped class, a MatMul's or convolution's compute time is divided by its SM
 occupancy (``tag.cost.occupancy``: how full its waves of thread-block tiles are at the op's batch on the
-device's SM count), so small per-device batches and GPUs with many SMs cost what they leave idle.
+device's SM count), so small per-device batches and GPUs with many SMs cost what they leave idle; on
+tensor cores also by how full its tiles are in the channel dimension (tile quantization).
 Communication follows latency + bytes / bandwidth of the path, with ring / hierarchical all-reduce,
 parameter-server push/pull and all-gather models on top.
 No TensorFlow here: numpy only, so the simulator can call it thousands of times per search.
@@ -418,6 +419,7 @@ class CostModel:
         self._rates: dict[int, DeviceRates] = {}
         self._gpu_res: dict[int, object] = {}
         self._inv_rate: dict[int, np.ndarray] = {}
+        self._tc_mask: dict[int, np.ndarray] = {}
         self._op_time_cache: dict[tuple[int, float], np.ndarray] = {}
         # host-level view of the interconnect, used by the collective models
         self._dev_host = np.array([d.host_index for d in topology.devices], dtype=np.int64)
@@ -519,6 +521,18 @@ class CostModel:
             self._inv_rate[device_group] = inv
         return inv
 
+    def _on_tensor_cores(self, device_group: int) -> np.ndarray:
+        """Per op: whether it runs on DEVICE_GROUP's tensor cores (a precision and op class its shipped GPU
+        class has a tensor-core efficiency for), so that its tile padding is charged (``occupancy``)."""
+        mask = self._tc_mask.get(device_group)
+        if mask is None:
+            tables = self.rates(device_group).tensor_efficiency
+            per_key = np.array([p != "fp32" and c is not None and c in tables.get(p, {}) for _, c, p in self._keys],
+                               dtype=bool)
+            mask = per_key[self._op_key_id] if len(self._op_key_id) else np.zeros(0, dtype=bool)
+            self._tc_mask[device_group] = mask
+        return mask
+
     def op_times(self, device_group: int, batch: float) -> np.ndarray:
         """Seconds per IR op on ONE device of DEVICE_GROUP at per-replica batch BATCH (cached, read-only)."""
         key = (int(device_group), float(batch))
@@ -533,7 +547,7 @@ class CostModel:
         mem = self._mem_fixed + self._mem_per_example * batch
         compute = flops * self._inv_compute_rate(device_group)
         if r.sms > 0:
-            compute = compute / occupancy(self.gemm_extents, batch, r.sms)
+            compute = compute / occupancy(self.gemm_extents, batch, r.sms, self._on_tensor_cores(device_group))
         t = np.maximum(compute, mem / r.memory_bandwidth)
         if r.matmul_table is not None and len(self.matmul_dims.ops):
             mm = self.matmul_dims

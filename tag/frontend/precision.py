@@ -17,7 +17,11 @@ run, so the rewrite happens here, on the GraphDef, before the IR is built:
   infer / deny scheme). FP16 then gets static loss scaling: the gradient seed of the loss (the
   ``Fill`` of ones that ``tf.gradients`` starts from) is multiplied by ``LOSS_SCALE`` (128, the static
   scale NVIDIA's TF1 ResNet-50 recipes used) and every gradient by ``1 / LOSS_SCALE`` before its optimizer
-  update, so small gradients do not flush to zero in half precision while the update stays the same.
+  update, so small gradients do not flush to zero in half precision while the update stays the same. The
+  unscaling ``Mul`` sits in its gradient's name scope, so it is a backward op: each replica unscales its
+  own gradient and the all-reduce starts as soon as that gradient exists, during the rest of the backward
+  pass (named under the optimizer's update, it was an update op, and the simulator held every all-reduce of
+  a ``mixed_float16`` graph until the whole backward pass had run).
   A static scale can overflow (NaN losses) where gradients are large; TensorFlow's dynamic loss scaling
   (skipping such steps) is not applied to a GraphDef here.
 - ``"fp32"`` / ``"tf32"``: the graph unchanged (TF32 is a math mode of the GPU's MatMuls, on by default
@@ -48,17 +52,21 @@ LOSS_SCALE = 128.0
 
 
 def apply_precision(graph_def: Any, precision: str | None, *, train_op: str, loss: str | None,
-                    init: str | None = None, loss_scale: float = LOSS_SCALE) -> Any:
+                    init: str | None = None, loss_scale: float = LOSS_SCALE, virtual_gpu: bool = False) -> Any:
     """GRAPH_DEF rewritten for PRECISION (module docstring); the same GraphDef for "fp32" / "tf32".
 
     TRAIN_OP, LOSS and INIT name the step, loss and initialiser ops; every node keeps its name (Grappler
-    may not change the dtype of the ops it is asked to fetch, so only those keep theirs)."""
+    may not change the dtype of the ops it is asked to fetch, so only those keep theirs). VIRTUAL_GPU
+    (``mixed_float16`` only): run TensorFlow's CUDA pass on a Grappler virtual cluster of one GPU even
+    where TensorFlow sees none, so the graph is the one a GPU machine's pass makes (weight gradients and
+    the element-wise ops between half-precision ops in half too), whatever CPU builds it: for costing GPU
+    runs (``scripts/bench_published.py``); such a graph may have no CPU kernels for some of its ops."""
     fetch = [n for n in (train_op, loss, init) if n]
     precision = check_plan_precision(precision)
     if precision in ("fp32", "tf32"):
         return graph_def
-    if _has_gpu() and precision == "mixed_float16":
-        out = _grappler(graph_def, "auto_mixed_precision", fetch)
+    if precision == "mixed_float16" and (virtual_gpu or _has_gpu()):
+        out = _grappler(graph_def, "auto_mixed_precision", fetch, virtual_gpu=virtual_gpu and not _has_gpu())
     else:
         out = _grappler(graph_def, "auto_mixed_precision_onednn_bfloat16", fetch)
         if not any(_is_half(n) for n in out.node):
@@ -81,9 +89,25 @@ def _has_gpu() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _grappler(graph_def: Any, optimizer: str, fetch: list[str]) -> Any:
+def _virtual_gpu_cluster() -> Any:
+    """A Grappler virtual cluster of one GPU (compute capability 7.0, so the CUDA mixed-precision pass
+    treats it as having tensor cores; CUDA 11 and cuDNN 8, which its allow list reads: batched MatMuls go
+    to half precision from CUDA 9.1 on) and one CPU: the pass places the graph's ops on the GPU and
+    rewrites them as it would on a GPU machine."""
+    from tensorflow.core.protobuf import device_properties_pb2 as dp
+    from tensorflow.python.grappler import cluster as gcluster
+    base = "/job:localhost/replica:0/task:0/device:"
+    gpu = dp.NamedDevice(name=base + "GPU:0", properties=dp.DeviceProperties(
+        type="GPU", environment={"architecture": "7.0", "cuda": "11000", "cudnn": "8000"}, num_cores=80,
+        frequency=1530, memory_size=16 << 30))
+    cpu = dp.NamedDevice(name=base + "CPU:0", properties=dp.DeviceProperties(type="CPU"))
+    return gcluster.Cluster(devices=[gpu, cpu])
+
+
+def _grappler(graph_def: Any, optimizer: str, fetch: list[str], virtual_gpu: bool = False) -> Any:
     """GRAPH_DEF after the one Grappler OPTIMIZER (FETCH: the ops the step runs); nodes the step does not
-    reach are kept as they were."""
+    reach are kept as they were. VIRTUAL_GPU: optimise for a virtual cluster of one GPU (``_virtual_gpu_cluster``)
+    instead of this machine's devices."""
     import tensorflow as tf
     from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import tf_optimizer
@@ -109,7 +133,7 @@ def _grappler(graph_def: Any, optimizer: str, fetch: list[str]) -> Any:
     rw.min_graph_nodes = -1
     rw.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
     setattr(rw, optimizer, rewriter_config_pb2.RewriterConfig.ON)
-    out = tf_optimizer.OptimizeGraph(cfg, meta)
+    out = tf_optimizer.OptimizeGraph(cfg, meta, cluster=_virtual_gpu_cluster() if virtual_gpu else None)
     have = {n.name for n in out.node}
     out.node.extend(n for n in graph_def.node if n.name not in have)
     out.library.CopyFrom(graph_def.library)
@@ -251,6 +275,7 @@ def _scale_loss(graph_def: Any, loss: str, scale: float) -> None:
             if name in scaled or (name.endswith(":0") and name[:-2] in scaled):
                 n.input[i] = scaled[name.split(":")[0]]
     inv = {}
+    taken = {n.name for n in graph_def.node}
     for n in list(graph_def.node):
         if not is_apply_op(n.op):
             continue
@@ -263,8 +288,16 @@ def _scale_loss(graph_def: Any, loss: str, scale: float) -> None:
                        np.array(1.0 / scale, dtype=tf.as_dtype(dt).as_numpy_dtype))
             graph_def.node.append(c)
             inv[dt] = c.name
+        # in the gradient's own name scope, so that tag classifies it as a backward op (``tag.frontend.phases``):
+        # each replica unscales its gradient, and its all-reduce can start as soon as the gradient exists
+        # (unscaling is linear: before or after the sum is the same update)
+        name, k = f"{n.input[gi].lstrip('^').split(':')[0]}/unscale", 0
+        while name in taken:
+            k += 1
+            name = f"{n.input[gi].lstrip('^').split(':')[0]}/unscale_{k}"
+        taken.add(name)
         mul = graph_def.node.add()
-        mul.name = f"{n.name}/unscale"
+        mul.name = name
         mul.op = "Mul"
         mul.input.extend([n.input[gi], inv[dt]])
         mul.attr["T"].type = dt
