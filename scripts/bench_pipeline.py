@@ -506,10 +506,12 @@ def main(argv=None) -> int:
           f"pipeline / best MWMS {summary['pipeline_over_best_mwms']:.2f}x; median |rel error| of the pipeline's "
           f"prediction {summary['median_abs_rel_error_pipeline']:.3f} (<= 0.15); max rel weight diff "
           f"{summary['max_rel_weight_diff']:.1e} in float64 (<= 1e-5; gradients {summary['max_rel_grad_diff']:.1e}; "
-          f"float32: {summary['max_rel_weight_diff_float32']:.1e}, gradients {summary['max_rel_grad_diff_float32']:.1e}, "
+          f"float32: {summary['max_rel_weight_diff_float32']:.1e}, gradients "
+          f"{summary['max_rel_grad_diff_float32']:.1e}, "
           f"float32 summation order alone {summary['max_micro_batch_rounding']:.1e}); deferred_w / the other schedule "
           f"{summary['deferred_w_speedup']:.2f}x; after the tuning step / best uniform "
-          f"{summary['tuned_over_best_uniform']:.2f}x, / best MWMS {summary['tuned_over_best_mwms']:.2f}x; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"{summary['tuned_over_best_uniform']:.2f}x, / best MWMS {summary['tuned_over_best_mwms']:.2f}x; "
+          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": quotas,

@@ -46,11 +46,20 @@ def test_float64_build_has_float64_weights_and_inputs_and_leaves_keras_in_float3
     import tensorflow as tf
     import tf_keras
     from tag.backend.mwms import tf1_graph
-    gd = tf1_graph("mlp", 8, width=32, depth=2, floatx="float64")
+    # even under a global policy pinned to float32 (as a test that restores the policy leaves it)
+    old = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy("float32")
+    try:
+        gd = tf1_graph("mlp", 8, width=32, depth=2, floatx="float64")
+        assert tf_keras.mixed_precision.global_policy().name == "float32"
+    finally:
+        tf_keras.mixed_precision.set_global_policy(old)
     nodes = {n.name: n for n in gd.node}
     assert nodes["input"].attr["dtype"].type == tf.float64.as_datatype_enum
     kernels = [n for n in gd.node if n.op == "VarHandleOp" and n.name.endswith("kernel")]
     assert kernels and all(n.attr["dtype"].type == tf.float64.as_datatype_enum for n in kernels)
+    matmuls = [n for n in gd.node if n.op == "MatMul"]
+    assert matmuls and all(n.attr["T"].type == tf.float64.as_datatype_enum for n in matmuls)
     assert tf_keras.backend.floatx() == "float32"                 # restored for the next build
     gd32 = tf1_graph("mlp", 8, width=32, depth=2)
     # the same ops; float64 adds the optimizer's casts of its hyperparameters (and reads them there)

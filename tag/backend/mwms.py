@@ -135,8 +135,11 @@ def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, de
     if dtype == "float32":
         dtype = floatx
     g = tf.Graph()
-    before = tf_keras.backend.floatx()
+    # the layers' dtype policy too: a global policy set once (even to float32, as restoring one does) no longer
+    # follows floatx, and a float64 build would then compute in float32
+    before, policy = tf_keras.backend.floatx(), tf_keras.mixed_precision.global_policy()
     tf_keras.backend.set_floatx(floatx)
+    tf_keras.mixed_precision.set_global_policy(floatx)
     try:
         with g.as_default():
             v1.set_random_seed(seed)
@@ -149,6 +152,7 @@ def tf1_graph(name: str, batch: int, seed: int = 0, width: int | None = None, de
             v1.variables_initializer(v1.global_variables(), name="init")
     finally:
         tf_keras.backend.set_floatx(before)
+        tf_keras.mixed_precision.set_global_policy(policy)
     return g.as_graph_def()
 
 
