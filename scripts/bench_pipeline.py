@@ -210,9 +210,8 @@ def tuning_step(an, tb: Testbed, pipe: Strategy, pipe_pred: float, uniform: Stra
     the TuneResult."""
     strategies = {"pipeline": pipe, BEST_UNIFORM: uniform}
     predicted = {"pipeline": pipe_pred, BEST_UNIFORM: uni_pred}
-    for name, (pipeline, outcome) in pipeline_alternatives(found).items():
-        strategies[name] = Strategy.pipelined(an.grouping, pipeline, name=name, device_speeds=pipe.device_speeds)
-        predicted[name] = outcome.step_time
+    for name, (alternative, outcome) in pipeline_alternatives(found).items():
+        strategies[name], predicted[name] = alternative, outcome.step_time
     chosen = choose(distinct_candidates("pipeline", strategies, predicted, {}, an.topology), None)
     return tune(chosen, candidate_runner(an, tb.target))
 

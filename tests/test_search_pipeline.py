@@ -79,7 +79,9 @@ def test_other_micro_batch_counts_and_schedules_are_tuning_candidates():
              if p.micro_batches == answer.micro_batches and p.stages == answer.stages and p != answer}
     assert set(alternatives) == want and any(n.startswith("pipeline_m") for n in want)
     assert {f"pipeline_{s}" for s in SCHEDULES if s != answer.schedule} <= set(alternatives)   # climbed from it
-    for name, (pipeline, outcome) in alternatives.items():
+    for name, (strategy, outcome) in alternatives.items():
+        pipeline = strategy.pipeline
+        assert strategy.name == name and strategy.grouping is found.strategy.grouping
         assert outcome.feasible and outcome.step_time >= found.outcome.step_time    # the answer is the best
         if name.startswith("pipeline_m"):
             assert name == f"pipeline_m{pipeline.micro_batches}"
@@ -88,8 +90,8 @@ def test_other_micro_batch_counts_and_schedules_are_tuning_candidates():
             assert pipeline == Pipeline(answer.stages, answer.micro_batches, name[len("pipeline_"):])
     # in the portfolio: compared in the report and offered to the tuning step, never the plan by themselves
     result = search(env, playouts=5, seed=0)
-    for name, (pipeline, outcome) in pipeline_alternatives(result.pipeline).items():
-        assert result.candidates[name].pipeline == pipeline
+    for name, (strategy, outcome) in pipeline_alternatives(result.pipeline).items():
+        assert result.candidates[name].pipeline == strategy.pipeline
         assert result.baselines[name] == pytest.approx(outcome.step_time)
     assert result.method == "pipeline"
 

@@ -291,10 +291,11 @@ def _scale_loss(graph_def: Any, loss: str, scale: float) -> None:
         # in the gradient's own name scope, so that tag classifies it as a backward op (``tag.frontend.phases``):
         # each replica unscales its gradient, and its all-reduce can start as soon as the gradient exists
         # (unscaling is linear: before or after the sum is the same update)
-        name, k = f"{n.input[gi].lstrip('^').split(':')[0]}/unscale", 0
+        base = f"{n.input[gi].lstrip('^').split(':')[0]}/unscale"
+        name, k = base, 0
         while name in taken:
             k += 1
-            name = f"{n.input[gi].lstrip('^').split(':')[0]}/unscale_{k}"
+            name = f"{base}_{k}"
         taken.add(name)
         mul = graph_def.node.add()
         mul.name = name

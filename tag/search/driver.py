@@ -252,8 +252,8 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     if piped is not None:
         # the best pipeline of every other micro-batch count and schedule: compared in the report, measured by
         # the tuning step when promising (``pipeline_alternatives``), never the plan without being measured
-        for name, (pipeline, alt) in pipeline_alternatives(piped).items():
-            candidates[name] = Strategy.pipelined(env.grouping, pipeline, name=name, device_speeds=env.device_speeds)
+        for name, (alternative, alt) in pipeline_alternatives(piped).items():
+            candidates[name] = alternative
             baselines[name], feasible[name] = float(alt.step_time), bool(alt.feasible)
     return SearchResult(strategy, outcome, result, method, baselines, feasible, env.reference_name,
                         time.perf_counter() - t0, env.evaluations + (piped.evaluated if piped else 0), notes,

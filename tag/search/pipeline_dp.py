@@ -351,14 +351,15 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
     return PipelineSearchResult(best[0], best[1], best[2], best[3], len(tried), time.perf_counter() - t0, tried)
 
 
-def pipeline_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Pipeline, Outcome]]:
+def pipeline_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Strategy, Outcome]]:
     """Candidates for the measured tuning step (``tag.tune``) beside FOUND's answer, from what it simulated:
     the best feasible pipeline for each other number of micro-batches (``pipeline_m{M}``) and the answer's
     stages and M under each other schedule (``pipeline_{schedule}``, when simulated: the hill-climb tries
     them). Why: M and the schedule are where the simulator misjudged the testbed most (bench_pipeline run
     19: the VGG's three-host convolution stage ran 0.61 s at M = 1 and 0.71 s at M = 2, predicted 0.54 and
     0.48 s; the transformer's stages ran 1.99 s under fill-drain and 2.19 s under deferred_w, predicted 2.37
-    and 2.22 s), so the tuning step measures them instead of trusting the ranking between them."""
+    and 2.22 s), so the tuning step measures them instead of trusting the ranking between them. Each comes
+    as a strategy named after it, on the answer's grouping and device speeds, with its simulated outcome."""
     if found.strategy is None or found.strategy.pipeline is None:
         return {}
     answer = found.strategy.pipeline
@@ -374,7 +375,9 @@ def pipeline_alternatives(found: PipelineSearchResult) -> dict[str, tuple[Pipeli
             continue
         if name not in best or outcome.rank > best[name][1].rank:
             best[name] = (pipeline, outcome)
-    return dict(sorted(best.items(), key=lambda kv: kv[1][1].step_time))
+    base = found.strategy
+    return {name: (Strategy.pipelined(base.grouping, pipeline, name=name, device_speeds=base.device_speeds), outcome)
+            for name, (pipeline, outcome) in sorted(best.items(), key=lambda kv: kv[1][1].step_time)}
 
 
 def _neighbours(pipeline: Pipeline, chain: list[int], batch: int) -> list[Pipeline]:
