@@ -90,6 +90,59 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     return float(np.median(r.step_times[warmup:]))
 
 
+class _StopBackground(Exception):
+    """Raised from a background run's progress callback to end its session."""
+
+
+class BackgroundSteps:
+    """Context manager: GRAPH_DEF's training step run without pause on TARGET in a thread (``run_steps``,
+    synthetic inputs, one session) from ``__enter__`` (after its first step) until ``__exit__``; ``steps``
+    counts the steps it ran. Keeps hosts busy while another host is timed (``runtime_levels(under_load=True)``,
+    ``bench_transfers`` ``contention``)."""
+
+    def __init__(self, graph_def, target: str, *, train_op: str = "train_op", loss: str | None = "loss",
+                 init: str | None = "init", timeout_s: float = 120.0):
+        import threading
+        self.graph_def, self.target, self.timeout_s = graph_def, target, timeout_s
+        self.names = {"train_op": train_op, "loss": loss, "init": init}
+        self.stop, self.ready, self.steps, self.error = threading.Event(), threading.Event(), 0, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _progress(self, event) -> None:
+        if event.kind == "step":
+            self.steps = event.step
+            self.ready.set()
+            if self.stop.is_set():
+                raise _StopBackground()
+
+    def _run(self) -> None:
+        from tag.backend.runtime import run_steps
+        from tag.backend.runtime.guard import RunControl
+        ctl = RunControl(progress=self._progress, step_timeout_s=self.timeout_s, setup_timeout_s=self.timeout_s)
+        try:
+            run_steps(self.graph_def, self.target, steps=10 ** 9, warmup=0, synthetic=True, control=ctl,
+                      **self.names)
+        except _StopBackground:
+            pass
+        except Exception as err:  # noqa: BLE001 - reported by __exit__, never lost in the thread
+            self.error = err
+        finally:
+            self.ready.set()
+
+    def __enter__(self) -> "BackgroundSteps":
+        self.thread.start()
+        if not self.ready.wait(self.timeout_s):
+            self.stop.set()
+            raise RuntimeError(f"background steps on {self.target}: no step within {self.timeout_s:.0f} s")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(self.timeout_s)
+        if self.error is not None and exc[0] is None:
+            raise RuntimeError(f"background steps failed: {self.error}") from self.error
+
+
 INTERLEAVED_ROUNDS = 3     # rounds of measure_interleaved
 
 
@@ -162,7 +215,7 @@ def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, 
 
 
 def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True,
-                   record: dict | None = None, per_family: bool | None = None):
+                   record: dict | None = None, per_family: bool | None = None, under_load: bool | None = None):
     """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
 
     Each calibration model runs whole on the first host of each device type, through tag's runtime (a TF
@@ -187,7 +240,13 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     recipe's ``calibration.levels_per_family`` (default True). Both are fitted and printed either way. The
     recipe sets it False for now: on the benchmark models' one-host steps, out of sample, the per-family fit
     cut the largest error in three of four runs and the median in two, and raised both in the quiet run
-    (``scripts/bench_levels.py``; README)."""
+    (``scripts/bench_levels.py``; README). UNDER_LOAD: time each step while every other group of the testbed
+    runs its own copy of the same model without pause (``BackgroundSteps``), as in a step of a plan that keeps
+    every host busy; None: the recipe's ``calibration.levels_under_load`` (default False). Why: the testbed's
+    hosts share one machine, and a host's kernels ran 1.2-1.9x slower while the others computed
+    (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
+    from contextlib import ExitStack
+
     import numpy as np
     from tag.api import prepare
     from tag.cost.fitting import fit_levels
@@ -198,6 +257,8 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
     if per_family is None:
         per_family = bool(recipe["calibration"].get("levels_per_family", True))
+    if under_load is None:
+        under_load = bool(recipe["calibration"].get("levels_under_load", False))
     first_group = {}                                    # device type -> its first group (one host each here)
     for group in tb.topology.groups:
         first_group.setdefault(group.device_type, group)
@@ -208,9 +269,16 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
             analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
                                name="calibration")
             splits = one_host_split(analysis, profile, b, [g.devices[0] for g in first_group.values()])
+            alone = {g.name: analysis.rewrite(on_one_device(analysis.grouping, analysis.topology,
+                                                            len(analysis.graph.ops), g.devices[0]))
+                     for g in (tb.topology.groups if under_load else first_group.values())}
             for (dtype, group), (predicted, ops, parts) in zip(first_group.items(), splits):
-                whole = on_one_device(analysis.grouping, analysis.topology, len(analysis.graph.ops), group.devices[0])
-                measured = measure_on_testbed(tb, analysis.rewrite(whole), predicted, budget_s)
+                with ExitStack() as busy:
+                    for name, other in (alone.items() if under_load else ()):
+                        if name != group.name:
+                            busy.enter_context(BackgroundSteps(other.graph_def, tb.target, train_op=other.train_op,
+                                                               loss=other.loss, init=other.init))
+                    measured = measure_on_testbed(tb, alone[group.name], predicted, budget_s)
                 points[dtype].append((predicted, ops, parts, measured))
     devices = dict(profile.devices)
     notes = []

@@ -445,6 +445,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
+    p.add_argument("--levels-under-load", action="store_true",
+                   help="time runtime_levels' steps while the other hosts run their own copies (the testbed's "
+                        "hosts share one machine: _testbed_cases.runtime_levels)")
     p.add_argument("--json", help="write rows and the summary keys to this file")
     args = p.parse_args(argv)
     from _common import testbed_missing
@@ -476,7 +479,7 @@ def main(argv=None) -> int:
         if not args.no_levels:
             tb.start_workers(threads_per_worker=1)
             try:
-                profile = runtime_levels(tb, recipe, profile)
+                profile = runtime_levels(tb, recipe, profile, under_load=args.levels_under_load or None)
             finally:
                 tb.stop_workers()
         for case in cases:

@@ -19,15 +19,23 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
 3. ``batch_share``: a model's step on one host at a fraction of the batch (a data-parallel replica's share,
    or a pipeline's micro-batch) relative to the whole batch, measured and as the cost model predicts it
    (``--profile``: a testbed calibration, e.g. ``scripts/results/e2e.profile.json``).
+4. ``contention``: does a host's kernel slow down while the other hosts compute? Each kernel class
+   (``CONTENTION_KERNELS``: a convolution, a convolution's filter gradient, a large MatMul, a memory-bound
+   element-wise add) as a chain on each host, timed alone and again while every other host runs the same
+   chain without pause (a session per host in a background thread). ``slowdown`` = loaded / alone. The
+   testbed's hosts share one machine (its memory bandwidth and caches), a cluster's hosts do not: the
+   calibration measures each device type alone, so a kernel class that slows down here is costed too fast in
+   every plan that keeps several hosts busy at once.
 
 Needs root (namespaces, tc, cgroup v1 cpu). Keep the machine otherwise idle: CFS quotas are upper bounds.
 
 Usage::
 
-    python scripts/bench_transfers.py                     # all three, ~6 min
+    python scripts/bench_transfers.py                     # all four, ~8 min
     python scripts/bench_transfers.py --quick             # fewer sizes and shares
     python scripts/bench_transfers.py --only transfers --quotas 1.0,0.5 --link-gbps 1.0 --json F
     python scripts/bench_transfers.py --calibrate --save-profile P   # predictions from a fresh calibration
+    python scripts/bench_transfers.py --only contention --quotas 1.0,0.5,0.5 --json F
 """
 from __future__ import annotations
 
@@ -121,6 +129,44 @@ def transfer_graph(count: int, nbytes: int, holder: str, reader: str, waves: int
 
 def chain_graph(device: str, side: int, depth: int):
     return transfer_graph(0, 4, device, device, compute=(device, side, depth))
+
+
+# kernel class -> (inputs' shapes, depth of the chain)
+CONTENTION_KERNELS = {"conv": ([64, 32, 32, 16], 8), "conv_filter_grad": ([64, 32, 32, 16], 8),
+                      "matmul": ([384, 2048], 4), "elementwise": ([1 << 24], 8)}
+
+
+def kernel_chain_graph(kind: str, device: str):
+    """DEPTH kernels of class KIND on DEVICE, each after the previous one (control edges), into a sink."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    shape, depth = CONTENTION_KERNELS[kind]
+    g = tf.Graph()
+    with g.as_default(), tf.device(device):
+        x = tf.Variable(tf.random.normal(shape), name="x")
+        if kind in ("conv", "conv_filter_grad"):
+            w = tf.Variable(tf.random.normal([3, 3, shape[-1], shape[-1]], stddev=0.1), name="w")
+        elif kind == "matmul":
+            w = tf.Variable(tf.random.normal([shape[1], shape[1]], stddev=0.02), name="w")
+        else:
+            w = tf.Variable(tf.random.normal(shape), name="w")
+        xs, ws, prev, outs = x.read_value(), w.read_value(), None, []
+        for _ in range(depth):
+            with tf.control_dependencies([prev] if prev is not None else []):
+                if kind == "conv":
+                    y = tf.nn.conv2d(xs, ws, 1, "SAME")
+                elif kind == "conv_filter_grad":
+                    y = v1.nn.conv2d_backprop_filter(xs, [3, 3, shape[-1], shape[-1]], xs, [1, 1, 1, 1], "SAME")
+                elif kind == "matmul":
+                    y = tf.matmul(xs, ws)
+                else:
+                    y = xs + ws
+            prev = y
+            outs.append(tf.reduce_sum(y[..., :1]))
+        sink = tf.Variable(0.0, name="sink")
+        sink.assign_add(tf.add_n(outs), name="step")
+        v1.variables_initializer([x, w, sink], name="init")
+    return g.as_graph_def()
 
 
 # ----------------------------------------------------------------------------------------- model of a pattern
@@ -236,10 +282,35 @@ def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
     return rows
 
 
+def measure_contention(tb, topo, quotas, args) -> list[dict]:
+    """Each kernel class's chain on each host, alone and while every other host runs its own copy."""
+    from contextlib import ExitStack
+    from _testbed_cases import BackgroundSteps
+    rows = []
+    hosts = range(len(quotas))
+    print(f"  pinning: {tb.cpu_pinning}", flush=True)
+    for kind in CONTENTION_KERNELS:
+        graphs = [kernel_chain_graph(kind, topo.tf_device(h)) for h in hosts]
+        for h in hosts:
+            alone = median_step(graphs[h], tb.target, args.steps)
+            with ExitStack() as stack:
+                others = [stack.enter_context(BackgroundSteps(graphs[o], tb.target, train_op="step", loss=None))
+                          for o in hosts if o != h]
+                loaded = median_step(graphs[h], tb.target, args.steps)
+                background = sum(b.steps for b in others)
+            row = {"kernel": kind, "host": h, "quota": quotas[h], "alone_s": alone, "loaded_s": loaded,
+                   "slowdown": loaded / alone, "background_steps": background, "load": load()}
+            rows.append(row)
+            print(f"  {kind:17s} on h{h} (quota {quotas[h]:.2f}): alone {alone * 1e3:7.1f} ms, others busy "
+                  f"{loaded * 1e3:7.1f} ms -> x{row['slowdown']:.2f} ({background} background steps)"
+                  f"  load {row['load'][0]}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes, shares and models")
-    p.add_argument("--only", choices=("transfers", "overlap", "batch_share"), help="one measurement")
+    p.add_argument("--only", choices=("transfers", "overlap", "batch_share", "contention"), help="one measurement")
     p.add_argument("--quotas", default="1.0,0.5", help="CPU quota (cores) of the receiver, then the sender")
     p.add_argument("--link-gbps", type=float, default=1.0)
     p.add_argument("--latency-us", type=float, default=50.0)
@@ -293,6 +364,9 @@ def main(argv=None) -> int:
             if args.only in (None, "batch_share"):
                 print("one-host step at a share of the batch:", flush=True)
                 out["batch_share"] = measure_batch_share(tb, topo, quotas, args, profile)
+            if args.only in (None, "contention"):
+                print("kernels alone and while the other hosts compute:", flush=True)
+                out["contention"] = measure_contention(tb, topo, quotas, args)
         finally:
             tb.stop_workers()
     out["seconds"] = time.time() - t0
