@@ -21,6 +21,8 @@ host (too many), at a batch (384) where one host takes about 300 ms.
 Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
 per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
 running testbed); ``--profile F`` reuses a saved calibration (``--save-profile F`` writes one).
+``--levels-under-load`` times the runtime levels' steps while the other hosts run their own copies (the
+testbed's hosts share one machine; ARCHITECTURE.md, "Hosts that share one machine").
 
 Per case, side by side on one running testbed (every time the median of the timed steps; every worker one
 intra-op thread):
