@@ -243,7 +243,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     (``scripts/bench_levels.py``; README). UNDER_LOAD: time each step while every other group of the testbed
     runs its own copy of the same model without pause (``BackgroundSteps``), as in a step of a plan that keeps
     every host busy; None: the recipe's ``calibration.levels_under_load`` (default False). Why: the testbed's
-    hosts share one machine, and a host's kernels ran 1.2-1.9x slower while the others computed
+    hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
     (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
     from contextlib import ExitStack
 

@@ -23,7 +23,7 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
    (``CONTENTION_KERNELS``: a convolution, a convolution's filter gradient, a large MatMul, a memory-bound
    element-wise add) as a chain on each host, timed alone and again while every other host runs the same
    chain without pause (a session per host in a background thread). ``slowdown`` = loaded / alone. The
-   testbed's hosts share one machine (its memory bandwidth and caches), a cluster's hosts do not: the
+   testbed's hosts share one machine (cores, caches, memory), a cluster's hosts do not: the
    calibration measures each device type alone, so a kernel class that slows down here is costed too fast in
    every plan that keeps several hosts busy at once.
 
