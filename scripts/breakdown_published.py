@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         row = rows[rid]
         b = breakdown(row, bp.build_ir(row, args.cache), step=args.step)
         res.append(b)
-        head = f"{rid}: device sum {1e3 * b['device_sum_s']:.1f} ms, published step {1e3 * b['published_step_s']:.1f} ms"
+        head = (f"{rid}: device sum {1e3 * b['device_sum_s']:.1f} ms, "
+                f"published step {1e3 * b['published_step_s']:.1f} ms")
         if "simulated_step_s" in b:
             head += (f", simulated step {1e3 * b['simulated_step_s']:.1f} ms (lockstep x{b['lockstep_factor']:.3f}), "
                      f"all-reduce of every gradient {1e3 * b['allreduce_s']:.1f} ms "
