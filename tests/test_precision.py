@@ -127,6 +127,25 @@ def test_xla_chain_reads_an_outside_tensor_once_and_recomputes_element_wise_resu
     assert fused[ix["gneg"]] and not fused[ix["gmul"]]
 
 
+def test_xla_batch_norm_makes_a_second_pass_over_its_batch_sized_inputs():
+    """Batch norm in training needs its statistics over the batch before it can normalise, so under XLA it reads
+    its input twice; an input a chain produced itself is then written for that second pass."""
+    b = GraphBuilder(batch_size=256)
+    b.op("x", "Placeholder", out_pe=1024)
+    b.op("conv", "Conv2D", inputs=("x",), flops=2e11, out_pe=1024)
+    b.op("bn", "FusedBatchNormV3", inputs=("conv",), flops_pe=256, out_pe=1024)
+    b.op("relu", "Relu", inputs=("bn",), flops_pe=256, out_pe=1024)
+    b.op("bn2", "FusedBatchNormV3", inputs=("relu",), flops_pe=256, out_pe=1024)
+    b.op("out", "Square", inputs=("bn2",), flops_pe=256, out_pe=1024)
+    tg = b.build()
+    _, per, _ = fusion_bytes(tg)
+    ix = tg.op_index
+    assert per[ix["bn"]] == pytest.approx(2 * 1024)       # the convolution's output, read twice
+    assert per[ix["relu"]] == 0.0
+    assert per[ix["bn2"]] == pytest.approx(2 * 1024)      # relu's output written, then read once more
+    assert per[ix["out"]] == pytest.approx(1024)
+
+
 # ------------------------------------------------------------------------------------------------
 # the mixed-precision rewrite of a GraphDef, and a plan made for it
 # ------------------------------------------------------------------------------------------------

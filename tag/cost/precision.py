@@ -69,6 +69,11 @@ Mean Sum Softmax LogSoftmax BiasAddGrad FusedBatchNorm FusedBatchNormV2 FusedBat
 FusedBatchNormGradV2 FusedBatchNormGradV3""".split())
 
 
+#: batch normalisation in training: statistics over the batch first, then the element-wise pass
+BATCH_NORM_TYPES = frozenset("""FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3 FusedBatchNormGrad FusedBatchNormGradV2
+FusedBatchNormGradV3""".split())
+
+
 def check_plan_precision(precision: str | None) -> str:
     """PRECISION as ``tag.optimize`` accepts it (None: "fp32"); TagError naming the choices otherwise."""
     if precision is None:
@@ -179,7 +184,9 @@ def fusion_bytes(graph: "TrainingGraph") -> tuple[np.ndarray, np.ndarray, np.nda
     a chain of another phase pays instead for the written tensors it is recomputed from (``roots``: the
     outputs of MatMuls, convolutions, reductions (``REDUCTION_TYPES``) and other ops XLA does not duplicate).
     Ops that only rename a tensor (``ALIAS_TYPES``: the ``Identity`` of every ``tuple/control_dependency``
-    that ``tf.gradients`` puts between two gradient ops, reshapes) do not break a chain."""
+    that ``tf.gradients`` puts between two gradient ops, reshapes) do not break a chain. Batch norm
+    (``BATCH_NORM_TYPES``) reduces over the batch before its element-wise pass, so it reads its batch-sized
+    inputs a second time (and a chain writes an input it produced itself for that pass)."""
     ops = graph.ops
     fusible = np.array([op.type in FUSIBLE_TYPES for op in ops], dtype=bool)
     alias = _alias_sources(ops)
@@ -252,4 +259,16 @@ def fusion_bytes(graph: "TrainingGraph") -> tuple[np.ndarray, np.ndarray, np.nda
             if readers and (all(fusible[j] and ops[j].phase == op.phase for j in readers) or recomputable(t.name)):
                 mem_fixed[i] -= t.nbytes.fixed
                 mem_per[i] -= t.nbytes.per_example
+    # batch norm reduces over the batch before it can normalise: a second pass over its batch-sized inputs,
+    # which a chain must have written for it when they were its own intermediates
+    for i, op in enumerate(ops):
+        if op.type not in BATCH_NORM_TYPES:
+            continue
+        for name in op.inputs:
+            name = _source(alias, name)
+            src = producer.get(name)
+            if src is None or src[1].nbytes.per_example <= 0:
+                continue
+            internal = fusible[src[0]] and ops[src[0]].phase == op.phase
+            mem_per[i] += src[1].nbytes.per_example * (2 if internal else 1)
     return np.maximum(mem_fixed, 0.0), np.maximum(mem_per, 0.0), fused
