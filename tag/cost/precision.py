@@ -238,16 +238,17 @@ def fusion_bytes(graph: "TrainingGraph") -> tuple[np.ndarray, np.ndarray, np.nda
                 mem_fixed[i] += nbytes[u].fixed
                 mem_per[i] += nbytes[u].per_example
 
+    own = {t.name: t for op in ops for t in op.outputs}   # each tensor as its readers counted it
     for i, op in enumerate(ops):
         if not fusible[i]:
             continue
-        for name in op.inputs:
-            name = _source(alias, name)
+        for listed in op.inputs:
+            name = _source(alias, listed)
             src = producer.get(name)
-            if src is None:
+            if src is None or listed not in own:
                 continue
-            mem_fixed[i] -= src[1].nbytes.fixed      # the op's own bytes count each input: re-charged below
-            mem_per[i] -= src[1].nbytes.per_example
+            mem_fixed[i] -= own[listed].nbytes.fixed  # the op's own bytes count each input: re-charged below
+            mem_per[i] -= own[listed].nbytes.per_example
             if fusible[src[0]] and ops[src[0]].phase == op.phase:
                 fused[i] = True
             elif recomputable(name):
