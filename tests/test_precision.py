@@ -95,6 +95,57 @@ def test_xla_fuses_elementwise_chains_into_one_pass_over_memory():
     assert xla[2:].sum() < plain[2:].sum() / 2     # three passes and launches become one
 
 
+def test_xla_chain_reads_an_outside_tensor_once_and_recomputes_element_wise_results_across_phases():
+    """A fused kernel loads each parameter once: the MatMul output that three ops of one forward chain read
+    (Mul(mm, mm), Relu(mm)) is paid once. The chain's result `out`, which only a backward chain reads, is
+    not written: the backward chain recomputes it from mm (which it reads once) instead of reading it;
+    `kept`, which a MatMul also reads, is written and read. An Identity between two ops does not break
+    their chain."""
+    b = GraphBuilder(batch_size=256)
+    b.op("x", "Placeholder", out_pe=1024)
+    b.op("mm", "MatMul", inputs=("x",), flops=2e11, out_pe=1024)
+    b.op("mul", "Mul", inputs=("mm", "mm"), flops_pe=256, out_pe=1024)
+    b.op("relu", "Relu", inputs=("mm",), flops_pe=256, out_pe=1024)
+    b.op("add", "AddV2", inputs=("mul", "relu"), flops_pe=256, out_pe=1024)
+    b.op("out", "Square", inputs=("add",), flops_pe=256, out_pe=1024)
+    b.op("kept", "Tanh", inputs=("mm",), flops_pe=256, out_pe=1024)
+    b.op("mm2", "MatMul", inputs=("kept",), flops=2e11, out_pe=1024)
+    b.op("gmul", "Mul", "backward", inputs=("mm", "out"), flops_pe=256, out_pe=1024)
+    b.op("dep", "Identity", "backward", inputs=("gmul",), out_pe=1024)     # tf.gradients' control_dependency
+    b.op("gneg", "Neg", "backward", inputs=("dep", "mm", "kept"), flops_pe=256, out_pe=1024)
+    tg = b.build()
+    fixed, per, fused = fusion_bytes(tg)
+    ix = tg.op_index
+    assert tg.ops[ix["mul"]].mem_bytes.per_example == pytest.approx(3 * 1024)     # unfused: mm read twice
+    # forward: mm read once by the chain {mul, relu, add, out}; `out` is not written
+    assert per[ix["mul"]] + per[ix["relu"]] + per[ix["add"]] + per[ix["out"]] == pytest.approx(1024)
+    # `kept` (another chain) reads mm and is written for the MatMul
+    assert per[ix["kept"]] == pytest.approx(2 * 1024)
+    # backward: mm once (out recomputed from it), kept once, the result written once
+    assert per[ix["gmul"]] + per[ix["gneg"]] == pytest.approx(3 * 1024)
+    assert list(fused[ix["mul"]:ix["kept"]]) == [False, False, True, True]
+    assert fused[ix["gneg"]] and not fused[ix["gmul"]]
+
+
+def test_xla_batch_norm_makes_a_second_pass_over_its_batch_sized_inputs():
+    """Batch norm in training needs its statistics over the batch before it can normalise, so under XLA it reads
+    its input twice; an input a chain produced itself is then written for that second pass."""
+    b = GraphBuilder(batch_size=256)
+    b.op("x", "Placeholder", out_pe=1024)
+    b.op("conv", "Conv2D", inputs=("x",), flops=2e11, out_pe=1024)
+    b.op("bn", "FusedBatchNormV3", inputs=("conv",), flops_pe=256, out_pe=1024)
+    b.op("relu", "Relu", inputs=("bn",), flops_pe=256, out_pe=1024)
+    b.op("bn2", "FusedBatchNormV3", inputs=("relu",), flops_pe=256, out_pe=1024)
+    b.op("out", "Square", inputs=("bn2",), flops_pe=256, out_pe=1024)
+    tg = b.build()
+    _, per, _ = fusion_bytes(tg)
+    ix = tg.op_index
+    assert per[ix["bn"]] == pytest.approx(2 * 1024)       # the convolution's output, read twice
+    assert per[ix["relu"]] == 0.0
+    assert per[ix["bn2"]] == pytest.approx(2 * 1024)      # relu's output written, then read once more
+    assert per[ix["out"]] == pytest.approx(1024)
+
+
 # ------------------------------------------------------------------------------------------------
 # the mixed-precision rewrite of a GraphDef, and a plan made for it
 # ------------------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ DATA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gp
 COLLECTIVE_KINDS = ("NVLINK", "PCIE", "INTERCONNECT_UNSPECIFIED", "NETWORK")
 
 
+#: the largest fraction of a half-rate tensor peak a kernel is charged (``Resolution.tensor_efficiency``)
+HALF_RATE_CAP = 1.0
+
+
 @dataclass(frozen=True)
 class GpuClass:
     """One shipped GPU profile: efficiencies per op class / type, bandwidth efficiency, launch overhead."""
@@ -144,16 +148,18 @@ class Resolution:
         datapath (a GeForce class with ``full_rate_peaks``, served without a family's own peaks): the fitted
         fractions are of a full-rate peak (the V100's), where what holds a convolution to them is feeding
         operands, not the multiply-add rate. That feed is the datapath's, so such a kernel reaches the same
-        fraction of the full rate, as long as the half-rate math keeps up: at most the fraction the best
-        GEMM reaches (the table's largest), of the peak the part runs at."""
+        fraction of the full rate, as long as the half-rate math keeps up: at most the half-rate peak itself
+        (``HALF_RATE_CAP`` of it). The cap is the math's limit, not a fitted number: it was the fitted table's
+        largest entry until the large-MatMul efficiency, once the XLA chains were costed through
+        ``tf.gradients``' Identities, was refitted from its bound 1.0 to an end-to-end 0.5, which says how
+        fast TensorFlow's BERT MatMuls run, not how fast half-rate math can go."""
         out = {}
         for prec, table in self.cls.tensor_efficiency.items():
             full, own = self.cls.full_rate_peaks.get(prec), self.cls.peaks.get(prec)
             if self.peaks or not table or not full or not own or full <= own:
                 out[prec] = dict(table)
                 continue
-            best = max(table.values())
-            out[prec] = {k: min(v * full / own, best) for k, v in table.items()}
+            out[prec] = {k: min(v * full / own, HALF_RATE_CAP) for k, v in table.items()}
         return out
 
     def peak_ratio(self, precision: str) -> float | None:
