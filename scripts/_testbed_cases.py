@@ -240,18 +240,18 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     recipe's ``calibration.levels_per_family`` (default True). Both are fitted and printed either way. The
     recipe sets it False for now: on the benchmark models' one-host steps, out of sample, the per-family fit
     cut the largest error in three of four runs and the median in two, and raised both in the quiet run
-    (``scripts/bench_levels.py``; README). UNDER_LOAD: time each step while every other group of the testbed
-    runs its own copy of the same model without pause (``BackgroundSteps``), as in a step of a plan that keeps
-    every host busy; None: the recipe's ``calibration.levels_under_load`` (default False). Why: the testbed's
-    hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
-    (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
+    (``scripts/bench_levels.py``; README). UNDER_LOAD: also time each step while every other group of the
+    testbed runs its own copy of the same model without pause (``BackgroundSteps``), fit those points the same
+    way, and return them as the profile's ``devices_under_load`` (each scale and overhead at least the alone
+    fit's), which the simulator applies to steps that keep other hosts busy (``tag.sim.simulator``, "Hosts
+    that share one machine"); RECORD's key ``under_load`` holds their points and fits. None: the recipe's
+    ``calibration.levels_under_load`` (default False). Why: the testbed's hosts share one machine, and a host's
+    kernels ran up to 1.9x slower while the others computed (``bench_transfers.py --only contention``), so
+    levels measured alone cost multi-host plans too fast."""
     from contextlib import ExitStack
 
-    import numpy as np
     from tag.api import prepare
-    from tag.cost.fitting import fit_levels
     from tag.cost.model import Profile
-    from tag.cost.op_classes import FAMILIES
     from tag.strategy.baselines import on_one_device
     batch = int(recipe["calibration"]["batch"])
     small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
@@ -262,25 +262,53 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     first_group = {}                                    # device type -> its first group (one host each here)
     for group in tb.topology.groups:
         first_group.setdefault(group.device_type, group)
-    # device type -> (predicted, ops, per-family parts, measured) per calibration step
+    # device type -> (predicted, ops, per-family parts, measured) per calibration step; alone and under load
     points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
+    loaded_points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
     for spec in recipe["calibration"]["models"]:
         for b in (batch, small):
             analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
                                name="calibration")
             splits = one_host_split(analysis, profile, b, [g.devices[0] for g in first_group.values()])
-            alone = {g.name: analysis.rewrite(on_one_device(analysis.grouping, analysis.topology,
+            whole = {g.name: analysis.rewrite(on_one_device(analysis.grouping, analysis.topology,
                                                             len(analysis.graph.ops), g.devices[0]))
                      for g in (tb.topology.groups if under_load else first_group.values())}
             for (dtype, group), (predicted, ops, parts) in zip(first_group.items(), splits):
+                measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
+                points[dtype].append((predicted, ops, parts, measured))
+                if not under_load:
+                    continue
                 with ExitStack() as busy:
-                    for name, other in (alone.items() if under_load else ()):
+                    for name, other in whole.items():
                         if name != group.name:
                             busy.enter_context(BackgroundSteps(other.graph_def, tb.target, train_op=other.train_op,
                                                                loss=other.loss, init=other.init))
-                    measured = measure_on_testbed(tb, alone[group.name], predicted, budget_s)
-                points[dtype].append((predicted, ops, parts, measured))
+                    measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
+                loaded_points[dtype].append((predicted, ops, parts, measured))
     devices = dict(profile.devices)
+    notes = _fit_levels_per_type(points, profile.devices, devices, per_family, record, "alone")
+    loaded_devices = {}
+    if under_load:
+        notes += _fit_levels_per_type(loaded_points, profile.devices, loaded_devices, per_family,
+                                      None if record is None else record.setdefault("under_load", {}), "under load")
+        # never faster than alone: another host's work can only take this one's cores, caches and bandwidth
+        loaded_devices = {t: _no_faster(e, devices[t]) for t, e in loaded_devices.items()}
+    text = ", ".join(notes)
+    if verbose:
+        print(f"runtime levels (batches {batch} and {small}; applied: {'per family' if per_family else 'one scale'}):"
+              f"\n  " + "\n  ".join(notes), flush=True)
+    return Profile(devices, source=f"{profile.source}; runtime levels on the testbed "
+                                   f"({'per family' if per_family else 'one scale'} applied): {text}",
+                   network=profile.network, devices_under_load=loaded_devices)
+
+
+def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, record: dict | None,
+                         label: str) -> list[str]:
+    """Fit ``runtime_levels``' POINTS per device type, put each BASE entry levelled into OUT (the per-family or
+    one-scale fit, by PER_FAMILY), its points and fits into RECORD; the printed note per type."""
+    import numpy as np
+    from tag.cost.fitting import fit_levels
+    from tag.cost.op_classes import FAMILIES
     notes = []
     for dtype, pts in points.items():
         p_ = np.array([x[0] for x in pts])
@@ -291,7 +319,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
         one = fit_levels(parts_, fixed_, n_, m_, FAMILIES, groupings=[(tuple(FAMILIES),)])
         fit = fit_levels(parts_, fixed_, n_, m_, FAMILIES)
         applied = fit if per_family else one
-        devices[dtype] = levelled(devices[dtype], applied.scales, applied.overhead_s)
+        out[dtype] = levelled(base[dtype], applied.scales, applied.overhead_s)
         if record is not None:
             record[dtype] = {"predicted_s": p_.tolist(), "ops": n_.tolist(), "parts_s": parts_.tolist(),
                              "measured_s": m_.tolist(), "families": list(FAMILIES),
@@ -300,17 +328,21 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
                                     "max_error": f.max_error, "note": f.note}
                                 for k, f in (("per_family", fit), ("one_scale", one))}}
         shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_))
-        notes.append(f"{dtype} {fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: {one.describe()}; "
-                     f"measured/predicted {'/'.join(f'{x:.2f}' for x in m_ / p_)}; residuals per family "
-                     f"{'/'.join(f'{x - 1:+.2f}' for x in fit.ratio)}, one scale "
+        notes.append(f"{dtype} ({label}) {fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: "
+                     f"{one.describe()}; measured/predicted {'/'.join(f'{x:.2f}' for x in m_ / p_)}; residuals per "
+                     f"family {'/'.join(f'{x - 1:+.2f}' for x in fit.ratio)}, one scale "
                      f"{'/'.join(f'{x - 1:+.2f}' for x in one.ratio)}; conv:matmul:other % of predicted {shares}")
-    text = ", ".join(notes)
-    if verbose:
-        print(f"runtime levels (batches {batch} and {small}; applied: {'per family' if per_family else 'one scale'}):"
-              f"\n  " + "\n  ".join(notes), flush=True)
-    return Profile(devices, source=f"{profile.source}; runtime levels on the testbed "
-                                   f"({'per family' if per_family else 'one scale'} applied): {text}",
-                   network=profile.network)
+    return notes
+
+
+def _no_faster(loaded, alone):
+    """LOADED (a DeviceProfile) with each family scale and the launch overhead at least ALONE's."""
+    import dataclasses
+    from tag.cost.op_classes import FAMILIES
+    return dataclasses.replace(
+        loaded, family_scale={f: max(loaded.family_scale.get(f, 1.0), alone.family_scale.get(f, 1.0))
+                              for f in FAMILIES},
+        launch_overhead_s=max(loaded.launch_overhead_s or 0.0, alone.launch_overhead_s or 0.0))
 
 
 def model_file(spec: str, batch: int, workdir: str) -> str:

@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         tb.start_workers(threads_per_worker=1)
         try:
             load_before = os.getloadavg()[0]
-            per_family = runtime_levels(tb, recipe, base, args.budget, record=record, per_family=True)
+            per_family = runtime_levels(tb, recipe, base, args.budget, record=record, per_family=True,
+                                        under_load=False)
             print(f"levels fitted (load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)", flush=True)
             profiles = {"unlevelled": base, "one_scale": one_scale_profile(base, record), "per_family": per_family}
             print("out of sample: the benchmark models whole on one host", flush=True)

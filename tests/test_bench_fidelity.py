@@ -141,3 +141,25 @@ def test_one_host_split_adds_up_to_the_prediction_and_levelled_applies_a_fit():
     [(moved, _, _)] = one_host_split(an, after, 4, [0])
     expected = predicted + (0.8 - 1) * parts[0] + (1.5 - 1) * parts[2] + 5e-6 * ops
     assert moved == pytest.approx(expected, rel=1e-6)
+
+
+def test_levels_under_load_are_fitted_per_type_and_never_faster_than_alone():
+    """runtime_levels(under_load=True)'s second fit: points timed with the other hosts busy, fitted as the alone
+    points are; a family scale or overhead that came out below the alone fit's is raised to it."""
+    from _testbed_cases import _fit_levels_per_type, _no_faster
+    from tag.cost.model import DeviceProfile
+    base = {"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3})}
+    # three predicted steps (conv, matmul, other parts; charged ops), measured at 1.5x the parts + 10 us/op more
+    parts = [[2e-3, 3e-3, 1e-3], [8e-3, 12e-3, 4e-3], [1e-3, 1e-3, 1e-3]]
+    ops = [100.0, 400.0, 900.0]
+    fixed = [2e-5 * n + 1e-3 for n in ops]                       # launch overheads and the step overhead
+    pts = {"CPU": [(sum(p) + f, n, p, 1.5 * sum(p) + f + 1e-5 * n) for p, n, f in zip(parts, ops, fixed)]}
+    out, record = {}, {}
+    notes = _fit_levels_per_type(pts, base, out, False, record, "under load")
+    assert "CPU (under load)" in notes[0] and record["CPU"]["measured_s"] == [x[3] for x in pts["CPU"]]
+    assert out["CPU"].family_scale == pytest.approx({"conv": 1.5, "matmul": 1.5, "other": 1.5}, rel=0.02)
+    assert out["CPU"].launch_overhead_s == pytest.approx(2e-5 + 1e-5, rel=0.05)
+    alone = DeviceProfile(5e10, 1e10, 4e-5, {"default": 0.3}, family_scale={"conv": 2.0, "matmul": 1.0})
+    floored = _no_faster(out["CPU"], alone)
+    assert floored.family_scale == pytest.approx({"conv": 2.0, "matmul": 1.5, "other": 1.5}, rel=0.02)
+    assert floored.launch_overhead_s == 4e-5

@@ -263,3 +263,31 @@ def test_runtime_transfer_costs_are_the_same_from_a_slower_cpu_host():
     for dst in (1, 2):
         t = cm.topology.latency[0, dst] + nbytes / cm.topology.bandwidth[0, dst]
         assert t == pytest.approx(20e-6 + 1e-3 + nbytes * (1e-12 + 1e-9), rel=1e-6)
+
+
+def test_profile_devices_under_load_round_trip_and_errors(tmp_path):
+    alone = DeviceProfile(1.1e11, 9e9, 1e-5, {"MatMul": 0.6})
+    busy = DeviceProfile(1.1e11, 9e9, 3e-5, {"MatMul": 0.6}, family_scale={"conv": 1.5})
+    prof = Profile({"CPU": alone}, devices_under_load={"CPU": busy})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert json.loads(path.read_text())["devices_under_load"]["CPU"]["launch_overhead_s"] == 3e-5
+    back = Profile.load(path)
+    assert back == prof
+    assert back.under_load().devices["CPU"] == busy and back.under_load().devices_under_load == {}
+    assert Profile({"CPU": alone}).under_load() is None           # a cluster's profile: nothing timed under load
+    path.write_text('{"version": 1, "devices": {}, "devices_under_load": {"CPU": {"family_scale": {"gpu": 2}}}}')
+    with pytest.raises(TagError, match=r"devices_under_load\.CPU\.family_scale: unknown op family 'gpu'"):
+        Profile.load(path)
+    path.write_text('{"version": 1, "devices": {"CPU": {"peak_flops": -1}}}')
+    with pytest.raises(TagError, match=r"devices\.CPU\.peak_flops must be a finite number >= 0"):
+        Profile.load(path)
+
+
+def test_with_profile_keeps_the_options_and_calibrates_the_links_once():
+    from tag.cost.model import NetworkProfile
+    net = NetworkProfile(transfer_latency_s=1e-3, transfer_bytes_per_s=1e9)
+    cm = CostModel(_graph(), _topo(), Profile({}, network=net), xla=True, gradient_dtype="fp16")
+    other = cm.with_profile(Profile({"GPU-A": DeviceProfile(efficiency={"default": 0.5})}, network=net))
+    assert other.xla and other.gradient_dtype == "fp16" and not other.tf32
+    assert np.array_equal(other.topology.latency, cm.topology.latency)      # not the runtime's latency twice

@@ -484,3 +484,26 @@ def test_sparse_embedding_gradients_move_as_rows():
     for s in (dp, ps):
         assert sims["compiled"].evaluate(s).step_time == pytest.approx(sims["python"].evaluate(s).step_time,
                                                                       rel=1e-9)
+
+
+def test_hosts_that_share_one_machine_cost_busy_steps_with_the_levels_timed_under_load():
+    tg = chain_graph([1e9, 2e9, 3e9], batch=6)
+    topo = _hosts(3, inter_bandwidth=1e12, inter_latency=0.0)
+    loaded = dataclasses.replace(EXACT.devices["GPU-A"], family_scale={"conv": 2.0, "matmul": 2.0, "other": 2.0})
+    shared = Profile(dict(EXACT.devices), devices_under_load={"GPU-A": loaded})
+    alone_sim, gr = _sim(tg, topo)
+    shared_sim, _ = _sim(tg, topo, shared)
+    one = _all(gr, Action((0,), "allreduce"))
+    # one host busy: the other hosts idle, the step as timed alone
+    assert shared_sim.evaluate(one).step_time == pytest.approx(alone_sim.evaluate(one).step_time)
+    # every host busy all step: the step at the loaded levels (twice the compute)
+    dp = _all(gr, Action((0, 1, 2), "allreduce"))
+    alone = alone_sim.evaluate(dp)
+    assert alone_sim.other_hosts_busy(alone) == pytest.approx(1.0, abs=0.02)
+    assert shared_sim.evaluate(dp).step_time == pytest.approx(2 * alone.step_time, rel=0.03)
+    # a stage per host: each host busy a part of the step, the step between the two by that part
+    stages = Strategy(gr, [Action((min(g, 2),), "allreduce") for g in range(gr.num_groups)])
+    part = alone_sim.evaluate(stages)
+    busy = alone_sim.other_hosts_busy(part)
+    assert 0.0 < busy < 1.0
+    assert shared_sim.evaluate(stages).step_time == pytest.approx(part.step_time * (1 + busy), rel=0.03)

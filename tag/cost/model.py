@@ -212,6 +212,51 @@ class NetworkProfile:
         return dataclasses.replace(topology, bandwidth=bw, latency=lat, host_bandwidth=hbw, host_latency=hlat)
 
 
+def _device_entry(dtype: str, entry: object, key: str, where: str) -> DeviceProfile:
+    """One validated entry of a profile's KEY ("devices" or "devices_under_load") object; TagError naming WHERE."""
+    def bad(msg: str) -> TagError:
+        return TagError(f"{where}: {msg}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"{key}.{dtype} must be an object")
+    unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency",
+                            "sustained_step_s", "matmul_table", "family_scale"}
+    if unknown:
+        raise bad(f"{key}.{dtype}: unknown field {sorted(unknown)[0]!r}")
+    nums = {}
+    for name in ("peak_flops", "memory_bandwidth", "launch_overhead_s", "sustained_step_s"):
+        if name not in entry or entry[name] is None:
+            continue
+        v = entry[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise bad(f"{key}.{dtype}.{name} must be a finite number >= 0, got {v!r}")
+        nums[name] = float(v)
+    eff = entry.get("efficiency", {})
+    if not isinstance(eff, dict):
+        raise bad(f"{key}.{dtype}.efficiency must be an object")
+    effs = {}
+    for op_type, e in eff.items():
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or not 0 < e <= 1:
+            raise bad(f"{key}.{dtype}.efficiency.{op_type} must be in (0, 1], got {e!r}")
+        effs[str(op_type)] = float(e)
+    table = (MatmulTable.from_dict(entry["matmul_table"], f"{where}: {key}.{dtype}.matmul_table")
+             if entry.get("matmul_table") is not None else None)
+    fam = entry.get("family_scale")
+    fam = {} if fam is None else fam
+    if not isinstance(fam, dict):
+        raise bad(f"{key}.{dtype}.family_scale must be an object mapping op family to a time scale")
+    scales = {}
+    for family, v in fam.items():
+        if family not in FAMILIES:
+            raise bad(f"{key}.{dtype}.family_scale: unknown op family {family!r} "
+                      f"(known: {', '.join(FAMILIES)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise bad(f"{key}.{dtype}.family_scale.{family} must be a finite number > 0, got {v!r}")
+        scales[family] = float(v)
+    return DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0), nums.get("launch_overhead_s"),
+                         effs, nums.get("sustained_step_s"), table, scales)
+
+
 @dataclass
 class Profile:
     """Per-device-type calibration of the compute model (see the module docstring for the JSON format),
@@ -221,6 +266,11 @@ class Profile:
     source: str = ""
     version: int = PROFILE_VERSION
     network: NetworkProfile | None = None
+    #: device types' entries as timed while every other host of the calibration's machine ran its own
+    #: steps (testbed hosts share one machine's cores, caches and memory bandwidth; ``runtime_levels``).
+    #: The simulator costs a step that keeps several hosts busy between ``devices`` and these, by how busy
+    #: the other hosts are (``tag.sim.simulator``, "Hosts that share one machine"). Empty on real clusters
+    devices_under_load: dict[str, DeviceProfile] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {"version": int(self.version),
@@ -228,7 +278,16 @@ class Profile:
              "source": self.source}
         if self.network is not None:
             d["network"] = self.network.to_dict()
+        if self.devices_under_load:
+            d["devices_under_load"] = {k: v.to_dict() for k, v in sorted(self.devices_under_load.items())}
         return d
+
+    def under_load(self) -> "Profile | None":
+        """This profile with ``devices_under_load`` in place of the matching ``devices`` entries; None without
+        them."""
+        if not self.devices_under_load:
+            return None
+        return Profile({**self.devices, **self.devices_under_load}, self.source, self.version, self.network)
 
     @classmethod
     def from_dict(cls, data: object, where: str = "profile") -> "Profile":
@@ -247,47 +306,12 @@ class Profile:
         source = data.get("source", "")
         if not isinstance(source, str):
             raise bad("'source' must be a string")
-        out: dict[str, DeviceProfile] = {}
-        for dtype, entry in devices.items():
-            if not isinstance(entry, dict):
-                raise bad(f"devices.{dtype} must be an object")
-            unknown = set(entry) - {"peak_flops", "memory_bandwidth", "launch_overhead_s", "efficiency",
-                                    "sustained_step_s", "matmul_table", "family_scale"}
-            if unknown:
-                raise bad(f"devices.{dtype}: unknown field {sorted(unknown)[0]!r}")
-            nums = {}
-            for key in ("peak_flops", "memory_bandwidth", "launch_overhead_s", "sustained_step_s"):
-                if key not in entry or entry[key] is None:
-                    continue
-                v = entry[key]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise bad(f"devices.{dtype}.{key} must be a finite number >= 0, got {v!r}")
-                nums[key] = float(v)
-            eff = entry.get("efficiency", {})
-            if not isinstance(eff, dict):
-                raise bad(f"devices.{dtype}.efficiency must be an object")
-            effs = {}
-            for op_type, e in eff.items():
-                if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or not 0 < e <= 1:
-                    raise bad(f"devices.{dtype}.efficiency.{op_type} must be in (0, 1], got {e!r}")
-                effs[str(op_type)] = float(e)
-            table = (MatmulTable.from_dict(entry["matmul_table"], f"{where}: devices.{dtype}.matmul_table")
-                     if entry.get("matmul_table") is not None else None)
-            fam = entry.get("family_scale")
-            fam = {} if fam is None else fam
-            if not isinstance(fam, dict):
-                raise bad(f"devices.{dtype}.family_scale must be an object mapping op family to a time scale")
-            scales = {}
-            for family, v in fam.items():
-                if family not in FAMILIES:
-                    raise bad(f"devices.{dtype}.family_scale: unknown op family {family!r} "
-                              f"(known: {', '.join(FAMILIES)})")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                    raise bad(f"devices.{dtype}.family_scale.{family} must be a finite number > 0, got {v!r}")
-                scales[family] = float(v)
-            out[str(dtype)] = DeviceProfile(nums.get("peak_flops", 0.0), nums.get("memory_bandwidth", 0.0),
-                                            nums.get("launch_overhead_s"), effs, nums.get("sustained_step_s"), table,
-                                            scales)
+        out = {str(dtype): _device_entry(dtype, entry, "devices", where) for dtype, entry in devices.items()}
+        loaded = data.get("devices_under_load") or {}
+        if not isinstance(loaded, dict):
+            raise bad("'devices_under_load' must be an object mapping device type to its numbers")
+        under_load = {str(dtype): _device_entry(dtype, entry, "devices_under_load", where)
+                      for dtype, entry in loaded.items()}
         network = None
         if data.get("network") is not None:
             net = data["network"]
@@ -308,7 +332,7 @@ class Profile:
                     raise bad(f"network.{key} must be a finite number >= 0 (> 0 for a rate), got {v!r}")
                 vals[key] = float(v)
             network = NetworkProfile(**vals)
-        return cls(out, source, PROFILE_VERSION, network)
+        return cls(out, source, PROFILE_VERSION, network, under_load)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
@@ -384,7 +408,7 @@ class CostModel:
                  tf32: bool = False, xla: bool = False, gradient_dtype: str | None = None):
         self.graph = graph
         self.profile = profile if profile is not None else Profile()
-        self.topology = topology
+        self.topology = self.given_topology = topology
         self.arrays = graph.arrays()
         self.tf32, self.xla = bool(tf32), bool(xla)
         self.gradient_dtype = gradient_dtype
@@ -431,6 +455,11 @@ class CostModel:
             self.topology = self.profile.network.calibrate(topology)
         #: seconds each tensor sent between hosts costs beyond its bytes (NetworkProfile.per_tensor_s)
         self.per_tensor_s = float(self.profile.network.per_tensor_s) if self.profile.network else 0.0
+
+    def with_profile(self, profile: Profile) -> "CostModel":
+        """A cost model of the same graph, topology and options (TF32, XLA, gradient dtype) with PROFILE."""
+        return CostModel(self.graph, self.given_topology, profile, tf32=self.tf32, xla=self.xla,
+                         gradient_dtype=self.gradient_dtype)
 
     # ---------------------------------------------------------------- compute
     @functools.cached_property

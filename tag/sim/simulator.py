@@ -48,6 +48,13 @@ What is simulated (the strategy semantics of ARCHITECTURE.md / tag.strategy):
   (``tag.sim.pipeline.PipelineTasks``: each forward/backward task once per micro-batch at the micro-batch's
   per-device share, update tasks once, numbered so that each stage keeps its schedule) through the same
   schedule, routing and memory model; ``SimResult.bubble_fraction`` is its predicted bubble.
+- Hosts that share one machine (a testbed of processes on one machine; a profile with
+  ``devices_under_load``): a step that keeps several hosts busy is slower than its hosts timed alone.
+  ``evaluate`` simulates the step with the devices as timed alone (t0) and, when another host computes
+  in it, again with the device entries timed while every other host computed (t1), and reports
+  ``t0 + f * (t1 - t0)``, with f the mean compute utilisation (in the first simulation) of every host but
+  the busiest: 0 on one host, near 1 when all hosts compute all step long. Real clusters' profiles have no
+  such entries, and their steps are simulated once.
 - Reported per op group (features for the GNN): ``group_makespan`` = last finish of the group's tasks or
   collective - first start; ``group_idle_after`` = mean, over the group's task instances, of the idle
   time of that lane before its next task (or the end of the step).
@@ -160,6 +167,10 @@ class Simulator:
                         if self.kernel == "compiled" else None)
         self.compiled_evaluations = 0        # evaluations the compiled kernel ran (the rest ran the reference)
         self._pipeline_kernels: dict[int, tuple] = {}     # PipelineTasks.uid -> its kernel state, layout columns
+        # hosts that share one machine: the same simulator costed with the device entries timed under load
+        self._loaded_profile = self.cost.profile.under_load()
+        self._loaded: Simulator | None = None
+        self._host_of_device = np.array([d.host_index for d in topology.devices], dtype=np.int64)
 
     @property
     def cost_model(self) -> CostModel:
@@ -169,7 +180,33 @@ class Simulator:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, strategy: Strategy, batch_size: int | None = None) -> SimResult:
         """Simulate one step of STRATEGY at global batch BATCH_SIZE (default: the graph's)."""
-        return self._run(strategy, batch_size, record=None)
+        result = self._run(strategy, batch_size, record=None)
+        if self._loaded_profile is None:
+            return result
+        return self._under_load(result, strategy, batch_size)
+
+    def other_hosts_busy(self, result: SimResult) -> float:
+        """Mean compute utilisation, in RESULT's step, of every host but the busiest (a host's utilisation:
+        its busiest device's); 0 with one host."""
+        num_hosts = len(self.topology.hosts)
+        if num_hosts < 2:
+            return 0.0
+        util = np.zeros(num_hosts)
+        np.maximum.at(util, self._host_of_device, np.clip(result.utilisation, 0.0, 1.0))
+        return float((util.sum() - util.max()) / (num_hosts - 1))
+
+    def _under_load(self, result: SimResult, strategy: Strategy, batch_size: int | None) -> SimResult:
+        """RESULT's step moved toward the same step costed with the devices timed under load, by how busy the
+        other hosts are (module docstring, "Hosts that share one machine")."""
+        busy = self.other_hosts_busy(result)
+        if busy <= 0.0:
+            return result
+        if self._loaded is None:
+            self._loaded = Simulator(self.graph, self.topology, self.grouping,
+                                     self.cost.with_profile(self._loaded_profile), kernel=self.kernel)
+        loaded = self._loaded._run(strategy, batch_size, record=None).step_time
+        result.step_time += busy * max(loaded - result.step_time, 0.0)
+        return result
 
     def trace(self, strategy: Strategy, batch_size: int | None = None) -> dict:
         """Chrome trace (chrome://tracing, Perfetto) of one simulated step: one row per device, one per
