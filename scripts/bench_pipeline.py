@@ -21,8 +21,10 @@ host (too many), at a batch (384) where one host takes about 300 ms.
 Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
 per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
 running testbed); ``--profile F`` reuses a saved calibration (``--save-profile F`` writes one).
-``--levels-under-load`` times the runtime levels' steps while the other hosts run their own copies (the
-testbed's hosts share one machine; ARCHITECTURE.md, "Hosts that share one machine").
+The runtime levels are also fitted on steps timed while the other hosts run their own copies, and the
+simulator applies them to steps that keep other hosts busy (the recipe's ``calibration.levels_under_load``;
+the testbed's hosts share one machine; ARCHITECTURE.md, "Hosts that share one machine"); ``--levels-alone``
+fits the alone levels only.
 
 Per case, side by side on one running testbed (every time the median of the timed steps; every worker one
 intra-op thread):
@@ -448,8 +450,12 @@ def main(argv=None) -> int:
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
     p.add_argument("--levels-under-load", action="store_true",
-                   help="time runtime_levels' steps while the other hosts run their own copies (the testbed's "
-                        "hosts share one machine: _testbed_cases.runtime_levels)")
+                   help="also fit runtime_levels on steps timed while the other hosts run their own copies (the "
+                        "recipe's default since calibration.levels_under_load)")
+    p.add_argument("--levels-alone", action="store_true",
+                   help="fit runtime_levels on steps timed alone only, without the levels under load that the "
+                        "recipe's calibration.levels_under_load adds (the testbed's hosts share one machine: "
+                        "_testbed_cases.runtime_levels)")
     p.add_argument("--json", help="write rows and the summary keys to this file")
     args = p.parse_args(argv)
     from _common import testbed_missing
@@ -481,7 +487,8 @@ def main(argv=None) -> int:
         if not args.no_levels:
             tb.start_workers(threads_per_worker=1)
             try:
-                profile = runtime_levels(tb, recipe, profile, under_load=args.levels_under_load or None)
+                under_load = True if args.levels_under_load else False if args.levels_alone else None
+                profile = runtime_levels(tb, recipe, profile, under_load=under_load)
             finally:
                 tb.stop_workers()
         for case in cases:
