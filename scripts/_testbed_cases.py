@@ -245,9 +245,9 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     way, and return them as the profile's ``devices_under_load`` (each scale and overhead at least the alone
     fit's), which the simulator applies to steps that keep other hosts busy (``tag.sim.simulator``, "Hosts
     that share one machine"); RECORD's key ``under_load`` holds their points and fits. None: the recipe's
-    ``calibration.levels_under_load`` (default False; the shipped recipe sets it True). Why: the testbed's hosts share one machine, and a host's
-    kernels ran up to 1.9x slower while the others computed (``bench_transfers.py --only contention``), so
-    levels measured alone cost multi-host plans too fast."""
+    ``calibration.levels_under_load`` (default False; the shipped recipe sets it True). Why: the testbed's
+    hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
+    (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
     from contextlib import ExitStack
 
     from tag.api import prepare

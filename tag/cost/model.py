@@ -41,6 +41,9 @@ Profile JSON::
                          "family_scale": {"conv": 0.8, "matmul": 1.1}}},
      "source": "tag.profile on zoo:mlp, 20 steps"}
 
+An optional ``"devices_under_load"`` object holds entries of the same form for device types timed while the
+other hosts of one machine computed (a testbed's hosts share one machine; ``Profile.devices_under_load``).
+
 How a profile applies to a device group of the topology: the entry named after the group's device type
 (e.g. "V100", "CPU") is used if present, and its measured ``peak_flops`` / ``memory_bandwidth`` (when > 0)
 replace the topology's spec numbers, because its efficiencies were fitted against them. Otherwise the
