@@ -449,10 +449,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--no-levels", action="store_true", help="skip runtime_levels on the running testbed")
-    p.add_argument("--levels-under-load", action="store_true",
+    levels = p.add_mutually_exclusive_group()
+    levels.add_argument("--levels-under-load", action="store_true",
                    help="also fit runtime_levels on steps timed while the other hosts run their own copies (the "
                         "recipe's default since calibration.levels_under_load)")
-    p.add_argument("--levels-alone", action="store_true",
+    levels.add_argument("--levels-alone", action="store_true",
                    help="fit runtime_levels on steps timed alone only, without the levels under load that the "
                         "recipe's calibration.levels_under_load adds (the testbed's hosts share one machine: "
                         "_testbed_cases.runtime_levels)")

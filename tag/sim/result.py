@@ -43,6 +43,7 @@ class SimResult:
     # pipelined strategies: predicted idle fraction of the stages (tag.sim.pipeline.bubble_fraction); else None
     bubble_fraction: float | None = None
     _features: object = field(default=None, repr=False, compare=False)   # () -> dict of the arrays below
+    _compute: object = field(default=None, repr=False, compare=False)    # () -> compute_time alone (cheaper)
 
     def _feature(self, name: str) -> np.ndarray:
         f = self._features
@@ -58,6 +59,10 @@ class SimResult:
     @property
     def compute_time(self) -> np.ndarray:
         """Busy compute seconds per device."""
+        if callable(self._compute) and callable(self._features):     # without the other features' work
+            self._compute = self._compute()
+        if isinstance(self._compute, np.ndarray):
+            return self._compute
         return self._feature("compute_time")
 
     @property
@@ -72,6 +77,13 @@ class SimResult:
         return self._feature("group_idle_after")
 
 
+def device_compute_time(lane_of_device: np.ndarray, start: np.ndarray, finish: np.ndarray,
+                        ran: np.ndarray | None = None) -> np.ndarray:
+    """Busy compute seconds per device: the task times of its lane (RAN, START, FINISH: [lane, task]; a task
+    ran on a lane where its finish is >= 0 when RAN is not given)."""
+    return ((finish - start) * (finish >= 0 if ran is None else ran)).sum(axis=1)[lane_of_device]
+
+
 def schedule_features(num_groups: int, task_by_group: np.ndarray, task_by_group_starts: np.ndarray,
                       lane_of_device: np.ndarray, step: float, collective_end: list[float], ran: np.ndarray,
                       start: np.ndarray, finish: np.ndarray, num_devices: int) -> dict[str, np.ndarray]:
@@ -80,8 +92,7 @@ def schedule_features(num_groups: int, task_by_group: np.ndarray, task_by_group_
     RAN, START and FINISH are [lane, task] matrices; TASK_BY_GROUP orders the tasks by op group and
     TASK_BY_GROUP_STARTS says where each group starts in that order (``TaskGraph``)."""
     num_lanes, num_tasks = finish.shape
-    busy = ((finish - start) * ran).sum(axis=1)
-    compute = busy[lane_of_device]
+    compute = device_compute_time(lane_of_device, start, finish, ran)
     util = compute / step if step > 0 else np.zeros(num_devices)
     if num_tasks:
         start_or_inf = np.where(ran, start, np.inf)

@@ -105,7 +105,7 @@ from tag.sim.kernel_state import KernelState
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
 from tag.sim.pipeline import WEIGHT_STEP, DeferredWeights, PipelineTasks, bubble_fraction
-from tag.sim.result import SimResult, schedule_features
+from tag.sim.result import SimResult, device_compute_time, schedule_features
 from tag.sim.routing import Routing
 from tag.sim.schedule import StepSchedule
 from tag.sim.sfb import SfbModel, SfbPlan
@@ -186,13 +186,15 @@ class Simulator:
         return self._under_load(result, strategy, batch_size)
 
     def other_hosts_busy(self, result: SimResult) -> float:
-        """Mean compute utilisation, in RESULT's step, of every host but the busiest (a host's utilisation:
-        its busiest device's); 0 with one host."""
+        """Mean compute utilisation, in RESULT's step (before the runtime's step overhead, as
+        ``SimResult.utilisation``), of every host but the busiest (a host's: its busiest device's); 0 with one
+        host. Reads only the per-device compute time, not the other schedule features (a hot path)."""
         num_hosts = len(self.topology.hosts)
-        if num_hosts < 2:
+        step = result.step_time - self._step_overhead
+        if num_hosts < 2 or step <= 0:
             return 0.0
         util = np.zeros(num_hosts)
-        np.maximum.at(util, self._host_of_device, np.clip(result.utilisation, 0.0, 1.0))
+        np.maximum.at(util, self._host_of_device, np.clip(result.compute_time / step, 0.0, 1.0))
         return float((util.sum() - util.max()) / (num_hosts - 1))
 
     def _under_load(self, result: SimResult, strategy: Strategy, batch_size: int | None) -> SimResult:
@@ -401,7 +403,8 @@ class Simulator:
                            self.tasks.task_by_group_starts, lane_of_device, step, collective_end, start, finish,
                            self.topology.num_devices)
         return SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
-                         batch, _features=features)
+                         batch, _features=features,
+                         _compute=partial(device_compute_time, lane_of_device, start, finish))
 
     # ------------------------------------------------------------------ pipelines
     def pipeline_tasks(self, pipeline: Pipeline) -> PipelineTasks:
@@ -571,7 +574,8 @@ class Simulator:
         features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
                            lane_of_device, step, collective_end, start, finish, self.topology.num_devices)
         result = SimResult(step + self._step_overhead, peak, len(oom) == 0, oom.tolist(), comm, static, activation,
-                           batch, _features=features)
+                           batch, _features=features,
+                           _compute=partial(device_compute_time, lane_of_device, start, finish))
         result.bubble_fraction = bubble_fraction(pt.pipeline_stage, pt.task_stage, start, finish)
         return result
 
@@ -630,7 +634,8 @@ class Simulator:
                            tasks.task_by_group_starts, lane_of_device, step, schedule.collective_end, ran,
                            schedule.start, schedule.finish, num_devices)
         return SimResult(float(step) + self._step_overhead, peak, len(oom) == 0, [int(d) for d in oom],
-                         float(schedule.comm_bytes), static, activation, batch, _features=features)
+                         float(schedule.comm_bytes), static, activation, batch, _features=features,
+                         _compute=partial(device_compute_time, lane_of_device, schedule.start, schedule.finish, ran))
 
 
 def _features_of_schedule(num_groups: int, task_by_group: np.ndarray, task_by_group_starts: np.ndarray,
