@@ -2,7 +2,8 @@
 without the measured tuning step, the held-out split, targets. Pure Python (numpy, scipy): no testbed.
 
 A row is one case: ``{"config", "model", "strategy", "class", "heldout", "predicted_s", "measured_s"}`` and
-optionally ``"tuned_pick": True`` on the row of the strategy the tuning step kept. Classes (``CLASSES``):
+optionally ``"tuned_pick": True`` on the row of the strategy the tuning step kept and ``"confirm_s"`` (the
+row's program timed again side by side with its group's picks and best: ``rows_to_confirm``). Classes (``CLASSES``):
 ``uniform`` (the built-ins), ``searched`` (tag's plan), ``random`` (a random mixed strategy) and ``tuned``
 (the tuning step's pick when it was none of the group's other cases). Mixed = searched + random.
 
@@ -73,11 +74,28 @@ def groups_of(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+def rows_to_confirm(rows: list[dict]) -> list[dict]:
+    """The rows of one group whose regret a confirmation measurement decides: the best measured, the
+    predicted-best case and the tuning step's pick, when either pick is not the best measured; else none."""
+    own = [r for r in rows if r["class"] != "tuned"]
+    best = min(rows, key=lambda r: r["measured_s"])
+    picks = [min(own, key=lambda r: r["predicted_s"])] + [r for r in rows if r.get("tuned_pick")]
+    if all(p is best for p in picks):
+        return []
+    out = [best]
+    for p in picks:
+        if all(p is not r for r in out):
+            out.append(p)
+    return out
+
+
 def group_figures(rows: list[dict]) -> dict:
     """Ranking figures of one group's ROWS. Kendall's tau, top-1 and the regret are over the group's own
     cases (not the ``tuned`` row, which exists only because the tuning step picked it); every measured
     row, tuned included, counts for the best measured time. ``regret``: measured time of the predicted-best
-    case / the best measured; ``regret_tuned``: that of the tuning step's pick (None without one)."""
+    case / the best measured; ``regret_tuned``: that of the tuning step's pick (None without one). When rows
+    carry ``confirm_s`` (the picks and the best measured again side by side, ``rows_to_confirm``), both
+    regrets are ratios of those; ``regret_raw`` and ``regret_tuned_raw`` keep the first measurement's."""
     own = [r for r in rows if r["class"] != "tuned"]
     pred = np.array([r["predicted_s"] for r in own], dtype=float)
     meas = np.array([r["measured_s"] for r in own], dtype=float)
@@ -88,10 +106,20 @@ def group_figures(rows: list[dict]) -> dict:
     if len(picks) > 1:
         raise ValueError(f"group {group_key(rows[0])}: {len(picks)} rows are marked as the tuning step's pick")
     measured_best = min(rows, key=lambda r: r["measured_s"])
+    confirmed = [r["confirm_s"] for r in rows if r.get("confirm_s") is not None]
+
+    def regret(row: dict) -> float:
+        if confirmed and row.get("confirm_s") is not None:
+            return float(row["confirm_s"] / min(confirmed))
+        return float(row["measured_s"] / best_all)
+
     return {"config": rows[0]["config"], "model": rows[0]["model"], "heldout": bool(rows[0].get("heldout")),
             "cases": len(rows), "top1": own[best_pred] is min(own, key=lambda r: r["measured_s"]),
-            "kendall_tau": tau, "regret": float(meas[best_pred] / best_all),
-            "regret_tuned": float(picks[0]["measured_s"] / best_all) if picks else None,
+            "kendall_tau": tau, "regret": regret(own[best_pred]),
+            "regret_tuned": regret(picks[0]) if picks else None,
+            "regret_raw": float(meas[best_pred] / best_all),
+            "regret_tuned_raw": float(picks[0]["measured_s"] / best_all) if picks else None,
+            "confirmed": bool(confirmed),
             "predicted_best": own[best_pred]["strategy"], "measured_best": measured_best["strategy"],
             "tuned_pick": picks[0]["strategy"] if picks else None}
 
@@ -102,7 +130,9 @@ def summary(rows: list[dict], extras: dict[tuple[str, str], dict] | None = None)
     ``median_abs_rel_error`` (all rows), ``median_abs_rel_error_mixed`` and ``max_abs_rel_error_mixed``
     (searched + random), ``median_abs_rel_error_<class>``, ``max_abs_rel_error_<class>`` and
     ``cases_<class>`` per class, ``spearman`` (pooled), ``mean_kendall_tau``, ``top1_agreement``,
-    ``max_regret``, ``max_regret_tuned`` (over the ``tuned_groups`` groups with a pick), ``tune_seconds`` (summed over EXTRAS' ``tune_seconds``).
+    ``max_regret``, ``max_regret_tuned`` (over the ``tuned_groups`` groups with a pick; from the confirmation
+    measurement where a group has one), ``max_regret_raw`` and ``max_regret_tuned_raw`` (from the first
+    measurement only), ``tune_seconds`` (summed over EXTRAS' ``tune_seconds``).
     Figures of an empty selection are None."""
     extras = extras or {}
     groups = [{**group_figures(g), **extras.get(k, {})} for k, g in groups_of(rows).items()]
@@ -125,6 +155,9 @@ def summary(rows: list[dict], extras: dict[tuple[str, str], dict] | None = None)
     out["max_regret"] = max((g["regret"] for g in groups), default=None)
     tuned = [g["regret_tuned"] for g in groups if g["regret_tuned"] is not None]
     out["max_regret_tuned"] = max(tuned) if tuned else None
+    out["max_regret_raw"] = max((g["regret_raw"] for g in groups), default=None)
+    tuned_raw = [g["regret_tuned_raw"] for g in groups if g["regret_tuned_raw"] is not None]
+    out["max_regret_tuned_raw"] = max(tuned_raw) if tuned_raw else None
     out["group_count"] = len(groups)
     out["tuned_groups"] = len(tuned)       # groups whose tuning step picked a strategy (all, unless one failed)
     out["tune_seconds"] = float(sum(g.get("tune_seconds", 0.0) for g in groups))

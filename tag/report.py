@@ -186,8 +186,10 @@ def format_tune(fields: Mapping[str, Any]) -> list[str]:
     predicted and measured step time (median +- MAD), the simulator's error and why it was measured."""
     kept = fields["kept"]
     verdict = "the plan" if kept == fields["plan"] else f"{kept}, overriding the simulator's {fields['plan']}"
-    lines = [f"measured {len(fields['candidates'])} candidates in {fields['rounds']} interleaved rounds of "
-             f"{fields['warmup_per_round']}+{fields['steps_per_round']} steps ({fields['seconds']:.1f} s); "
+    extra = fields.get("extra_rounds", 0)
+    extra_text = f" (+{extra} of those within the noise)" if extra else ""
+    lines = [f"measured {len(fields['candidates'])} candidates in {fields['rounds']} interleaved rounds{extra_text} "
+             f"of {fields['warmup_per_round']}+{fields['steps_per_round']} steps ({fields['seconds']:.1f} s); "
              f"kept {verdict}"]
     width = max(len(r["name"]) for r in fields["candidates"])
     for r in fields["candidates"]:

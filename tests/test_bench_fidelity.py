@@ -62,6 +62,29 @@ def test_regret_and_tuned_regret_from_rows():
         group_figures([dict(r, tuned_pick=True) for r in g])
 
 
+def test_regret_from_the_confirmation_measurement_when_a_pick_is_not_the_best():
+    """The picks and the best measured are timed again side by side (``confirm_s``); the regret is their ratio,
+    the first measurement's kept as ``regret_raw``. No confirmation when both picks are the best measured."""
+    from _fidelity_figures import rows_to_confirm, summary
+    g = [row("B", "cnn", "single", 106, 107), row("B", "cnn", "dp_allreduce", 102, 121),
+         row("B", "cnn", "plan:refine", 88, 141, tuned_pick=True), row("B", "cnn", "random0", 900, 990)]
+    todo = rows_to_confirm(g)
+    assert [r["strategy"] for r in todo] == ["single", "plan:refine"]
+    confirmed = [dict(r, confirm_s={"single": 0.120, "plan:refine": 0.132}.get(r["strategy"])) for r in g]
+    f = group_figures(confirmed)
+    assert f["regret"] == pytest.approx(1.1) and f["regret_tuned"] == pytest.approx(1.1) and f["confirmed"]
+    assert f["regret_raw"] == pytest.approx(141 / 107) and f["regret_tuned_raw"] == pytest.approx(141 / 107)
+    # the first measurement's best was a low draw: the pick is confirmed as fast
+    tie = [dict(r, confirm_s={"single": 0.125, "plan:refine": 0.124}.get(r["strategy"])) for r in g]
+    assert group_figures(tie)["regret"] == pytest.approx(1.0)
+    s = summary(confirmed)
+    assert s["max_regret"] == pytest.approx(1.1) and s["max_regret_raw"] == pytest.approx(141 / 107)
+    # the tuning step kept another case than the predicted best: all three are confirmed
+    three = [dict(r, tuned_pick=r["strategy"] == "dp_allreduce") for r in g]
+    assert [r["strategy"] for r in rows_to_confirm(three)] == ["single", "plan:refine", "dp_allreduce"]
+    assert rows_to_confirm([dict(r, tuned_pick=r["strategy"] == "single") for r in g[:1]]) == []
+
+
 def test_kendall_tau_mean_is_per_group():
     same = [row("A", "m", n, p, p) for n, p in (("single", 1), ("ps", 2), ("dp_allreduce", 3))]
     reversed_ = [row("B", "m", n, p, 4 - p) for n, p in (("single", 1), ("ps", 2), ("dp_allreduce", 3))]

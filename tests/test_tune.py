@@ -179,8 +179,9 @@ def test_tune_keeps_the_plan_when_the_faster_candidate_is_within_the_noise():
 def test_within_the_noise_of_the_fastest_the_candidate_on_the_fewest_hosts_is_kept():
     """bench_fidelity run 7, B/cnn: the simulator's plan ran 63.1 ms in tuning, clearly slower; another plan on
     three hosts 40.2 ms (MAD 2.8), one host 43.5 (MAD 2.2). 3.3 ms is within their noise, so one host is kept.
-    A clear gain still wins; a plan within the noise of the fastest stays (bench_e2e, B/vgg: the plan 143 ms
-    with MAD 17 against one host's 163, then 128 against 148); unknown host counts change nothing."""
+    A clear gain still wins; among candidates that the steps cannot tell apart the one on the fewest hosts stays,
+    the plan included (bench_e2e, B/vgg: the plan 143 ms with MAD 17 against one host's 163; more rounds
+    separate them: ``test_extra_rounds_...``); unknown host counts keep the plan."""
     def measured(name: str, median: float, mad: float, hosts: int) -> Measured:
         return Measured(Candidate(name, None, 0.05, hosts=hosts), [median - mad, median, median + mad])
 
@@ -190,8 +191,46 @@ def test_within_the_noise_of_the_fastest_the_candidate_on_the_fewest_hosts_is_ke
     assert keep([plan, refine, measured("single", 0.0500, 0.0010, 1)]).candidate.name == "refine"
     assert keep([measured("p", 0.0410, 0.003, 0), measured("q", 0.0400, 0.003, 0)]).candidate.name == "p"
     noisy_plan = [measured("refine", 0.1434, 0.0167, 3), measured("single", 0.1629, 0.0028, 1)]
-    assert keep(noisy_plan).candidate.name == "refine"
+    assert keep(noisy_plan).candidate.name == "single"     # three steps cannot tell: fewer hosts
     assert keep([measured("p", 0.0500, 0.001, 0), measured("q", 0.0400, 0.001, 0)]).candidate.name == "q"
+
+
+def test_extra_rounds_measure_only_the_candidates_within_the_noise_until_one_is_left():
+    """A noisy plan on three hosts 20 ms ahead of one host (bench_e2e, B/vgg: 143 +- 18 ms against 163 +- 3):
+    six steps cannot tell them apart, one more round of those two can; a third candidate well behind is not
+    measured again."""
+    from tag.tune import TUNE_EXTRA_ROUNDS
+    cands = [Candidate("refine", None, 0.10, [PLAN], hosts=3), Candidate("single", None, 0.12, hosts=1),
+             Candidate("ps", None, 0.13, hosts=3)]
+    level = {"refine": (0.125, 0.161), "single": (0.160, 0.166), "ps": (0.30, 0.30)}
+    calls = []
+
+    def measure(c: Candidate, steps: int, warmup: int) -> list[float]:
+        calls.append(c.name)
+        lo, hi = level[c.name]
+        return [1.0] * warmup + [lo if i % 2 == 0 else hi for i in range(steps - warmup)]
+
+    result = tune(cands, measure, rounds=3, steps=2, warmup=1)
+    assert result.extra_rounds == 1 and calls[9:] == ["refine", "single"]
+    assert result.kept.candidate.name == "refine"       # a gain the extra steps confirm
+    assert [len(m.step_times) for m in result.measured] == [8, 8, 6]
+    assert tune_fields(result)["extra_rounds"] == 1 and "(+1 of those within the noise)" in format_tune(
+        tune_fields(result))[0]
+    # a tie that stays a tie: every extra round is run, and the candidate on the fewest hosts is kept
+    level["refine"] = (0.150, 0.170)
+    calls.clear()
+    result = tune(cands, measure, rounds=3, steps=2, warmup=1)
+    assert result.extra_rounds == TUNE_EXTRA_ROUNDS and result.kept.candidate.name == "single"
+    assert calls.count("ps") == 3 and calls.count("single") == 3 + TUNE_EXTRA_ROUNDS
+    assert tune(cands, measure, rounds=3, steps=2, warmup=1, extra_rounds=0).extra_rounds == 0
+
+
+def test_within_noise_narrows_as_the_steps_grow():
+    from tag.tune import within_noise
+    assert within_noise(0.110, 0.005, 0.100, 0.005)                       # 6 steps: the two MADs
+    assert within_noise(0.110, 0.005, 0.100, 0.005, steps=6, fastest_steps=6)
+    assert not within_noise(0.110, 0.005, 0.100, 0.005, steps=24, fastest_steps=24)   # half the band
+    assert within_noise(0.102, 0.0, 0.100, 0.0, steps=100, fastest_steps=100)         # TUNE_MIN_GAIN
 
 
 def test_candidates_know_how_many_hosts_they_use():
