@@ -3,7 +3,8 @@ without the measured tuning step, the held-out split, targets. Pure Python (nump
 
 A row is one case: ``{"config", "model", "strategy", "class", "heldout", "predicted_s", "measured_s"}`` and
 optionally ``"tuned_pick": True`` on the row of the strategy the tuning step kept and ``"confirm_s"`` (the
-row's program timed again side by side with its group's picks and best: ``rows_to_confirm``). Classes (``CLASSES``):
+row's program timed again side by side with its group's picks and best: ``rows_to_confirm``). Classes
+(``CLASSES``):
 ``uniform`` (the built-ins), ``searched`` (tag's plan), ``random`` (a random mixed strategy) and ``tuned``
 (the tuning step's pick when it was none of the group's other cases). Mixed = searched + random.
 

@@ -34,7 +34,8 @@ issue's targets hold. When a pick is not its group's best measured, the pick and
 by side, ``CONFIRM_FACTOR`` times longer (``confirm_picks``), and the regret is their ratio: the smallest of a
 group's noisy medians is biased low (``max_regret_raw`` and ``max_regret_tuned_raw`` keep the first
 measurement's). The issue's targets hold (``TARGETS``; the held-out figures must lie within 0.03 of the
-rest's). Needs root (namespaces, tc, cgroup v1 cpu). The machine may be shared: the load average is printed per group.
+rest's). Needs root (namespaces, tc, cgroup v1 cpu). The machine may be shared: the load average is printed
+per group.
 
 Usage::
 
@@ -46,8 +47,8 @@ Usage::
 
 JSON: the rest's figures (``cases``, ``mixed_cases``, ``median_abs_rel_error``, ``median_abs_rel_error_mixed``,
 ``max_abs_rel_error_mixed``, ``median_abs_rel_error_<class>`` / ``max_abs_rel_error_<class>`` per class,
-``mean_kendall_tau``, ``max_regret``, ``max_regret_tuned`` (and their ``_raw`` forms), ``tune_seconds``, ``spearman``,
-``top1_agreement``;
+``mean_kendall_tau``, ``max_regret``, ``max_regret_tuned`` (and their ``_raw`` forms), ``tune_seconds``,
+``spearman``, ``top1_agreement``;
 the worst of the runs), ``heldout`` (the same keys), ``rows`` (every case), ``groups`` and ``heldout_groups``
 (the last run), ``runs`` (each run's figures, rows and groups; ``heldout`` within), ``targets``,
 ``targets_checked``, ``targets_held``, ``commit``.

@@ -188,8 +188,9 @@ def format_tune(fields: Mapping[str, Any]) -> list[str]:
     verdict = "the plan" if kept == fields["plan"] else f"{kept}, overriding the simulator's {fields['plan']}"
     extra = fields.get("extra_rounds", 0)
     extra_text = f" (+{extra} of those within the noise)" if extra else ""
-    lines = [f"measured {len(fields['candidates'])} candidates in {fields['rounds']} interleaved rounds{extra_text} "
-             f"of {fields['warmup_per_round']}+{fields['steps_per_round']} steps ({fields['seconds']:.1f} s); "
+    lines = [f"measured {len(fields['candidates'])} candidates in {fields['rounds']} interleaved rounds"
+             f"{extra_text} of {fields['warmup_per_round']}+{fields['steps_per_round']} steps "
+             f"({fields['seconds']:.1f} s); "
              f"kept {verdict}"]
     width = max(len(r["name"]) for r in fields["candidates"])
     for r in fields["candidates"]:

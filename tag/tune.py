@@ -24,8 +24,8 @@ their own cluster.
   multi-host plans (bench_fidelity run 11: every searched plan on A and B predicted 16-43% too fast, the
   one-host steps within 9%). In bench_fidelity run 7 a plan on several hosts measured 40 ms in tuning
   against one host's 43 ms (MADs 2.8 and 2.2), both well ahead of the simulator's plan, and then ran 60 ms
-  against 49; in run 11 B/cnn's searched plan, kept as the plan within the noise of one host, then ran
-  141 ms against one host's 116.
+  against 49; in run 11 the earlier rule (the plan stays within the noise) kept B/cnn's searched plan, which
+  then ran 141 ms against one host's 116.
 - The default K (``default_k``): as many candidates, in the order above, as cost at most
   ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
   always measured), none predicted over ``TUNE_HOPELESS`` (3x) the fastest prediction.
@@ -71,9 +71,9 @@ TUNE_BUDGET_STEPS = 30   # the default K costs at most about this many steps of 
 #: 6 steps on the shared testbed moved 10-25% between two measurements of one program (B/cnn, one host:
 #: 107, 136 and 116 ms in three bench-style measurements a minute apart; MADs 2-14 ms)
 TUNE_EXTRA_ROUNDS = 3
-#: another candidate replaces the plan only when measured faster by more than this share of the plan's median
-#: and by more than the two medians' spread (MADs): on the shared testbed, six steps of one program differed by
-#: up to 15% between tuning and a later measurement, and overriding on smaller gaps deployed slower plans
+#: a candidate slower than the fastest by at most this share of its median (or the two medians' spread,
+#: ``within_noise``) is within the noise: on the shared testbed, six steps of one program differed by up to 15%
+#: between tuning and a later measurement, and choosing on smaller gaps deployed slower plans
 TUNE_MIN_GAIN = 0.03
 #: the default K leaves out candidates (other than those always measured) predicted over this many times the
 #: fastest prediction: the simulator's worst errors on the testbed (mixed plans 37% too fast, others 61% too
