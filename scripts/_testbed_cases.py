@@ -223,8 +223,8 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     a quarter of it (``runtime_levels_batch_fraction``). Each predicted step is split into the parts a family
     scale multiplies (``tag.cost.op_classes.FAMILIES``: convolutions, MatMuls, the rest; each part found by
     doubling that family's scale) and the launch overheads of its ``ops``. Per device type, the measured steps
-    are fitted as ``overheads + sum_f a_f * part_f + c * ops`` (``tag.cost.fitting.fit_levels``: least absolute
-    relative deviations over both batches of every model, non-negative, families tied where apart they are not sane):
+    are fitted as ``overheads + sum_f a_f * part_f + c * ops`` (``tag.cost.fitting.fit_levels``: a Huber loss
+    on the log-ratios over both batches of every model, non-negative, families tied where apart they are not sane):
     each family's scale in the entry is multiplied by its ``a_f`` and ``c`` is added to its launch overhead.
     The one-scale fit (every family tied) is printed beside it.
     Why per family: on the servers the same one-host steps ran 8-19% slower than in the profiling processes

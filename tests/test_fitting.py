@@ -81,9 +81,22 @@ def test_bad_shapes_raise():
 
 def test_one_step_the_model_cannot_explain_does_not_drag_the_rest():
     """bench_fidelity run 8's calibration: five steps at their prediction, one at 0.40 of it (below its own
-    launch overheads). The one scale stays at 1, where least squares had put it at 0.66."""
+    launch overheads). The one scale stays within 5% of 1, where least squares had put it at 0.66."""
     measured = _steps([1.0, 1.0, 1.0], 0.0)
     measured[-1] *= 0.40
     one = fit_levels(PARTS, FIXED, OPS, measured, FAMILIES, groupings=[(FAMILIES,)])
-    assert one.scales["conv"] == pytest.approx(1.0, rel=1e-6) and one.overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert one.scales["conv"] == pytest.approx(1.0, rel=0.05) and one.overhead_s < 1e-6
     assert one.max_error > 1.0          # the outlier is reported, not fitted
+    assert np.all(np.abs(one.ratio[:-1] - 1.0) < 0.05)
+
+
+def test_calibration_models_that_disagree_get_a_central_scale():
+    """bench_fidelity run 12.1, configuration A: the calibration MLP and transformer ran 0.96-1.24 of their
+    prediction and the CNN 0.72. Least absolute deviations fitted two points exactly and put the one scale at
+    the CNN's level (x0.71), and the benchmark models' one-host steps came out 17-23% too fast. The fit in log
+    space lands between the models: as many steps modelled too slow as too fast, by as much."""
+    measured = (FIXED + PARTS.sum(axis=1)) * np.array([1.10, 1.23, 0.72, 0.72, 0.96, 1.24])
+    one = fit_levels(PARTS, FIXED, OPS, measured, FAMILIES, groupings=[(FAMILIES,)])
+    assert np.exp(np.mean(np.log(one.ratio))) == pytest.approx(1.0, abs=0.03)
+    assert one.ratio.min() < 0.85 and one.ratio.max() > 1.15   # the disagreement is reported, not hidden
+    assert 0.8 < one.scales["conv"] < 1.0
