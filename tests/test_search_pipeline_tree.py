@@ -71,3 +71,24 @@ def test_evaluate_pipeline_caches_and_refuses_a_backward_cut():
     roots = PipelineRoots.over(env, [good])
     assert roots.allowed(0, 1)[0] == roots.options.index(good.stages[1].action())
     assert roots.build(0, (roots.options.index(good.stages[1].action()),)).stages[0].placement == (1,)
+
+
+def test_a_pipeline_in_name_only_competes_through_its_stages_actions_alone(monkeypatch):
+    """pipeline_dp's answer rewritten as one micro-batch with every stage on both hosts (B/cnn's kind in
+    bench_fidelity runs 13-14): the search never returns it, or any such pipeline, as a pipeline."""
+    import dataclasses
+    import tag.search.driver as driver
+    env = _env()
+    real = pipeline_dp(env)
+    both = tuple(g.index for g in env.topology.groups)
+    fake = Pipeline(tuple(PipelineStage(st.groups, both) for st in real.strategy.pipeline.stages), 1)
+    assert fake.in_name_only
+    strategy = env.pipeline_strategy(fake)
+    rigged = dataclasses.replace(real, strategy=strategy, outcome=env.evaluate_pipeline(fake),
+                                 result=env.simulator.evaluate(strategy, batch_size=env.batch_size))
+    monkeypatch.setattr(driver, "pipeline_dp", lambda *a, **k: rigged)
+    out = driver.search(env, playouts=30, seed=0)
+    assert "pipeline" not in out.baselines and "pipeline_stages" in out.baselines
+    for name in ("pipeline", "mcts_pipeline"):
+        assert name not in out.baselines or not out.candidates[name].pipeline.in_name_only
+    assert out.strategy.pipeline is None or not out.strategy.pipeline.in_name_only

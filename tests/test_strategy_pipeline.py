@@ -47,3 +47,11 @@ def test_bad_pipelines_are_rejected_with_the_stage_named():
     p = Pipeline((PipelineStage((0, 1, 2), (0,)), PipelineStage((3, 4), (1,))), 2)
     with pytest.raises(StrategyError, match="op group 3"):
         Strategy(_grouping(), [Action((0,))] * 5, pipeline=p)
+
+
+def test_one_micro_batch_on_the_same_devices_is_a_pipeline_in_name_only():
+    stages = (PipelineStage((0, 1), (0, 1, 2), "ps", ps_device=0), PipelineStage((2, 3), (0, 1, 2)))
+    assert Pipeline(stages, 1, "deferred_w").in_name_only
+    assert not Pipeline(stages, 2).in_name_only                       # micro-batches overlap
+    apart = (PipelineStage((0, 1), (0,)), PipelineStage((2, 3), (1, 2)))
+    assert not Pipeline(apart, 1).in_name_only                        # stages on other devices

@@ -9,7 +9,9 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
    op-group chain (``tag.search.pipeline_dp``); the best simulated pipeline competes with everything else
    (it wins only when predicted ``PIPELINE_MIN_GAIN``, 1%, faster than the best per-group answer).
    Its stages' placements as per-group actions (``pipeline_stages``: the same stages without micro-batches)
-   are also evaluated, so they seed the tree search and refinement when they are the best choice so far;
+   are also evaluated, so they seed the tree search and refinement when they are the best choice so far.
+   A pipeline in name only (one micro-batch, every stage on the same devices: ``Pipeline.in_name_only``)
+   competes through those per-group actions alone, here and in step 5;
 5. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
    the best pipelines of step 4 are root candidates of the tree beside the per-group ones, with one level
    per stage below them choosing the stage's action (``tag.search.pipeline_tree``), so per-group actions and
@@ -169,8 +171,9 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         piped = pipeline_dp(env, budget_s=None if left is None else left * PIPELINE_BUDGET_FRACTION)
         if piped.strategy is not None:
-            found["pipeline"] = (_PIPELINE, piped.outcome)
-            pipelines["pipeline"] = piped.strategy
+            if not piped.strategy.pipeline.in_name_only:     # else its stages' actions compete as a seed only
+                found["pipeline"] = (_PIPELINE, piped.outcome)
+                pipelines["pipeline"] = piped.strategy
             seed_choice = stage_choice(env, piped.strategy)
             if seed_choice is not None:
                 found["pipeline_stages"] = (seed_choice, env.evaluate(seed_choice))
@@ -191,8 +194,8 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
                 prior=prior, progress=report, start=best_so_far()[0],
                 pipelines=PipelineRoots.of(env, piped) if piped is not None else None)
     found["mcts"] = (tree.choice, tree.outcome)
-    if tree.pipeline is not None and tree.pipeline_outcome.feasible and (
-            piped is None or piped.outcome is None or tree.pipeline_outcome.rank > piped.outcome.rank):
+    if tree.pipeline is not None and tree.pipeline_outcome.feasible and not tree.pipeline.in_name_only and (
+            "pipeline" not in pipelines or tree.pipeline_outcome.rank > piped.outcome.rank):
         found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
         pipelines["mcts_pipeline"] = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
     if use_refine:
