@@ -151,8 +151,8 @@ class Pipeline:
         """One micro-batch through stages that all sit on the same devices: nothing overlaps that the same
         per-group actions without a pipeline would not overlap, and the search does not offer it as a
         pipeline (``tag.search.driver``). B/cnn in bench_fidelity runs 13-14: such a "pipeline" (two stages
-        on all three hosts, ``ps`` then ``allreduce``) was predicted 8% faster than the same actions without
-        it and measured 9% slower (160 against 146 ms side by side), and was the benchmark's max regret."""
+        on all three hosts) was the benchmark's max regret; ``scripts/bench_in_name_only.py`` measured one
+        predicted 13% faster than the same actions without it run 46% slower (192.5 against 132.1 ms)."""
         return self.micro_batches == 1 and len({st.placement for st in self.stages}) == 1
 
     def group_order(self) -> list[int]:
