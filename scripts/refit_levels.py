@@ -1,0 +1,149 @@
+"""Refit a saved bench_fidelity run's runtime levels with today's ``fit_levels`` and re-predict its cases.
+
+A change to how ``runtime_levels`` fits the testbed's levels can be checked on runs already measured, without
+the testbed. Per run and configuration of a saved ``bench_fidelity --json F`` run, every calibration step is
+rebuilt: its prediction and per-family split from the run's base profile and topology (``F.runN.profile.json``,
+``F.runN.testbed-C.pbtxt``, via ``one_host_split``), its measured time from the measured/predicted ratios the
+run's log printed (``F.log``, two decimals). Those points are fitted again, alone and under load, as
+``runtime_levels`` does; then the built-ins and random mixes of every group (the same seed, so the same
+strategies) are predicted again and compared with the run's measurements. The searched plans and the tuning
+step's picks are left out (the search may choose differently today). Prints and writes (``--json``) the error
+per row, new and as measured, and medians per class and part (the rest, the held-out part).
+
+Usage::
+
+    python scripts/refit_levels.py docs/measured/issue20-fidelity/bench_fidelity_shared_run12 --json F
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+
+from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
+from _testbed_cases import (_fit_levels_per_type, _no_faster, calibration_graph, heldout, load_recipe,  # noqa: E402
+                            one_host_split)
+from tag.api import prepare  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
+from tag.cost.model import Profile  # noqa: E402
+from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
+
+LEVELS_LINE = re.compile(r"\s+(\S+) \((alone|under load)\).*measured/predicted ([\d./]+);")
+
+
+def logged_ratios(log: str) -> list[list[dict]]:
+    """Per run, per configuration (in the order run), {(device type, 'alone' | 'under load'): measured /
+    predicted of each calibration step} as the log printed them."""
+    runs = []
+    for run_text in log.split("=== run ")[1:]:
+        configs = []
+        for block in run_text.split("runtime levels (batches")[1:]:
+            ratios = {}
+            for line in block.split("\n")[1:]:
+                m = LEVELS_LINE.match(line)
+                if not m:
+                    break
+                ratios[(m.group(1), m.group(2))] = [float(x) for x in m.group(3).split("/")]
+            configs.append(ratios)
+        runs.append(configs)
+    return runs
+
+
+def refitted_profile(recipe: dict, base: Profile, topology, ratios: dict) -> Profile:
+    """BASE with levels fitted again to the calibration steps rebuilt from TOPOLOGY and RATIOS."""
+    first = {}
+    for g in topology.groups:
+        first.setdefault(g.device_type, g)
+    batch = int(recipe["calibration"]["batch"])
+    small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+    points = {label: {t: [] for t in first} for label in ("alone", "under load")}
+    i = 0
+    for spec in recipe["calibration"]["models"]:
+        for b in (batch, small):
+            an = prepare(calibration_graph(spec, b), topology, batch_size=b, profile=base, name="calibration")
+            splits = one_host_split(an, base, b, [g.devices[0] for g in first.values()])
+            for t, (predicted, ops, parts) in zip(first, splits):
+                for label in points:
+                    if (t, label) in ratios:
+                        points[label][t].append((predicted, ops, parts, predicted * ratios[(t, label)][i]))
+            i += 1
+    per_family = bool(recipe["calibration"].get("levels_per_family", True))
+    devices, loaded = dict(base.devices), {}
+    _fit_levels_per_type(points["alone"], base.devices, devices, per_family, None, "alone")
+    under = {t: p for t, p in points["under load"].items() if p}
+    if under:
+        _fit_levels_per_type(under, base.devices, loaded, per_family, None, "under load")
+        loaded = {t: _no_faster(e, devices[t]) for t, e in loaded.items()}
+    return Profile(devices, source=base.source + "; levels refitted", network=base.network,
+                   devices_under_load=loaded)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("saved", help="a bench_fidelity --json F path without .json (its log, profiles, topologies)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    recipe = load_recipe()
+    held_configs, held_models = heldout(recipe)
+    with open(f"{args.saved}.json") as f:
+        saved = json.load(f)
+    with open(f"{args.saved}.log") as f:
+        ratios = logged_ratios(f.read())
+    runs = saved.get("runs") or [saved]
+    rows = []
+    for r, run in enumerate(runs):
+        configs = list(dict.fromkeys(row["config"] for row in run["rows"]))
+        base = Profile.load(f"{args.saved}.run{r + 1}.profile.json")
+        for c, config in enumerate(configs):
+            with open(f"{args.saved}.run{r + 1}.testbed-{config}.pbtxt") as f:
+                topology = parse_topology(f.read())
+            profile = refitted_profile(recipe, base, topology, ratios[r][c])
+            for label, spec, batch in MODELS:
+                measured = {x["strategy"]: x for x in run["rows"] if x["config"] == config and x["model"] == label}
+                if not measured:
+                    continue
+                an = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
+                sim = an.simulator()
+                predicted = {n: sim.evaluate(an.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
+                predicted.update((n, p) for n, _, p in random_mixes(an, saved.get("randoms", 3), 0))
+                for name, p in predicted.items():
+                    if name in measured:
+                        x = measured[name]
+                        rows.append({"run": r + 1, "config": config, "model": label, "strategy": name,
+                                     "class": x["class"], "heldout": config in held_configs or spec in held_models,
+                                     "predicted_s": p, "measured_s": x["measured_s"],
+                                     "rel_error": p / x["measured_s"] - 1, "rel_error_as_run": x["rel_error"]})
+    summary = {}
+    for part, held in (("rest", False), ("heldout", True)):
+        for what, keep in (("one_host", lambda x: x["strategy"] == "single"),
+                           ("builtin", lambda x: x["class"] == "uniform"),
+                           ("random", lambda x: x["class"] == "random")):
+            for r in [None] + list(range(1, len(runs) + 1)):
+                sel = [x for x in rows if x["heldout"] == held and keep(x) and (r is None or x["run"] == r)]
+                if not sel:
+                    continue
+                key = f"{part}.{what}" + ("" if r is None else f".run{r}")
+                summary[key] = {k: float(np.median([abs(x[f]) for x in sel]))
+                                for k, f in (("median_now", "rel_error"), ("median_as_run", "rel_error_as_run"))}
+                summary[key]["max_now"] = float(max(abs(x["rel_error"]) for x in sel))
+                summary[key]["max_as_run"] = float(max(abs(x["rel_error_as_run"]) for x in sel))
+                print(f"{key:28s} median |error| {summary[key]['median_as_run']:6.1%} as run -> "
+                      f"{summary[key]['median_now']:6.1%} refitted (max {summary[key]['max_as_run']:.1%} -> "
+                      f"{summary[key]['max_now']:.1%}; {len(sel)} rows)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": git_commit(), "saved": os.path.relpath(args.saved, REPO), "summary": summary,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
