@@ -35,11 +35,12 @@ from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
 
 
 def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str, seed: int,
-                    randoms: int) -> dict[str, float]:
+                    randoms: int, run: int = 1, profile: Profile | None = None) -> dict[str, float]:
     """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
-    profile and topology the run saved under PREFIX."""
-    profile = Profile.load(f"{prefix}.run1.testbed-{config}.profile.json")
-    with open(f"{prefix}.run1.testbed-{config}.pbtxt") as f:
+    topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it)."""
+    if profile is None:
+        profile = Profile.load(f"{prefix}.run{run}.testbed-{config}.profile.json")
+    with open(f"{prefix}.run{run}.testbed-{config}.pbtxt") as f:
         topology = parse_topology(f.read())
     analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
     sim = analysis.simulator()

@@ -28,13 +28,13 @@ sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
-from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
+from bench_fidelity import MODELS, git_commit  # noqa: E402
+from fidelity_repredict import repredict_group  # noqa: E402
 from _testbed_cases import (_fit_levels_per_type, _no_faster, calibration_graph, heldout, load_recipe,  # noqa: E402
                             one_host_split)
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
 
 LEVELS_LINE = re.compile(r"\s+(\S+) \((alone|under load)\).*measured/predicted ([\d./]+);")
 
@@ -110,10 +110,8 @@ def main(argv=None) -> int:
                 measured = {x["strategy"]: x for x in run["rows"] if x["config"] == config and x["model"] == label}
                 if not measured:
                     continue
-                an = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
-                sim = an.simulator()
-                predicted = {n: sim.evaluate(an.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
-                predicted.update((n, p) for n, _, p in random_mixes(an, saved.get("randoms", 3), 0))
+                predicted = repredict_group(args.saved, config, spec, batch, label, saved.get("seed", 0),
+                                            saved.get("randoms", 3), run=r + 1, profile=profile)
                 for name, p in predicted.items():
                     if name in measured:
                         x = measured[name]
