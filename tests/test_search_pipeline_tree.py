@@ -1,7 +1,9 @@
 """Pipelines as root candidates of the tree search (tag/search/pipeline_tree.py, tag/search/mcts.py): a
 pipeline is chosen when it is the fastest, its stages' actions are searched below it, and it is passed over
 when per-group actions are faster. Tiny hand-made graphs and topologies; no TensorFlow."""
-from tag.search.driver import best_uniform
+import pytest
+
+from tag.search.driver import best_uniform, pipeline_admitted
 from tag.search.mcts import mcts
 from tag.search.pipeline_dp import pipeline_dp
 from tag.search.pipeline_tree import PipelineRoots
@@ -73,16 +75,18 @@ def test_evaluate_pipeline_caches_and_refuses_a_backward_cut():
     assert roots.build(0, (roots.options.index(good.stages[1].action()),)).stages[0].placement == (1,)
 
 
-def test_a_pipeline_in_name_only_competes_through_its_stages_actions_alone(monkeypatch):
-    """pipeline_dp's answer rewritten as one micro-batch with every stage on both hosts (B/cnn's kind in
-    bench_fidelity runs 13-14): the search never returns it, or any such pipeline, as a pipeline."""
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_a_pipeline_on_one_placement_competes_through_its_stages_actions_alone(monkeypatch, micro_batches):
+    """pipeline_dp's answer rewritten with every stage on both hosts (B/cnn's kind in bench_fidelity runs
+    13-14 with one micro-batch; bench_e2e G's transformer with four): the same actions fit in memory, so the
+    search never returns it, or any pipeline on one placement, as a pipeline."""
     import dataclasses
     import tag.search.driver as driver
     env = _env()
     real = pipeline_dp(env)
     both = tuple(g.index for g in env.topology.groups)
-    fake = Pipeline(tuple(PipelineStage(st.groups, both) for st in real.strategy.pipeline.stages), 1)
-    assert fake.in_name_only
+    fake = Pipeline(tuple(PipelineStage(st.groups, both) for st in real.strategy.pipeline.stages), micro_batches)
+    assert fake.on_one_placement and fake.in_name_only == (micro_batches == 1)
     strategy = env.pipeline_strategy(fake)
     rigged = dataclasses.replace(real, strategy=strategy, outcome=env.evaluate_pipeline(fake),
                                  result=env.simulator.evaluate(strategy, batch_size=env.batch_size))
@@ -90,5 +94,39 @@ def test_a_pipeline_in_name_only_competes_through_its_stages_actions_alone(monke
     out = driver.search(env, playouts=30, seed=0)
     assert "pipeline" not in out.baselines and "pipeline_stages" in out.baselines
     for name in ("pipeline", "mcts_pipeline"):
-        assert name not in out.baselines or not out.candidates[name].pipeline.in_name_only
-    assert out.strategy.pipeline is None or not out.strategy.pipeline.in_name_only
+        assert name not in out.baselines or not out.candidates[name].pipeline.on_one_placement
+    assert out.strategy.pipeline is None or not out.strategy.pipeline.on_one_placement
+
+
+def test_a_pipeline_on_one_placement_is_admitted_only_when_its_actions_do_not_fit_without_it():
+    """Eight micro-batches through stages that all sit on the fast host: a pipeline answer only where the
+    same actions without micro-batches run out of memory (the activations of the whole batch at once)."""
+    from test_search_pipeline import PROFILE
+    from tag.cost.model import CostModel
+    from tag.search import SearchEnv
+    from tag.strategy.types import Strategy
+    from tiny import DeviceSpec, make_topology
+
+    env = _env()
+    fast = int(env.speeds.argmax())
+    stages = tuple(PipelineStage(st.groups, (fast,)) for st in pipeline_dp(env).strategy.pipeline.stages)
+
+    def on_fast(env):
+        piped = env.pipeline_strategy(Pipeline(stages, 8, "1f1b"))
+        return piped, Strategy(piped.grouping, list(piped.actions))
+
+    piped, plain = on_fast(env)
+    assert piped.pipeline.on_one_placement and not piped.pipeline.in_name_only
+    assert not pipeline_admitted(env, piped)                       # the same actions fit: no pipeline
+    peak_piped = env.simulator.evaluate(piped, batch_size=env.batch_size).peak_memory[fast]
+    peak_plain = env.simulator.evaluate(plain, batch_size=env.batch_size).peak_memory[fast]
+    assert peak_piped < peak_plain
+    memory = int((peak_piped + peak_plain) / 2)
+    topo = make_topology([("fast", [("FAST", 1)]), ("slow", [("SLOW", 1)])], inter_latency=5e-5,
+                         specs={"FAST": DeviceSpec(peak_flops=3e12, memory_bytes=memory),
+                                "SLOW": DeviceSpec(peak_flops=1e12)})
+    tight = SearchEnv(env.graph, topo, env.grouping, cost_model=CostModel(env.graph, topo, PROFILE))
+    piped, plain = on_fast(tight)
+    assert not tight.simulator.evaluate(plain, batch_size=tight.batch_size).feasible
+    assert tight.simulator.evaluate(piped, batch_size=tight.batch_size).feasible
+    assert pipeline_admitted(tight, piped)                         # micro-batches are what makes it fit

@@ -55,3 +55,9 @@ def test_one_micro_batch_on_the_same_devices_is_a_pipeline_in_name_only():
     assert not Pipeline(stages, 2).in_name_only                       # micro-batches overlap
     apart = (PipelineStage((0, 1), (0,)), PipelineStage((2, 3), (1, 2)))
     assert not Pipeline(apart, 1).in_name_only                        # stages on other devices
+
+
+def test_stages_on_the_same_devices_are_on_one_placement_whatever_the_micro_batches():
+    same = (PipelineStage((0, 1), (0, 1), "ps", ps_device=0), PipelineStage((2, 3), (0, 1)))
+    assert Pipeline(same, 1).on_one_placement and Pipeline(same, 4, "1f1b").on_one_placement
+    assert not Pipeline((PipelineStage((0, 1), (0, 1)), PipelineStage((2, 3), (0,))), 4).on_one_placement

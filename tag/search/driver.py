@@ -10,8 +10,8 @@ Steps, all scored by the same simulator through one ``SearchEnv``:
    (it wins only when predicted ``PIPELINE_MIN_GAIN``, 1%, faster than the best per-group answer).
    Its stages' placements as per-group actions (``pipeline_stages``: the same stages without micro-batches)
    are also evaluated, so they seed the tree search and refinement when they are the best choice so far.
-   A pipeline in name only (one micro-batch, every stage on the same devices: ``Pipeline.in_name_only``)
-   competes through those per-group actions alone, here and in step 5;
+   A pipeline whose stages all sit on the same devices competes through those per-group actions alone, here
+   and in step 5, unless they do not fit in memory and it has several micro-batches (``pipeline_admitted``);
 5. ``mcts``: the tree search (``tag.search.mcts``) in the chosen decision order, seeded with the best so far;
    the best pipelines of step 4 are root candidates of the tree beside the per-group ones, with one level
    per stage below them choosing the stage's action (``tag.search.pipeline_tree``), so per-group actions and
@@ -123,6 +123,22 @@ def stage_choice(env: SearchEnv, strategy: Strategy) -> Choice | None:
     return tuple(choice)
 
 
+def pipeline_admitted(env: SearchEnv, strategy: Strategy) -> bool:
+    """Whether the search may answer with the pipelined STRATEGY. A pipeline whose stages all sit on the same
+    devices (``Pipeline.on_one_placement``) only buys memory: it is admitted only when the same per-group
+    actions without micro-batches do not fit, and never with one micro-batch (``Pipeline.in_name_only``).
+    Measured: bench_e2e's G run (5cf7ed8) offered such a pipeline (two stages on h0, M=4) to its tuning step,
+    which kept it; it then ran 405 ms against one device's 351 ms in the same run (the transformer at batch
+    192). ``Pipeline.in_name_only`` has the measured case for one micro-batch."""
+    p = strategy.pipeline
+    if p is None or not p.on_one_placement:
+        return True
+    if p.in_name_only:
+        return False
+    plain = Strategy(strategy.grouping, list(strategy.actions), name="same_actions")
+    return not env.simulator.evaluate(plain, batch_size=env.batch_size).feasible
+
+
 def devices_used(strategy: Strategy, topology) -> int:
     """How many devices STRATEGY runs any op group on."""
     return len({d for g in range(len(strategy.actions)) for d in strategy.devices_of(g, topology)})
@@ -171,7 +187,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         piped = pipeline_dp(env, budget_s=None if left is None else left * PIPELINE_BUDGET_FRACTION)
         if piped.strategy is not None:
-            if not piped.strategy.pipeline.in_name_only:     # else its stages' actions compete as a seed only
+            if pipeline_admitted(env, piped.strategy):      # else its stages' actions compete as a seed only
                 found["pipeline"] = (_PIPELINE, piped.outcome)
                 pipelines["pipeline"] = piped.strategy
             seed_choice = stage_choice(env, piped.strategy)
@@ -194,10 +210,12 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
                 prior=prior, progress=report, start=best_so_far()[0],
                 pipelines=PipelineRoots.of(env, piped) if piped is not None else None)
     found["mcts"] = (tree.choice, tree.outcome)
-    if tree.pipeline is not None and tree.pipeline_outcome.feasible and not tree.pipeline.in_name_only and (
+    if tree.pipeline is not None and tree.pipeline_outcome.feasible and (
             "pipeline" not in pipelines or tree.pipeline_outcome.rank > piped.outcome.rank):
-        found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
-        pipelines["mcts_pipeline"] = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
+        tree_pipeline = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
+        if pipeline_admitted(env, tree_pipeline):
+            found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
+            pipelines["mcts_pipeline"] = tree_pipeline
     if use_refine:
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         cap = None if playouts is None else max(MIN_REFINE_EVALUATIONS, REFINE_EVALUATIONS_PER_PLAYOUT * playouts)

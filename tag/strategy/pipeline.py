@@ -147,13 +147,21 @@ class Pipeline:
         return len(self.stages)
 
     @property
+    def on_one_placement(self) -> bool:
+        """Every stage on the same devices: the micro-batches take turns on them (gradient accumulation), and
+        nothing overlaps across devices that the same per-group actions without a pipeline would not overlap.
+        What it can buy is memory (one micro-batch's activations at a time), not speed, so the search offers it
+        as a pipeline only when those actions do not fit (``tag.search.driver.pipeline_admitted``)."""
+        return len({st.placement for st in self.stages}) == 1
+
+    @property
     def in_name_only(self) -> bool:
-        """One micro-batch through stages that all sit on the same devices: nothing overlaps that the same
-        per-group actions without a pipeline would not overlap, and the search does not offer it as a
-        pipeline (``tag.search.driver``). B/cnn in bench_fidelity runs 13-14: such a "pipeline" (two stages
-        on all three hosts) was the benchmark's max regret; ``scripts/bench_in_name_only.py`` measured one
-        predicted 13% faster than the same actions without it run 46% slower (192.5 against 132.1 ms)."""
-        return self.micro_batches == 1 and len({st.placement for st in self.stages}) == 1
+        """One micro-batch through stages that all sit on the same devices: the same per-group actions under
+        another name, never offered as a pipeline (``tag.search.driver``). B/cnn in bench_fidelity runs 13-14:
+        such a "pipeline" (two stages on all three hosts) was the benchmark's max regret;
+        ``scripts/bench_in_name_only.py`` measured one predicted 13% faster than the same actions without it
+        run 46% slower (192.5 against 132.1 ms)."""
+        return self.micro_batches == 1 and self.on_one_placement
 
     def group_order(self) -> list[int]:
         """Every op group in pipeline order (stage 0's groups first)."""
