@@ -130,3 +130,20 @@ def test_a_pipeline_on_one_placement_is_admitted_only_when_its_actions_do_not_fi
     assert not tight.simulator.evaluate(plain, batch_size=tight.batch_size).feasible
     assert tight.simulator.evaluate(piped, batch_size=tight.batch_size).feasible
     assert pipeline_admitted(tight, piped)                         # micro-batches are what makes it fit
+
+
+def test_the_tree_reports_only_the_pipelines_it_may_answer_with():
+    """Behind a 1 MB/s link, of two root pipelines with the same cuts the one with both stages on the fast
+    host is the faster (no activation crosses the link); with ``admit_pipeline`` refusing pipelines on one
+    placement, the tree reports the other instead, though it still searched both."""
+    env = _env(bandwidth=1e6)
+    order = list(range(env.num_groups))
+    half = env.num_groups // 2
+    apart = Pipeline((PipelineStage(tuple(order[:half]), (0,)), PipelineStage(tuple(order[half:]), (1,))), 4)
+    together = Pipeline(tuple(PipelineStage(st.groups, (0,)) for st in apart.stages), 4)
+    roots = PipelineRoots.over(env, [apart, together])
+    free = mcts(env, playouts=60, seed=0, pipelines=roots)
+    assert free.pipeline.on_one_placement
+    held = mcts(env, playouts=60, seed=0, pipelines=roots, admit_pipeline=lambda p: not p.on_one_placement)
+    assert held.pipeline is not None and not held.pipeline.on_one_placement
+    assert held.pipeline_outcome.rank < free.pipeline_outcome.rank

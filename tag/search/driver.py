@@ -208,7 +208,8 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
             progress(SearchProgress(done, total, time.perf_counter() - t0, best.value if best.feasible else 0.0))
     tree = mcts(env, order=order, playouts=playouts, budget_s=None if left is None else left / 2, seed=seed,
                 prior=prior, progress=report, start=best_so_far()[0],
-                pipelines=PipelineRoots.of(env, piped) if piped is not None else None)
+                pipelines=PipelineRoots.of(env, piped) if piped is not None else None,
+                admit_pipeline=lambda p: pipeline_admitted(env, env.pipeline_strategy(p)))
     found["mcts"] = (tree.choice, tree.outcome)
     if tree.pipeline is not None and tree.pipeline_outcome.feasible and (
             "pipeline" not in pipelines or tree.pipeline_outcome.rank > piped.outcome.rank):

@@ -124,7 +124,8 @@ def complete(env: SearchEnv, order: Sequence[int], prefix: Sequence[int]) -> Cho
 def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int | None = None,
          budget_s: float | None = None, seed: int = 0, prior: PriorFn | None = None,
          progress: Callable | None = None, start: Choice | None = None,
-         c_puct: float = C_PUCT, keep_visits: bool = False, pipelines: PipelineRoots | None = None) -> TreeResult:
+         c_puct: float = C_PUCT, keep_visits: bool = False, pipelines: PipelineRoots | None = None,
+         admit_pipeline: Callable[[Pipeline], bool] | None = None) -> TreeResult:
     """Run the tree search on ENV (module docstring); stops after PLAYOUTS or BUDGET_S, whichever first.
 
     ``order``: a decision-order name (``tag.search.orders``) or an explicit list of group indices.
@@ -133,6 +134,8 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     ``keep_visits``: return every expanded node's visit counts in ``TreeResult.visits`` (self-play
     training targets for the GNN policy of ``tag.gnn``).
     ``pipelines``: pipelines as root candidates with per-stage actions below them (module docstring).
+    ``admit_pipeline``: which pipelines may be ``TreeResult.pipeline`` (the others are still searched below;
+    ``tag.search.driver.pipeline_admitted``); None admits every one.
     """
     from tag.search.orders import decision_order
     if isinstance(order, str):
@@ -167,7 +170,8 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     def consider_pipeline(pipeline: Pipeline) -> Outcome:
         nonlocal best_pipeline, best_pipeline_outcome
         out = env.evaluate_pipeline(pipeline) or failed
-        if best_pipeline_outcome is None or out.rank > best_pipeline_outcome.rank:
+        if (best_pipeline_outcome is None or out.rank > best_pipeline_outcome.rank) and (
+                out is failed or admit_pipeline is None or admit_pipeline(pipeline)):
             best_pipeline, best_pipeline_outcome = pipeline, out
         return out
 
