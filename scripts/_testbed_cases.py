@@ -214,6 +214,20 @@ def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, 
     return out
 
 
+UNDER_LOAD_ROUNDS = 2      # runtime_levels(under_load=True): alone / loaded pairs per calibration step
+
+
+def paired_load_ratio(alone: list[float], loaded: list[float]) -> float:
+    """How much slower a step ran with the other hosts busy: the median of LOADED[i] / ALONE[i], each pair timed
+    one right after the other (``runtime_levels``). Why paired: timed once each, alone first, the
+    calibration CNN's steps came out 0.85x alone's under load in bench_fidelity run 14's calibration (and
+    0.81-0.91 against 0.81-0.84 of their prediction in runs 13-14), where alternating three pairs on A's
+    full-core host (ad hoc, after run 15) measured it 1.05-1.07x slower, the benchmark CNN 1.10-1.16x, the
+    calibration MLP 1.13-1.32x and the transformer 1.01-1.31x."""
+    import numpy as np
+    return float(np.median(np.asarray(loaded, dtype=float) / np.asarray(alone, dtype=float)))
+
+
 def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True,
                    record: dict | None = None, per_family: bool | None = None, under_load: bool | None = None):
     """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
@@ -241,14 +255,17 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     recipe sets it False for now: on the benchmark models' one-host steps, out of sample, the per-family fit
     cut the largest error in three of four runs and the median in two, and raised both in the quiet run
     (``scripts/bench_levels.py``; README). UNDER_LOAD: also time each step while every other group of the
-    testbed runs its own copy of the same model without pause (``BackgroundSteps``), fit those points the same
-    way, and return them as the profile's ``devices_under_load`` (each scale and overhead at least the alone
+    testbed runs its own copy of the same model without pause (``BackgroundSteps``): ``UNDER_LOAD_ROUNDS``
+    pairs, alone then loaded, each timed for BUDGET_S / rounds; the alone point is their alone steps' median,
+    the loaded point that times ``paired_load_ratio``. Fit those points the same way, and return them as the profile's ``devices_under_load`` (each scale and overhead at least the alone
     fit's), which the simulator applies to steps that keep other hosts busy (``tag.sim.simulator``, "Hosts
     that share one machine"); RECORD's key ``under_load`` holds their points and fits. None: the recipe's
     ``calibration.levels_under_load`` (default False; the shipped recipe sets it True). Why: the testbed's
     hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
     (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
     from contextlib import ExitStack
+
+    import numpy as np
 
     from tag.api import prepare
     from tag.cost.model import Profile
@@ -265,6 +282,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     # device type -> (predicted, ops, per-family parts, measured) per calibration step; alone and under load
     points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
     loaded_points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
+    load_ratios: dict[str, list[float]] = {t: [] for t in first_group}     # loaded / alone per step, paired
     for spec in recipe["calibration"]["models"]:
         for b in (batch, small):
             analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
@@ -274,17 +292,25 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
                                                             len(analysis.graph.ops), g.devices[0]))
                      for g in (tb.topology.groups if under_load else first_group.values())}
             for (dtype, group), (predicted, ops, parts) in zip(first_group.items(), splits):
-                measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
-                points[dtype].append((predicted, ops, parts, measured))
                 if not under_load:
-                    continue
-                with ExitStack() as busy:
-                    for name, other in whole.items():
-                        if name != group.name:
-                            busy.enter_context(BackgroundSteps(other.graph_def, tb.target, train_op=other.train_op,
-                                                               loss=other.loss, init=other.init))
                     measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
-                loaded_points[dtype].append((predicted, ops, parts, measured))
+                    points[dtype].append((predicted, ops, parts, measured))
+                    continue
+                alone, loaded = [], []
+                for _ in range(UNDER_LOAD_ROUNDS):      # alone and loaded in turn: the drift falls on both
+                    alone.append(measure_on_testbed(tb, whole[group.name], predicted, budget_s / UNDER_LOAD_ROUNDS))
+                    with ExitStack() as busy:
+                        for name, other in whole.items():
+                            if name != group.name:
+                                busy.enter_context(BackgroundSteps(other.graph_def, tb.target,
+                                                                   train_op=other.train_op, loss=other.loss,
+                                                                   init=other.init))
+                        loaded.append(measure_on_testbed(tb, whole[group.name], predicted,
+                                                         budget_s / UNDER_LOAD_ROUNDS))
+                measured = float(np.median(alone))
+                points[dtype].append((predicted, ops, parts, measured))
+                loaded_points[dtype].append((predicted, ops, parts, measured * paired_load_ratio(alone, loaded)))
+                load_ratios[dtype].append(paired_load_ratio(alone, loaded))
     devices = dict(profile.devices)
     notes = _fit_levels_per_type(points, profile.devices, devices, per_family, record, "alone")
     loaded_devices = {}
@@ -294,6 +320,9 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
         # never faster than alone: another host's work can only take this one's cores, caches and bandwidth
         loaded_devices = {t: _no_faster(e, devices[t]) for t, e in loaded_devices.items()}
     text = ", ".join(notes)
+    if under_load:
+        notes += [f"{t} loaded / alone per step (paired, {UNDER_LOAD_ROUNDS} rounds): "
+                  + "/".join(f"{x:.2f}" for x in r) for t, r in load_ratios.items()]
     if verbose:
         print(f"runtime levels (batches {batch} and {small}; applied: {'per family' if per_family else 'one scale'}):"
               f"\n  " + "\n  ".join(notes), flush=True)

@@ -186,3 +186,11 @@ def test_levels_under_load_are_fitted_per_type_and_never_faster_than_alone():
     floored = _no_faster(out["CPU"], alone)
     assert floored.family_scale == pytest.approx({"conv": 2.0, "matmul": 1.5, "other": 1.5}, rel=0.02)
     assert floored.launch_overhead_s == 4e-5
+
+
+def test_the_load_ratio_is_the_median_of_each_pair_s_loaded_over_alone():
+    """Each loaded step is divided by the alone step timed just before it; one disturbed pair does not move
+    the median."""
+    from _testbed_cases import paired_load_ratio
+    assert paired_load_ratio([0.100, 0.150, 0.120], [0.110, 0.165, 0.500]) == pytest.approx(1.10)
+    assert paired_load_ratio([0.2, 0.1], [0.1, 0.2]) == pytest.approx(1.25)      # the median of 0.5 and 2.0
