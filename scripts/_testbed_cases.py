@@ -257,9 +257,10 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     (``scripts/bench_levels.py``; README). UNDER_LOAD: also time each step while every other group of the
     testbed runs its own copy of the same model without pause (``BackgroundSteps``): ``UNDER_LOAD_ROUNDS``
     pairs, alone then loaded, each timed for BUDGET_S / rounds; the alone point is their alone steps' median,
-    the loaded point that times ``paired_load_ratio``. Fit those points the same way, and return them as the profile's ``devices_under_load`` (each scale and overhead at least the alone
-    fit's), which the simulator applies to steps that keep other hosts busy (``tag.sim.simulator``, "Hosts
-    that share one machine"); RECORD's key ``under_load`` holds their points and fits. None: the recipe's
+    the loaded point that times ``paired_load_ratio``. Fit those points the same way, and return them as the
+    profile's ``devices_under_load`` (each scale and overhead at least the alone fit's), which the simulator
+    applies to steps that keep other hosts busy (``tag.sim.simulator``, "Hosts that share one machine");
+    RECORD's key ``under_load`` holds their points and fits. None: the recipe's
     ``calibration.levels_under_load`` (default False; the shipped recipe sets it True). Why: the testbed's
     hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
     (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
@@ -307,10 +308,10 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
                                                                    init=other.init))
                         loaded.append(measure_on_testbed(tb, whole[group.name], predicted,
                                                          budget_s / UNDER_LOAD_ROUNDS))
-                measured = float(np.median(alone))
+                measured, ratio = float(np.median(alone)), paired_load_ratio(alone, loaded)
                 points[dtype].append((predicted, ops, parts, measured))
-                loaded_points[dtype].append((predicted, ops, parts, measured * paired_load_ratio(alone, loaded)))
-                load_ratios[dtype].append(paired_load_ratio(alone, loaded))
+                loaded_points[dtype].append((predicted, ops, parts, measured * ratio))
+                load_ratios[dtype].append(ratio)
     devices = dict(profile.devices)
     notes = _fit_levels_per_type(points, profile.devices, devices, per_family, record, "alone")
     loaded_devices = {}
