@@ -271,15 +271,12 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     from tag.api import prepare
     from tag.cost.model import Profile
     from tag.strategy.baselines import on_one_device
-    batch = int(recipe["calibration"]["batch"])
-    small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+    batch, small = levels_batches(recipe)
     if per_family is None:
         per_family = bool(recipe["calibration"].get("levels_per_family", True))
     if under_load is None:
         under_load = bool(recipe["calibration"].get("levels_under_load", False))
-    first_group = {}                                    # device type -> its first group (one host each here)
-    for group in tb.topology.groups:
-        first_group.setdefault(group.device_type, group)
+    first_group = first_group_per_type(tb.topology)
     # device type -> (predicted, ops, per-family parts, measured) per calibration step; alone and under load
     points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
     loaded_points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
@@ -312,14 +309,7 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
                 points[dtype].append((predicted, ops, parts, measured))
                 loaded_points[dtype].append((predicted, ops, parts, measured * ratio))
                 load_ratios[dtype].append(ratio)
-    devices = dict(profile.devices)
-    notes = _fit_levels_per_type(points, profile.devices, devices, per_family, record, "alone")
-    loaded_devices = {}
-    if under_load:
-        notes += _fit_levels_per_type(loaded_points, profile.devices, loaded_devices, per_family,
-                                      None if record is None else record.setdefault("under_load", {}), "under load")
-        # never faster than alone: another host's work can only take this one's cores, caches and bandwidth
-        loaded_devices = {t: _no_faster(e, devices[t]) for t, e in loaded_devices.items()}
+    devices, loaded_devices, notes = fit_alone_and_loaded(points, loaded_points, profile.devices, per_family, record)
     text = ", ".join(notes)
     if under_load:
         notes += [f"{t} loaded / alone per step (paired, {UNDER_LOAD_ROUNDS} rounds): "
@@ -330,6 +320,36 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     return Profile(devices, source=f"{profile.source}; runtime levels on the testbed "
                                    f"({'per family' if per_family else 'one scale'} applied): {text}",
                    network=profile.network, devices_under_load=loaded_devices)
+
+
+def levels_batches(recipe: dict) -> tuple[int, int]:
+    """The two batches ``runtime_levels`` times each calibration model at: the recipe's calibration batch and
+    ``runtime_levels_batch_fraction`` (default a quarter) of it."""
+    batch = int(recipe["calibration"]["batch"])
+    return batch, max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+
+
+def first_group_per_type(topology) -> dict:
+    """{device type: its first device group} of TOPOLOGY (one host per type on the testbed)."""
+    first = {}
+    for group in topology.groups:
+        first.setdefault(group.device_type, group)
+    return first
+
+
+def fit_alone_and_loaded(points: dict, loaded_points: dict, base: dict, per_family: bool,
+                         record: dict | None = None) -> tuple[dict, dict, list[str]]:
+    """(devices, devices under load, printed notes): BASE's entries levelled by the alone POINTS, and by
+    LOADED_POINTS where a type has any (``runtime_levels``), each loaded scale and overhead raised to at least
+    the alone fit's: another host's work can only take this one's cores, caches and bandwidth."""
+    devices, loaded = dict(base), {}
+    notes = _fit_levels_per_type(points, base, devices, per_family, record, "alone")
+    under = {t: p for t, p in loaded_points.items() if p}
+    if under:
+        notes += _fit_levels_per_type(under, base, loaded, per_family,
+                                      None if record is None else record.setdefault("under_load", {}), "under load")
+        loaded = {t: _no_faster(e, devices[t]) for t, e in loaded.items()}
+    return devices, loaded, notes
 
 
 def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, record: dict | None,

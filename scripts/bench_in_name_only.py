@@ -60,8 +60,7 @@ def main(argv=None) -> int:
         plan = search_plan(an, budget_s=10.0, seed=0)
         cases = {"in_name_only": piped, "same_actions": Strategy(an.grouping, list(piped.actions), name="same_actions"),
                  f"plan:{plan.method}": plan.strategy, **{n: an.builtin(n) for n in BUILTIN_STRATEGIES}}
-        sim = an.simulator()
-        predicted = {k: sim.evaluate(s, batch_size=batch).step_time for k, s in cases.items()}
+        predicted = {k: env.simulator.evaluate(s, batch_size=batch).step_time for k, s in cases.items()}
         tb.start_workers(threads_per_worker=1)
         try:
             measured = measure_interleaved(tb, {k: (an.rewrite(s), predicted[k]) for k, s in cases.items()},

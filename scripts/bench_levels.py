@@ -31,8 +31,8 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 from bench_fidelity import git_commit  # noqa: E402
-from _testbed_cases import (calibrate_testbed, calibration_graph, load_recipe, measure_on_testbed,  # noqa: E402
-                            levelled, one_host_split, runtime_levels, testbed_topology)
+from _testbed_cases import (calibrate_testbed, calibration_graph, first_group_per_type, load_recipe,  # noqa: E402
+                            measure_on_testbed, levelled, one_host_split, runtime_levels, testbed_topology)
 from tag.api import prepare  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.fitting import LEVEL_GROUPINGS, fit_levels  # noqa: E402
@@ -58,9 +58,7 @@ def check(tb, profiles: dict, budget_s: float) -> list[dict]:
     """One-host steps of CHECK_MODELS on the first host of each device type: measured, predicted by each of
     PROFILES (name -> Profile; "unlevelled" first), and the unlevelled prediction split per family
     (``one_host_split``), so that any fit of the levels can be evaluated on them afterwards."""
-    first = {}
-    for g in tb.topology.groups:
-        first.setdefault(g.device_type, g)
+    first = first_group_per_type(tb.topology)
     rows = []
     for label, spec, batch in CHECK_MODELS:
         an = prepare(calibration_graph(spec, batch), tb.topology, batch_size=batch, profile=profiles["unlevelled"],

@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 
 from bench_fidelity import MODELS, git_commit  # noqa: E402
 from fidelity_repredict import repredict_group  # noqa: E402
-from _testbed_cases import (_fit_levels_per_type, _no_faster, calibration_graph, heldout, load_recipe,  # noqa: E402
-                            one_host_split)
+from _testbed_cases import (calibration_graph, first_group_per_type, fit_alone_and_loaded, heldout,  # noqa: E402
+                            levels_batches, load_recipe, one_host_split)
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
@@ -59,11 +59,8 @@ def logged_ratios(log: str) -> list[list[dict]]:
 
 def refitted_profile(recipe: dict, base: Profile, topology, ratios: dict) -> Profile:
     """BASE with levels fitted again to the calibration steps rebuilt from TOPOLOGY and RATIOS."""
-    first = {}
-    for g in topology.groups:
-        first.setdefault(g.device_type, g)
-    batch = int(recipe["calibration"]["batch"])
-    small = max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+    first = first_group_per_type(topology)
+    batch, small = levels_batches(recipe)
     points = {label: {t: [] for t in first} for label in ("alone", "under load")}
     i = 0
     for spec in recipe["calibration"]["models"]:
@@ -76,12 +73,7 @@ def refitted_profile(recipe: dict, base: Profile, topology, ratios: dict) -> Pro
                         points[label][t].append((predicted, ops, parts, predicted * ratios[(t, label)][i]))
             i += 1
     per_family = bool(recipe["calibration"].get("levels_per_family", True))
-    devices, loaded = dict(base.devices), {}
-    _fit_levels_per_type(points["alone"], base.devices, devices, per_family, None, "alone")
-    under = {t: p for t, p in points["under load"].items() if p}
-    if under:
-        _fit_levels_per_type(under, base.devices, loaded, per_family, None, "under load")
-        loaded = {t: _no_faster(e, devices[t]) for t, e in loaded.items()}
+    devices, loaded, _ = fit_alone_and_loaded(points["alone"], points["under load"], base.devices, per_family)
     return Profile(devices, source=base.source + "; levels refitted", network=base.network,
                    devices_under_load=loaded)
 

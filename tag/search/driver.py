@@ -211,12 +211,10 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
                 pipelines=PipelineRoots.of(env, piped) if piped is not None else None,
                 admit_pipeline=lambda p: pipeline_admitted(env, env.pipeline_strategy(p)))
     found["mcts"] = (tree.choice, tree.outcome)
-    if tree.pipeline is not None and tree.pipeline_outcome.feasible and (
+    if tree.pipeline is not None and tree.pipeline_outcome.feasible and (     # admitted by the tree already
             "pipeline" not in pipelines or tree.pipeline_outcome.rank > piped.outcome.rank):
-        tree_pipeline = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
-        if pipeline_admitted(env, tree_pipeline):
-            found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
-            pipelines["mcts_pipeline"] = tree_pipeline
+        found["mcts_pipeline"] = (_PIPELINE, tree.pipeline_outcome)
+        pipelines["mcts_pipeline"] = env.pipeline_strategy(tree.pipeline, name="mcts_pipeline")
     if use_refine:
         left = None if budget_s is None else max(0.0, budget_s - (time.perf_counter() - t0))
         cap = None if playouts is None else max(MIN_REFINE_EVALUATIONS, REFINE_EVALUATIONS_PER_PLAYOUT * playouts)
