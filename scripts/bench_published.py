@@ -18,11 +18,11 @@ validation row with a 1-GPU row of the same configuration, the predicted 1->8 sc
 the published one (``scaling``, ``max_abs_scaling_error_8gpu_validation``).
 
 One IR is built per model (10-60 s each; the simulator takes the batch); ``--cache DIR`` keeps them as
-pickles between runs. ``vgg16`` is not a zoo model: it is built here with ``tf_keras.applications.VGG16``
-under the zoo's conventions (placeholders, mean cross-entropy, Momentum 0.9). ResNet-50 is built here too,
-as the sources' code builds it: no bias on the convolutions that batch norm follows (Keras' ResNet50, the
-zoo's, has them), v1 for tf_cnn_benchmarks' ``resnet50`` and v1.5 (``resnet50_v1.5``, the stride in the
-3x3 convolution) for NVIDIA's.
+plain JSON between runs (``tag.ir.serialize``; never pickles). ``vgg16`` is not a zoo model: it is built here
+with ``tf_keras.applications.VGG16`` under the zoo's conventions (placeholders, mean cross-entropy, Momentum
+0.9). ResNet-50 is built here too, as the sources' code builds it: no bias on the convolutions that batch
+norm follows (Keras' ResNet50, the zoo's, has them), v1 for tf_cnn_benchmarks' ``resnet50`` and v1.5
+(``resnet50_v1.5``, the stride in the 3x3 convolution) for NVIDIA's.
 
 Usage::
 
@@ -34,7 +34,6 @@ import argparse
 import csv
 import json
 import os
-import pickle
 import statistics
 import sys
 import time
@@ -176,10 +175,10 @@ def model_key(row: dict[str, Any]) -> str:
 def build_ir(row: dict[str, Any], cache: str | None = None):
     """The IR of ROW's model at IR_BATCH (from CACHE when present there)."""
     key = model_key(row)
-    path = os.path.join(cache, f"{key}-b{IR_BATCH}.pkl") if cache else None
+    from tag.ir.serialize import load_training_graph, save_training_graph
+    path = os.path.join(cache, f"{key}-b{IR_BATCH}.ir.json.gz") if cache else None
     if path and os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        return load_training_graph(path)
     import tag
     if row["model"] == "vgg16":
         gd = _vgg16_graph_def(IR_BATCH)
@@ -195,8 +194,7 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
     tg = tag.analyze(gd, name=key)
     if path:
         os.makedirs(cache, exist_ok=True)
-        with open(path, "wb") as f:
-            pickle.dump(tg, f)
+        save_training_graph(tg, path)
     return tg
 
 
@@ -323,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=DATA, help="the published-throughput CSV")
     p.add_argument("--json", metavar="FILE", help="write the rows and error summary as JSON")
-    p.add_argument("--cache", metavar="DIR", help="keep built IRs here (pickles) between runs")
+    p.add_argument("--cache", metavar="DIR", help="keep built IRs here (JSON) between runs")
     p.add_argument("--quick", action="store_true", help="ResNet-50 rows on 1 and 8 GPUs only (no BERT IRs)")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
