@@ -26,6 +26,12 @@ their own cluster.
   against one host's 43 ms (MADs 2.8 and 2.2), both well ahead of the simulator's plan, and then ran 60 ms
   against 49; in run 11 the earlier rule (the plan stays within the noise) kept B/cnn's searched plan, which
   then ran 141 ms against one host's 116.
+  A gap that every round shows is not noise, however much the rounds differ from each other: a candidate
+  slower than the fastest in each of at least ``TUNE_PAIRED_ROUNDS`` rounds both ran in, by a median of
+  more than ``TUNE_MIN_GAIN`` per round, is out of the noise (``consistently_slower``). Round-to-round drift
+  of the shared machine inflates every MAD but moves the candidates of one round together; in bench_fidelity
+  run 17, A/cnn's one-host step measured 112 +- 13 ms against data parallelism's 101-102 +- 4 after six
+  rounds, was kept as within the noise, and ran 128 and 134 ms against 103 and 110 side by side afterwards.
 - The default K (``default_k``): as many candidates, in the order above, as cost at most
   ``TUNE_BUDGET_STEPS`` (30) steps of the slowest of them, by predicted time (at least the 2-3 that are
   always measured), none predicted over ``TUNE_HOPELESS`` (3x) the fastest prediction.
@@ -75,6 +81,10 @@ TUNE_EXTRA_ROUNDS = 3
 #: ``within_noise``) is within the noise: on the shared testbed, six steps of one program differed by up to 15%
 #: between tuning and a later measurement, and choosing on smaller gaps deployed slower plans
 TUNE_MIN_GAIN = 0.03
+#: a candidate slower than the fastest in every one of at least this many rounds both ran in (by a median of
+#: more than TUNE_MIN_GAIN per round) is out of the noise, whatever its MAD (``consistently_slower``): with
+#: equal programs, all of four rounds go one way one time in eight
+TUNE_PAIRED_ROUNDS = 4
 #: the default K leaves out candidates (other than those always measured) predicted over this many times the
 #: fastest prediction: the simulator's worst errors on the testbed (mixed plans 37% too fast, others 61% too
 #: slow) cannot turn 3x into a win, and in bench_e2e's deep transformer three such candidates (3.3x, 3.4x and
@@ -104,10 +114,21 @@ class Candidate:
 
 @dataclass
 class Measured:
-    """A candidate's timed steps (all rounds together): median and median absolute deviation."""
+    """A candidate's timed steps (all rounds together): median and median absolute deviation. ``rounds``: the
+    round each step ran in (empty: not known), for comparisons round by round (``consistently_slower``)."""
 
     candidate: Candidate
     step_times: list[float]
+    rounds: list[int] = field(default_factory=list)
+
+    def round_medians(self) -> dict[int, float]:
+        """{round: median of this candidate's steps in it} ({} when the rounds are not known)."""
+        if len(self.rounds) != len(self.step_times):
+            return {}
+        by_round: dict[int, list[float]] = {}
+        for r, t in zip(self.rounds, self.step_times):
+            by_round.setdefault(r, []).append(t)
+        return {r: float(statistics.median(ts)) for r, ts in by_round.items()}
 
     @property
     def median_s(self) -> float:
@@ -245,25 +266,31 @@ def tune(candidates: Sequence[Candidate], measure: MeasureFn, *, rounds: int = T
         raise TagError("nothing to tune: no candidate")
     t0 = time.perf_counter()
     times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    round_of: dict[str, list[int]] = {c.name: [] for c in candidates}
 
-    def one_round(r: int, among: Sequence[Candidate], label: str) -> None:
+    def one_round(r: int, among: Sequence[Candidate], label: str, index: int) -> None:
         order = list(among[r % len(among):]) + list(among[:r % len(among)])
         for c in order:
             if say is not None:
                 say(f"{label}: {c.name}")
-            got = list(measure(c, warmup + steps, warmup))
-            times[c.name].extend(float(t) for t in got[warmup:])
+            got = [float(t) for t in list(measure(c, warmup + steps, warmup))[warmup:]]
+            times[c.name].extend(got)
+            round_of[c.name].extend([index] * len(got))
+
+    def measured_now() -> list[Measured]:
+        return [Measured(c, list(times[c.name]), list(round_of[c.name])) for c in candidates]
 
     for r in range(rounds):
-        one_round(r, candidates, f"round {r + 1}/{rounds}")
+        one_round(r, candidates, f"round {r + 1}/{rounds}", r)
     done_extra = 0
     while done_extra < extra_rounds:
-        tied = [m.candidate for m in tied_with_fastest([Measured(c, times[c.name]) for c in candidates])]
+        tied = [m.candidate for m in tied_with_fastest(measured_now())]
         if len(tied) < 2:
             break
-        one_round(done_extra, tied, f"extra round {done_extra + 1}/{extra_rounds} (within the noise)")
+        one_round(done_extra, tied, f"extra round {done_extra + 1}/{extra_rounds} (within the noise)",
+                  rounds + done_extra)
         done_extra += 1
-    measured = [Measured(c, times[c.name]) for c in candidates]
+    measured = measured_now()
     return TuneResult(measured, keep(measured), candidates[0].name, rounds, steps, warmup,
                       time.perf_counter() - t0, done_extra)
 
@@ -283,12 +310,24 @@ def within_noise(median: float, mad: float, fastest_median: float, fastest_mad: 
     return median - fastest_median <= max(TUNE_MIN_GAIN * median, spread)
 
 
+def consistently_slower(m: Measured, fastest: Measured, min_rounds: int = TUNE_PAIRED_ROUNDS) -> bool:
+    """Whether M was slower than FASTEST in every one of the (at least MIN_ROUNDS) rounds both ran in, by a
+    median per-round ratio above 1 + ``TUNE_MIN_GAIN``: a gap each round shows, which drift between rounds
+    (moving both alike) cannot make."""
+    mine, theirs = m.round_medians(), fastest.round_medians()
+    ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+    return (len(ratios) >= min_rounds and all(q > 1.0 for q in ratios)
+            and statistics.median(ratios) > 1.0 + TUNE_MIN_GAIN)
+
+
 def tied_with_fastest(measured: Sequence[Measured]) -> list[Measured]:
-    """The candidates of MEASURED within the noise of the fastest (``within_noise``), the fastest included."""
+    """The candidates of MEASURED within the noise of the fastest (``within_noise``) and not consistently
+    slower than it round by round (``consistently_slower``), the fastest included."""
     fastest = min(measured, key=lambda m: m.median_s)     # min keeps the first of equal medians
     return [m for m in measured
-            if m is fastest or within_noise(m.median_s, m.mad_s, fastest.median_s, fastest.mad_s,
-                                            steps=len(m.step_times), fastest_steps=len(fastest.step_times))]
+            if m is fastest or (within_noise(m.median_s, m.mad_s, fastest.median_s, fastest.mad_s,
+                                             steps=len(m.step_times), fastest_steps=len(fastest.step_times))
+                                and not consistently_slower(m, fastest))]
 
 
 def keep(measured: Sequence[Measured]) -> Measured:
@@ -302,13 +341,15 @@ def keep(measured: Sequence[Measured]) -> Measured:
 
 def tune_fields(result: TuneResult) -> dict[str, Any]:
     """The report's ``tune`` keys: ``candidates`` [{name, roles, aliases, predicted_ms, measured_ms, mad_ms,
-    error (measured / predicted - 1), steps, hosts (0: not known)}], ``plan`` (the simulator's pick), ``kept``,
+    error (measured / predicted - 1), steps, hosts (0: not known), round_ms (the median of each round it ran
+    in)}], ``plan`` (the simulator's pick), ``kept``,
     ``overrode_simulator``, ``rounds``, ``extra_rounds``, ``steps_per_round``, ``warmup_per_round``,
     ``seconds``."""
     rows = [{"name": m.candidate.name, "roles": list(m.candidate.roles), "aliases": list(m.candidate.aliases),
              "predicted_ms": m.candidate.predicted_s * 1e3, "measured_ms": m.median_s * 1e3,
              "mad_ms": m.mad_s * 1e3, "error": m.median_s / m.candidate.predicted_s - 1.0,
-             "steps": len(m.step_times), "hosts": m.candidate.hosts} for m in result.measured]
+             "steps": len(m.step_times), "hosts": m.candidate.hosts,
+             "round_ms": [t * 1e3 for _, t in sorted(m.round_medians().items())]} for m in result.measured]
     return {"candidates": rows, "plan": result.plan, "kept": result.kept.candidate.name,
             "overrode_simulator": result.kept.candidate.name != result.plan, "rounds": result.rounds,
             "extra_rounds": result.extra_rounds,
