@@ -41,16 +41,10 @@ from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
+from tag.strategy.types import batch_shares  # noqa: E402
 
 WARMUP = 3
 JOIN_TIMEOUT_S = 900.0     # a share that has not finished by then is a failed case, never a hang
-
-
-def speed_shares(batch: int, quotas) -> list[int]:
-    """BATCH split in proportion to QUOTAS (the hosts' speeds), the rounding remainder to the fastest host."""
-    shares = [int(batch * q / sum(quotas)) for q in quotas]
-    shares[0] += batch - sum(shares)
-    return shares
 
 
 def one_host_program(topo, profile, model: str, batch: int, width, depth, host: int):
@@ -92,7 +86,7 @@ def concurrently(tb, programs, steps: int) -> list[list[float]]:
 
 def measure_case(tb, topo, profile, case, rounds: int, steps: int) -> dict:
     label, model, batch, width, depth = case
-    shares = speed_shares(batch, GPU_QUOTAS)
+    shares = batch_shares(GPU_QUOTAS, batch)     # in proportion to the hosts' speeds, as data parallelism splits it
     whole, predicted_whole = one_host_program(topo, profile, model, batch, width, depth, 0)
     parts = [one_host_program(topo, profile, model, b, width, depth, i) for i, b in enumerate(shares)]
     alone: list[float] = []

@@ -1,4 +1,4 @@
-"""bench_ceiling's arithmetic (no testbed): the batch split by speed and the bounded concurrent run."""
+"""bench_ceiling without a testbed: the bounded concurrent run of the hosts' shares."""
 import os
 import sys
 
@@ -8,12 +8,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_ceiling  # noqa: E402
-
-
-def test_speed_shares_follow_the_quotas_and_sum_to_the_batch():
-    assert bench_ceiling.speed_shares(384, [1.0, 0.5, 0.5]) == [192, 96, 96]
-    assert bench_ceiling.speed_shares(10, [1.0, 0.5, 0.5]) == [6, 2, 2]      # the remainder to the fastest
-    assert sum(bench_ceiling.speed_shares(97, [0.75, 0.5, 0.25])) == 97
 
 
 def test_concurrently_reports_a_failed_share_and_never_waits_past_its_deadline(monkeypatch):
