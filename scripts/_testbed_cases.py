@@ -317,9 +317,33 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     if verbose:
         print(f"runtime levels (batches {batch} and {small}; applied: {'per family' if per_family else 'one scale'}):"
               f"\n  " + "\n  ".join(notes), flush=True)
+    network = sync_on_testbed(tb, profile, record, verbose)
     return Profile(devices, source=f"{profile.source}; runtime levels on the testbed "
                                    f"({'per family' if per_family else 'one scale'} applied): {text}",
-                   network=profile.network, devices_under_load=loaded_devices)
+                   network=network, devices_under_load=loaded_devices)
+
+
+def sync_on_testbed(tb, profile, record: dict | None = None, verbose: bool = True):
+    """PROFILE's network costs with ``sync_serial_allreduce`` / ``sync_serial_ps`` measured on the running testbed
+    TB (``tag.cost.calibration.measure_sync_serial`` over one device per host, chains sized by each device type's
+    calibrated FLOP/s): how much a gradient all-reduce or push and the hosts' compute lose to each other there.
+    RECORD's key ``sync_serial`` receives the rows. Unchanged when PROFILE has no network costs or TB one host."""
+    import dataclasses
+    from tag.cost.calibration import measure_sync_serial
+    topo = tb.topology
+    if profile.network is None or len(topo.hosts) < 2:
+        return profile.network
+    firsts = [next(d for d in topo.devices if d.host_index == h) for h in range(len(topo.hosts))]
+    speeds = [profile.devices[d.device_type].peak_flops if d.device_type in profile.devices else d.peak_flops
+              for d in firsts]
+    serial_ar, serial_ps, rows = measure_sync_serial(tb.target, [topo.tf_device(d.index) for d in firsts], speeds)
+    if record is not None:
+        record["sync_serial"] = rows
+    if verbose:
+        print("synchronisation beside compute (256 KB to 4 MB over every host): " + ", ".join(
+            f"{r['kind']} {r['bytes'] >> 10} KB overlap {r['overlap']:+.2f}" for r in rows)
+              + f"\n  -> fractions that do not overlap: all-reduce {serial_ar:.2f}, ps {serial_ps:.2f}", flush=True)
+    return dataclasses.replace(profile.network, sync_serial_allreduce=serial_ar, sync_serial_ps=serial_ps)
 
 
 def levels_batches(recipe: dict) -> tuple[int, int]:

@@ -16,6 +16,10 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
    sender) runs a MatMul chain in the same step as 64 transfers: ``overlap`` = (C + T - both) / min(C, T),
    1 when the two run side by side as the simulator assumes (separate compute and network lanes), 0 when
    they serialise.
+2b. ``sync_overlap``: the same question for gradient synchronisation over every host (quotas as given): a
+   ring all-reduce or a parameter-server push of 256 KB to 4 MB beside a MatMul chain on each host
+   (``tag.cost.calibration.measure_sync_serial``, which ``runtime_levels`` runs on every testbed to set the
+   profile's ``sync_serial_*``).
 3. ``batch_share``: a model's step on one host at a fraction of the batch (a data-parallel replica's share,
    or a pipeline's micro-batch) relative to the whole batch, measured and as the cost model predicts it
    (``--profile``: a testbed calibration, e.g. ``scripts/results/e2e.profile.json``).
@@ -31,11 +35,12 @@ Needs root (namespaces, tc, cgroup v1 cpu). Keep the machine otherwise idle: CFS
 
 Usage::
 
-    python scripts/bench_transfers.py                     # all four, ~8 min
+    python scripts/bench_transfers.py                     # all five, ~9 min
     python scripts/bench_transfers.py --quick             # fewer sizes and shares
     python scripts/bench_transfers.py --only transfers --quotas 1.0,0.5 --link-gbps 1.0 --json F
     python scripts/bench_transfers.py --calibrate --save-profile P   # predictions from a fresh calibration
     python scripts/bench_transfers.py --only contention --quotas 1.0,0.5,0.5 --json F
+    python scripts/bench_transfers.py --only sync_overlap --quotas 1.0,0.25,0.25 --link-gbps 0.3 --json F
 """
 from __future__ import annotations
 
@@ -235,6 +240,27 @@ def measure_overlap(tb, topo, args) -> list[dict]:
     return rows
 
 
+def measure_sync_overlap(tb, topo, quotas, args) -> list[dict]:
+    """Does gradient synchronisation across hosts overlap the hosts' compute? ``measure_sync_serial`` (the
+    calibration the testbed benchmarks run in ``runtime_levels``): on every host a MatMul chain whose length
+    follows the host's quota (so all finish together, as a data-parallel step's shares do), and in the same
+    step a ring all-reduce (or a parameter-server push to h0) of S bytes over all hosts. ``overlap`` = (C + T -
+    both) / min(C, T), the empty step's time taken off each: 1 when they run side by side (the simulator's
+    separate lanes without ``sync_serial_*``), 0 when they serialise."""
+    from tag.cost.calibration import SYNC_BYTES, measure_sync_serial
+    devices = [topo.tf_device(h) for h in range(len(quotas))]
+    sizes = SYNC_BYTES if not args.quick else SYNC_BYTES[1:2]
+    serial_ar, serial_ps, rows = measure_sync_serial(tb.target, devices, quotas, sizes_bytes=sizes, steps=args.steps)
+    for row in rows:
+        row.update(quotas=quotas, load=load())
+        print(f"  {row['kind']:9s} {row['bytes'] >> 10:5d} KB over {len(devices)} hosts: compute "
+              f"{row['compute_s'] * 1e3:6.1f} ms, sync {row['sync_s'] * 1e3:6.1f} ms, both {row['both_s'] * 1e3:6.1f} ms"
+              f" -> overlap {row['overlap']:+.2f}", flush=True)
+    print(f"  fractions that do not overlap (median over sizes, clipped to [0, 1]): all-reduce {serial_ar:.2f}, "
+          f"ps {serial_ps:.2f}  load {load()[0]}", flush=True)
+    return rows
+
+
 def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
     """Each model's one-host step at fractions of its batch, on every host, measured and predicted."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -310,7 +336,7 @@ def measure_contention(tb, topo, quotas, args) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes, shares and models")
-    p.add_argument("--only", choices=("transfers", "overlap", "batch_share", "contention"), help="one measurement")
+    p.add_argument("--only", choices=("transfers", "overlap", "sync_overlap", "batch_share", "contention"), help="one measurement")
     p.add_argument("--quotas", default="1.0,0.5", help="CPU quota (cores) of the receiver, then the sender")
     p.add_argument("--link-gbps", type=float, default=1.0)
     p.add_argument("--latency-us", type=float, default=50.0)
@@ -361,6 +387,9 @@ def main(argv=None) -> int:
             if args.only in (None, "overlap"):
                 print("overlap of transfers with compute:", flush=True)
                 out["overlap"] = measure_overlap(tb, topo, args)
+            if args.only in (None, "sync_overlap"):
+                print("overlap of gradient synchronisation (all-reduce, ps) with every host's compute:", flush=True)
+                out["sync_overlap"] = measure_sync_overlap(tb, topo, quotas, args)
             if args.only in (None, "batch_share"):
                 print("one-host step at a share of the batch:", flush=True)
                 out["batch_share"] = measure_batch_share(tb, topo, quotas, args, profile)

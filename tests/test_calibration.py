@@ -279,6 +279,25 @@ def test_network_chain_crosses_tasks_at_every_hop():
         assert median((near, far)) > 3 * median((near, near))
 
 
+@pytest.mark.slow
+def test_sync_serial_times_synchronisation_beside_compute_on_real_servers():
+    """Three real local TF servers: the ring all-reduce and the push really run (each slower than the empty
+    step), the chains really compute, and the fractions are clipped medians in [0, 1]."""
+    from tag.backend.runtime import LocalCluster, free_ports
+    from tag.cluster.topology import parse_topology
+    from tag.cost.calibration import measure_sync_serial
+    text = "\n".join(f'host {{ name: "s{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
+                     f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
+                     for i, p in enumerate(free_ports(3))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
+    topo = parse_topology(text, path="<sync>")
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
+        serial_ar, serial_ps, rows = measure_sync_serial(cluster.target, [topo.tf_device(i) for i in range(3)],
+                                                         [1.0, 0.5, 0.5], sizes_bytes=(1 << 20,), steps=3)
+    assert [r["kind"] for r in rows] == ["allreduce", "ps"]
+    assert all(r["sync_s"] > 0 and r["compute_s"] > 0 and r["both_s"] > 0 for r in rows)
+    assert 0.0 <= serial_ar <= 1.0 and 0.0 <= serial_ps <= 1.0
+
+
 def test_sustained_step_is_recorded_and_round_trips(mlp, tmp_path):
     gd, tg = mlp
     prof = profile_graph(gd, tg, steps=2, model=MLP_SPEC, sustain_s=0.3)

@@ -97,3 +97,84 @@ def test_profiles_keep_the_measurement_and_old_profiles_load_without_it(tmp_path
         del d["network"][k]
     old = Profile.from_dict(d).network
     assert not old.host_cpu and old.tensor_cpu_s == 0.0 and np.isclose(old.per_tensor_s, 40e-6)
+
+
+# ------------------------------------------------------------------ synchronisation beside compute
+SERIAL = dataclasses.replace(NET, sync_serial_allreduce=1.0, sync_serial_ps=1.0)
+
+
+def _sims_on(topology, net, widths=(512, 512, 512, 512, 512)):
+    tg = mlp_graph(batch=64, widths=widths)
+    grouping = group_ops(tg, target_groups=8)
+    cost = CostModel(tg, topology, Profile(dict(DEVICES), network=net))
+    return grouping, {k: Simulator(tg, topology, grouping, cost, kernel=k) for k in ("python", "compiled")}
+
+
+def _three_cpu_hosts():
+    return make_topology([("h0", [("CPU-full", 1)]), ("h1", [("CPU-quarter", 1)]), ("h2", [("CPU-quarter", 1)])],
+                         specs=SPECS, inter_bandwidth=3e7, inter_latency=5e-5)
+
+
+def test_sync_serial_is_charged_on_cpu_devices_only():
+    from tag.sim.host_cpu import sync_serial
+    topo = make_topology([("h0", [("CPU-full", 1)]), ("h1", [("GPU-A", 2)])], specs=SPECS)
+    half = dataclasses.replace(NET, sync_serial_allreduce=0.6, sync_serial_ps=0.3)
+    assert sync_serial(topo, half).tolist() == [[0.6, 0.3], [0.0, 0.0], [0.0, 0.0]]
+    assert sync_serial(topo, NET) is None and sync_serial(topo, None) is None
+    gpus = make_topology([("h0", [("GPU-A", 2)]), ("h1", [("GPU-A", 2)])])
+    assert sync_serial(gpus, half) is None
+
+
+@pytest.mark.parametrize("mode", ["ps", "allreduce"])
+def test_a_synchronisation_beside_compute_delays_the_step_in_both_kernels(mode):
+    """Data parallelism over three CPU hosts whose gradients are synchronised group by group during the backward
+    pass (pushes to a parameter server; all-reduces one per group when their groups alternate with ps groups, so
+    no fusion bucket holds them back to the end): with the fraction at 1 the synchronisation and the compute
+    beside it run one after the other, so the step is slower than with 0 and at 0.5 in between; the two kernels
+    agree; profiles without the fields behave as before."""
+    topo = _three_cpu_hosts()
+    grouping, plain = _sims_on(topo, NET)
+    _, serial = _sims_on(topo, SERIAL)
+    _, half = _sims_on(topo, dataclasses.replace(NET, sync_serial_allreduce=0.5, sync_serial_ps=0.5))
+    ar, ps = Action((0, 1, 2), "allreduce"), Action((0, 1, 2), "ps", ps_device=0)
+    acts = [ps] * grouping.num_groups if mode == "ps" else [ar if g % 2 else ps for g in range(grouping.num_groups)]
+    s = Strategy(grouping, acts)
+    times = {}
+    for name, sims in (("plain", plain), ("serial", serial), ("half", half)):
+        python, compiled = sims["python"].evaluate(s).step_time, sims["compiled"].evaluate(s).step_time
+        assert python == pytest.approx(compiled, rel=1e-12), name
+        times[name] = python
+    assert times["plain"] < times["half"] < times["serial"]
+    # nothing beside compute (one device): no charge
+    one = Strategy(grouping, [Action((1,), "allreduce")] * grouping.num_groups)
+    assert serial["python"].evaluate(one).step_time == plain["python"].evaluate(one).step_time
+
+
+def test_random_mixed_strategies_on_cpu_hosts_cost_the_same_in_both_kernels():
+    import random
+    topo = _three_cpu_hosts()
+    grouping, sims = _sims_on(topo, dataclasses.replace(NET, sync_serial_allreduce=0.7, sync_serial_ps=0.3))
+    rng = random.Random(5)
+    for _ in range(30):
+        acts = []
+        for _g in range(grouping.num_groups):
+            placement = tuple(sorted(rng.sample(range(3), rng.randint(1, 3))))
+            u = rng.random()
+            acts.append(Action(placement, "allreduce") if u < 0.6 else
+                        Action(placement, "ps", ps_device=rng.choice(placement)))
+        s = Strategy(grouping, acts)
+        assert sims["python"].evaluate(s).step_time == pytest.approx(sims["compiled"].evaluate(s).step_time,
+                                                                     rel=1e-12), acts
+
+
+def test_profiles_keep_the_sync_fractions_and_reject_more_than_one(tmp_path):
+    from tag.errors import TagError
+    prof = Profile(dict(DEVICES), network=dataclasses.replace(NET, sync_serial_allreduce=0.7, sync_serial_ps=0.25))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path).network
+    assert (back.sync_serial_allreduce, back.sync_serial_ps) == (0.7, 0.25)
+    d = prof.to_dict()
+    d["network"]["sync_serial_ps"] = 1.5
+    with pytest.raises(TagError, match="sync_serial_ps is a fraction"):
+        Profile.from_dict(d)

@@ -466,6 +466,88 @@ def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.
     return g.as_graph_def()
 
 
+def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence[int] = ()) -> "v1.GraphDef":
+    """A step in which every device of DEVICES holds a gradient-like variable of NBYTES, synchronised as the
+    rewriter does it (KIND ``allreduce``: a ring ``CollectiveReduceV2`` over all of them; ``ps``: each other
+    device's payload read on DEVICES[0], a parameter-server push; ``local``: each summed where it is), and,
+    when CHAINS (one depth per device) is given, an independent chain of that many 256 x 256 MatMuls on each
+    device in the same step, as a replica's backward pass runs beside the synchronisation of gradients it has
+    already produced."""
+    g = tf.Graph()
+    with g.as_default():
+        variables, outs = [], []
+        for i, dev in enumerate(devices):
+            with tf.device(dev):
+                var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}")
+                variables.append(var)
+                x = var.read_value()
+                if kind == "allreduce":
+                    x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1, instance_key=1,
+                                                      ordering_token=[], merge_op="Add", final_op="Id",
+                                                      communication_hint="ring")
+            with tf.device(devices[0] if kind == "ps" else dev):
+                sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
+                variables.append(sink)
+                outs.append(sink.assign_add(tf.reduce_sum(x)))
+        for i, (dev, depth) in enumerate(zip(devices, chains)):
+            with tf.device(dev):
+                m = tf.Variable(tf.random.normal([SYNC_CHAIN_SIDE] * 2, stddev=SYNC_CHAIN_SIDE ** -0.5),
+                                name=f"chain_{i}")
+                variables.append(m)
+                y = m.read_value()
+                for _ in range(depth):
+                    y = tf.matmul(y, m)
+                sink = tf.Variable(0.0, name=f"chain_sink_{i}")
+                variables.append(sink)
+                outs.append(sink.assign_add(tf.reduce_sum(y)))
+        with tf.device(devices[0]):
+            tf.group(*outs, name="step")
+        v1.variables_initializer(variables, name="init")
+    return g.as_graph_def()
+
+
+#: measure_sync_serial: the MatMul side of each host's chain, the fastest host's chain length, the payloads
+SYNC_CHAIN_SIDE = 256
+SYNC_CHAIN_DEPTH = 48
+SYNC_BYTES = (256 << 10, 1 << 20, 4 << 20)
+
+
+def measure_sync_serial(target: str, devices: Sequence[str], speeds: Sequence[float], *,
+                        sizes_bytes: Sequence[int] = SYNC_BYTES, steps: int = 10) -> tuple[float, float, list[dict]]:
+    """How much gradient synchronisation and compute lose to each other on the hosts of DEVICES (one TF device
+    string per host of a running cluster, TARGET ``grpc://...``; SPEEDS their relative FLOP/s): (all-reduce
+    fraction, parameter-server push fraction, one row per payload and kind).
+
+    For each payload in SIZES_BYTES the step is timed empty (``local``), with a MatMul chain on every device
+    (C; each chain's length follows the device's speed, so all end together as a data-parallel step's shares
+    do), with the synchronisation alone (T) and with both (B), each the median of STEPS steps after two
+    warm-up steps, the empty step taken off each. The overlap is ``(C + T - B) / min(C, T)`` (1: side by side,
+    0: one after the other); the fraction is the median over payloads of ``1 - overlap``, clipped to [0, 1]
+    (``NetworkProfile.sync_serial_allreduce`` / ``sync_serial_ps``)."""
+    from tag.backend.runtime import run_steps
+
+    def step(graph_def) -> float:
+        r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps + 2, warmup=2)
+        return float(np.median(r.step_times[2:]))
+
+    fastest = max(speeds)
+    chains = [max(1, round(SYNC_CHAIN_DEPTH * s / fastest)) for s in speeds]
+    rows: list[dict] = []
+    for nbytes in sizes_bytes:
+        empty = step(_sync_graph(nbytes, devices, "local"))
+        compute = step(_sync_graph(nbytes, devices, "local", chains)) - empty
+        for kind in ("allreduce", "ps"):
+            sync = step(_sync_graph(nbytes, devices, kind)) - empty
+            both = step(_sync_graph(nbytes, devices, kind, chains)) - empty
+            overlap = (compute + sync - both) / max(min(compute, sync), 1e-9)
+            rows.append({"kind": kind, "bytes": int(nbytes), "compute_s": compute, "sync_s": sync, "both_s": both,
+                         "empty_s": empty, "overlap": overlap})
+
+    def fraction(kind: str) -> float:
+        return float(np.median([min(max(1.0 - r["overlap"], 0.0), 1.0) for r in rows if r["kind"] == kind]))
+    return fraction("allreduce"), fraction("ps"), rows
+
+
 #: how many small tensors measure_network sends in one step to find the cost of each extra tensor
 PER_TENSOR_PROBE = 64
 

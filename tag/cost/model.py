@@ -149,6 +149,15 @@ class NetworkProfile:
     (``scripts/bench_transfers.py``): 64 tensors of 1 KB took 6 ms and 512 took 65 ms, where one flow of
     their bytes would take under 5 ms.
 
+    ``sync_serial_allreduce`` / ``sync_serial_ps``: on hosts whose device is their CPU, the fraction of the time a
+    gradient all-reduce (a ring of ``CollectiveReduceV2``) or a parameter-server push spends beside the host's
+    compute that compute and synchronisation lose to each other (0: they overlap fully, as separate lanes; 1:
+    they run one after the other). Measured on the running testbed with a calibration pattern
+    (``tag.cost.calibration.measure_sync_serial``: a 1 MB gradient synchronised over every host while each host
+    runs a MatMul chain); ``tag.sim.host_cpu.sync_serial`` applies it. On the testbed's quota-limited hosts the
+    ring overlapped 0.24-0.53 of the shorter side and the push 0.62-0.89 (``scripts/bench_transfers.py --only
+    sync_overlap``); between two full-core hosts 0.72-0.84 and 0.8-1. 0 in profiles from before it existed.
+
     CPU that the runtime itself spends, measured from the two workers' thread CPU time (``host_cpu``): a
     worker that takes part in a step from another host spends ``worker_step_cpu_s`` on it (its share of the
     step's graph launch) and the session's host ``master_step_cpu_s`` per such worker; each tensor sent between
@@ -172,9 +181,13 @@ class NetworkProfile:
     tensor_cpu_s: float = 0.0
     byte_cpu_s: float = 0.0
     cpu_flops: float = 0.0
+    sync_serial_allreduce: float = 0.0
+    sync_serial_ps: float = 0.0
 
     #: the fields that say what the runtime's own CPU work costs (zero in profiles from before they existed)
     HOST_CPU_FIELDS = ("worker_step_cpu_s", "master_step_cpu_s", "tensor_cpu_s", "byte_cpu_s", "cpu_flops")
+    #: fractions in [0, 1] of synchronisation beside a CPU host's compute that does not overlap it
+    SYNC_FIELDS = ("sync_serial_allreduce", "sync_serial_ps")
 
     @property
     def host_cpu(self) -> bool:
@@ -188,7 +201,7 @@ class NetworkProfile:
                 "transfer_bytes_per_s": rate(self.transfer_bytes_per_s),
                 "collective_latency_s": float(self.collective_latency_s),
                 "collective_bytes_per_s": rate(self.collective_bytes_per_s), "per_tensor_s": float(self.per_tensor_s),
-                **{k: float(getattr(self, k)) for k in self.HOST_CPU_FIELDS}}
+                **{k: float(getattr(self, k)) for k in self.HOST_CPU_FIELDS + self.SYNC_FIELDS}}
 
     def collective_extra(self) -> tuple[float, float]:
         """(seconds per ring step, seconds per byte) that TF's collective all-reduce costs beyond plain transfers
@@ -322,7 +335,7 @@ class Profile:
                 raise bad("'network' must be an object")
             unknown = set(net) - {"step_overhead_s", "transfer_latency_s", "transfer_bytes_per_s",
                                   "collective_latency_s", "collective_bytes_per_s", "per_tensor_s",
-                                  *NetworkProfile.HOST_CPU_FIELDS}
+                                  *NetworkProfile.HOST_CPU_FIELDS, *NetworkProfile.SYNC_FIELDS}
             if unknown:
                 raise bad(f"network: unknown field {sorted(unknown)[0]!r}")
             vals = {}
@@ -333,6 +346,8 @@ class Profile:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
                         is_rate and v == 0):
                     raise bad(f"network.{key} must be a finite number >= 0 (> 0 for a rate), got {v!r}")
+                if key in NetworkProfile.SYNC_FIELDS and v > 1:
+                    raise bad(f"network.{key} is a fraction in [0, 1], got {v!r}")
                 vals[key] = float(v)
             network = NetworkProfile(**vals)
         return cls(out, source, PROFILE_VERSION, network, under_load)

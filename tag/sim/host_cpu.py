@@ -23,10 +23,20 @@ Taking part in a step (``step_offsets``): a worker on a host other than the sess
 host ``master_step_cpu_s / s`` per such worker before it computes. Not charged yet: activations sent
 between hosts by mixed and partitioned plans, and pipelined steps (``Simulator._run_pipeline``).
 
+Synchronisation beside compute (``sync_serial``): on such a host the runtime's work for a gradient all-reduce
+or a parameter-server push that runs while the host computes competes with that compute for the host's CPU
+quota, so the two do not overlap as separate lanes would. A collective or push started at ``st`` that would
+end at ``end`` while a lane of one of its CPU devices is busy until ``free`` delays that lane, and itself, by
+``sigma * (min(end, free) - st)``, with ``sigma`` the profile's ``sync_serial_allreduce`` or
+``sync_serial_ps`` (``NetworkProfile``). On the testbed a ring all-reduce of one convolution's gradient,
+issued mid-backward on three hosts of a quarter core, took 70-80 ms beside the backward pass instead of
+about 20 ms after it, and made the step 10-17 ms slower than pushing the same gradient to a parameter server.
+
 Example::
 
-    from tag.sim.host_cpu import cpu_extra, step_offsets
+    from tag.sim.host_cpu import cpu_extra, step_offsets, sync_serial
     x = cpu_extra(topology, profile.network)          # per device: 1/s - 1 (0: no extra)
+    sigma = sync_serial(topology, profile.network)    # per device: [all-reduce, push] or None
 """
 from __future__ import annotations
 
@@ -59,6 +69,19 @@ def cpu_extra(topology: "Topology", net: "NetworkProfile | None") -> np.ndarray:
     if net is None or not net.host_cpu:
         return np.zeros(topology.num_devices)
     return 1.0 / cpu_speed(topology, net) - 1.0
+
+
+def sync_serial(topology: "Topology", net: "NetworkProfile | None") -> np.ndarray | None:
+    """Per device, [all-reduce or all-gather, parameter-server push]: the fraction of a synchronisation's time
+    beside the device's compute that both lose (the profile's ``sync_serial_*`` on CPU devices, 0 elsewhere);
+    None when nothing is charged."""
+    if net is None or (net.sync_serial_allreduce <= 0 and net.sync_serial_ps <= 0):
+        return None
+    out = np.zeros((topology.num_devices, 2))
+    for d in topology.devices:
+        if d.tf_device_type == "CPU":
+            out[d.index] = (net.sync_serial_allreduce, net.sync_serial_ps)
+    return out if out.any() else None
 
 
 def ps_extra(net: "NetworkProfile | None", extra: np.ndarray, host_of: Sequence[int], workers: Sequence[int],

@@ -81,7 +81,7 @@ def choose_kernel(kernel: str | None) -> str:
 
 
 def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, lane_of_device, static0, fuse_cap, w_coll,
-              lane_start, resource_start,
+              lane_start, resource_start, serial,
               task_group, task_stage, b_src, b_dst, b_same, b_own_pe, b_own_fx, b_own_n,
               sh_start, sh_tid, sh_pe, sh_fx, fwd_start, fwd_task, dep_start, dep_task, upd_start, upd_task,
               g_after, w_bytes, w_count, slot_bytes, state_bytes,
@@ -500,6 +500,27 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                     if resource_free[a_pres[q]] > st:
                         st = resource_free[a_pres[q]]
                 end = st + coll_dur[g]
+                # beside a CPU host's compute (StepSchedule._serialise): its lanes and the collective both wait
+                column = 1 if a_mode[ai] == 1 else 0
+                extra = 0.0
+                for q in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                    d = a_dev[q]
+                    sigma = serial[d, column]
+                    lane = lane_of_device[d]
+                    if sigma <= 0:
+                        continue
+                    repeated = False
+                    for q2 in range(a_dev_start[ai], q):
+                        if serial[a_dev[q2], column] > 0 and lane_of_device[a_dev[q2]] == lane:
+                            repeated = True
+                    if repeated:
+                        continue
+                    busy = min(end, lane_free[lane]) - st
+                    if busy > 0:
+                        lane_free[lane] += sigma * busy
+                        if sigma * busy > extra:
+                            extra = sigma * busy
+                end += extra
                 for q in range(a_pres_start[ai], a_pres_start[ai + 1]):
                     resource_free[a_pres[q]] = end
                 comm += coll_bytes[g]

@@ -133,6 +133,7 @@ class KernelState:
         self.per_tensor = float(routing.cost.per_tensor_s)
         self.no_override = np.full(T, -1, dtype=np.int64)
         self.static_zero = np.zeros(len(device_memory))
+        self.no_serial = np.zeros((len(device_memory), 2))    # no synchronisation charged beside compute
         self._reset_registries()
 
     def _reset_registries(self) -> None:
@@ -298,12 +299,14 @@ class KernelState:
     def run(self, group_local: np.ndarray, local_ai: np.ndarray, local_rep: np.ndarray, local_upd: np.ndarray,
             task_override: np.ndarray, num_lanes: int, lane_of_device: np.ndarray, static0: np.ndarray,
             plans: dict, fuse_cap: float = -1.0, w_coll: np.ndarray | None = None,
-            offsets: tuple[np.ndarray, np.ndarray] | None = None) -> tuple:
+            offsets: tuple[np.ndarray, np.ndarray] | None = None, serial: np.ndarray | None = None) -> tuple:
         """Simulate one step: (step, comm bytes, start, finish, batch [lane, task], collective end per group,
         peak, static and activation bytes per device). FUSE_CAP: all-reduce groups are summed in the fusion
         buckets of ``tag.strategy.fusion`` closed at that many bytes (negative: one collective per group).
         W_COLL: per op group, the bytes its collective is charged for (default: its trainable bytes).
-        OFFSETS: (per lane, per resource) when each is first free (``tag.sim.host_cpu.step_offsets``; default 0)."""
+        OFFSETS: (per lane, per resource) when each is first free (``tag.sim.host_cpu.step_offsets``; default 0).
+        SERIAL: per device, [all-reduce, push] fraction of synchronisation beside its compute that does not
+        overlap it (``tag.sim.host_cpu.sync_serial``; default none)."""
         simulate = compiled_simulate()
         lane_start, resource_start = ((np.zeros(num_lanes), np.zeros(self.num_resources)) if offsets is None
                                       else (np.asarray(offsets[0], np.float64), np.asarray(offsets[1], np.float64)))
@@ -312,7 +315,7 @@ class KernelState:
                 self._args = self._arguments()
             out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
                            static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, lane_start, resource_start,
-                           *self._args)
+                           self.no_serial if serial is None else serial, *self._args)
             missing = out[0]
             if not len(missing):
                 return out[1:]

@@ -63,8 +63,12 @@ class StepSchedule:
 
     def __init__(self, tasks: TaskGraph, routing: Routing, layout_of_task: list[Layout],
                  split_parts: dict[int, list], num_lanes: int, plans: dict[int, dict], group_names: list[str],
-                 record: Recording | None, offsets: tuple[Sequence[float], Sequence[float]] | None = None):
+                 record: Recording | None, offsets: tuple[Sequence[float], Sequence[float]] | None = None,
+                 serial: tuple[np.ndarray, np.ndarray] | None = None):
         T = tasks.num_tasks
+        # (lane of each device, per device [all-reduce, push] fraction): synchronisation beside a CPU host's
+        # compute delays both (tag.sim.host_cpu.sync_serial); None: nothing charged
+        self.serial = serial
         self.tasks, self.routing, self.layout_of_task = tasks, routing, layout_of_task
         self.split_parts = split_parts        # split partition task -> [(device, its ops)] in run order
         self.plans = plans                    # partition group -> its plan (tag.sim.layouts.PartitionPlans)
@@ -244,6 +248,8 @@ class StepSchedule:
                 if resource_free[r] > st:
                     st = resource_free[r]
             end = st + dur
+            if self.serial is not None and kind != "pull":
+                end += self._serialise(devices, st, end, 1 if kind == "push" else 0)
             for r in res:
                 resource_free[r] = end
             self.comm_bytes += nbytes
@@ -259,6 +265,27 @@ class StepSchedule:
                     record.collective_ops.append({"kind": kind.replace("-", ""), "group": g,
                                                   "devices": [int(d) for d in devices],
                                                   "bytes": float(payload), "start_s": st, "end_s": end})
+
+    def _serialise(self, devices, st: float, end: float, column: int) -> float:
+        """A synchronisation over DEVICES from ST to END beside the compute of their lanes: each CPU lane busy
+        after ST is delayed by its fraction (``self.serial``, COLUMN 0 all-reduce, 1 push) of the overlap;
+        returns the largest delay, by which the synchronisation ends later too (``tag.sim.host_cpu``)."""
+        lane_of_device, fraction = self.serial
+        lane_free = self.lane_free
+        seen: list[int] = []
+        extra = 0.0
+        for d in devices:
+            sigma = fraction[d, column]
+            lane = int(lane_of_device[d])
+            if sigma <= 0 or lane in seen:
+                continue
+            seen.append(lane)
+            busy = min(end, lane_free[lane]) - st
+            if busy > 0:
+                lane_free[lane] += sigma * busy
+                if sigma * busy > extra:
+                    extra = sigma * busy
+        return extra
 
     # ------------------------------------------------------------------ the list schedule
     def run(self, actions: list[Action]) -> float:

@@ -99,7 +99,7 @@ from tag.cost.model import CostModel
 from tag.errors import StrategyError
 from tag.ir.algorithms import weight_gradient_ops
 from tag.ir.types import TrainingGraph
-from tag.sim.host_cpu import cpu_speed, step_offsets
+from tag.sim.host_cpu import cpu_speed, step_offsets, sync_serial
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
 from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
@@ -155,6 +155,7 @@ class Simulator:
         # the runtime's CPU work on hosts whose device is their CPU (tag.sim.host_cpu), when it was measured
         self._host_net = net if net is not None and net.host_cpu else None
         self._cpu_speed = cpu_speed(topology, net) if self._host_net is not None else None
+        self._sync_serial = sync_serial(topology, net)     # per device [all-reduce, push] fraction, or None
         self._action_devices: dict[Action, tuple[int, ...]] = {}      # action -> the devices it runs on
         self._offsets: dict[tuple, tuple | None] = {}               # (devices used, lanes) -> step_offsets
         self._valid_actions: set[Action] = set()
@@ -338,7 +339,8 @@ class Simulator:
         group_layouts, layout_of_task, split_parts, has_ps = self._task_layouts(actions, distinct, plans, lanes,
                                                                                 batch)
         schedule = StepSchedule(self.tasks, self.routing, layout_of_task, split_parts, len(lanes.lanes), plans,
-                                self.grouping.names, record, self._step_offsets(distinct.values(), lanes))
+                                self.grouping.names, record, self._step_offsets(distinct.values(), lanes),
+                                None if self._sync_serial is None else (lanes.lane_of_device, self._sync_serial))
         if len(distinct) > 1 or has_ps or plans:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
@@ -396,7 +398,8 @@ class Simulator:
         w_coll = self._collective_bytes(local_actions, None, batch, group_local)
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(local_actions, lanes))
+            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(local_actions, lanes),
+            serial=self._sync_serial)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, self.tasks.task_by_group,
@@ -521,7 +524,8 @@ class Simulator:
                 layout_of_task.append(by_size[s][sizes[m]])
         group_layouts = [by_size[int(s)][sizes[0]] for s in pt.stage_of_group]
         schedule = StepSchedule(pt, self.routing, layout_of_task, {}, len(lanes.lanes), {}, self.grouping.names,
-                                record)
+                                record, None,
+                                None if self._sync_serial is None else (lanes.lane_of_device, self._sync_serial))
         has_ps = any(a.mode == "ps" for a in stage_actions)
         schedule.add_flows(actions, has_ps)
         schedule.add_collectives(actions, group_layouts,
@@ -568,7 +572,7 @@ class Simulator:
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_stage, local_ai, unused, unused, task_layout, len(lanes.lanes), lane_of_device, kernel.static_zero,
-            {}, w_coll=self._collective_bytes(stage_actions, None, batch, group_stage))
+            {}, w_coll=self._collective_bytes(stage_actions, None, batch, group_stage), serial=self._sync_serial)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
