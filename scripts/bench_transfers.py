@@ -254,7 +254,8 @@ def measure_sync_overlap(tb, topo, quotas, args) -> list[dict]:
     for row in rows:
         row.update(quotas=quotas, load=load())
         print(f"  {row['kind']:9s} {row['bytes'] >> 10:5d} KB over {len(devices)} hosts: compute "
-              f"{row['compute_s'] * 1e3:6.1f} ms, sync {row['sync_s'] * 1e3:6.1f} ms, both {row['both_s'] * 1e3:6.1f} ms"
+              f"{row['compute_s'] * 1e3:6.1f} ms, sync {row['sync_s'] * 1e3:6.1f} ms, "
+              f"both {row['both_s'] * 1e3:6.1f} ms"
               f" -> overlap {row['overlap']:+.2f}", flush=True)
     print(f"  fractions that do not overlap (median over sizes, clipped to [0, 1]): all-reduce {serial_ar:.2f}, "
           f"ps {serial_ps:.2f}  load {load()[0]}", flush=True)
@@ -336,7 +337,8 @@ def measure_contention(tb, topo, quotas, args) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes, shares and models")
-    p.add_argument("--only", choices=("transfers", "overlap", "sync_overlap", "batch_share", "contention"), help="one measurement")
+    p.add_argument("--only", choices=("transfers", "overlap", "sync_overlap", "batch_share", "contention"),
+                   help="one measurement")
     p.add_argument("--quotas", default="1.0,0.5", help="CPU quota (cores) of the receiver, then the sender")
     p.add_argument("--link-gbps", type=float, default=1.0)
     p.add_argument("--latency-us", type=float, default=50.0)
