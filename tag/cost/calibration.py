@@ -443,29 +443,6 @@ def _read_graph(nbytes: int, reader: str, holder: str, count: int = 1) -> "v1.Gr
     return g.as_graph_def()
 
 
-def _collective_graph(nbytes: int, devices: Sequence[str], reduce: bool) -> "v1.GraphDef":
-    """A step in which every device sums its own variable of NBYTES, all-reduced first when REDUCE."""
-    g = tf.Graph()
-    with g.as_default():
-        sums, variables = [], []
-        for i, dev in enumerate(devices):
-            with tf.device(dev):
-                var = tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}")
-                variables.append(var)
-                x = var.read_value()
-                if reduce:
-                    x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1, instance_key=1,
-                                                      ordering_token=[], merge_op="Add", final_op="Id",
-                                                      communication_hint="ring")
-                sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
-                variables.append(sink)
-                sums.append(sink.assign_add(tf.reduce_sum(x)))
-        with tf.device(devices[0]):
-            tf.group(*sums, name="step")
-        v1.variables_initializer(variables, name="init")
-    return g.as_graph_def()
-
-
 def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence[int] = ()) -> "v1.GraphDef":
     """A step in which every device of DEVICES holds a gradient-like variable of NBYTES, synchronised as the
     rewriter does it (KIND ``allreduce``: a ring ``CollectiveReduceV2`` over all of them; ``ps``: each other
@@ -652,8 +629,8 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     local_runs = [step(_read_graph(int(n), near, near)) for n in sizes]
     remote_runs = [step(_read_graph(int(n), near, far)) for n in sizes]
     local, remote = (np.array([t for t, _ in runs]) for runs in (local_runs, remote_runs))
-    apart = np.array([step_time(_collective_graph(int(n), (near, far), reduce=False)) for n in sizes])
-    reduced = np.array([step_time(_collective_graph(int(n), (near, far), reduce=True)) for n in sizes])
+    apart = np.array([step_time(_sync_graph(int(n), (near, far), "local")) for n in sizes])
+    reduced = np.array([step_time(_sync_graph(int(n), (near, far), "allreduce")) for n in sizes])
     _, t_rate = fit_line(sizes, remote - local)
     c_lat, c_rate = fit_line(sizes, reduced - apart)
     hops = (step_time(_chain_graph(CHAIN_BYTES, (near, far), CHAIN_HOPS))

@@ -29,8 +29,9 @@ quota, so the two do not overlap as separate lanes would. A collective or push s
 end at ``end`` while a lane of one of its CPU devices is busy until ``free`` delays that lane, and itself, by
 ``sigma * (min(end, free) - st)``, with ``sigma`` the profile's ``sync_serial_allreduce`` or
 ``sync_serial_ps`` (``NetworkProfile``). On the testbed a ring all-reduce of one convolution's gradient,
-issued mid-backward on three hosts of a quarter core, took 70-80 ms beside the backward pass instead of
-about 20 ms after it, and made the step 10-17 ms slower than pushing the same gradient to a parameter server.
+issued mid-backward on hosts of one and two quarter cores, took 70-80 ms beside the backward pass instead of
+about 20 ms after it; the step ran 133-136 ms against 115-130 ms when that gradient went to the parameter server
+like the others (``scripts/probe_mixed_sync.py``).
 
 Example::
 
