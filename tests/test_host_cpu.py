@@ -178,3 +178,34 @@ def test_profiles_keep_the_sync_fractions_and_reject_more_than_one(tmp_path):
     d["network"]["sync_serial_ps"] = 1.5
     with pytest.raises(TagError, match="sync_serial_ps is a fraction"):
         Profile.from_dict(d)
+
+
+def test_pipelines_on_cpu_hosts_cost_the_same_in_both_kernels_with_sync_fractions():
+    """Random pipelines over the three CPU hosts (stages all-reduced or on a parameter server): the stages'
+    gradient synchronisation is charged beside compute alike on both paths, and never makes a step faster."""
+    import random
+    from tag.errors import StrategyError
+    from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage
+    topo = _three_cpu_hosts()
+    grouping, sims = _sims_on(topo, dataclasses.replace(NET, sync_serial_allreduce=0.8, sync_serial_ps=0.4))
+    _, plain = _sims_on(topo, NET)
+    rng = random.Random(11)
+    G, compared = grouping.num_groups, 0
+    for _ in range(40):
+        S = rng.randint(1, min(3, G))
+        bounds = [0] + sorted(rng.sample(range(1, G), S - 1)) + [G]
+        stages = []
+        for i in range(S):
+            placement = tuple(sorted(rng.sample(range(3), rng.randint(1, 3))))
+            ps = rng.random() < 0.3
+            stages.append(PipelineStage(tuple(range(bounds[i], bounds[i + 1])), placement, "ps" if ps else "allreduce",
+                                        rng.choice(placement) if ps else None))
+        try:
+            s = Strategy.pipelined(grouping, Pipeline(tuple(stages), rng.choice([1, 2, 4]), rng.choice(SCHEDULES)))
+            want = sims["python"].evaluate(s, 48).step_time
+        except StrategyError:
+            continue
+        assert sims["compiled"].evaluate(s, 48).step_time == pytest.approx(want, rel=1e-12)
+        assert want >= plain["python"].evaluate(s, 48).step_time - 1e-12
+        compared += 1
+    assert compared >= 10
