@@ -334,9 +334,8 @@ def sync_on_testbed(tb, profile, record: dict | None = None, verbose: bool = Tru
     if profile.network is None or len(topo.hosts) < 2:
         return profile.network
     firsts = [next(d for d in topo.devices if d.host_index == h) for h in range(len(topo.hosts))]
-    speeds = [profile.devices[d.device_type].peak_flops if d.device_type in profile.devices else d.peak_flops
-              for d in firsts]
-    serial_ar, serial_ps, rows = measure_sync_serial(tb.target, [topo.tf_device(d.index) for d in firsts], speeds)
+    serial_ar, serial_ps, rows = measure_sync_serial(tb.target, [topo.tf_device(d.index) for d in firsts],
+                                                     [d.peak_flops for d in firsts])
     if record is not None:
         record["sync_serial"] = rows
     if verbose:

@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
+from tag.cost.calibration import median_step  # noqa: E402
 
 SIZES = (1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20)
 COUNTS = (1, 8, 64, 512)
@@ -80,11 +81,6 @@ def topology_text(quotas: list[float], link_gbps: float, latency_us: float) -> s
                      f'kind: CPU count: 1 memory_gib: 4 peak_tflops: 0.02 memory_bandwidth_gbs: 10 }} }}')
     lines.append(f"fabric {{ bandwidth_gbps: {link_gbps} latency_us: {latency_us} }}")
     return "\n".join(lines) + "\n"
-
-
-def median_step(graph_def, target: str, steps: int, init: str | None = "init") -> float:
-    r = run_steps(graph_def, target, train_op="step", loss=None, init=init, steps=steps + 2, warmup=2)
-    return float(np.median(r.step_times[2:]))
 
 
 # ----------------------------------------------------------------------------------------- graphs

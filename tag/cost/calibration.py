@@ -483,6 +483,14 @@ def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence
     return g.as_graph_def()
 
 
+def median_step(graph_def, target: str, steps: int, init: str | None = "init") -> float:
+    """The median of STEPS timed steps (after two warm-up steps) of a calibration graph whose step op is
+    ``step`` (no loss), on TARGET."""
+    from tag.backend.runtime import run_steps
+    r = run_steps(graph_def, target, train_op="step", loss=None, init=init, steps=steps + 2, warmup=2)
+    return float(np.median(r.step_times[2:]))
+
+
 #: measure_sync_serial: the MatMul side of each host's chain, the fastest host's chain length, the payloads
 SYNC_CHAIN_SIDE = 256
 SYNC_CHAIN_DEPTH = 48
@@ -501,21 +509,15 @@ def measure_sync_serial(target: str, devices: Sequence[str], speeds: Sequence[fl
     warm-up steps, the empty step taken off each. The overlap is ``(C + T - B) / min(C, T)`` (1: side by side,
     0: one after the other); the fraction is the median over payloads of ``1 - overlap``, clipped to [0, 1]
     (``NetworkProfile.sync_serial_allreduce`` / ``sync_serial_ps``)."""
-    from tag.backend.runtime import run_steps
-
-    def step(graph_def) -> float:
-        r = run_steps(graph_def, target, train_op="step", loss=None, init="init", steps=steps + 2, warmup=2)
-        return float(np.median(r.step_times[2:]))
-
     fastest = max(speeds)
     chains = [max(1, round(SYNC_CHAIN_DEPTH * s / fastest)) for s in speeds]
     rows: list[dict] = []
     for nbytes in sizes_bytes:
-        empty = step(_sync_graph(nbytes, devices, "local"))
-        compute = step(_sync_graph(nbytes, devices, "local", chains)) - empty
+        empty = median_step(_sync_graph(nbytes, devices, "local"), target, steps)
+        compute = median_step(_sync_graph(nbytes, devices, "local", chains), target, steps) - empty
         for kind in ("allreduce", "ps"):
-            sync = step(_sync_graph(nbytes, devices, kind)) - empty
-            both = step(_sync_graph(nbytes, devices, kind, chains)) - empty
+            sync = median_step(_sync_graph(nbytes, devices, kind), target, steps) - empty
+            both = median_step(_sync_graph(nbytes, devices, kind, chains), target, steps) - empty
             overlap = (compute + sync - both) / max(min(compute, sync), 1e-9)
             rows.append({"kind": kind, "bytes": int(nbytes), "compute_s": compute, "sync_s": sync, "both_s": both,
                          "empty_s": empty, "overlap": overlap})

@@ -221,6 +221,7 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
     # ---- collectives: pulls now, all-reduces and pushes once their gradients are ready
     resource_free = resource_start.copy()   # a worker launches its part of the step first (tag.sim.host_cpu)
     lane_free = lane_start.copy()
+    lane_mark = np.full(nl, -1, np.int64)  # the collective (its group) that last charged each lane (serial)
     release = np.zeros(T)
     task_finish = np.zeros(T)
     collective_end = np.zeros(G)
@@ -500,27 +501,23 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                     if resource_free[a_pres[q]] > st:
                         st = resource_free[a_pres[q]]
                 end = st + coll_dur[g]
-                # beside a CPU host's compute (StepSchedule._serialise): its lanes and the collective both wait
-                column = 1 if a_mode[ai] == 1 else 0
-                extra = 0.0
-                for q in range(a_dev_start[ai], a_dev_start[ai + 1]):
-                    d = a_dev[q]
-                    sigma = serial[d, column]
-                    lane = lane_of_device[d]
-                    if sigma <= 0:
-                        continue
-                    repeated = False
-                    for q2 in range(a_dev_start[ai], q):
-                        if serial[a_dev[q2], column] > 0 and lane_of_device[a_dev[q2]] == lane:
-                            repeated = True
-                    if repeated:
-                        continue
-                    busy = min(end, lane_free[lane]) - st
-                    if busy > 0:
-                        lane_free[lane] += sigma * busy
-                        if sigma * busy > extra:
-                            extra = sigma * busy
-                end += extra
+                if serial.shape[0] > 0:
+                    # beside a CPU host's compute (StepSchedule._serialise): its lanes and the collective both wait
+                    column = 1 if a_mode[ai] == 1 else 0
+                    extra = 0.0
+                    for q in range(a_dev_start[ai], a_dev_start[ai + 1]):
+                        d = a_dev[q]
+                        sigma = serial[d, column]
+                        lane = lane_of_device[d]
+                        if sigma <= 0 or lane_mark[lane] == g:      # a lane is charged once per collective
+                            continue
+                        lane_mark[lane] = g
+                        busy = min(end, lane_free[lane]) - st
+                        if busy > 0:
+                            lane_free[lane] += sigma * busy
+                            if sigma * busy > extra:
+                                extra = sigma * busy
+                    end += extra
                 for q in range(a_pres_start[ai], a_pres_start[ai + 1]):
                     resource_free[a_pres[q]] = end
                 comm += coll_bytes[g]

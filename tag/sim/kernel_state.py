@@ -133,7 +133,7 @@ class KernelState:
         self.per_tensor = float(routing.cost.per_tensor_s)
         self.no_override = np.full(T, -1, dtype=np.int64)
         self.static_zero = np.zeros(len(device_memory))
-        self.no_serial = np.zeros((len(device_memory), 2))    # no synchronisation charged beside compute
+        self.no_serial = np.zeros((0, 2))    # no synchronisation charged beside compute: the kernel skips it
         self._reset_registries()
 
     def _reset_registries(self) -> None:
