@@ -309,15 +309,20 @@ def search_prior(name: str):
 def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: int | None = None,
                 order: str = "auto", seed: int = 0,
                 progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True,
-                prior: str = "uniform", min_gain: float | None = None, pipeline: bool = True) -> Plan:
+                prior: str = "uniform", min_gain: float | None = None, pipeline: bool = True,
+                fuse_buckets: bool = True) -> Plan:
     """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan. ``min_gain``: how much faster than the best
     built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``).
     ``pipeline``: search pipelines too. When a pipeline wins, the best per-group answer with SFB replaces
-    it if predicted faster (SFB is not deployed inside pipeline stages)."""
+    it if predicted faster (SFB is not deployed inside pipeline stages). ``fuse_buckets``: then choose where the
+    plan's gradient fusion buckets close (``tag.search.buckets``; the plan with the default size stays a tuning
+    candidate, ``default_buckets``, and so does ``dp_allreduce`` with its own size, ``dp_allreduce_buckets``)."""
     from tag.report import pipeline_fields
+    from tag.search.buckets import choose_bucket_bytes
     from tag.search.driver import DEFAULT_MIN_GAIN
+    from tag.strategy.fusion import FUSION_BUCKET_BYTES
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
@@ -359,14 +364,43 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
             notes.append(f"sfb: {len(chosen.chosen)} gradients travel as sufficient factors "
                          f"({chosen.base_step_time * 1e3:.3g} ms -> {chosen.step_time * 1e3:.3g} ms predicted)")
         sfb_fields = {"sfb_gradients": list(chosen.chosen), "sfb_bytes_saved": int(round(chosen.bytes_saved))}
+    buckets = choose_bucket_bytes(env.simulator, strategy, analysis.batch) if fuse_buckets else None
+    bucket_fields = {}
+    if buckets is not None:
+        candidates[DEFAULT_BUCKETS] = strategy
+        baselines[DEFAULT_BUCKETS], feasible[DEFAULT_BUCKETS] = buckets.default_step_time, True
+        strategy = candidates[method] = buckets.strategy
+        results[method], baselines[method] = buckets.result, buckets.step_time
+        notes.append(f"gradient buckets of {_mib(strategy.bucket_bytes)}: {buckets.default_step_time * 1e3:.3g} ms "
+                     f"-> {buckets.step_time * 1e3:.3g} ms predicted (default {_mib(FUSION_BUCKET_BYTES)})")
+        bucket_fields = {"bucket_bytes": float(strategy.bucket_bytes),
+                         "bucket_step_times_s": {_mib(b): float(t) for b, t in buckets.step_times.items()}}
+    if fuse_buckets and method != "dp_allreduce" and "dp_allreduce" in candidates:
+        # data parallelism with its own bucket size: a candidate the measured tuning step may run
+        dp = choose_bucket_bytes(env.simulator, candidates["dp_allreduce"], analysis.batch)
+        if dp is not None:
+            candidates[DP_BUCKETS], baselines[DP_BUCKETS], feasible[DP_BUCKETS] = dp.strategy, dp.step_time, True
     report = _plan_report(analysis, method, results, baselines, feasible, {
         "search_seconds": float(found.search_seconds), "evaluations": int(found.evaluations),
         "method": method, "reference": found.reference, "notes": notes,
         "search": {"order": order, "seed": int(seed), "playouts": playouts, "budget_s": budget_s}, **sfb_fields,
+        **bucket_fields,
         **_pipeline_search_fields(found), **pipeline_fields(strategy, analysis.topology, results[method])})
     plan = _make_plan(analysis, strategy, report)
     plan.candidates = candidates
     return plan
+
+
+DEFAULT_BUCKETS = "default_buckets"   # the plan with FUSION_BUCKET_BYTES buckets, when another size was chosen
+DP_BUCKETS = "dp_allreduce_buckets"   # dp_allreduce with its chosen bucket size (a tuning candidate)
+
+
+def _mib(nbytes: float) -> str:
+    """A bucket size for people: 256 KB, 16 MB, 1 GB."""
+    for unit, name in ((2 ** 30, "GB"), (2 ** 20, "MB"), (2 ** 10, "KB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:g} {name}"
+    return f"{nbytes:g} B"
 
 
 def _pipeline_search_fields(found: "SearchResult") -> dict:

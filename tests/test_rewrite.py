@@ -7,6 +7,7 @@ updated weights with the original graph on one device over 3 steps (``test_same_
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import lru_cache
 
@@ -363,12 +364,15 @@ def test_fusion_buckets_split_by_placement_and_size_and_the_rewrite_follows_them
     cap = min(b for b in group_bytes if b > 0)              # every group closes a bucket by itself
     want = fusion_buckets(st.actions, group_bytes, [True] * grouping.num_groups, cap=cap)
     assert len(want) >= 2
+    def instance_keys(res) -> set:
+        nodes = _nodes(res)
+        return {int(tf.make_ndarray(nodes[n.input[3]].attr["value"].tensor)) for n in res.graph_def.node
+                if n.op == "CollectiveReduceV2"}
+    # the strategy's own bucket size (what tag.search.buckets chooses), and the module default alike
+    assert len(instance_keys(rewrite(gd, ir, dataclasses.replace(st, bucket_bytes=cap), THREE))) == len(want)
+    assert len(instance_keys(rewrite(gd, ir, st, THREE))) == 1
     monkeypatch.setattr(fusion, "FUSION_BUCKET_BYTES", cap)
-    res = rewrite(gd, ir, st, THREE)
-    nodes = _nodes(res)
-    keys = {int(tf.make_ndarray(nodes[n.input[3]].attr["value"].tensor)) for n in res.graph_def.node
-            if n.op == "CollectiveReduceV2"}
-    assert len(keys) == len(want)
+    assert len(instance_keys(rewrite(gd, ir, st, THREE))) == len(want)
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -801,6 +805,28 @@ def test_random_strategies(cluster, name, seeds):
         res = rewrite(gd, ir, random_strategy(ir, seed), topo)
         got = run_rewritten(res, target, ir, batches[:2])
         assert_same_training(got, ref[:2], grads0, ir, LEARNING_RATE[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_small_fusion_buckets_train_exactly(cluster, name):
+    """Data parallelism whose gradients are summed in several fusion buckets (a small ``bucket_bytes``, as
+    tag.search.buckets may choose): several fused collectives, the same training as the original graph."""
+    ports, target = cluster
+    gd, ir = model(name)
+    topo = topology(ports, [0.1, 0.05, 0.05])
+    grouping = group_ops(ir, 8)
+    dp = builtin_strategy("dp_allreduce", ir, topo, grouping)
+    sizes = sorted(v.nbytes for v in trainables(ir))
+    res = rewrite(gd, ir, dataclasses.replace(dp, bucket_bytes=float(sizes[len(sizes) // 2])), topo)
+    nodes = _nodes(res)
+    keys = {int(tf.make_ndarray(nodes[n.input[3]].attr["value"].tensor)) for n in res.graph_def.node
+            if n.op == "CollectiveReduceV2"}
+    assert len(keys) >= 2      # the model's gradients no longer travel in one collective
+    ref, grads0 = _cached_reference(name)
+    batches = feeds_for(gd, ir, STEPS)
+    got = run_rewritten(res, target, ir, batches[:2])
+    assert_same_training(got, ref[:2], grads0, ir, LEARNING_RATE[name])
 
 
 @pytest.mark.slow

@@ -28,6 +28,21 @@ def test_strategy_json_round_trip():
     assert list(t.grouping.group_of_op) == [0, 0, 1] and t.sfb == ["w"]
 
 
+def test_bucket_bytes_round_trips_through_json_and_protobuf_and_is_validated():
+    g = Grouping(np.array([0, 0, 1]), ["a", "b"])
+    acts = [Action((0, 1), "allreduce"), Action((0, 1), "allreduce")]
+    s = Strategy(g, acts, bucket_bytes=2 ** 20)
+    assert Strategy.from_json(s.to_json()).bucket_bytes == 2.0 ** 20
+    assert Strategy.from_proto(s.to_proto().SerializeToString()).bucket_bytes == 2.0 ** 20
+    plain = Strategy(g, acts)           # the default: absent from JSON, 0 in the message, None either way back
+    assert "bucket_bytes" not in plain.to_dict()
+    assert Strategy.from_proto(plain.to_proto()).bucket_bytes is None
+    assert Strategy.from_dict({k: v for k, v in s.to_dict().items() if k != "bucket_bytes"}).bucket_bytes is None
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "16MB"):
+        with pytest.raises(StrategyError, match="bucket_bytes"):
+            Strategy(g, acts, bucket_bytes=bad)
+
+
 def test_action_validation():
     with pytest.raises(StrategyError):
         Action((), "allreduce")

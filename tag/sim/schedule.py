@@ -144,7 +144,8 @@ class StepSchedule:
 
     def add_collectives(self, actions: list[Action], group_layouts: list[Layout | None],
                         weight_bytes: list[float], gathers: dict[int, list] | None = None,
-                        weight_counts: list[int] | None = None, fuse: bool = False) -> None:
+                        weight_counts: list[int] | None = None, fuse: bool = False,
+                        bucket_bytes: float | None = None) -> None:
         """ps groups pull their variables now (the forward tasks wait); gradients are all-reduced or pushed
         once the tasks producing them have run (``collectives_after``; the update tasks wait). GATHERS:
         op group -> its SFB all-gathers (``tag.sim.sfb.GatherCharge``), issued with its all-reduce; the
@@ -152,13 +153,14 @@ class StepSchedule:
         group; a ps group's pull and push each pay the per-tensor cost per variable and remote worker (and
         the runtime's CPU work on slower CPU hosts: ``Routing.collective``'s seconds per variable).
         FUSE: all-reduce groups are summed in the buckets of ``tag.strategy.fusion.fusion_buckets`` (one
-        collective per bucket, issued once every gradient of the bucket exists), as the rewriter fuses them."""
+        collective per bucket, issued once every gradient of the bucket exists), as the rewriter fuses them;
+        BUCKET_BYTES: where a bucket closes (None: ``FUSION_BUCKET_BYTES``)."""
         routing, rfree, release, record = self.routing, self.resource_free, self.release, self.record
         forward_tasks, coll_after, coll_deps = self.tasks.forward_tasks, self.tasks.coll_after, self.tasks.coll_deps
         update_tasks, post = self.tasks.update_tasks, self.collectives_after
         comm = self.comm_bytes
         coll_of: dict[int, tuple] = {}       # action id -> collective coefficients (() if none)
-        fused = self._fused_buckets(actions, group_layouts, weight_bytes, gathers) if fuse else {}
+        fused = self._fused_buckets(actions, group_layouts, weight_bytes, gathers, bucket_bytes) if fuse else {}
         for g, a in enumerate(actions):
             W = weight_bytes[g]
             if gathers and g in gathers:
@@ -217,14 +219,14 @@ class StepSchedule:
         self.comm_bytes = comm
 
     def _fused_buckets(self, actions: list[Action], group_layouts: list[Layout | None], weight_bytes: list[float],
-                       gathers: dict[int, list] | None) -> dict[int, tuple[int, ...]]:
+                       gathers: dict[int, list] | None, cap: float | None = None) -> dict[int, tuple[int, ...]]:
         """Op group -> its fusion bucket, for buckets of two groups or more. A bucket whose update tasks
         would be scheduled before its last gradient (never with the task order of a training step) keeps
         one collective per group, so that no update task is released before its collective is known."""
         replicated = [lay is not None and len(lay.devices) > 1 for lay in group_layouts]
         coll_after, update_tasks = self.tasks.coll_after, self.tasks.update_tasks
         out: dict[int, tuple[int, ...]] = {}
-        for bucket in fusion_buckets(actions, weight_bytes, replicated, set(gathers or ())):
+        for bucket in fusion_buckets(actions, weight_bytes, replicated, set(gathers or ()), cap=cap):
             if len(bucket) < 2:
                 continue
             after = max(coll_after[h] for h in bucket)

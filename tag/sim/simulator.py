@@ -345,7 +345,8 @@ class Simulator:
             schedule.add_flows(actions, has_ps)
         sfb = self.sfb.plan(strategy, actions, self.layouts, batch)
         schedule.add_collectives(actions, group_layouts, self._collective_bytes(actions, sfb.weight_bytes, batch),
-                                 sfb.gathers, self.memory.weight_count_list, fuse=True)
+                                 sfb.gathers, self.memory.weight_count_list, fuse=True,
+                                 bucket_bytes=fusion.bucket_cap(strategy))
         step = schedule.run(actions)
         if record is not None:
             record.lanes = lanes
@@ -398,7 +399,7 @@ class Simulator:
         w_coll = self._collective_bytes(local_actions, None, batch, group_local)
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_local, local_ai, local_rep, local_upd, task_override, len(lanes.lanes), lane_of_device, static0,
-            plans, fusion.FUSION_BUCKET_BYTES, w_coll=w_coll, offsets=self._step_offsets(local_actions, lanes),
+            plans, fusion.bucket_cap(strategy), w_coll=w_coll, offsets=self._step_offsets(local_actions, lanes),
             serial=self._sync_serial)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)

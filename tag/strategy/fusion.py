@@ -59,6 +59,12 @@ def fusion_buckets(actions: Sequence[Action], group_bytes: Sequence[float], repl
     return buckets
 
 
+def bucket_cap(strategy) -> float:
+    """The bytes at which STRATEGY's fusion buckets close: its ``bucket_bytes``, else FUSION_BUCKET_BYTES."""
+    b = getattr(strategy, "bucket_bytes", None)
+    return FUSION_BUCKET_BYTES if b is None else float(b)
+
+
 def bucket_leaders(buckets: Sequence[tuple[int, ...]]) -> dict[int, int]:
     """Op group -> the first group of its bucket (the name the rewriter files the fused collective under)."""
     return {g: b[0] for b in buckets for g in b}

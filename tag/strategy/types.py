@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,6 +95,10 @@ class Strategy:
     # stages, micro-batches and schedule of a pipelined strategy (tag/strategy/pipeline.py); None: no pipeline.
     # Every op group of a stage carries the stage's action in ``actions``.
     pipeline: Pipeline | None = None
+    # gradient bytes at which a fusion bucket of all-reduced op groups closes (tag/strategy/fusion.py); None:
+    # ``FUSION_BUCKET_BYTES``. The search picks it per plan (tag.search.buckets): slow links want several
+    # buckets that overlap the backward pass, rings over many devices want few.
+    bucket_bytes: float | None = None
 
     def __post_init__(self):
         if len(self.actions) != self.grouping.num_groups:
@@ -101,6 +106,11 @@ class Strategy:
         self.device_speeds = tuple(float(x) for x in self.device_speeds)
         if any(not (x > 0) for x in self.device_speeds):
             raise StrategyError("device speeds must be positive")
+        if self.bucket_bytes is not None:
+            b = self.bucket_bytes
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+                raise StrategyError(f"bucket_bytes must be a positive number of bytes, got {b!r}")
+            self.bucket_bytes = float(b)
         if self.pipeline is not None:
             stage_of = self.pipeline.stage_of_group(self.grouping.num_groups)
             for g, a in enumerate(self.actions):
@@ -135,14 +145,15 @@ class Strategy:
                 "actions": [a.to_dict() for a in self.actions],
                 "partition": {str(k): int(v) for k, v in sorted(self.partition.items())},
                 "sfb": list(self.sfb), "device_speeds": list(self.device_speeds),
-                **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {})}
+                **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+                **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Strategy":
         pipeline = Pipeline.from_dict(d["pipeline"]) if d.get("pipeline") else None
         return cls(Grouping.from_dict(d["grouping"]), [Action.from_dict(a) for a in d["actions"]],
                    {int(k): int(v) for k, v in d.get("partition", {}).items()}, list(d.get("sfb", [])),
-                   d.get("name", ""), tuple(d.get("device_speeds", ())), pipeline)
+                   d.get("name", ""), tuple(d.get("device_speeds", ())), pipeline, d.get("bucket_bytes"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -174,6 +185,8 @@ class Strategy:
                                                 mode=_MODE_TO_PB[st.mode])
                 if st.ps_device is not None:
                     stage.ps_device = st.ps_device
+        if self.bucket_bytes is not None:
+            msg.bucket_bytes = self.bucket_bytes
         return msg
 
     @classmethod
@@ -204,7 +217,7 @@ class Strategy:
                                             int(st.ps_device) if st.HasField("ps_device") else None))
             pipeline = Pipeline(tuple(stages), msg.pipeline.micro_batches, msg.pipeline.schedule or "1f1b")
         return cls(grouping, actions, {int(k): int(v) for k, v in sorted(msg.partition.items())},
-                   list(msg.sfb), msg.name, tuple(msg.device_speed), pipeline)
+                   list(msg.sfb), msg.name, tuple(msg.device_speed), pipeline, msg.bucket_bytes or None)
 
 
 _MODE_TO_PB = {"allreduce": 1, "ps": 2, "partition": 3}   # values of enum tag.Mode in proto/strategy.proto

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from tag.strategy.fusion import bucket_leaders, fusion_buckets
+from tag.strategy.fusion import bucket_cap, bucket_leaders, fusion_buckets
 
 from .context import RewriteContext
 from .graph_edit import Range, attr_type, canonical, fill_defaults, split_tensor
@@ -146,7 +146,8 @@ class CollectivesMixin(RewriteContext):
                     sfb_groups.add(g)
         actions = self.strategy.actions
         replicated = [a.mode == "allreduce" and len(self._replicas(g)[0]) > 1 for g, a in enumerate(actions)]
-        leader = bucket_leaders(fusion_buckets(actions, group_bytes, replicated, sfb_groups))
+        leader = bucket_leaders(fusion_buckets(actions, group_bytes, replicated, sfb_groups,
+                                               cap=bucket_cap(self.strategy)))
         merged: dict[BucketKey, list[str]] = {}
         for (g, dtype), ts in sorted(buckets.items(), key=lambda kv: -kv[0][0]):
             merged.setdefault((leader.get(g, g), dtype), []).extend(ts)
