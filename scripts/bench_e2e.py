@@ -196,7 +196,10 @@ def describe(strategy: Strategy, topology) -> str:
         a = strategy.actions[g]
         key = f"{a.mode}@{'+'.join(sorted(group_hosts(strategy, topology, g)))}"
         counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    text = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if strategy.bucket_bytes is not None:
+        text += f" ({strategy.bucket_bytes / 2 ** 20:g} MB buckets)"
+    return text
 
 
 def group_hosts(strategy: Strategy, topology, group: int) -> set[str]:
