@@ -9,7 +9,7 @@ collective starts once its last gradient exists. Where a bucket closes decides t
   1396 ms a data-parallel step, in 1 GB buckets 948 ms;
 * one bucket starts only after the whole backward pass, so nothing overlaps it: on links a thousand times
   slower than a GPU's (the testbed's configuration G, 136 Mbit/s), a small transformer's 2 MB of gradients in
-  one bucket took 570-600 ms a data-parallel step, in 256 KB buckets 496-504 ms (``scripts/bench_buckets.py``).
+  one bucket took 559-597 ms a data-parallel step, in 256 KB buckets 505-518 ms (``scripts/bench_buckets.py``).
 
 TensorFlow's MultiWorkerMirroredStrategy packs every gradient into one collective by default, PyTorch DDP uses
 25 MB buckets and Horovod 64 MB with an autotuner. tag simulates the plan with each size of ``BUCKET_CHOICES``
