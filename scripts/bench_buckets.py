@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -40,6 +39,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 from _common import write_json  # noqa: E402
+from bench_e2e import geomean, git_commit  # noqa: E402
+from tag.search.buckets import size_text  # noqa: E402
 
 #: (ready topology, zoo model, global batch): the models bench_search plans, at batches that fill the devices
 PREDICTED_CASES = [
@@ -52,13 +53,8 @@ PREDICTED_CASES = [
 ROUNDS = 2
 
 
-def geomean(values) -> float | None:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
 def mib(nbytes: float | None) -> str:
-    return "default" if nbytes is None else f"{nbytes / 2 ** 20:g} MB"
+    return "default" if nbytes is None else size_text(nbytes)
 
 
 def predicted_rows(cases) -> list[dict]:
@@ -138,15 +134,6 @@ def measured_rows(profile_path: str, case_names: list[str], seconds: float, roun
     return rows
 
 
-def git_commit() -> str:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--testbed", action="store_true", help="also measure on the testbed's configuration G")
@@ -163,7 +150,7 @@ def main(argv=None) -> int:
     out: dict = {"commit": git_commit(), "load": list(os.getloadavg())}
     if not args.no_predicted:
         rows = predicted_rows(PREDICTED_CASES)
-        out.update(predicted=rows, geomean_predicted_speedup=geomean(r["speedup"] for r in rows))
+        out.update(predicted=rows, geomean_predicted_speedup=geomean([r["speedup"] for r in rows]))
         print(f"predicted dp_allreduce speedup of the chosen size over the default: geomean "
               f"x{out['geomean_predicted_speedup']:.3f}, {sum(r['bucket_bytes'] is not None for r in rows)} of "
               f"{len(rows)} cases change size", flush=True)
@@ -172,7 +159,8 @@ def main(argv=None) -> int:
         if testbed_missing("bench_buckets"):
             return 2
         rows = measured_rows(args.profile, args.cases.split(","), args.seconds, args.rounds)
-        out.update(measured=rows, geomean_measured_dp_speedup=geomean(r["dp_speedup"] for r in rows))
+        speedups = [r["dp_speedup"] for r in rows if r["dp_speedup"]]
+        out.update(measured=rows, geomean_measured_dp_speedup=geomean(speedups) if speedups else None)
     write_json(args.json, out)
     return 0
 

@@ -80,6 +80,7 @@ from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
+from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
 from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
@@ -198,7 +199,7 @@ def describe(strategy: Strategy, topology) -> str:
         counts[key] = counts.get(key, 0) + 1
     text = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     if strategy.bucket_bytes is not None:
-        text += f" ({strategy.bucket_bytes / 2 ** 20:g} MB buckets)"
+        text += f" ({size_text(strategy.bucket_bytes)} buckets)"
     return text
 
 

@@ -320,7 +320,7 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
     plan's gradient fusion buckets close (``tag.search.buckets``; the plan with the default size stays a tuning
     candidate, ``default_buckets``, and so does ``dp_allreduce`` with its own size, ``dp_allreduce_buckets``)."""
     from tag.report import pipeline_fields
-    from tag.search.buckets import choose_bucket_bytes
+    from tag.search.buckets import choose_bucket_bytes, size_text
     from tag.search.driver import DEFAULT_MIN_GAIN
     from tag.strategy.fusion import FUSION_BUCKET_BYTES
     from tag.search import SearchEnv, search
@@ -364,20 +364,24 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
             notes.append(f"sfb: {len(chosen.chosen)} gradients travel as sufficient factors "
                          f"({chosen.base_step_time * 1e3:.3g} ms -> {chosen.step_time * 1e3:.3g} ms predicted)")
         sfb_fields = {"sfb_gradients": list(chosen.chosen), "sfb_bytes_saved": int(round(chosen.bytes_saved))}
-    buckets = choose_bucket_bytes(env.simulator, strategy, analysis.batch) if fuse_buckets else None
+    # the plan's own simulation is its default-size one: the search and SFB never set a bucket size
+    buckets = choose_bucket_bytes(env.simulator, strategy, analysis.batch,
+                                  default=results[method]) if fuse_buckets else None
     bucket_fields = {}
     if buckets is not None:
         candidates[DEFAULT_BUCKETS] = strategy
         baselines[DEFAULT_BUCKETS], feasible[DEFAULT_BUCKETS] = buckets.default_step_time, True
         strategy = candidates[method] = buckets.strategy
         results[method], baselines[method] = buckets.result, buckets.step_time
-        notes.append(f"gradient buckets of {_mib(strategy.bucket_bytes)}: {buckets.default_step_time * 1e3:.3g} ms "
-                     f"-> {buckets.step_time * 1e3:.3g} ms predicted (default {_mib(FUSION_BUCKET_BYTES)})")
+        notes.append(f"gradient buckets of {size_text(strategy.bucket_bytes)}: "
+                     f"{buckets.default_step_time * 1e3:.3g} ms -> {buckets.step_time * 1e3:.3g} ms predicted "
+                     f"(default {size_text(FUSION_BUCKET_BYTES)})")
         bucket_fields = {"bucket_bytes": float(strategy.bucket_bytes),
-                         "bucket_step_times_s": {_mib(b): float(t) for b, t in buckets.step_times.items()}}
+                         "bucket_step_times_s": {size_text(b): float(t) for b, t in buckets.step_times.items()}}
     if fuse_buckets and method != "dp_allreduce" and "dp_allreduce" in candidates:
         # data parallelism with its own bucket size: a candidate the measured tuning step may run
-        dp = choose_bucket_bytes(env.simulator, candidates["dp_allreduce"], analysis.batch)
+        dp = choose_bucket_bytes(env.simulator, candidates["dp_allreduce"], analysis.batch,
+                                 default=results.get("dp_allreduce"))
         if dp is not None:
             candidates[DP_BUCKETS], baselines[DP_BUCKETS], feasible[DP_BUCKETS] = dp.strategy, dp.step_time, True
     report = _plan_report(analysis, method, results, baselines, feasible, {
@@ -393,14 +397,6 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
 
 DEFAULT_BUCKETS = "default_buckets"   # the plan with FUSION_BUCKET_BYTES buckets, when another size was chosen
 DP_BUCKETS = "dp_allreduce_buckets"   # dp_allreduce with its chosen bucket size (a tuning candidate)
-
-
-def _mib(nbytes: float) -> str:
-    """A bucket size for people: 256 KB, 16 MB, 1 GB."""
-    for unit, name in ((2 ** 30, "GB"), (2 ** 20, "MB"), (2 ** 10, "KB")):
-        if nbytes >= unit:
-            return f"{nbytes / unit:g} {name}"
-    return f"{nbytes:g} B"
 
 
 def _pipeline_search_fields(found: "SearchResult") -> dict:

@@ -62,15 +62,25 @@ def fusable(strategy: Strategy) -> bool:
     return len(allreduced) >= 2
 
 
+def size_text(nbytes: float) -> str:
+    """A bucket size for people: 256 KB, 16 MB, 1 GB."""
+    for unit, name in ((2 ** 30, "GB"), (2 ** 20, "MB"), (2 ** 10, "KB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:g} {name}"
+    return f"{nbytes:g} B"
+
+
 def choose_bucket_bytes(simulator: Simulator, strategy: Strategy, batch_size: int | None = None,
-                        choices: tuple[float, ...] = BUCKET_CHOICES,
-                        min_gain: float = MIN_BUCKET_GAIN) -> BucketChoice | None:
+                        choices: tuple[float, ...] = BUCKET_CHOICES, min_gain: float = MIN_BUCKET_GAIN,
+                        default: SimResult | None = None) -> BucketChoice | None:
     """STRATEGY with the fastest predicted bucket size of CHOICES, or None when STRATEGY has nothing to fuse or
     no size is predicted MIN_GAIN faster than the default (``FUSION_BUCKET_BYTES``). Among sizes predicted
-    equally fast the largest is kept (the fewest collectives)."""
+    equally fast the largest is kept (the fewest collectives). DEFAULT: STRATEGY's simulation with the default
+    size, when the caller already has it (not simulated again)."""
     if not fusable(strategy):
         return None
-    default = simulator.evaluate(dataclasses.replace(strategy, bucket_bytes=None), batch_size=batch_size)
+    if default is None:
+        default = simulator.evaluate(dataclasses.replace(strategy, bucket_bytes=None), batch_size=batch_size)
     if not default.feasible:
         return None
     times: dict[float, float] = {FUSION_BUCKET_BYTES: float(default.step_time)}

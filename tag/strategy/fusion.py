@@ -61,8 +61,7 @@ def fusion_buckets(actions: Sequence[Action], group_bytes: Sequence[float], repl
 
 def bucket_cap(strategy) -> float:
     """The bytes at which STRATEGY's fusion buckets close: its ``bucket_bytes``, else FUSION_BUCKET_BYTES."""
-    b = getattr(strategy, "bucket_bytes", None)
-    return FUSION_BUCKET_BYTES if b is None else float(b)
+    return FUSION_BUCKET_BYTES if strategy.bucket_bytes is None else strategy.bucket_bytes
 
 
 def bucket_leaders(buckets: Sequence[tuple[int, ...]]) -> dict[int, int]:
