@@ -156,21 +156,3 @@ def test_profile_summary_names_the_table():
     prof = Profile({"CPU": DeviceProfile(1e10, 1e10, 1e-6, {"default": 0.5}, matmul_table=_table())})
     line = _summary(prof, "CPU")[-1]
     assert line.startswith("  MatMul by shape (sides 16-256)") and "nt 0.1-0.1" in line
-
-
-def test_small_sides_are_timed_on_the_batch_axis_only_and_copied_elsewhere():
-    sides = (4, 16, 64)
-    shapes = set(grid_shapes(sides))
-    assert ("nn", 4, 64, 64) in shapes and ("nt", 4, 64, 64) in shapes and ("tn", 64, 4, 64) in shapes
-    assert ("nn", 64, 4, 64) not in shapes and ("tn", 4, 64, 64) not in shapes and ("nt", 4, 4, 64) not in shapes
-    # rates grow with the batch side: 4 rows run at a quarter of 16 rows' speed
-    rates = {s: 1e9 * (1.0 if s[1 + (s[0] == "tn")] == 4 else 4.0) for s in shapes}
-    t = table_from_rates(rates, peak=1e10, sides=sides)
-    i4, i16 = sides.index(4), sides.index(16)
-    assert t.efficiency["nn"][i4, i16, i16] == pytest.approx(0.1)            # timed: 4 rows
-    assert t.efficiency["nn"][i16, i4, i16] == pytest.approx(0.4)            # a layer 4 wide copies 16
-    assert t.efficiency["tn"][i16, i4, i16] == pytest.approx(0.1)            # weight gradient over 4 rows
-    assert t.efficiency["tn"][i4, i4, i16] == pytest.approx(0.1)             # m = 4 copies m = 16, still 4 rows
-    nn = VARIANTS.index("nn")
-    six_rows = t.lookup(np.array([nn, nn]), np.array([6.0, 16.0]), np.array([16.0, 16.0]), np.array([16.0, 16.0]))
-    assert 0.1 < six_rows[0] < six_rows[1] == pytest.approx(0.4)

@@ -9,13 +9,6 @@ step of a 2048-wide MLP 8-28% too fast, and of a 512-wide one up to 60% too slow
 variant, the efficiency (FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the
 efficiency interpolated at its own shape, at the batch it runs at.
 
-Sides below 16 (``SMALL_SIDES``) are timed on the batch axis only (the rows of a forward product or an input
-gradient, the contracted side of a weight gradient): a pipeline's micro-batch of six examples runs MatMuls of six
-rows, and a table that starts at 16 costed them at 16 rows' speed. Timed on one core of an Intel Xeon guest (the
-calibration's grouped copies), a 4096 x 1024 layer's forward product ran at 9.6 GFLOP/s at 4 rows, 16.9 at 8 and
-24.9 at 16, its weight gradient at 12.3, 23.0 and 42.2; a 1024 x 1024 layer's weight gradient at 12.9, 29.7 and 38.4.
-A small side on another axis (a layer 4 wide) takes the efficiency at 16 on that axis, as before.
-
 Variants (``VARIANTS``): ``nn`` = ``A . B`` (a forward product), ``nt`` = ``A . B^T`` (an input gradient),
 ``tn`` = ``A^T . B`` (a weight gradient); ``A^T . B^T`` is costed as ``nt``. Dimensions: ``m`` rows of
 the result, ``k`` the contracted side, ``n`` columns of the result. Lookup interpolates the logarithm of
@@ -48,12 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 VARIANTS = ("nn", "nt", "tn")
 #: the grid's side lengths, for m, k and n alike (a MatMul's sides are model widths or batch rows)
-DEFAULT_SIDES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-#: sides timed on a variant's batch axis only (micro-batch rows); elsewhere they copy the first larger side
-SMALL_SIDES = 16
-#: per variant, the axis of (m, k, n) that holds the batch rows: the rows of ``x . W`` and ``dy . W^T``, the
-#: contracted side of ``x^T . dy``
-BATCH_AXIS = {"nn": 0, "nt": 0, "tn": 1}
+DEFAULT_SIDES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 MATMUL_OP_TYPES = frozenset({"MatMul", "_FusedMatMul"})
 
 
@@ -182,15 +170,9 @@ def _known_2d(shape) -> bool:
 GRID_MAX_FLOPS = 2.0 ** 32
 
 
-def _small_elsewhere(v: str, point: tuple[int, int, int]) -> bool:
-    """Whether POINT (m, k, n) of variant V has a side below SMALL_SIDES off V's batch axis."""
-    return any(side < SMALL_SIDES for axis, side in enumerate(point) if axis != BATCH_AXIS[v])
-
-
 def grid_shapes(sides=DEFAULT_SIDES, max_flops: float = GRID_MAX_FLOPS) -> list[tuple[str, int, int, int]]:
     """(variant, m, k, n) of every grid point worth timing: those of at most MAX_FLOPS (larger ones take the
-    efficiency of the largest timed m with the same k and n) whose sides below SMALL_SIDES lie on the batch
-    axis only (``BATCH_AXIS``; the others copy the first side of at least SMALL_SIDES).
+    efficiency of the largest timed m with the same k and n).
 
     Why 2^32 and not less: speed can still jump with m at a gigaFLOP. On one core of an AMD EPYC host
     (TensorFlow 2.21), a 2048 x 2048 forward product ran at 45 GFLOP/s at 256 rows and 75 at 512, its input
@@ -199,38 +181,26 @@ def grid_shapes(sides=DEFAULT_SIDES, max_flops: float = GRID_MAX_FLOPS) -> list[
     96-row micro-batches were costed right, so a pipeline measured 0.54x one host was predicted 1.23x
     (``bench_pipeline`` run 16). The larger cap adds 147 grid points, about 15% more calibration time."""
     return [(v, m, k, n) for v in VARIANTS for m in sides for k in sides for n in sides
-            if 2.0 * m * k * n <= max_flops and not _small_elsewhere(v, (m, k, n))]
+            if 2.0 * m * k * n <= max_flops]
 
 
 def table_from_rates(rates: dict[tuple[str, int, int, int], float], peak: float,
                      sides=DEFAULT_SIDES) -> MatmulTable:
     """A MatmulTable from measured FLOP/s per (variant, m, k, n) grid point, as fractions of PEAK (clipped to
-    (0, 1]); an untimed point first raises its sides below SMALL_SIDES off the batch axis to the first side of at
-    least SMALL_SIDES (or the largest side), then copies the largest timed m of its (variant, k, n)."""
+    (0, 1]); untimed points copy the largest timed m of their (variant, k, n)."""
     if not math.isfinite(peak) or peak <= 0:
         raise TagError(f"peak FLOP/s must be positive, got {peak!r}")
-    sides = tuple(sides)
-    base = next((s for s in sides if s >= SMALL_SIDES), sides[-1])
     eff = {}
     for v in VARIANTS:
         a = np.zeros((len(sides),) * 3)
-        for i, m in enumerate(sides):
-            for j, k in enumerate(sides):
-                for l, n in enumerate(sides):
-                    point = [m, k, n]
-                    for axis in range(3):
-                        if axis != BATCH_AXIS[v] and point[axis] < SMALL_SIDES:
-                            point[axis] = base
-                    pm, pk, pn = point
-                    r = None
-                    for m2 in reversed(sides[:sides.index(pm) + 1]):
-                        if m2 < SMALL_SIDES <= pm:       # a large m never copies a micro-batch's rows
-                            break
-                        r = rates.get((v, m2, pk, pn))
-                        if r is not None:
-                            break
-                    if r is None:
+        for j, k in enumerate(sides):
+            for l, n in enumerate(sides):
+                last = None
+                for i, m in enumerate(sides):
+                    r = rates.get((v, m, k, n))
+                    last = r if r is not None else last
+                    if last is None:
                         raise TagError(f"MatMul table: no timing for {v} m={m} k={k} n={n}")
-                    a[i, j, l] = r
+                    a[i, j, l] = last
         eff[v] = np.clip(a / peak, 1e-6, 1.0)
     return MatmulTable(tuple(sides), eff)
