@@ -13,6 +13,7 @@ Usage::
 
     python scripts/probe_micro_batches.py --config A --model vgg --micro-batches 1,2,4,8 --json F
     python scripts/probe_micro_batches.py --config A --model vgg --no-quota --json F
+    python scripts/probe_micro_batches.py --calibrate --one-host --json F   # a fresh calibration, saved beside F
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ RUN = "docs/measured/issue20-fidelity/bench_fidelity_shared_run19"
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", default=RUN, help="a saved bench_fidelity --json path without .json (default: run 19)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate this machine afresh instead of reading --run's calibration (about 12 minutes); "
+                        "the profile and topology are written beside --json")
     p.add_argument("--config", default="A", help="testbed configuration of the recipe (default A)")
     p.add_argument("--model", default="vgg", help="a bench_fidelity model label (default vgg)")
     p.add_argument("--micro-batches", default="1,2,4,8", help="comma-separated micro-batch counts")
@@ -54,9 +58,12 @@ def main(argv=None) -> int:
     from tag.strategy.types import Strategy
 
     spec, batch = {label: (s, b) for label, s, b in MODELS}[args.model]
-    profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
-    with open(f"{args.run}.run1.testbed-{args.config}.pbtxt") as f:
-        topo = parse_topology(f.read())
+    if args.calibrate:
+        profile, topo = fresh_calibration(args.config, args.json)
+    else:
+        profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
+        with open(f"{args.run}.run1.testbed-{args.config}.pbtxt") as f:
+            topo = parse_topology(f.read())
     an = prepare(calibration_graph(spec, batch), topo, batch_size=batch, profile=profile, name=args.model)
     found = search_plan(an, budget_s=10.0, seed=0)   # bench_fidelity's budget and seed
     base = found.candidates["pipeline"].pipeline
@@ -77,7 +84,7 @@ def main(argv=None) -> int:
     predicted = {k: sim.evaluate(s, batch_size=batch).step_time for k, s in cases.items()}
     runnables = {k: (an.rewrite(s), predicted[k]) for k, s in cases.items()}
     quotas = None if args.no_quota else load_recipe()["configs"][args.config]["quotas"]
-    out = {"run": os.path.basename(args.run), "config": args.config, "model": args.model, "batch": batch,
+    out = {"run": "fresh calibration" if args.calibrate else os.path.basename(args.run), "config": args.config, "model": args.model, "batch": batch,
            "quotas": quotas, "one_host": args.one_host, "stages": base.to_dict()["stages"],
            "predicted_ms": {k: v * 1e3 for k, v in predicted.items()}, "measured_ms": [], "load": []}
     with Testbed(an.topology, cpu_quota=quotas) as tb:
@@ -97,6 +104,30 @@ def main(argv=None) -> int:
             tb.stop_workers()
     write_json(args.json, out)
     return 0
+
+
+def fresh_calibration(config: str, json_path: str | None):
+    """(Profile, Topology) of CONFIG calibrated on this machine as bench_fidelity does it (the recipe's
+    calibration, then runtime levels on the running testbed); saved beside JSON_PATH when given."""
+    import tempfile
+    from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels, testbed_topology
+    from tag.backend.testbed import Testbed
+    recipe = load_recipe()
+    with tempfile.TemporaryDirectory() as workdir:
+        profile = calibrate_testbed(recipe, workdir, [config])
+    text, topo = testbed_topology(recipe, config, profile)
+    with Testbed(topo, cpu_quota=recipe["configs"][config]["quotas"]) as tb:
+        tb.start_workers(threads_per_worker=1)
+        try:
+            profile = runtime_levels(tb, recipe, profile)
+        finally:
+            tb.stop_workers()
+    if json_path:
+        stem = json_path[:-5] if json_path.endswith(".json") else json_path
+        profile.save(f"{stem}.testbed-{config}.profile.json")
+        with open(f"{stem}.testbed-{config}.pbtxt", "w") as f:
+            f.write(text)
+    return profile, topo
 
 
 if __name__ == "__main__":
