@@ -20,3 +20,33 @@ def testbed_missing(prog: str) -> bool:
     if not ok:
         print(f"{prog}: the testbed is not available here: {why}", file=sys.stderr)
     return not ok
+
+
+def cpu_times(stat_path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(steal, total) jiffies of every CPU since boot, from the ``cpu`` line of STAT_PATH; None where it cannot be
+    read (not Linux). Steal is time a virtual machine's CPUs were ready but its host ran someone else: on the
+    shared VM these benchmarks run on, 14-23% in some seconds while the load average stayed below 2, which the
+    load average cannot show."""
+    try:
+        with open(stat_path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    values = [int(x) for x in fields[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is already in user and nice
+    return values[7], sum(values[:8])
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two ``cpu_times`` readings (None when either is missing or no time
+    passed)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def steal_text(fraction: float | None) -> str:
+    """``"  steal 12%"`` for a row's printed line ('' when not known)."""
+    return "" if fraction is None else f"  steal {fraction * 100:.0f}%"

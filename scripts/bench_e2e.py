@@ -3,7 +3,8 @@
 For every (testbed configuration, case), in one run and on the same testbed (network namespaces, HTB-shaped
 links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``), each figure the
 median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; every worker one intra-op
-thread), the 1-minute load average beside each row:
+thread), the 1-minute load average beside each row and the share of CPU time the VM's host stole during
+the row (``steal``, from /proc/stat: noise the load average cannot see):
 
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same tf_keras architecture,
   global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker per host with TF_CONFIG;
@@ -83,6 +84,7 @@ from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
+from _common import cpu_times, steal_fraction, steal_text  # noqa: E402
 from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
     testbed_topology  # noqa: E402
 
@@ -238,6 +240,7 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     label, model, batch, width, depth = case
     model_args = mwms_model_args(width, depth)
     steps, warmup = args.steps, args.warmup
+    stolen_from = cpu_times()
     gd = tf1_graph(model, batch, width=width, depth=depth)
     t0 = time.perf_counter()
     plan = tag.optimize(gd, tb.topology, batch_size=batch, profile=profile, budget_s=args.budget, name=label)
@@ -290,13 +293,15 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
            "dp_over_mwms": times["dp_all"] / mwms[n_hosts], "dp_same_over_mwms": times["dp_same"] / mwms[best_k],
            "mixed_over_uniform": None if best_mixed is None else times["uniform"] / best_mixed,
            "mixed_win": best_mixed is not None and times["uniform"] / best_mixed >= MIXED_WIN,
-           "steps": steps, "warmup": warmup, "load": list(os.getloadavg())}
+           "steps": steps, "warmup": warmup, "load": list(os.getloadavg()),
+           "steal": steal_fraction(stolen_from, cpu_times())}
     print(f"{config:<2} {label:<12} {batch:>3}  mwms {'/'.join(f'{v * 1e3:.0f}' for v in mwms.values())} ms "
           f"(best {best_k})  uniform {times['uniform'] * 1e3:7.1f}  dp {times['dp_all'] * 1e3:7.1f} "
           f"dp_same {times['dp_same'] * 1e3:7.1f}  plan {times['plan'] * 1e3:7.1f} "
           f"(pred {plan.predicted_step_time * 1e3:6.1f}, {plan.method})  tuned {times['tuned'] * 1e3:7.1f} "
           f"({tuned.method}, {tune_s:.0f} s)  vs best mwms {row['speedup_vs_best_mwms']:.2f}x  "
-          f"mixed/uniform {row['mixed_over_uniform'] or 0:.2f}  load {row['load'][0]:.1f}", flush=True)
+          f"mixed/uniform {row['mixed_over_uniform'] or 0:.2f}  load {row['load'][0]:.1f}{steal_text(row['steal'])}",
+          flush=True)
     print(f"    plan: {row['plan']}; tuned: {row['tuned']}; uniform: {row['uniform']}", flush=True)
     from tag.report import format_tune
     for line in format_tune(row["tune"]):

@@ -55,7 +55,8 @@ intra-op thread):
   built in float64 with the same pipeline (``exactness_float64``: float32 rounding of a deep ReLU network
   alone reaches 1e-2 of a gradient); the float32 graph's figures are kept as ``*_float32``.
 
-Needs root (namespaces, tc, cgroup v1 cpu). The machine is shared: the load average is printed per case.
+Needs root (namespaces, tc, cgroup v1 cpu). The machine is shared: the load average is printed per case, and
+the share of CPU time the VM's host stole while the case ran (``steal``, from /proc/stat).
 
 Usage::
 
@@ -87,6 +88,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import numpy as np  # noqa: E402
 
+from _common import cpu_times, steal_fraction, steal_text  # noqa: E402
 from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_interleaved, runtime_levels, \
     testbed_topology  # noqa: E402
 from bench_e2e import geomean, mwms_model_args, run_mwms  # noqa: E402
@@ -331,6 +333,7 @@ def host_prefix_strategy(env: SearchEnv, hosts: int) -> Strategy:
 
 def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch: int, profile: Profile,
              args) -> dict:
+    stolen_from = cpu_times()
     gd = tf1_graph(model, batch, width=width, depth=depth)
     an = prepare(gd, tb.topology, batch_size=batch, profile=profile, name=label)
     env = SearchEnv(an.graph, an.topology, an.grouping, cost_model=an.cost_model, batch_size=batch,
@@ -414,7 +417,8 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
            "max_rel_weight_diff": diff, "max_rel_grad_diff": grad_diff,
            "max_rel_weight_diff_float32": diff32, "max_rel_grad_diff_float32": grad_diff32,
            "micro_batch_rounding": rounding,
-           "zero_gradient_variables": zero_grad, "search_s": search_s, "load": list(os.getloadavg())}
+           "zero_gradient_variables": zero_grad, "search_s": search_s, "load": list(os.getloadavg()),
+           "steal": steal_fraction(stolen_from, cpu_times())}
     print(f"{label:<12} B={batch:<3} pipeline {pipe_s * 1e3:7.1f} ms (pred {pipe_pred * 1e3:7.1f}; "
           f"{len(p.stages)} stages on {row['pipeline_stages']} hosts, M={p.micro_batches} {p.schedule})  "
           f"uniform {uni_s * 1e3:7.1f} ms (pred {uni_pred * 1e3:7.1f}; {uniform.actions[0].to_dict()})  "
@@ -428,7 +432,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
           f"tuned: {kept.name} {tuned_s * 1e3:7.1f} ms (x{row['tuned_over_best_uniform']:.2f} vs uniform)  "
           f"float64 weights {diff:.1e} (gradients {grad_diff:.1e}); float32 weights {diff32:.1e} (gradients "
           f"{grad_diff32:.1e}; float32 order alone {rounding:.1e})  "
-          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}{steal_text(row['steal'])}", flush=True)
     return row
 
 
