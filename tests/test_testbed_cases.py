@@ -45,3 +45,11 @@ def test_kernel_chains_run_on_one_device():
         r = run_steps(kernel_chain_graph(kind, "/device:CPU:0"), "", train_op="step", loss=None, steps=2, warmup=1)
         assert len(r.step_times) == 2, kind
     assert set(CONTENTION_KERNELS) == {"conv", "conv_filter_grad", "matmul", "elementwise"}
+
+
+def test_rounds_disagree_when_a_quota_spreads_beyond_the_limit():
+    from _testbed_cases import rounds_disagree
+    assert rounds_disagree({0: [0.93, 1.26], 1: [0.49, 0.49]}, 0.15)          # run 26's full core: 30% apart
+    assert not rounds_disagree({0: [0.98, 1.01], 1: [0.49, 0.486]}, 0.15)
+    assert not rounds_disagree({0: [0.5]}, 0.0)                               # one round cannot disagree
+    assert not rounds_disagree({0: [0.93, 1.26]}, float("inf"))               # no limit set: never
