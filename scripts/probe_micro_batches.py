@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     predicted = {k: sim.evaluate(s, batch_size=batch).step_time for k, s in cases.items()}
     runnables = {k: (an.rewrite(s), predicted[k]) for k, s in cases.items()}
     quotas = None if args.no_quota else load_recipe()["configs"][args.config]["quotas"]
-    out = {"run": "fresh calibration" if args.calibrate else os.path.basename(args.run), "config": args.config, "model": args.model, "batch": batch,
-           "quotas": quotas, "one_host": args.one_host, "stages": base.to_dict()["stages"],
+    out = {"run": "fresh calibration" if args.calibrate else os.path.basename(args.run), "config": args.config,
+           "model": args.model, "batch": batch, "quotas": quotas, "one_host": args.one_host,
+           "stages": base.to_dict()["stages"],
            "predicted_ms": {k: v * 1e3 for k, v in predicted.items()}, "measured_ms": [], "load": []}
     with Testbed(an.topology, cpu_quota=quotas) as tb:
         tb.start_workers(threads_per_worker=1)
