@@ -12,7 +12,8 @@ activations crossing a stage boundary take less time on such a link than the sta
 on GPU clusters (bytes per FLOP at a boundary of an MLP of width W with L layers per stage: 8W / (6 L W^2); a
 20 x 2048 MLP at 3 stages: 9.8e-5; a d-wide transformer encoder: about 8d / (72 d^2 L), 1.1e-4 for 8 layers
 of d=384 at 3 stages; BERT-large's 24 layers of d=1024 on 4 GPUs: 1.8e-5), with micro-batches large enough
-to run near the host's full rate, at global batches where one host alone takes one to two seconds;
+to run near the host's full rate, at global batches where one host alone takes one to two seconds (the deep
+MLP about six: its 48-row micro-batches at 384 ran below the MatMuls' full rate, see ``CASES``);
 all-reducing their weights over the same links takes tens of seconds. The third case, a VGG-style CNN
 whose fully connected head holds 97% of the weights and whose convolutions do about 80% of the FLOPs, is
 the shape where mixing must win: its convolutions want every host (few weights to all-reduce), its head one
@@ -113,8 +114,12 @@ QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 # and a stage must hold enough layers that its boundary moves little per FLOP. Until run 13 the cases were a
 # 10 x 2048 MLP at batch 48, a 4-layer d=384 transformer at batch 12 and the VGG at 192, where the
 # simulator predicted no pipeline faster than one host (0.88x measured in run 13, predicted within 3%).
+# From run 27 the deep MLP runs at batch 1536 (384 until run 26): at 384 the simulator's best pipeline needs
+# M >= 8 to shrink the three stages' bubble, and then each micro-batch is 48 rows, where its MatMuls run at
+# three quarters of the rate; on run 26's calibration (before any measurement at 1536) the searched pipeline
+# was predicted 1.02x one host at 384, 1.32x at 768 (M=4) and 1.57x at 1536 (M=8: 192-row micro-batches).
 CASES = [
-    ("deep-mlp", "mlp", 2048, 20, 384),
+    ("deep-mlp", "mlp", 2048, 20, 1536),
     ("transformer", "transformer", 384, 8, 48),
     # a VGG-style CNN with a large fully connected head (tag.backend.mwms "vgg": 97% of the weights in the
     # head, ~80% of the FLOPs in the convolutions): the convolutions want every host, the head one host
