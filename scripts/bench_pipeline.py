@@ -61,7 +61,7 @@ the share of CPU time the VM's host stole while the case ran (``steal``, from /p
 
 Usage::
 
-    python scripts/bench_pipeline.py                          # 3 cases; calibration included (~15 min)
+    python scripts/bench_pipeline.py                          # 3 cases; calibration included (~1 hour)
     python scripts/bench_pipeline.py --quick                  # the MLP only
     python scripts/bench_pipeline.py --json F --save-profile P   # F: rows and the keys
     python scripts/bench_pipeline.py --profile P              # reuse a calibration
