@@ -13,7 +13,7 @@ on GPU clusters (bytes per FLOP at a boundary of an MLP of width W with L layers
 20 x 2048 MLP at 3 stages: 9.8e-5; a d-wide transformer encoder: about 8d / (72 d^2 L), 1.1e-4 for 8 layers
 of d=384 at 3 stages; BERT-large's 24 layers of d=1024 on 4 GPUs: 1.8e-5), with micro-batches large enough
 to run near the host's full rate, at global batches where one host alone takes one to two seconds (the deep
-MLP about six: its 48-row micro-batches at 384 ran below the MatMuls' full rate, see ``CASES``);
+MLP about nine, at 1536: at 384 its 48-row micro-batches ran below the MatMuls' full rate, see ``CASES``);
 all-reducing their weights over the same links takes tens of seconds. The third case, a VGG-style CNN
 whose fully connected head holds 97% of the weights and whose convolutions do about 80% of the FLOPs, is
 the shape where mixing must win: its convolutions want every host (few weights to all-reduce), its head one
