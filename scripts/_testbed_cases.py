@@ -488,7 +488,6 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
                                os.path.join(workdir, f"like-{device_type(quotas[i])}-{r}.json"))
                 shares[i].append(like.devices[device_type(quotas[i])].peak_flops / ref.peak_flops)
             r += 1
-        rounds = r
     # every quota, the full one included, at the speed it sustained in the rounds: the largest quota's rounds
     # ran at 0.89-1.02 of the traced run's own sustained step in eight calibrations, and the hosts run like the rounds
     devices = {device_type(q): ref.scaled(float(np.median(shares[i]))) for i, q in enumerate(quotas)}
@@ -496,7 +495,7 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
     rounds_text = "; ".join(f"{device_type(q)} {', '.join(f'{x:.3f}' for x in shares[i])}"
                             for i, q in enumerate(quotas))
     profile_out.source = (f"testbed calibration ({', '.join(cal['models'])} at batch {cal['batch']}; one device "
-                          f"type per quota; shares of {device_type(quotas[0])}'s sustained step in {rounds} "
+                          f"type per quota; shares of {device_type(quotas[0])}'s sustained step in {len(shares[0])} "
                           f"rounds: {rounds_text})")
     if verbose:
         n = profile_out.network
