@@ -37,8 +37,8 @@ fastest hosts. The topologies and profile come from the recipe (``_testbed_cases
 running testbed); every quota of G is one of A's, so G costs no extra calibration.
 
 Cases (global batches divisible by 1, 2 and 3 hosts for MWMS): the three models of issue 11 (MLP
-784-2048-2048-1024 at 96, a small ResNet at 48, a 2-layer transformer at 48), ``vgg`` (three stages of
-two 3x3 convolutions, 16/32/64 channels, then a 1024-1024 fully connected head: 97% of the weights in the
+784-2048-2048-1024 at 96, a small ResNet at 48, a 2-layer transformer at 96, 48 until November 29),
+``vgg`` (three stages of two 3x3 convolutions, 16/32/64 channels, then a 1024-1024 fully connected head: 97% of the weights in the
 head, about 80% of the FLOPs in the convolutions; 96) and bench_pipeline's deep MLP (20 x 2048; 384, 96 until
 bench_pipeline run 27) and transformer (8 layers, d=384; 12); ``--batch-scale 4`` gives the last three
 bench_pipeline's batches.
@@ -93,12 +93,15 @@ from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, 
 # vgg, deep-mlp and deep-transformer at bench_pipeline's sizes with --batch-scale 4 (that bench's CASES says how
 # they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
 # mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
-# (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate)
+# (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate); the
+# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the saved G calibration the
+# simulator predicted one host best at 192, 408 ms against 424 ms for dp over the three hosts: a case where using
+# every host cannot pay; at 384 it predicted a mixed plan 1.26x faster than one host)
 CASES = [
     ("vgg", "vgg", 96, None, None),
     ("deep-mlp", "mlp", 384, 2048, 20),
     ("deep-transformer", "transformer", 12, 384, 8),
-    ("transformer", "transformer", 48, None, None),
+    ("transformer", "transformer", 96, None, None),
     ("cnn", "cnn", 48, None, None),
     ("mlp", "mlp", 96, None, None),
 ]
