@@ -39,9 +39,9 @@ running testbed); every quota of G is one of A's, so G costs no extra calibratio
 Cases (global batches divisible by 1, 2 and 3 hosts for MWMS): the three models of issue 11 (MLP
 784-2048-2048-1024 at 96, a small ResNet at 48, a 2-layer transformer at 96, 48 until November 29),
 ``vgg`` (three stages of two 3x3 convolutions, 16/32/64 channels, then a 1024-1024 fully connected head: 97%
-of the weights in the head, about 80% of the FLOPs in the convolutions; 96) and bench_pipeline's deep MLP (20 x 2048; 384, 96 until
-bench_pipeline run 27) and transformer (8 layers, d=384; 12); ``--batch-scale 4`` gives the last three
-bench_pipeline's batches.
+of the weights in the head, about 80% of the FLOPs in the convolutions; 96) and bench_pipeline's deep MLP
+(20 x 2048; 384, 96 until bench_pipeline run 27) and transformer (8 layers, d=384; 12); ``--batch-scale 4``
+gives the last three bench_pipeline's batches.
 
 Summary keys (``--json``): ``geomean_speedup_vs_best_mwms`` and ``worst_speedup_vs_best_mwms`` (the tuned
 plan against the best MWMS), ``mixed_wins`` (cases where a measured plan that is not a uniform action --
