@@ -94,9 +94,10 @@ from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, 
 # they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
 # mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
 # (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate); the
-# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the saved G calibration the
-# simulator predicted one host best at 192, 408 ms against 424 ms for dp over the three hosts: a case where using
-# every host cannot pay; at 384 it predicted a mixed plan 1.26x faster than one host)
+# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the G calibration
+# docs/measured/issue22-e2e/e2e_g_scale4_xeon_buckets.profile.json the simulator predicted one host best at 192,
+# 408 ms against 424 ms for dp over the three hosts: a case where using every host cannot pay; at 384 it
+# predicted a mixed plan 1.26x faster than one host)
 CASES = [
     ("vgg", "vgg", 96, None, None),
     ("deep-mlp", "mlp", 384, 2048, 20),

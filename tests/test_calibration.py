@@ -296,8 +296,7 @@ def test_sync_serial_times_synchronisation_beside_compute_on_real_servers():
         serial_ar, serial_ps, rows = measure_sync_serial(cluster.target, [topo.tf_device(i) for i in range(3)],
                                                          [1.0, 0.5, 0.5], sizes_bytes=(16 << 20,), steps=5)
     assert [r["kind"] for r in rows] == ["allreduce", "ps"]
-    print([{k: r[k] for k in ("kind", "empty_s", "compute_s", "sync_s", "both_s")} for r in rows])
-    assert all(r["sync_s"] > 0 and r["compute_s"] > 0 and r["both_s"] > 0 for r in rows)
+    assert all(r["sync_s"] > 0 and r["compute_s"] > 0 and r["both_s"] > 0 for r in rows), rows
     assert 0.0 <= serial_ar <= 1.0 and 0.0 <= serial_ps <= 1.0
 
 
