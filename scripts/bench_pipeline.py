@@ -30,8 +30,12 @@ fits the alone levels only.
 Per case, side by side on one running testbed (every time the median of the timed steps; every worker one
 intra-op thread):
 
-- ``pipeline``: ``tag.search.pipeline_dp`` (stages, devices, micro-batches, schedule; simulated) rewritten by
-  ``tag.rewrite`` and run on TF servers in the namespaces;
+- ``pipeline``: the fastest pipeline tag's search predicts (stages, devices, micro-batches, schedule; simulated),
+  rewritten by ``tag.rewrite`` and run on TF servers in the namespaces: ``tag.search.pipeline_dp``'s answer, or
+  the tree search's when it is predicted faster (``tag.search.search`` with ``--search-budget`` seconds, as
+  ``tag.optimize`` runs it: the DP's pipelines are root candidates of the tree and each stage's action is chosen
+  below them, so a stage may be replicated on another device set or mode than the DP gave it; the row's
+  ``pipeline_source`` says which, ``predicted_pipeline_dp_s`` keeps the DP's prediction);
 - ``uniform``: tag's best uniform action (``tag.search.best_uniform``: one candidate action for every op group);
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``tag.backend.mwms``, the same tf_keras
   architecture, batch and Adam) on every prefix of the hosts, fastest first, the best kept; its prediction is
@@ -43,8 +47,8 @@ intra-op thread):
   ``deferred_w_speedup`` (measured: the time of the schedule that is not ``deferred_w`` over deferred_w's)
   says what deferring them gives on its own;
 - ``tuned``: the measured tuning step as ``tag-deploy --run --tune`` runs it (``tag.tune``, default K) over the
-  pipeline, the best uniform action, the best pipeline of each other micro-batch count and the pipeline under
-  each other schedule (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is
+  pipeline, the DP's pipeline when the tree's was chosen, the best uniform action, the DP's best pipeline of
+  each other micro-batch count and its pipeline under each other schedule (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is
   timed again in the interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
 - ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
   ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
@@ -97,7 +101,7 @@ from tag.api import prepare  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from tag.search.driver import best_uniform  # noqa: E402
+from tag.search.driver import best_uniform, search  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.pipeline_dp import pipeline_alternatives, pipeline_dp  # noqa: E402
 from tag.strategy.pipeline import DEFERRED_W, Pipeline  # noqa: E402
@@ -217,10 +221,12 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
 
 def tuning_step(an, tb: Testbed, pipe: Strategy, pipe_pred: float, uniform: Strategy, uni_pred: float, found):
     """``tag.tune`` on the running testbed as ``tag-deploy --run --tune`` does it (default K): the pipeline (the
-    plan), the best uniform action and ``pipeline_alternatives`` (other micro-batch counts, other schedules);
-    the TuneResult."""
+    plan), the DP's answer when the plan is the tree search's pipeline, the best uniform action and
+    ``pipeline_alternatives`` (other micro-batch counts, other schedules); the TuneResult."""
     strategies = {"pipeline": pipe, BEST_UNIFORM: uniform}
     predicted = {"pipeline": pipe_pred, BEST_UNIFORM: uni_pred}
+    if found.strategy is not pipe:
+        strategies["pipeline_dp"], predicted["pipeline_dp"] = found.strategy, found.outcome.step_time
     for name, (alternative, outcome) in pipeline_alternatives(found).items():
         strategies[name], predicted[name] = alternative, outcome.step_time
     chosen = choose(distinct_candidates("pipeline", strategies, predicted, {}, an.topology), None)
@@ -348,7 +354,15 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     search_s = time.perf_counter() - t0
     if found.strategy is None:
         raise RuntimeError("pipeline_dp found no feasible pipeline")
-    pipe, pipe_pred = found.strategy, found.outcome.step_time
+    pipe, pipe_pred, source = found.strategy, found.outcome.step_time, "pipeline_dp"
+    if args.search_budget > 0:
+        searched = search(env, budget_s=args.search_budget, seed=0)
+        tree_pipe = searched.candidates.get("mcts_pipeline")
+        if tree_pipe is not None and searched.baselines_feasible["mcts_pipeline"] \
+                and searched.baselines["mcts_pipeline"] < pipe_pred:
+            pipe, pipe_pred, source = tree_pipe, searched.baselines["mcts_pipeline"], "mcts_pipeline"
+        search_s = time.perf_counter() - t0
+    pipe_result = found.result if pipe is found.strategy else env.simulator.evaluate(pipe, batch_size=batch)
     choice, uni_out = best_uniform(env)
     uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
     hand = hand_pipeline(env, args.hand_micro_batches, args.quotas)
@@ -399,8 +413,9 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
     rounding = micro_batch_rounding(model, batch, width, depth, p.micro_batches)
     row = {"case": label, "model": model, "width": width, "depth": depth, "batch": batch,
            "pipeline": p.to_dict(), "pipeline_stages": [len(s.placement) for s in p.stages],
+           "pipeline_source": source, "predicted_pipeline_dp_s": found.outcome.step_time,
            "predicted_pipeline_s": pipe_pred, "measured_pipeline_s": pipe_s,
-           "predicted_bubble_fraction": found.result.bubble_fraction if found.result is not None else None,
+           "predicted_bubble_fraction": pipe_result.bubble_fraction if pipe_result is not None else None,
            "best_uniform_action": uniform.actions[0].to_dict(), "predicted_uniform_s": uni_pred,
            "measured_uniform_s": uni_s,
            "mwms": {str(k): {"predicted_s": v[0], "measured_s": v[1]} for k, v in mwms.items()},
@@ -425,7 +440,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
            "zero_gradient_variables": zero_grad, "search_s": search_s, "load": list(os.getloadavg()),
            "steal": steal_fraction(stolen_from, cpu_times())}
     print(f"{label:<12} B={batch:<3} pipeline {pipe_s * 1e3:7.1f} ms (pred {pipe_pred * 1e3:7.1f}; "
-          f"{len(p.stages)} stages on {row['pipeline_stages']} hosts, M={p.micro_batches} {p.schedule})  "
+          f"{source}: {len(p.stages)} stages on {row['pipeline_stages']} hosts, M={p.micro_batches} {p.schedule})  "
           f"uniform {uni_s * 1e3:7.1f} ms (pred {uni_pred * 1e3:7.1f}; {uniform.actions[0].to_dict()})  "
           f"mwms {mwms[best_k][1] * 1e3:7.1f} ms on {best_k} host(s) (pred {mwms[best_k][0] * 1e3:7.1f}; all: "
           f"{', '.join(f'{k}:{v[1] * 1e3:.0f}' for k, v in mwms.items())}"
@@ -448,6 +463,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-gbps", type=float, default=25.0,
                    help="the GPU cluster's Ethernet rate whose bytes per FLOP the links keep (default 25)")
     p.add_argument("--budget", type=float, default=6.0, help="seconds of timed steps per tag run")
+    p.add_argument("--search-budget", type=float, default=20.0,
+                   help="seconds of tag's search (tag.optimize's portfolio) whose tree may find a faster pipeline "
+                        "than the DP's (0: the DP's answer only)")
     p.add_argument("--mwms-steps", type=int, default=8, help="MWMS steps per host set (the first --warmup untimed)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hand-micro-batches", type=int, default=4,
