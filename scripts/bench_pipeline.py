@@ -12,8 +12,8 @@ activations crossing a stage boundary take less time on such a link than the sta
 on GPU clusters (bytes per FLOP at a boundary of an MLP of width W with L layers per stage: 8W / (6 L W^2); a
 20 x 2048 MLP at 3 stages: 9.8e-5; a d-wide transformer encoder: about 8d / (72 d^2 L), 1.1e-4 for 8 layers
 of d=384 at 3 stages; BERT-large's 24 layers of d=1024 on 4 GPUs: 1.8e-5), with micro-batches large enough
-to run near the host's full rate, at global batches where one host alone takes one to two seconds (the deep
-MLP about nine, at 1536: at 384 its 48-row micro-batches ran below the MatMuls' full rate, see ``CASES``);
+to run near the host's full rate, at global batches where one host alone takes seconds (the transformer about three at 96, the deep
+MLP about nine at 1536: at 384 its 48-row micro-batches ran below the MatMuls' full rate, see ``CASES``);
 all-reducing their weights over the same links takes tens of seconds. The third case, a VGG-style CNN
 whose fully connected head holds 97% of the weights and whose convolutions do about 80% of the FLOPs, is
 the shape where mixing must win: its convolutions want every host (few weights to all-reduce), its head one
@@ -122,9 +122,13 @@ QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 # M >= 8 to shrink the three stages' bubble, and then each micro-batch is 48 rows, where its MatMuls run at
 # three quarters of the rate; on run 26's calibration (before any measurement at 1536) the searched pipeline
 # was predicted 1.02x one host at 384, 1.32x at 768 (M=4) and 1.57x at 1536 (M=8: 192-row micro-batches).
+# From run 28 the transformer runs at batch 96 (48 until run 27), as bench_e2e's deep transformer does since
+# December 1: at 48 its pipeline measured 0.97x one host here (run 26) and 0.97-1.15x in bench_e2e's G runs,
+# within their noise; at 96 bench_e2e's G run of December 1 measured the same 3-stage pipeline (M=16) 1.27x
+# faster than one host.
 CASES = [
     ("deep-mlp", "mlp", 2048, 20, 1536),
-    ("transformer", "transformer", 384, 8, 48),
+    ("transformer", "transformer", 384, 8, 96),
     # a VGG-style CNN with a large fully connected head (tag.backend.mwms "vgg": 97% of the weights in the
     # head, ~80% of the FLOPs in the convolutions): the convolutions want every host, the head one host
     ("vgg", "vgg", None, None, 384),
