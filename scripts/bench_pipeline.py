@@ -529,20 +529,13 @@ def main(argv=None) -> int:
             except Exception as err:  # noqa: BLE001 - report the case, go on with the others
                 tb.stop_workers()
                 print(f"{case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}", flush=True)
+                continue
+            if args.json:        # after every case: a run cut short keeps the cases it finished
+                write_json(args.json, summarise(rows), rows, link, args.gpu_gbps, quotas, profile)
     if not rows:
         print("bench_pipeline: no case ran", file=sys.stderr)
         return 1
-    summary = {"pipeline_over_best_uniform": geomean([r["pipeline_over_best_uniform"] for r in rows]),
-               "pipeline_over_best_mwms": geomean([r["pipeline_over_best_mwms"] for r in rows]),
-               "median_abs_rel_error_pipeline": float(np.median([abs(r["rel_error_pipeline"]) for r in rows])),
-               "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows),
-               "max_rel_grad_diff": max(r["max_rel_grad_diff"] for r in rows),
-               "max_rel_weight_diff_float32": max(r["max_rel_weight_diff_float32"] for r in rows),
-               "max_rel_grad_diff_float32": max(r["max_rel_grad_diff_float32"] for r in rows),
-               "max_micro_batch_rounding": max(r["micro_batch_rounding"] for r in rows),
-               "deferred_w_speedup": geomean([r["deferred_w_speedup"] for r in rows]),
-               "tuned_over_best_uniform": geomean([r["tuned_over_best_uniform"] for r in rows]),
-               "tuned_over_best_mwms": geomean([r["tuned_over_best_mwms"] for r in rows])}
+    summary = summarise(rows)
     best = max(r["pipeline_over_best_uniform"] for r in rows)
     print(f"\n{len(rows)} cases in {time.time() - t0:.0f} s: pipeline / best uniform "
           f"{summary['pipeline_over_best_uniform']:.2f}x geomean (target >= 1.25), best case {best:.2f}x (>= 1.4); "
@@ -556,10 +549,30 @@ def main(argv=None) -> int:
           f"{summary['tuned_over_best_uniform']:.2f}x, / best MWMS {summary['tuned_over_best_mwms']:.2f}x; "
           f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps, "quotas": quotas,
-                       "profile_source": profile.source}, f, indent=2)
+        write_json(args.json, summary, rows, link, args.gpu_gbps, quotas, profile)
     return 0
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The issue's keys over ROWS (geomeans of the measured ratios, the largest weight differences)."""
+    return {"pipeline_over_best_uniform": geomean([r["pipeline_over_best_uniform"] for r in rows]),
+            "pipeline_over_best_mwms": geomean([r["pipeline_over_best_mwms"] for r in rows]),
+            "median_abs_rel_error_pipeline": float(np.median([abs(r["rel_error_pipeline"]) for r in rows])),
+            "max_rel_weight_diff": max(r["max_rel_weight_diff"] for r in rows),
+            "max_rel_grad_diff": max(r["max_rel_grad_diff"] for r in rows),
+            "max_rel_weight_diff_float32": max(r["max_rel_weight_diff_float32"] for r in rows),
+            "max_rel_grad_diff_float32": max(r["max_rel_grad_diff_float32"] for r in rows),
+            "max_micro_batch_rounding": max(r["micro_batch_rounding"] for r in rows),
+            "deferred_w_speedup": geomean([r["deferred_w_speedup"] for r in rows]),
+            "tuned_over_best_uniform": geomean([r["tuned_over_best_uniform"] for r in rows]),
+            "tuned_over_best_mwms": geomean([r["tuned_over_best_mwms"] for r in rows])}
+
+
+def write_json(path: str, summary: dict, rows: list[dict], link: float, gpu_gbps: float, quotas, profile) -> None:
+    """The run's JSON: SUMMARY's keys, the rows and the testbed's links and quotas."""
+    with open(path, "w") as f:
+        json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": gpu_gbps, "quotas": quotas,
+                   "profile_source": profile.source}, f, indent=2)
 
 
 if __name__ == "__main__":
