@@ -199,7 +199,9 @@ def describe(strategy: Strategy, topology) -> str:
     """Devices, stages and modes of STRATEGY, in a few words (the README's "why")."""
     if strategy.pipeline is not None:
         p = strategy.pipeline
-        stages = " | ".join("+".join(topology.groups[g].host for g in s.placement) for s in p.stages)
+        # a replicated stage's mode (all-reduce or parameter server) says how its devices share the stage
+        stages = " | ".join("+".join(topology.groups[g].host for g in s.placement)
+                            + (f" {s.mode}" if len(s.placement) > 1 else "") for s in p.stages)
         return f"pipeline {len(p.stages)} stages [{stages}], M={p.micro_batches} {p.schedule}"
     if len(hosts_used(strategy, topology)) == 1:
         return f"one device on {hosts_used(strategy, topology).pop()}"
