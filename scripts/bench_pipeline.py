@@ -12,8 +12,9 @@ activations crossing a stage boundary take less time on such a link than the sta
 on GPU clusters (bytes per FLOP at a boundary of an MLP of width W with L layers per stage: 8W / (6 L W^2); a
 20 x 2048 MLP at 3 stages: 9.8e-5; a d-wide transformer encoder: about 8d / (72 d^2 L), 1.1e-4 for 8 layers
 of d=384 at 3 stages; BERT-large's 24 layers of d=1024 on 4 GPUs: 1.8e-5), with micro-batches large enough
-to run near the host's full rate, at global batches where one host alone takes seconds (the transformer about three at 96, the deep
-MLP about nine at 1536: at 384 its 48-row micro-batches ran below the MatMuls' full rate, see ``CASES``);
+to run near the host's full rate, at global batches where one host alone takes seconds (the transformer
+about three at 96, the deep MLP about nine at 1536: at 384 its 48-row micro-batches ran below the MatMuls'
+full rate, see ``CASES``);
 all-reducing their weights over the same links takes tens of seconds. The third case, a VGG-style CNN
 whose fully connected head holds 97% of the weights and whose convolutions do about 80% of the FLOPs, is
 the shape where mixing must win: its convolutions want every host (few weights to all-reduce), its head one
@@ -48,8 +49,8 @@ intra-op thread):
   says what deferring them gives on its own;
 - ``tuned``: the measured tuning step as ``tag-deploy --run --tune`` runs it (``tag.tune``, default K) over the
   pipeline, the DP's pipeline when the tree's was chosen, the best uniform action, the DP's best pipeline of
-  each other micro-batch count and its pipeline under each other schedule (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is
-  timed again in the interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
+  each other micro-batch count and its pipeline under each other schedule
+  (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is timed again in the interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
 - ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
   ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
 - ``max_rel_weight_diff``: one pipelined step on the testbed against the original graph on one local device,
