@@ -50,7 +50,8 @@ intra-op thread):
 - ``tuned``: the measured tuning step as ``tag-deploy --run --tune`` runs it (``tag.tune``, default K) over the
   pipeline, the DP's pipeline when the tree's was chosen, the best uniform action, the DP's best pipeline of
   each other micro-batch count and its pipeline under each other schedule
-  (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is timed again in the interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
+  (``tag.search.pipeline_dp.pipeline_alternatives``; from run 20); the one it keeps is timed again in the
+  interleaved rounds (``tuned_over_best_uniform``, ``tuned_over_best_mwms``);
 - ``hand pipeline``: a hand-made pipeline (one stage per host, cuts by FLOPs in proportion to the quotas,
   ``--hand-micro-batches``), to tell the runtime's pipelining apart from the search's choice;
 - ``max_rel_weight_diff``: one pipelined step on the testbed against the original graph on one local device,
