@@ -357,7 +357,6 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
                     simulator=an.simulator())
     t0 = time.perf_counter()
     found = pipeline_dp(env)
-    search_s = time.perf_counter() - t0
     if found.strategy is None:
         raise RuntimeError("pipeline_dp found no feasible pipeline")
     pipe, pipe_pred, source = found.strategy, found.outcome.step_time, "pipeline_dp"
@@ -367,7 +366,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
         if tree_pipe is not None and searched.baselines_feasible["mcts_pipeline"] \
                 and searched.baselines["mcts_pipeline"] < pipe_pred:
             pipe, pipe_pred, source = tree_pipe, searched.baselines["mcts_pipeline"], "mcts_pipeline"
-        search_s = time.perf_counter() - t0
+    search_s = time.perf_counter() - t0
     pipe_result = found.result if pipe is found.strategy else env.simulator.evaluate(pipe, batch_size=batch)
     choice, uni_out = best_uniform(env)
     uniform, uni_pred = env.strategy(choice, name="best_uniform"), uni_out.step_time
@@ -533,7 +532,7 @@ def main(argv=None) -> int:
                 print(f"{case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}", flush=True)
                 continue
             if args.json:        # after every case: a run cut short keeps the cases it finished
-                write_json(args.json, summarise(rows), rows, link, args.gpu_gbps, quotas, profile)
+                write_json(args.json, rows, link, args.gpu_gbps, quotas, profile)
     if not rows:
         print("bench_pipeline: no case ran", file=sys.stderr)
         return 1
@@ -550,9 +549,7 @@ def main(argv=None) -> int:
           f"{summary['deferred_w_speedup']:.2f}x; after the tuning step / best uniform "
           f"{summary['tuned_over_best_uniform']:.2f}x, / best MWMS {summary['tuned_over_best_mwms']:.2f}x; "
           f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    if args.json:
-        write_json(args.json, summary, rows, link, args.gpu_gbps, quotas, profile)
-    return 0
+    return 0      # the JSON, if asked for, was written after the last case that ran
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -570,10 +567,10 @@ def summarise(rows: list[dict]) -> dict:
             "tuned_over_best_mwms": geomean([r["tuned_over_best_mwms"] for r in rows])}
 
 
-def write_json(path: str, summary: dict, rows: list[dict], link: float, gpu_gbps: float, quotas, profile) -> None:
-    """The run's JSON: SUMMARY's keys, the rows and the testbed's links and quotas."""
+def write_json(path: str, rows: list[dict], link: float, gpu_gbps: float, quotas, profile) -> None:
+    """The run's JSON: the summary keys over ROWS, the rows and the testbed's links and quotas."""
     with open(path, "w") as f:
-        json.dump({**summary, "rows": rows, "link_gbps": link, "gpu_gbps": gpu_gbps, "quotas": quotas,
+        json.dump({**summarise(rows), "rows": rows, "link_gbps": link, "gpu_gbps": gpu_gbps, "quotas": quotas,
                    "profile_source": profile.source}, f, indent=2)
 
 
