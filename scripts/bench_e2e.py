@@ -59,6 +59,7 @@ Usage::
     python scripts/bench_e2e.py --profile e2e.profile.json # reuse a calibration
     python scripts/bench_e2e.py --out-dir tb/              # also write tb/testbed-A.pbtxt, tb/profile-A.json, ...
     python scripts/bench_e2e.py --table e2e.json           # the README table of a saved result
+    python scripts/bench_e2e.py --table a.json,b.json      # cases of several runs in one table (each row keeps its run)
     python scripts/bench_e2e.py --configs G --cases vgg --batch-scale 4   # more compute per byte of weights
 """
 from __future__ import annotations
@@ -403,6 +404,38 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def combined_results(paths: list[str]) -> dict:
+    """The saved ``--json`` result of PATHS[0], or with several PATHS their rows in one result: each row gets
+    its run's ``run_commit`` and ``run_file``, and ``runs`` lists every run's file, commit, seconds and whether it
+    completed. Raises ValueError when a case is in more than one run (which row would count?), OSError and
+    ValueError on a file that is not a saved result."""
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{path}: not JSON ({err})") from None
+        if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
+            raise ValueError(f"{path}: not a saved bench_e2e --json result (no rows)")
+        results.append(result)
+    if len(results) == 1:
+        return results[0]
+    rows, seen = [], {}
+    for path, result in zip(paths, results):
+        for row in result["rows"]:
+            key = (row["config"], row["case"], row["batch"])
+            if key in seen:
+                raise ValueError(f"{row['config']}/{row['case']} at batch {row['batch']} is in both {seen[key]} "
+                                 f"and {path}")
+            seen[key] = path
+            rows.append({**row, "run_commit": result.get("commit"), "run_file": os.path.basename(path)})
+    runs = [{"file": os.path.basename(p), "commit": r.get("commit"), "seconds": r.get("seconds"),
+             "complete": r.get("complete"), "cases": len(r["rows"])} for p, r in zip(paths, results)]
+    return {**{k: v for k, v in results[0].items() if k not in ("rows", "commit", "seconds", "complete")},
+            "runs": runs, "rows": rows}
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
@@ -432,12 +465,17 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
     p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
-    p.add_argument("--table", metavar="JSON", help="print the README table and summary of a saved --json result "
-                                                   "(with --json F: write it to F with the summary recomputed)")
+    p.add_argument("--table", metavar="JSON[,JSON...]",
+                   help="print the README table and summary of saved --json results: several files (comma-separated) "
+                        "are combined case by case, each row keeping its run's commit and file (with --json F: "
+                        "write the result to F with the summary recomputed)")
     args = p.parse_args(argv)
     if args.table:
-        with open(args.table) as f:
-            result = json.load(f)
+        try:
+            result = combined_results(args.table.split(","))
+        except (OSError, ValueError) as err:
+            print(f"bench_e2e --table: {err}", file=sys.stderr)
+            return 2
         result.update(summary(result["rows"]))   # the summary keys as this version computes them
         print(markdown_table(result))
         print("\n" + json.dumps({k: v for k, v in result.items() if k != "rows" and not isinstance(v, dict)}))

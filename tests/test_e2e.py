@@ -81,6 +81,39 @@ def test_gpu_ratio_links_and_the_readme_table():
     assert "| G | vgg (48) | 100 / 200 / 300 | 100 (1) |" in table and "1.50 (win)" in table
 
 
+def _saved_row(case: str, plan_s: float) -> dict:
+    """One bench_e2e row as --json saves it (the keys summary() and markdown_table() read)."""
+    return {"config": "G", "case": case, "batch": 48, "mwms_s": {"1": 0.1, "2": 0.2, "3": 0.3}, "mwms_best_s": 0.1,
+            "mwms_best_hosts": 1, "uniform_s": 0.1, "dp_same_s": 0.1, "dp_same_over_mwms": 1.0, "plan_s": plan_s,
+            "plan_method": "pipeline", "plan_is_uniform": False, "plan": "[h0 | h1] M=4", "tuned_s": plan_s,
+            "tuned_method": "pipeline", "tuned_is_uniform": False, "tuned": "[h0 | h1] M=4",
+            "speedup_vs_best_mwms": 0.1 / plan_s, "speedup_vs_mwms": 0.3 / plan_s, "dp_over_mwms": 1.0,
+            "plan_speedup_vs_best_mwms": 0.1 / plan_s, "tune_seconds": 10.0, "load": [1.0, 1.0, 1.0]}
+
+
+def test_table_combines_the_cases_of_several_runs_and_refuses_a_case_measured_twice(tmp_path, capsys):
+    """--table a.json,b.json: one table and summary over both runs' cases, each row naming its run; a case in
+    both runs, or a file that is not a saved result, exits 2 with one line."""
+    import json
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"commit": "aaa", "seconds": 10.0, "complete": True, "rows": [_saved_row("vgg", 0.05)]}))
+    b.write_text(json.dumps({"commit": "bbb", "seconds": 20.0, "complete": True, "rows": [_saved_row("cnn", 0.08)]}))
+    out = tmp_path / "both.json"
+    assert bench().main(["--table", f"{a},{b}", "--json", str(out)]) == 0
+    both = json.loads(out.read_text())
+    assert [(r["case"], r["run_commit"]) for r in both["rows"]] == [("vgg", "aaa"), ("cnn", "bbb")]
+    assert [r["commit"] for r in both["runs"]] == ["aaa", "bbb"]
+    assert both["mixed_wins"] == 2 and both["geomean_speedup_vs_best_mwms"] == pytest.approx((2.0 * 1.25) ** 0.5)
+    capsys.readouterr()
+    assert bench().main(["--table", f"{a},{a}"]) == 2
+    assert "vgg at batch 48 is in both" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert bench().main(["--table", f"{a},{bad}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a saved bench_e2e --json result" in err and "\n" not in err
+
+
 def test_testbed_recipe_and_topology_from_profiled_quotas():
     """The recipe's configurations become three-host topologies whose device speeds are the profile's."""
     import sys
