@@ -473,11 +473,16 @@ def main(argv=None) -> int:
     if args.table:
         try:
             result = combined_results(args.table.split(","))
+            result.update(summary(result["rows"]))   # the summary keys as this version computes them
+            table = markdown_table(result)
         except (OSError, ValueError) as err:
             print(f"bench_e2e --table: {err}", file=sys.stderr)
             return 2
-        result.update(summary(result["rows"]))   # the summary keys as this version computes them
-        print(markdown_table(result))
+        except KeyError as err:
+            print(f"bench_e2e --table {args.table}: a row has no key {err} (not a saved bench_e2e --json result)",
+                  file=sys.stderr)
+            return 2
+        print(table)
         print("\n" + json.dumps({k: v for k, v in result.items() if k != "rows" and not isinstance(v, dict)}))
         if args.json:
             with open(args.json, "w") as f:

@@ -112,6 +112,10 @@ def test_table_combines_the_cases_of_several_runs_and_refuses_a_case_measured_tw
     assert bench().main(["--table", f"{a},{bad}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a saved bench_e2e --json result" in err and "\n" not in err
+    bad.write_text('{"rows": [{"config": "G"}]}')
+    assert bench().main(["--table", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a row has no key" in err and "\n" not in err
 
 
 def test_testbed_recipe_and_topology_from_profiled_quotas():
