@@ -182,6 +182,16 @@ def test_deferred_weight_gradients_run_once_per_step_on_one_device_stages():
     assert any("weight-gradient ops run once per step" in n for n in res.notes)
     done = [n.name.rsplit("/", 1)[1] for n in res.graph_def.node if n.name.startswith("tag/pipeline/stage_0/0/")]
     assert done == ["F0_done", "F1_done", "F2_done", "F3_done", "B3_done", "B2_done", "B1_done", "B0_done"]
+    # the once-per-step ops and the concatenations they read start after the stage's last step, not beside it
+    last = "tag/pipeline/stage_0/0/B0_done"
+    w = nodes["gradients/dense_0/MatMul_grad/MatMul_1"]
+    assert waits_for(nodes, w.name, last)
+    concats = [i.split(":")[0] for i in w.input if i.startswith("tag/concat/")]
+    concats += [j.split(":")[0] for i in w.input if i.split(":")[0] in nodes
+                for j in nodes[i.split(":")[0]].input if j.startswith("tag/concat/")]
+    assert concats and all(waits_for(nodes, c, last) for c in concats)
+    # per-micro-batch ops of the step do not wait for it
+    assert not any(waits_for(nodes, n, last) for n in dx)
 
 
 def test_weight_gradient_ops_are_the_batch_reductions_only_updates_read():
