@@ -253,6 +253,10 @@ class PipelineMixin(RewriteContext):
                     members.setdefault((s, i.asked_dev, _STEP_PHASE[phase], self._micro_index(i.rng)), []).append(
                         i.name)
         by_name = {node.name: node for node in self.out_nodes}
+        readers: dict[str, set[str]] = {}       # node -> the nodes reading it (for _defer_after), built once
+        for node in self.out_nodes if self.deferred_ops else ():
+            for i in node.input:
+                readers.setdefault(split_tensor(i.lstrip("^"))[0], set()).add(node.name)
         edges = 0
         for s, steps in enumerate(self.strategy.pipeline.steps()):
             devs = sorted({d for (s2, d, _, _) in members if s2 == s})
@@ -272,12 +276,13 @@ class PipelineMixin(RewriteContext):
                     self.out_nodes.append(node)
                     prev = done
                 if prev is not None:
-                    edges += self._defer_after(s, d, prev, by_name)
+                    edges += self._defer_after(s, d, prev, by_name, readers)
         self.notes.append(f"pipeline: schedule enforced by {edges} control dependencies")
 
-    def _defer_after(self, s: int, d: int, last: str, by_name: dict) -> int:
+    def _defer_after(self, s: int, d: int, last: str, by_name: dict, readers: dict) -> int:
         """Make stage S's deferred weight-gradient instances on device D, and the concatenations of micro-batch
-        tensors they read, start after the NoOp LAST of the stage's last step; the control edges added.
+        tensors they read, start after the NoOp LAST of the stage's last step (READERS: node -> the nodes reading
+        it); the control edges added.
 
         Why: ungated, a layer's weight-gradient ops become ready as soon as the last micro-batch's output
         gradient of that layer exists, and TensorFlow runs them beside the rest of that micro-batch's backward
@@ -293,10 +298,6 @@ class PipelineMixin(RewriteContext):
         if not deferred:
             return 0
         names = {x.name for x in deferred}
-        readers: dict[str, set[str]] = {}
-        for node in self.out_nodes:
-            for i in node.input:
-                readers.setdefault(split_tensor(i.lstrip("^"))[0], set()).add(node.name)
         # a concatenation is gated only when deferred instances alone read it (a step reading it would wait
         # for itself)
         concats = {f.name: f for x in deferred for i in x.input if not i.startswith("^")
