@@ -172,14 +172,16 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
     return {k: float(np.median(v)) for k, v in samples.items()}
 
 
-def levelled(entry, scales: dict, overhead_s: float):
+def levelled(entry, scales: dict, overhead_s: float, fade_s: float | None = None):
     """ENTRY (a DeviceProfile) with each family's scale multiplied by SCALES[family] and OVERHEAD_S added to its
-    launch overhead: a runtime_levels fit applied."""
+    launch overhead: a runtime_levels fit applied. FADE_S (seconds): the scales fade for longer kernels
+    (``DeviceProfile.level_fade_s``); None keeps ENTRY's."""
     import dataclasses
     return dataclasses.replace(
         entry, family_scale={**entry.family_scale,
                              **{f: entry.family_scale.get(f, 1.0) * s for f, s in scales.items()}},
-        launch_overhead_s=(entry.launch_overhead_s or 0.0) + overhead_s)
+        launch_overhead_s=(entry.launch_overhead_s or 0.0) + overhead_s,
+        level_fade_s=entry.level_fade_s if fade_s is None else fade_s)
 
 
 def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, float, list[float]]]:
@@ -215,6 +217,21 @@ def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, 
     return out
 
 
+def one_host_rooflines(analysis, profile, batch: int, devices) -> list:
+    """Per device of DEVICES: the roofline seconds of every op of ANALYSIS's graph run whole on it (PROFILE's
+    efficiencies, no family scale, no launch overhead), the times ``tag.cost.fitting.fit_faded_level`` fades
+    by length. Their sum is ``sum(one_host_split(...)[i][2])`` when PROFILE has no family scales."""
+    import dataclasses
+
+    import numpy as np
+
+    from tag.cost.model import CostModel, Profile
+    bare = Profile({t: dataclasses.replace(d, family_scale={}, launch_overhead_s=0.0, level_fade_s=None)
+                    for t, d in profile.devices.items()}, network=profile.network)
+    model = CostModel(analysis.graph, analysis.topology, bare)
+    return [np.array(model.op_times(analysis.topology.devices[d].group, batch)) for d in devices]
+
+
 UNDER_LOAD_ROUNDS = 2      # runtime_levels(under_load=True): alone / loaded pairs per calibration step
 
 
@@ -230,16 +247,18 @@ def paired_load_ratio(alone: list[float], loaded: list[float]) -> float:
 
 
 def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bool = True,
-                   record: dict | None = None, per_family: bool | None = None, under_load: bool | None = None):
+                   record: dict | None = None, per_family: bool | None = None, under_load: bool | None = None,
+                   fade: bool | None = None):
     """PROFILE with every device type of the running testbed TB at the speed tag's runtime gets from it.
 
     Each calibration model runs whole on the first host of each device type, through tag's runtime (a TF
-    server per host, a client session: the path every measured case takes), at the calibration batch and at
-    a quarter of it (``runtime_levels_batch_fraction``). Each predicted step is split into the parts a family
+    server per host, a client session: the path every measured case takes), at the calibration batch, at
+    a quarter of it (``runtime_levels_batch_fraction``) and, when the recipe's ``runtime_levels_large_factor``
+    is set, at that multiple of it (``levels_batches``). Each predicted step is split into the parts a family
     scale multiplies (``tag.cost.op_classes.FAMILIES``: convolutions, MatMuls, the rest; each part found by
     doubling that family's scale) and the launch overheads of its ``ops``. Per device type, the measured steps
     are fitted as ``overheads + sum_f a_f * part_f + c * ops`` (``tag.cost.fitting.fit_levels``: a Huber loss
-    on the log-ratios over both batches of every model, non-negative, families tied where apart they are not sane):
+    on the log-ratios over every batch of every model, non-negative, families tied where apart they are not sane):
     each family's scale in the entry is multiplied by its ``a_f`` and ``c`` is added to its launch overhead.
     The one-scale fit (every family tied) is printed beside it.
     Why per family: on the servers the same one-host steps ran 8-19% slower than in the profiling processes
@@ -264,7 +283,13 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     RECORD's key ``under_load`` holds their points and fits. None: the recipe's
     ``calibration.levels_under_load`` (default False; the shipped recipe sets it True). Why: the testbed's
     hosts share one machine, and a host's kernels ran up to 1.9x slower while the others computed
-    (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast."""
+    (``bench_transfers.py --only contention``), so levels measured alone cost multi-host plans too fast.
+    FADE: apply the one-scale fit as a scale that fades for long kernels (``tag.cost.fitting.fit_faded_level``:
+    the fade length fitted on the alone points, the loaded points fitted at the same length), in place of the
+    one-scale fit; None: the recipe's ``calibration.levels_fade`` (default False; the shipped recipe sets it
+    True). Ignored with PER_FAMILY. Why: one scale fitted on the calibration models (x1.21-1.29 in
+    bench_pipeline runs 30-31) charged the benchmark models' one-host steps 21-38% too much, where the profile
+    without it was within 8% of them: the calibration models' short kernels lose more to the runtime."""
     from contextlib import ExitStack
 
     import numpy as np
@@ -272,28 +297,33 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
     from tag.api import prepare
     from tag.cost.model import Profile
     from tag.strategy.baselines import on_one_device
-    batch, small = levels_batches(recipe)
+    batches = levels_batches(recipe)
     if per_family is None:
         per_family = bool(recipe["calibration"].get("levels_per_family", True))
+    if fade is None:
+        fade = bool(recipe["calibration"].get("levels_fade", False))
     if under_load is None:
         under_load = bool(recipe["calibration"].get("levels_under_load", False))
     first_group = first_group_per_type(tb.topology)
-    # device type -> (predicted, ops, per-family parts, measured) per calibration step; alone and under load
-    points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
-    loaded_points: dict[str, list[tuple[float, float, list[float], float]]] = {t: [] for t in first_group}
+    # device type -> (predicted, ops, per-family parts, measured, per-op rooflines) per calibration step;
+    # alone and under load
+    points: dict[str, list[tuple]] = {t: [] for t in first_group}
+    loaded_points: dict[str, list[tuple]] = {t: [] for t in first_group}
     load_ratios: dict[str, list[float]] = {t: [] for t in first_group}     # loaded / alone per step, paired
     for spec in recipe["calibration"]["models"]:
-        for b in (batch, small):
+        for b in batches:
             analysis = prepare(calibration_graph(spec, b), tb.topology, batch_size=b, profile=profile,
                                name="calibration")
-            splits = one_host_split(analysis, profile, b, [g.devices[0] for g in first_group.values()])
+            firsts = [g.devices[0] for g in first_group.values()]
+            splits = one_host_split(analysis, profile, b, firsts)
+            rooflines = one_host_rooflines(analysis, profile, b, firsts)
             whole = {g.name: analysis.rewrite(on_one_device(analysis.grouping, analysis.topology,
                                                             len(analysis.graph.ops), g.devices[0]))
                      for g in (tb.topology.groups if under_load else first_group.values())}
-            for (dtype, group), (predicted, ops, parts) in zip(first_group.items(), splits):
+            for (dtype, group), (predicted, ops, parts), roof in zip(first_group.items(), splits, rooflines):
                 if not under_load:
                     measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
-                    points[dtype].append((predicted, ops, parts, measured))
+                    points[dtype].append((predicted, ops, parts, measured, roof))
                     continue
                 alone, loaded = [], []
                 for _ in range(UNDER_LOAD_ROUNDS):      # alone and loaded in turn: the drift falls on both
@@ -307,20 +337,22 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
                         loaded.append(measure_on_testbed(tb, whole[group.name], predicted,
                                                          budget_s / UNDER_LOAD_ROUNDS))
                 measured, ratio = float(np.median(alone)), paired_load_ratio(alone, loaded)
-                points[dtype].append((predicted, ops, parts, measured))
-                loaded_points[dtype].append((predicted, ops, parts, measured * ratio))
+                points[dtype].append((predicted, ops, parts, measured, roof))
+                loaded_points[dtype].append((predicted, ops, parts, measured * ratio, roof))
                 load_ratios[dtype].append(ratio)
-    devices, loaded_devices, notes = fit_alone_and_loaded(points, loaded_points, profile.devices, per_family, record)
+    devices, loaded_devices, notes = fit_alone_and_loaded(points, loaded_points, profile.devices, per_family, record,
+                                                          fade=fade and not per_family)
     text = ", ".join(notes)
+    applied = "per family" if per_family else "one fading scale" if fade else "one scale"
     if under_load:
         notes += [f"{t} loaded / alone per step (paired, {UNDER_LOAD_ROUNDS} rounds): "
                   + "/".join(f"{x:.2f}" for x in r) for t, r in load_ratios.items()]
     if verbose:
-        print(f"runtime levels (batches {batch} and {small}; applied: {'per family' if per_family else 'one scale'}):"
+        print(f"runtime levels (batches {' and '.join(str(b) for b in batches)}; applied: {applied}):"
               f"\n  " + "\n  ".join(notes), flush=True)
     network = sync_on_testbed(tb, profile, record, verbose)
     return Profile(devices, source=f"{profile.source}; runtime levels on the testbed "
-                                   f"({'per family' if per_family else 'one scale'} applied): {text}",
+                                   f"({applied} applied): {text}",
                    network=network, devices_under_load=loaded_devices)
 
 
@@ -346,11 +378,16 @@ def sync_on_testbed(tb, profile, record: dict | None = None, verbose: bool = Tru
     return dataclasses.replace(profile.network, sync_serial_allreduce=serial_ar, sync_serial_ps=serial_ps)
 
 
-def levels_batches(recipe: dict) -> tuple[int, int]:
-    """The two batches ``runtime_levels`` times each calibration model at: the recipe's calibration batch and
-    ``runtime_levels_batch_fraction`` (default a quarter) of it."""
-    batch = int(recipe["calibration"]["batch"])
-    return batch, max(1, int(round(batch * float(recipe["calibration"].get("runtime_levels_batch_fraction", 0.25)))))
+def levels_batches(recipe: dict) -> tuple[int, ...]:
+    """The batches ``runtime_levels`` times each calibration model at: the recipe's calibration batch,
+    ``runtime_levels_batch_fraction`` (default a quarter) of it and, if the recipe sets
+    ``runtime_levels_large_factor``, that multiple of it (longer kernels, for the fade of the levels)."""
+    cal = recipe["calibration"]
+    batch = int(cal["batch"])
+    out = (batch, max(1, int(round(batch * float(cal.get("runtime_levels_batch_fraction", 0.25))))))
+    if cal.get("runtime_levels_large_factor"):
+        out += (max(1, int(round(batch * float(cal["runtime_levels_large_factor"])))),)
+    return out
 
 
 def first_group_per_type(topology) -> dict:
@@ -362,26 +399,32 @@ def first_group_per_type(topology) -> dict:
 
 
 def fit_alone_and_loaded(points: dict, loaded_points: dict, base: dict, per_family: bool,
-                         record: dict | None = None) -> tuple[dict, dict, list[str]]:
+                         record: dict | None = None, fade: bool = False) -> tuple[dict, dict, list[str]]:
     """(devices, devices under load, printed notes): BASE's entries levelled by the alone POINTS, and by
     LOADED_POINTS where a type has any (``runtime_levels``), each loaded scale and overhead raised to at least
-    the alone fit's: another host's work can only take this one's cores, caches and bandwidth."""
+    the alone fit's: another host's work can only take this one's cores, caches and bandwidth. FADE: apply
+    one scale that fades for long kernels (points need their per-op rooflines), the loaded fit at the alone
+    fit's fade length."""
     devices, loaded = dict(base), {}
-    notes = _fit_levels_per_type(points, base, devices, per_family, record, "alone")
+    fades: dict | None = {} if fade else None
+    notes = _fit_levels_per_type(points, base, devices, per_family, record, "alone", fades)
     under = {t: p for t, p in loaded_points.items() if p}
     if under:
         notes += _fit_levels_per_type(under, base, loaded, per_family,
-                                      None if record is None else record.setdefault("under_load", {}), "under load")
+                                      None if record is None else record.setdefault("under_load", {}), "under load",
+                                      fades, refit_fade=False)
         loaded = {t: _no_faster(e, devices[t]) for t, e in loaded.items()}
     return devices, loaded, notes
 
 
 def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, record: dict | None,
-                         label: str) -> list[str]:
+                         label: str, fades: dict | None = None, refit_fade: bool = True) -> list[str]:
     """Fit ``runtime_levels``' POINTS per device type, put each BASE entry levelled into OUT (the per-family or
-    one-scale fit, by PER_FAMILY), its points and fits into RECORD; the printed note per type."""
+    one-scale fit, by PER_FAMILY, or with FADES a dict the one fading scale of ``fit_faded_level``), its points
+    and fits into RECORD; the printed note per type. With FADES and REFIT_FADE, each type's fade length is
+    fitted and put into FADES; without REFIT_FADE, FADES' length for the type is used."""
     import numpy as np
-    from tag.cost.fitting import fit_levels
+    from tag.cost.fitting import fit_faded_level, fit_levels
     from tag.cost.op_classes import FAMILIES
     notes = []
     for dtype, pts in points.items():
@@ -392,8 +435,14 @@ def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, 
         fixed_ = p_ - parts_.sum(axis=1)
         one = fit_levels(parts_, fixed_, n_, m_, FAMILIES, groupings=[(tuple(FAMILIES),)])
         fit = fit_levels(parts_, fixed_, n_, m_, FAMILIES)
-        applied = fit if per_family else one
-        out[dtype] = levelled(base[dtype], applied.scales, applied.overhead_s)
+        faded = None
+        if fades is not None and not per_family:
+            rooflines = [x[4] for x in pts]
+            faded = (fit_faded_level(rooflines, fixed_, n_, m_, FAMILIES) if refit_fade else
+                     fit_faded_level(rooflines, fixed_, n_, m_, FAMILIES, fades=(fades.get(dtype),)))
+            fades[dtype] = faded.fade_s
+        applied = fit if per_family else faded or one
+        out[dtype] = levelled(base[dtype], applied.scales, applied.overhead_s, applied.fade_s)
         if record is not None:
             record[dtype] = {"predicted_s": p_.tolist(), "ops": n_.tolist(), "parts_s": parts_.tolist(),
                              "measured_s": m_.tolist(), "families": list(FAMILIES),
@@ -401,8 +450,14 @@ def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, 
                                     "groups": [list(g) for g in f.groups], "ratio": f.ratio.tolist(),
                                     "max_error": f.max_error, "note": f.note}
                                 for k, f in (("per_family", fit), ("one_scale", one))}}
+            if faded is not None:
+                record[dtype]["faded"] = {"scale": faded.scales[FAMILIES[0]], "fade_s": faded.fade_s,
+                                          "overhead_s": faded.overhead_s, "ratio": faded.ratio.tolist(),
+                                          "max_error": faded.max_error}
         shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_))
-        notes.append(f"{dtype} ({label}) {fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: "
+        fading = (f"one fading scale: {faded.describe()}, residuals "
+                  f"{'/'.join(f'{x - 1:+.2f}' for x in faded.ratio)}; " if faded is not None else "")
+        notes.append(f"{dtype} ({label}) {fading}{fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: "
                      f"{one.describe()}; measured/predicted {'/'.join(f'{x:.2f}' for x in m_ / p_)}; residuals per "
                      f"family {'/'.join(f'{x - 1:+.2f}' for x in fit.ratio)}, one scale "
                      f"{'/'.join(f'{x - 1:+.2f}' for x in one.ratio)}; conv:matmul:other % of predicted {shares}")

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from bench_fidelity import MODELS, git_commit  # noqa: E402
 from fidelity_repredict import repredict_group  # noqa: E402
 from _testbed_cases import (calibration_graph, first_group_per_type, fit_alone_and_loaded, heldout,  # noqa: E402
-                            levels_batches, load_recipe, one_host_split)
+                            levels_batches, load_recipe, one_host_rooflines, one_host_split)
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
@@ -60,20 +60,26 @@ def logged_ratios(log: str) -> list[list[dict]]:
 def refitted_profile(recipe: dict, base: Profile, topology, ratios: dict) -> Profile:
     """BASE with levels fitted again to the calibration steps rebuilt from TOPOLOGY and RATIOS."""
     first = first_group_per_type(topology)
-    batch, small = levels_batches(recipe)
+    models = recipe["calibration"]["models"]
+    logged = max(len(r) for r in ratios.values())         # the run's batches, which the recipe may since have grown
+    batches = levels_batches(recipe)[:logged // len(models)]
     points = {label: {t: [] for t in first} for label in ("alone", "under load")}
     i = 0
-    for spec in recipe["calibration"]["models"]:
-        for b in (batch, small):
+    for spec in models:
+        for b in batches:
             an = prepare(calibration_graph(spec, b), topology, batch_size=b, profile=base, name="calibration")
-            splits = one_host_split(an, base, b, [g.devices[0] for g in first.values()])
-            for t, (predicted, ops, parts) in zip(first, splits):
+            firsts = [g.devices[0] for g in first.values()]
+            splits = one_host_split(an, base, b, firsts)
+            rooflines = one_host_rooflines(an, base, b, firsts)
+            for t, (predicted, ops, parts), roof in zip(first, splits, rooflines):
                 for label in points:
                     if (t, label) in ratios:
-                        points[label][t].append((predicted, ops, parts, predicted * ratios[(t, label)][i]))
+                        points[label][t].append((predicted, ops, parts, predicted * ratios[(t, label)][i], roof))
             i += 1
     per_family = bool(recipe["calibration"].get("levels_per_family", True))
-    devices, loaded, _ = fit_alone_and_loaded(points["alone"], points["under load"], base.devices, per_family)
+    fade = bool(recipe["calibration"].get("levels_fade", False)) and not per_family
+    devices, loaded, _ = fit_alone_and_loaded(points["alone"], points["under load"], base.devices, per_family,
+                                              fade=fade)
     return Profile(devices, source=base.source + "; levels refitted", network=base.network,
                    devices_under_load=loaded)
 

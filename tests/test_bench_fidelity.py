@@ -188,6 +188,38 @@ def test_levels_under_load_are_fitted_per_type_and_never_faster_than_alone():
     assert floored.launch_overhead_s == 4e-5
 
 
+def test_fading_levels_are_fitted_alone_and_applied_under_load_at_the_same_length():
+    """fit_alone_and_loaded(fade=True): one scale that fades for long kernels, its length fitted on the alone
+    points (from each step's per-op rooflines, ``one_host_rooflines``) and reused for the loaded points."""
+    from _testbed_cases import calibration_graph, fit_alone_and_loaded, one_host_rooflines, one_host_split
+    from tag.api import prepare
+    from tag.cluster.topology import parse_topology
+    from tag.cost.fitting import faded_part
+    from tag.cost.model import DeviceProfile, NetworkProfile, Profile
+    topo = parse_topology('host { name: "h0" address: "127.0.0.1" port: 1 device { type: "CPU" kind: CPU '
+                          'count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 } }\n', path="<t>")
+    prof = Profile({"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3})},
+                   network=NetworkProfile(step_overhead_s=1e-3))
+    alone, loaded = {"CPU": []}, {"CPU": []}
+    for spec in ("mwms:cnn,width=4", "zoo:mlp,input_dim=30,hidden=64x512,num_classes=4"):
+        for b in (2, 8, 64):
+            an = prepare(calibration_graph(spec, b), topo, batch_size=b, profile=prof, name="t")
+            [(predicted, ops, parts)] = one_host_split(an, prof, b, [0])
+            [roof] = one_host_rooflines(an, prof, b, [0])
+            assert roof.sum() == pytest.approx(sum(parts), rel=1e-6)
+            alone["CPU"].append((predicted, ops, parts, predicted + 0.5 * faded_part(roof, 3e-4), roof))
+            loaded["CPU"].append((predicted, ops, parts, predicted + 1.0 * faded_part(roof, 3e-4), roof))
+    record = {}
+    devices, under, notes = fit_alone_and_loaded(alone, loaded, prof.devices, False, record, fade=True)
+    assert devices["CPU"].level_fade_s == under["CPU"].level_fade_s == 3e-4
+    assert devices["CPU"].family_scale["matmul"] == pytest.approx(1.5, rel=0.01)
+    assert under["CPU"].family_scale["conv"] == pytest.approx(2.0, rel=0.01)
+    assert record["CPU"]["faded"]["fade_s"] == 3e-4 and "one fading scale" in notes[0]
+    # without fade the same points give one full scale and no fade length
+    devices, _, _ = fit_alone_and_loaded(alone, loaded, prof.devices, False)
+    assert devices["CPU"].level_fade_s is None
+
+
 def test_the_load_ratio_is_the_median_of_each_pair_s_loaded_over_alone():
     """Each loaded step is divided by the alone step timed just before it; one disturbed pair does not move
     the median."""

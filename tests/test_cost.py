@@ -116,6 +116,28 @@ def test_family_scale_applies_to_its_family_only_and_not_to_the_launch_overhead(
     assert t2[3] == pytest.approx((p2[3] - 1e-5) * 2 + 1e-5) and t2[1] == p2[1] and t2[5] == p2[5]
 
 
+def test_a_fading_level_leaves_long_kernels_as_traced_and_scales_short_ones():
+    """``level_fade_s``: an op of roofline time t is charged t * (1 + (scale - 1) * tau / (t + tau)); the
+    launch overhead is untouched, and the field round-trips through JSON (absent in older files)."""
+    b = GraphBuilder(batch_size=8)
+    b.op("x", "Placeholder", out_pe=4000)
+    b.op("short", "MatMul", inputs=("x",), flops=1e6, out_pe=10)
+    b.op("long", "MatMul", inputs=("short",), flops=1e12, out_pe=10)
+    graph = b.build()
+    plain = CostModel(graph, _topo(), Profile({"GPU-A": DeviceProfile(
+        efficiency={"default": 0.5}, launch_overhead_s=1e-5)})).op_times(0, 8) - 1e-5
+    entry = DeviceProfile(efficiency={"default": 0.5}, launch_overhead_s=1e-5, family_scale={"matmul": 2.0},
+                          level_fade_s=1e-3)
+    t = CostModel(graph, _topo(), Profile({"GPU-A": entry})).op_times(0, 8) - 1e-5
+    for i in (1, 2):
+        assert t[i] == pytest.approx(plain[i] * (1 + 1e-3 / (plain[i] + 1e-3)))
+    assert plain[1] < 1e-5 and t[1] == pytest.approx(2 * plain[1], rel=0.01)        # short: the full scale
+    assert plain[2] > 0.1 and t[2] - plain[2] == pytest.approx(1e-3, rel=0.01)      # long: + (2 - 1) * tau
+    back = Profile.from_dict(Profile({"GPU-A": entry}).to_dict())
+    assert back.devices["GPU-A"].level_fade_s == 1e-3 and back.devices["GPU-A"].scaled(0.5).level_fade_s == 1e-3
+    assert "level_fade_s" not in Profile({"GPU-A": DeviceProfile()}).to_dict()["devices"]["GPU-A"]
+
+
 @pytest.mark.parametrize("text, needle", [
     ("{not json", "not valid JSON"),
     ("[]", "expected a JSON object"),
@@ -123,6 +145,7 @@ def test_family_scale_applies_to_its_family_only_and_not_to_the_launch_overhead(
     ('{"version": 1}', "'devices' must be an object"),
     ('{"version": 1, "devices": {"CPU": {"efficiency": {"MatMul": 1.5}}}}', "must be in (0, 1]"),
     ('{"version": 1, "devices": {"CPU": {"peak_flops": -1}}}', "finite number >= 0"),
+    ('{"version": 1, "devices": {"CPU": {"level_fade_s": 0}}}', "level_fade_s must be a finite number > 0"),
     ('{"version": 1, "devices": {"CPU": {"peak_flops": "fast"}}}', "finite number >= 0"),
     ('{"version": 1, "devices": {"CPU": {"speed": 3}}}', "unknown field 'speed'"),
     ('{"version": 1, "devices": {"CPU": {"family_scale": {"lstm": 2}}}}', "unknown op family 'lstm'"),

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tag.cost.fitting import fit_levels
+from tag.cost.fitting import faded_part, fit_faded_level, fit_levels
 
 FAMILIES = ("conv", "matmul", "other")
 # predicted seconds per family at two batches of an MLP, a CNN and a transformer (as runtime_levels splits them)
@@ -100,3 +100,37 @@ def test_calibration_models_that_disagree_get_a_central_scale():
     assert np.exp(np.mean(np.log(one.ratio))) == pytest.approx(1.0, abs=0.03)
     assert one.ratio.min() < 0.85 and one.ratio.max() > 1.15   # the disagreement is reported, not hidden
     assert 0.8 < one.scales["conv"] < 1.0
+
+
+def _rooflines(rng):
+    """Per point: op times spanning short and long kernels (a calibration model at three batches)."""
+    return [np.exp(rng.uniform(np.log(lo), np.log(hi), 80)) for lo, hi in
+            [(1e-5, 1e-3), (4e-5, 4e-3), (2e-4, 2e-2), (1e-4, 0.05), (5e-4, 0.2), (2e-3, 0.8)]]
+
+
+def test_fit_faded_level_recovers_a_scale_that_fades_for_long_kernels():
+    """Steps whose ops lose 60% on short kernels and at most 0.6 ms on long ones: the fade length, the
+    scale and the per-op overhead come back; one full scale cannot fit them."""
+    rng = np.random.default_rng(1)
+    roof = _rooflines(rng)
+    ops = np.array([len(r) for r in roof], dtype=float)
+    fixed = ops * 10e-6
+    measured = np.array([f + t.sum() + 0.6 * faded_part(t, 1e-3) + 5e-6 * len(t) for f, t in zip(fixed, roof)])
+    fit = fit_faded_level(roof, fixed, ops, measured, FAMILIES)
+    assert fit.fade_s == 1e-3 and fit.max_error < 1e-6
+    assert fit.scales == pytest.approx({f: 1.6 for f in FAMILIES}, rel=1e-4)
+    assert fit.overhead_s == pytest.approx(5e-6, rel=1e-3)
+    assert "fading over 1 ms" in fit.describe()
+    full = fit_faded_level(roof, fixed, ops, measured, FAMILIES, fades=(None,))
+    assert full.fade_s is None and full.max_error > 0.05
+
+
+def test_fit_faded_level_keeps_no_fade_when_the_scale_is_the_same_for_every_kernel():
+    rng = np.random.default_rng(2)
+    roof = _rooflines(rng)
+    ops = np.array([len(r) for r in roof], dtype=float)
+    measured = np.array([1.3 * t.sum() for t in roof])
+    fit = fit_faded_level(roof, np.zeros(len(roof)), ops, measured, FAMILIES)
+    assert fit.fade_s is None and fit.scales["conv"] == pytest.approx(1.3, rel=1e-4)
+    with pytest.raises(ValueError, match="one roofline array"):
+        fit_faded_level(roof[:2], np.zeros(3), ops[:3], measured[:3], FAMILIES)
