@@ -88,7 +88,9 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
         spans = ", ".join(f"{v} {a.min():.3g}-{a.max():.3g}" for v, a in table.efficiency.items())
         lines.append(f"  MatMul by shape (sides {table.sides[0]}-{table.sides[-1]}): efficiency {spans}")
     if d.get("family_scale"):
-        lines.append("  time scale per op family: " + ", ".join(f"{f} x{v:.3g}" for f, v in d["family_scale"].items()))
+        fade = (f", fading over {d['level_fade_s'] * 1e3:.3g} ms of an op's time" if d.get("level_fade_s") else "")
+        lines.append("  time scale per op family: " + ", ".join(f"{f} x{v:.3g}" for f, v in d["family_scale"].items())
+                     + fade)
     return lines
 
 
