@@ -248,6 +248,13 @@ def nonnegative_l1(design: np.ndarray, target: np.ndarray) -> np.ndarray:
 LEVEL_HUBER_DELTA = 0.25  # ``fit_levels``: log-ratios beyond +-0.25 (about 28%) count linearly (see there)
 
 
+def log_huber(ratio: np.ndarray, delta: float = LEVEL_HUBER_DELTA) -> float:
+    """``sum huber_delta(log(ratio))``: each modelled / measured RATIO's log counts squared up to DELTA and
+    linearly beyond (the loss of ``fit_levels`` and ``fit_faded_level``)."""
+    r = np.log(np.maximum(ratio, 1e-9))
+    return float(np.where(np.abs(r) <= delta, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum())
+
+
 def nonnegative_log_huber(design: np.ndarray, offset: np.ndarray, delta: float = LEVEL_HUBER_DELTA) -> np.ndarray:
     """The x >= 0 that minimises ``sum huber_delta(log(offset + design @ x))``: each point's modelled / measured
     ratio is ``offset + design @ x``; its log counts squared up to DELTA and linearly beyond (L-BFGS-B on columns
@@ -261,8 +268,7 @@ def nonnegative_log_huber(design: np.ndarray, offset: np.ndarray, delta: float =
         ratio = np.maximum(offset + scaled @ z, 1e-9)
         r = np.log(ratio)
         small = np.abs(r) <= delta
-        value = np.where(small, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum()
-        return float(value), scaled.T @ (np.where(small, r, delta * np.sign(r)) / ratio)
+        return log_huber(ratio, delta), scaled.T @ (np.where(small, r, delta * np.sign(r)) / ratio)
 
     start = nonnegative_l1(design, 1.0 - offset) * norms
     res = minimize(loss, start, jac=True, method="L-BFGS-B", bounds=[(0, None)] * design.shape[1],
@@ -415,11 +421,10 @@ def fit_faded_level(rooflines: Sequence[np.ndarray], fixed: np.ndarray, ops: np.
         x = nonnegative_log_huber(design, offset)
         if not lo <= x[0] <= hi:
             continue
-        r = np.log(np.maximum(offset + design @ x, 1e-9))
-        small = np.abs(r) <= LEVEL_HUBER_DELTA
-        loss = float(np.where(small, 0.5 * r * r, LEVEL_HUBER_DELTA * (np.abs(r) - 0.5 * LEVEL_HUBER_DELTA)).sum())
+        ratio = offset + design @ x
+        loss = log_huber(ratio)
         if best is None or loss < best[0] - 1e-12:
-            best = (loss, fade, x, np.exp(r))
+            best = (loss, fade, x, ratio)
     if best is None:
         raise ValueError(f"fit_faded_level: no fade gives a scale within {lo:g}-{hi:g}")
     _, fade, x, ratio = best
