@@ -91,9 +91,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from tag.backend.mwms import tf1_graph
     from tag.cost.model import Profile
+    from tag.errors import TagError
     try:
         profile = Profile.load(args.profile)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TagError) as err:
         print(f"probe_op_types: --profile {args.profile}: {err}", file=sys.stderr)
         return 2
     graph_def = tf1_graph(args.model, args.batch, width=args.width, depth=args.depth)
