@@ -2,10 +2,11 @@
 
 Why: on configuration G (issue 22, run 37) one host's step was predicted 19-23% too slow on the VGG-style CNN and
 the deep transformer, where the runtime levels add little (their kernels are long). This prints, per op type, the
-profile's op times on its fastest device type (the base profile: no runtime levels) beside the time TensorFlow's
-step stats give the same graph run with one intra-op and one inter-op thread (pin the process to one CPU with
-``taskset -c N`` to mimic a one-core host). TensorFlow's oneDNN build renames fused ops (``_MklNativeFusedConv2D``
-holds a Conv2D with its BiasAdd and Relu), so the two lists are printed apart, largest first.
+profile's op times on its fastest device type (the base profile: no runtime levels) beside the kernel times
+``tag.cost.calibration.measure_step`` reads from TensorFlow's step stats for the same ops (ops one at a time, no
+graph rewrites, as ``tag-profile`` measures them). An op that TensorFlow's oneDNN build fuses into a node of another
+name (a Conv2D with its BiasAdd and Relu) has no kernel time of its own and prints "-". Pin the process to one CPU with ``taskset -c N`` to mimic a
+one-core host.
 
 Usage::
 
@@ -18,7 +19,8 @@ import argparse
 import collections
 import os
 import sys
-import time
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,54 +30,23 @@ sys.path.insert(0, HERE)
 DEFAULT_PROFILE = "docs/measured/issue22-e2e/e2e_g4_amd.profile.json"
 
 
-def predicted_by_type(graph_def, profile, batch: int) -> dict[str, float]:
-    """{op type: seconds} of one step on one host of PROFILE's fastest device type."""
+def by_type(graph_def, profile, batch: int, steps: int, warmup: int) -> tuple[dict[str, tuple[float, float]], float]:
+    """({op type: (predicted, measured) seconds per step}, the median step with ops one at a time): PROFILE's op times on one
+    host of its fastest device type beside ``tag.cost.calibration.measure_step``'s kernel times of the same ops."""
     from _testbed_cases import load_recipe, testbed_topology
     from tag.api import prepare
+    from tag.cost.calibration import measure_step
     recipe = load_recipe()
     recipe["configs"] = {"one": {"quotas": [1.0, 0.5], "links_gbps": [1.0]}}
     _, topology = testbed_topology(recipe, "one", profile)
     analysis = prepare(graph_def, topology, batch_size=batch, profile=profile, name="probe")
-    times = analysis.simulator().cost_model.op_times(0, batch)
-    out: dict[str, float] = collections.Counter()
-    for op, seconds in zip(analysis.graph.ops, times):
-        out[op.type] += float(seconds)
-    return dict(out)
-
-
-def measured_by_type(graph_def, model: str, batch: int, steps: int, warmup: int) -> tuple[dict[str, float], list[float]]:
-    """({op type as the step stats label it: seconds per step}, [wall seconds of every step])."""
-    import numpy as np
-    import tensorflow as tf
-    from tag.backend.mwms import input_spec
-    v1 = tf.compat.v1
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
-    shape, dtype = input_spec(model)
-    rng = np.random.default_rng(0)
-    x = (rng.random((batch, *shape)).astype(dtype) if dtype.startswith("float")
-         else rng.integers(0, 100, (batch, *shape)).astype(dtype))
-    y = rng.integers(0, 10, batch).astype(np.int32)
-    config = v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)
-    per_type: dict[str, float] = collections.Counter()
-    walls = []
-    with v1.Session(graph=graph, config=config) as session:
-        session.run("init")
-        for step in range(warmup + steps):
-            metadata = v1.RunMetadata()
-            start = time.perf_counter()
-            session.run("train_op", {"input:0": x, "labels:0": y},
-                        options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE), run_metadata=metadata)
-            walls.append(time.perf_counter() - start)
-            if step < warmup:
-                continue
-            for device in metadata.step_stats.dev_stats:
-                for node in device.node_stats:
-                    label = node.timeline_label
-                    op_type = label.split("=", 1)[1].split("(", 1)[0].strip() if "=" in label else node.node_name
-                    per_type[op_type] += (node.op_end_rel_micros - node.op_start_rel_micros) * 1e-6 / steps
-    return dict(per_type), walls
+    predicted = analysis.simulator().cost_model.op_times(0, batch)
+    measured = measure_step(graph_def, analysis.graph, steps=steps, warmup=warmup)
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for op, p, m in zip(analysis.graph.ops, predicted, measured.op_times):
+        out[op.type][0] += float(p)
+        out[op.type][1] += 0.0 if np.isnan(m) else float(m)
+    return {k: (v[0], v[1]) for k, v in out.items()}, measured.wall_s
 
 
 def main(argv=None) -> int:
@@ -85,7 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int)
     p.add_argument("--depth", type=int)
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"a saved profile (default {DEFAULT_PROFILE})")
-    p.add_argument("--steps", type=int, default=2, help="timed steps (after --warmup)")
+    p.add_argument("--steps", type=int, default=3, help="traced steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="op types printed per list")
     args = p.parse_args(argv)
@@ -98,17 +69,13 @@ def main(argv=None) -> int:
         print(f"probe_op_types: --profile {args.profile}: {err}", file=sys.stderr)
         return 2
     graph_def = tf1_graph(args.model, args.batch, width=args.width, depth=args.depth)
-    predicted = predicted_by_type(graph_def, profile, args.batch)
-    measured, walls = measured_by_type(graph_def, args.model, args.batch, args.steps, args.warmup)
-    print(f"{args.model} at batch {args.batch}: predicted {sum(predicted.values()) * 1e3:.1f} ms (no runtime levels), "
-          f"measured {sum(measured.values()) * 1e3:.1f} ms of kernels, steps "
-          f"{', '.join(f'{w * 1e3:.0f}' for w in walls[args.warmup:])} ms; load {os.getloadavg()[0]:.1f}")
-    print("predicted, by tag's op type:")
-    for op_type, seconds in sorted(predicted.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {op_type:36s} {seconds * 1e3:9.1f} ms")
-    print("measured, by the step stats' op type:")
-    for op_type, seconds in sorted(measured.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {op_type:36s} {seconds * 1e3:9.1f} ms")
+    rows, wall = by_type(graph_def, profile, args.batch, args.steps, args.warmup)
+    print(f"{args.model} at batch {args.batch}: predicted {sum(p for p, _ in rows.values()) * 1e3:.1f} ms "
+          f"(no runtime levels), measured {sum(m for _, m in rows.values()) * 1e3:.1f} ms of kernels, "
+          f"step {wall * 1e3:.0f} ms with ops one at a time; load {os.getloadavg()[0]:.1f}")
+    for op_type, (p, m) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        ratio = f"{p / m:5.2f}x" if m > 0 else "    -"
+        print(f"  {op_type:28s} predicted {p * 1e3:9.1f} ms  measured {m * 1e3:9.1f} ms  {ratio}")
     return 0
 
 
