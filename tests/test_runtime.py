@@ -488,6 +488,21 @@ def test_guarded_watchdog_and_deadline_end_the_wait():
         guarded(lambda: (_ for _ in ()).throw(TagError("bad")), what="x", timeout_s=1)
 
 
+def test_guarded_tensorflow_error_names_the_message_and_node():
+    """A real session error: the RunError carries TF's message and node, not the bare "Graph execution error:"."""
+    from tag.backend.runtime.guard import guarded
+    from tag.errors import RunError
+    tf = pytest.importorskip("tensorflow")
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        y = tf.debugging.check_numerics(x, "bad value here", name="check")
+    with tf.compat.v1.Session(graph=g) as sess:
+        with pytest.raises(RunError, match=r"step 2 failed: InvalidArgumentError: bad value here : Tensor had NaN "
+                                           r"values \(at node check\)"):
+            guarded(lambda: sess.run(y, {x: [float("nan")]}), what="step 2", timeout_s=30)
+
+
 def test_wait_for_hosts_names_the_silent_host():
     from tag.backend.runtime.health import HostProbe, wait_for_hosts
     from tag.errors import RunError

@@ -83,8 +83,22 @@ def _diagnose(watchdog: Watchdog | None, wait_s: float = 2.0) -> str | None:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(getattr(err, "message", "") or err).strip().splitlines()
-    return " ".join(text[0].split()) if text else type(err).__name__
+    """The line of a TensorFlow error that says what went wrong, with the node it happened at.
+
+    TF 2 wraps session errors as "Graph execution error:", a Python traceback of where the node was
+    defined, "Node: 'name'" and only then the message: the header alone says nothing.
+    """
+    lines = [" ".join(line.split()) for line in str(getattr(err, "message", "") or err).strip().splitlines()]
+    lines = [line for line in lines if line]
+    node = next((line[len("Node: "):].strip("'") for line in lines if line.startswith("Node: ")), None)
+    if node is not None:
+        after = lines[lines.index(f"Node: '{node}'") + 1:] if f"Node: '{node}'" in lines else []
+        message = next((line for line in after if not line.startswith("[[")), None)
+        if message:
+            return f"{message} (at node {node})"
+    skip = ("Graph execution error", "Detected at node", "File \"", "Node: ", "[[")
+    message = next((line for line in lines if not line.startswith(skip)), None)
+    return message or (lines[0] if lines else type(err).__name__)
 
 
 def guarded(fn: Callable[[], Any], *, what: str, timeout_s: float | None, watchdog: Watchdog | None = None,
