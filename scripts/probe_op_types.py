@@ -30,9 +30,11 @@ sys.path.insert(0, HERE)
 DEFAULT_PROFILE = "docs/measured/issue22-e2e/e2e_g4_amd.profile.json"
 
 
-def by_type(graph_def, profile, batch: int, steps: int, warmup: int) -> tuple[dict[str, tuple[float, float]], float]:
-    """({op type: (predicted, measured) seconds per step}, the median step with ops one at a time): PROFILE's op times on one
-    host of its fastest device type beside ``tag.cost.calibration.measure_step``'s kernel times of the same ops."""
+def by_type(graph_def, profile, batch: int, steps: int, warmup: int,
+            detail: str | None = None) -> tuple[dict[str, tuple[float, float]], float, list[tuple[str, str, float, float]]]:
+    """({op type: (predicted, measured) seconds per step}, the median step with ops one at a time, and the ops of type
+    DETAIL as (name, equation or transposes, predicted, measured)): PROFILE's op times on one host of its fastest
+    device type beside ``tag.cost.calibration.measure_step``'s kernel times of the same ops."""
     from _testbed_cases import load_recipe, testbed_topology
     from tag.api import prepare
     from tag.cost.calibration import measure_step
@@ -43,10 +45,13 @@ def by_type(graph_def, profile, batch: int, steps: int, warmup: int) -> tuple[di
     predicted = analysis.simulator().cost_model.op_times(0, batch)
     measured = measure_step(graph_def, analysis.graph, steps=steps, warmup=warmup)
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    ops = []
     for op, p, m in zip(analysis.graph.ops, predicted, measured.op_times):
         out[op.type][0] += float(p)
         out[op.type][1] += 0.0 if np.isnan(m) else float(m)
-    return {k: (v[0], v[1]) for k, v in out.items()}, measured.wall_s
+        if op.type == detail:
+            ops.append((op.name, " ".join(f"{k}={v}" for k, v in sorted(op.attrs.items())), float(p), float(m)))
+    return {k: (v[0], v[1]) for k, v in out.items()}, measured.wall_s, ops
 
 
 def main(argv=None) -> int:
@@ -59,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="traced steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="op types printed per list")
+    p.add_argument("--detail", metavar="TYPE", help="also print every op of this type (its equation or transposes)")
     args = p.parse_args(argv)
     from tag.backend.mwms import tf1_graph
     from tag.cost.model import Profile
@@ -69,13 +75,18 @@ def main(argv=None) -> int:
         print(f"probe_op_types: --profile {args.profile}: {err}", file=sys.stderr)
         return 2
     graph_def = tf1_graph(args.model, args.batch, width=args.width, depth=args.depth)
-    rows, wall = by_type(graph_def, profile, args.batch, args.steps, args.warmup)
+    rows, wall, ops = by_type(graph_def, profile, args.batch, args.steps, args.warmup, args.detail)
     print(f"{args.model} at batch {args.batch}: predicted {sum(p for p, _ in rows.values()) * 1e3:.1f} ms "
           f"(no runtime levels), measured {sum(m for _, m in rows.values()) * 1e3:.1f} ms of kernels, "
           f"step {wall * 1e3:.0f} ms with ops one at a time; load {os.getloadavg()[0]:.1f}")
     for op_type, (p, m) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
         ratio = f"{p / m:5.2f}x" if m > 0 else "    -"
         print(f"  {op_type:28s} predicted {p * 1e3:9.1f} ms  measured {m * 1e3:9.1f} ms  {ratio}")
+    if ops:
+        print(f"every {args.detail} op:")
+    for name, attrs, p, m in ops:
+        ratio = f"{p / m:5.2f}x" if m > 0 else "    -"
+        print(f"  {p * 1e3:8.2f} ms predicted {m * 1e3:8.2f} ms measured {ratio}  {attrs:24s} {name}")
     return 0
 
 

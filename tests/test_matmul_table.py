@@ -13,8 +13,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tag  # noqa: E402
 from tag.cluster.topology import load_topology  # noqa: E402
 from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
-from tag.cost.matmul_table import (VARIANTS, MatmulTable, grid_shapes, matmul_dims, table_from_rates,  # noqa: E402
-                                   variant_of)
+from tag.cost.matmul_table import (VARIANTS, MatmulTable, einsum_as_matmul, grid_shapes, matmul_dims,  # noqa: E402
+                                   table_from_rates, variant_of)
 from tag.cost.model import CostModel, DeviceProfile, Profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 
@@ -66,6 +66,51 @@ def test_matmul_dims_of_a_real_mlp(mlp):
         assert VARIANTS[dims.variant[i]] == "nn" and (m[i], k[i], n[i]) == (batch, 128, 256)
         assert VARIANTS[dims.variant[j]] == "nt" and (m[j], k[j], n[j]) == (batch, 256, 128)
         assert VARIANTS[dims.variant[l]] == "tn" and (m[l], k[l], n[l]) == (128, batch, 256)
+
+
+def test_einsum_as_matmul_places_one_product_and_leaves_batches_of_products():
+    nn, nt, tn = (VARIANTS.index(v) for v in VARIANTS)
+    assert einsum_as_matmul("abc,cde->abde") == ("ab", "c", "de", nn)        # EinsumDense on [B, S, D]
+    assert einsum_as_matmul("abde,cde->abc") == ("ab", "de", "c", nt)        # its input gradient
+    assert einsum_as_matmul("abc,abde->cde") == ("c", "ab", "de", tn)        # its weight gradient
+    assert einsum_as_matmul("ij, jk -> ik") == ("i", "j", "k", nn)
+    assert einsum_as_matmul("ji,jk->ik")[3] == tn                            # A read as [k, m]
+    assert einsum_as_matmul("ji,kj->ik")[3] == nt                            # both transposed: costed as nt
+    for eq in ("aecd,abcd->acbe",          # attention scores: a batch of products over a and c
+               "abc,cd->abd" + "x",        # malformed output label
+               "...c,cd->...d",            # ellipsis
+               "abc->acb",                 # one operand
+               "ab,bc,cd->ad",             # three operands
+               "abc,cd->ad",               # b summed within the first operand alone
+               "ab,cd->abcd",              # an outer product: nothing contracted
+               "aab,bc->ac"):              # a repeated label (a diagonal)
+        assert einsum_as_matmul(eq) is None, eq
+
+
+def test_matmul_dims_places_the_dense_einsums_of_keras_attention():
+    """A real Keras transformer (tf_keras MultiHeadAttention): the query/key/value/output Einsums and their
+    gradients are placed as 2-D products whose row side grows with the batch; attention's Einsums are not."""
+    from tag.backend.mwms import tf1_graph
+    graph = tag.analyze(tf1_graph("transformer", 8, width=16))
+    dims = matmul_dims(graph)
+    placed = {graph.ops[i].name: j for j, i in enumerate(dims.ops)}
+    einsums = [op for op in graph.ops if op.type == "Einsum"]
+    dense = [op for op in einsums if "/query/" in op.name or "/key/" in op.name or "/value/" in op.name
+             or "/attention_output/" in op.name]
+    assert dense and all(op.name in placed for op in dense)
+    assert all(op.name not in placed for op in einsums if op not in dense)       # scores, context, their gradients
+    query = next(op.name for op in dense if op.name.endswith("query/einsum/Einsum"))
+    for batch in (8.0, 24.0):
+        m, k, n = dims.at(batch)
+        j = placed[query]
+        assert VARIANTS[dims.variant[j]] == "nn" and (m[j], k[j], n[j]) == (batch * 32, 16, 16)   # 32 tokens
+    weight_grad = next(op.name for op in dense if op.name.endswith("query/einsum/Einsum_grad/Einsum_1"))
+    m, k, n = dims.at(8.0)
+    j = placed[weight_grad]
+    assert VARIANTS[dims.variant[j]] == "tn" and (m[j], k[j], n[j]) == (16, 8 * 32, 16)
+    from tag.ir.serialize import training_graph_from_dict, training_graph_to_dict
+    back = training_graph_from_dict(json.loads(json.dumps(training_graph_to_dict(graph))))
+    assert np.array_equal(matmul_dims(back).ops, dims.ops)                   # a saved IR keeps the equations
 
 
 def test_json_round_trip_and_bad_tables_are_rejected():
@@ -128,6 +173,28 @@ def test_fit_scales_the_table_to_the_level_of_the_measured_step(mlp):
     fit = fit_profile(mlp, m, peak, bw, matmul_table=table)
     assert fit.matmul_scale == pytest.approx(1.5, rel=0.02)
     assert fit_profile(mlp, m, peak, bw).matmul_scale == 1.0
+
+
+def test_fit_gives_einsums_of_attention_their_own_efficiency():
+    """Dense Einsums at the table's speed, attention's at a tenth of peak: the per-type Einsum efficiency is the
+    attention Einsums' (it serves only them), and the dense ones follow the table."""
+    from tag.backend.mwms import tf1_graph
+    graph = tag.analyze(tf1_graph("transformer", 8, width=64))
+    peak, bw = 1e10, 1e13
+    table = _table(nn=0.5, nt=0.5, tn=0.5)
+    dims = matmul_dims(graph)
+    times = np.full(len(graph.ops), 2e-6)
+    flops = np.array([op.flops.at(8.0) for op in graph.ops])
+    eff = np.full(len(graph.ops), np.nan)
+    eff[dims.ops] = table.lookup(dims.variant, *dims.at(8.0))
+    batched = np.array([op.type == "Einsum" for op in graph.ops]) & np.isnan(eff)
+    assert batched.any() and (~np.isnan(eff[[op.type == "Einsum" for op in graph.ops]])).any()
+    times[~np.isnan(eff)] = flops[~np.isnan(eff)] / (peak * eff[~np.isnan(eff)]) + 2e-6
+    times[batched] = flops[batched] / (peak * 0.1) + 2e-6
+    m = StepMeasurement(times, wall_s=float(times.sum()), wall_parallel_s=float(times.sum()), steps=1)
+    fit = fit_profile(graph, m, peak, bw, matmul_table=table)
+    assert fit.efficiency["Einsum"] == pytest.approx(0.1, rel=0.05)
+    assert fit.matmul_scale == pytest.approx(1.0, rel=0.05)
 
 
 def test_profile_graph_times_a_small_table_on_this_cpu():

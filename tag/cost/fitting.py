@@ -124,8 +124,9 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     so their measured time is folded into the launch overhead of the others. With a MATMUL_TABLE, the MatMul
     ops whose shapes it covers take their efficiency from it in the step's roofline (as ``CostModel.op_times``
     does), times one scale fitted over them like an efficiency (``Fit.matmul_scale``: the table times lone
-    products, a training step runs them among other ops); the per-type MatMul fit stays, for MatMul ops the
-    table cannot place (unknown shapes).
+    products, a training step runs them among other ops); the per-type fits stay for the ops the table cannot
+    place (MatMuls of unknown shapes, Einsums that are a batch of products) and are fitted over those ops
+    where the type has any.
     """
     graphs = [graph] if not isinstance(graph, (list, tuple)) else list(graph)
     measurements = [m] if not isinstance(m, (list, tuple)) else list(m)
@@ -173,6 +174,10 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     eff: dict[str, float] = {}
     for t in sorted(set(types[fitted])):
         sel = fitted & (types == t)
+        # the per-type efficiency serves the ops the table cannot place: fitted over those where the type has
+        # any (an Einsum of attention, a batch of small products, runs at a third of a dense layer's Einsum)
+        if (sel & np.isnan(tabled)).any():
+            sel &= np.isnan(tabled)
         eff[str(t)] = fit_efficiency(flops[sel], mem[sel], float(busy[sel].sum()), peak, bw)
     eff["default"] = (fit_efficiency(flops[fitted], mem[fitted], float(busy[fitted].sum()), peak, bw)
                       if fitted.any() else 0.5)

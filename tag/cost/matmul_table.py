@@ -9,6 +9,13 @@ step of a 2048-wide MLP 8-28% too fast, and of a 512-wide one up to 60% too slow
 variant, the efficiency (FLOP/s over the profile's peak) on a grid of shapes; a MatMul op is costed at the
 efficiency interpolated at its own shape, at the batch it runs at.
 
+An ``Einsum`` that is one 2-D product (``einsum_as_matmul``: Keras' ``EinsumDense``, ``"abc,cde->abde"``, and
+its gradients) is looked up like the MatMul it amounts to. Measured on one core at d_model 384 (deep transformer,
+batch 96), such Einsums ran at 0.9 of what the table gives, while attention's Einsums (a batch of 32 x 96 products
+per example and head) ran at 0.11-0.24 of peak at any width from 64 to 384; one per-type efficiency fitted over
+both kinds costed the first 1.7x too slow and the second 3-6x too fast. Batched Einsums keep the per-type
+efficiency, fitted over them alone (``tag.cost.fitting.fit_profile``).
+
 Variants (``VARIANTS``): ``nn`` = ``A . B`` (a forward product), ``nt`` = ``A . B^T`` (an input gradient),
 ``tn`` = ``A^T . B`` (a weight gradient); ``A^T . B^T`` is costed as ``nt``. Dimensions: ``m`` rows of
 the result, ``k`` the contracted side, ``n`` columns of the result. Lookup interpolates the logarithm of
@@ -139,22 +146,32 @@ class MatmulDims:
 
 def matmul_dims(graph: "TrainingGraph") -> MatmulDims:
     """Shapes of GRAPH's MatMul ops (those with 2-D operands of known shape), from the IR's tensor shapes
-    (at the reference batch) and the ops' ``transpose_a`` / ``transpose_b`` attributes."""
+    (at the reference batch) and the ops' ``transpose_a`` / ``transpose_b`` attributes; and of its Einsum ops
+    that are one 2-D product (``einsum_as_matmul``: a dense layer on a 3-D input, its gradients)."""
     tensors = {t.name: t for op in graph.ops for t in op.outputs}
     ref = float(max(graph.batch_size, 1))
     ops, variants, fixed, per_example = [], [], [], []
     for i, op in enumerate(graph.ops):
-        if op.type not in MATMUL_OP_TYPES or not op.inputs or not op.outputs:
+        if not op.inputs or not op.outputs:
             continue
-        a, out = tensors.get(op.inputs[0]), op.outputs[0]
-        if a is None or not _known_2d(a.shape) or not _known_2d(out.shape):
+        if op.type == "Einsum":
+            placed = _einsum_dims(op, tensors)
+            if placed is None:
+                continue
+            variant, sides = placed
+        elif op.type in MATMUL_OP_TYPES:
+            a, out = tensors.get(op.inputs[0]), op.outputs[0]
+            if a is None or not _known_2d(a.shape) or not _known_2d(out.shape):
+                continue
+            ta, tb = bool(op.attrs.get("transpose_a", False)), bool(op.attrs.get("transpose_b", False))
+            k_axis = 0 if ta else 1
+            variant = variant_of(ta, tb)
+            sides = [(out.shape[0], out.batch_axis == 0), (a.shape[k_axis], a.batch_axis == k_axis),
+                     (out.shape[1], out.batch_axis == 1)]
+        else:
             continue
-        ta, tb = bool(op.attrs.get("transpose_a", False)), bool(op.attrs.get("transpose_b", False))
-        k_axis = 0 if ta else 1
-        sides = [(out.shape[0], out.batch_axis == 0), (a.shape[k_axis], a.batch_axis == k_axis),
-                 (out.shape[1], out.batch_axis == 1)]
         ops.append(i)
-        variants.append(variant_of(ta, tb))
+        variants.append(variant)
         fixed.append([0.0 if grows else float(s) for s, grows in sides])
         per_example.append([float(s) / ref if grows else 0.0 for s, grows in sides])
     return MatmulDims(np.array(ops, dtype=np.int64), np.array(variants, dtype=np.int64),
@@ -164,6 +181,60 @@ def matmul_dims(graph: "TrainingGraph") -> MatmulDims:
 
 def _known_2d(shape) -> bool:
     return shape is not None and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def einsum_as_matmul(equation: str) -> tuple[str, str, str, int] | None:
+    """(m labels, k labels, n labels, variant index) of a two-operand EQUATION that is one 2-D product, else None.
+
+    One 2-D product: no label is kept from both operands (no batch of products, as attention's scores have),
+    none is summed within one operand alone, at least one label is contracted, no ellipsis. ``m`` holds the
+    first operand's kept labels, ``n`` the second's, ``k`` the contracted ones, each in operand order. The
+    variant follows the operands' layouts as MatMul's transposes would: the first operand read as ``[k, m]``
+    is ``tn``, the second read as ``[n, k]`` is ``nt`` (``"abc,cde->abde"``, a dense layer on a 3-D input:
+    ``nn``; ``"abde,cde->abc"``, its input gradient: ``nt``; ``"abc,abde->cde"``, its weight gradient: ``tn``).
+    """
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->", 1)
+    terms = lhs.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    a, b = terms
+    if set(out) - set(a) - set(b) or set(a) & set(b) & set(out):
+        return None
+    if (set(a) - set(b) - set(out)) or (set(b) - set(a) - set(out)):
+        return None
+    k = "".join(c for c in a if c in b)
+    m = "".join(c for c in a if c not in b)
+    n = "".join(c for c in b if c not in a)
+    if not k:
+        return None
+    ta = bool(m) and max(a.index(c) for c in k) < min(a.index(c) for c in m)
+    tb = bool(n) and max(b.index(c) for c in n) < min(b.index(c) for c in k)
+    return m, k, n, variant_of(ta, tb)
+
+
+def _einsum_dims(op, tensors) -> tuple[int, list[tuple[float, bool]]] | None:
+    """(variant, [(side, grows with the batch)] for m, k, n) of an Einsum op that is one 2-D product, else None."""
+    placed = einsum_as_matmul(str(op.attrs.get("equation", "")))
+    if placed is None or len(op.inputs) != 2:
+        return None
+    m, k, n, variant = placed
+    extent: dict[str, int] = {}
+    batch_label = None
+    for term, name in zip(str(op.attrs["equation"]).replace(" ", "").split("->")[0].split(","), op.inputs):
+        t = tensors.get(name)
+        if t is None or t.shape is None or len(t.shape) != len(term):
+            return None
+        if not all(isinstance(d, int) and d > 0 for d in t.shape):
+            return None
+        extent.update(zip(term, t.shape))
+        if t.batch_axis is not None and batch_label is None:
+            batch_label = term[t.batch_axis]
+    sides = [(float(np.prod([extent[c] for c in labels], dtype=np.float64)) if labels else 1.0,
+              batch_label is not None and batch_label in labels) for labels in (m, k, n)]
+    return variant, sides
 
 
 #: the largest product the table times (FLOPs); larger grid points copy the largest timed m

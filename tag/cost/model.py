@@ -3,7 +3,8 @@
 Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), mem_bytes / memory_bandwidth)
 + launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
 device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
-(``tag.cost.matmul_table``) gives each MatMul op the efficiency measured at its own shape instead.
+(``tag.cost.matmul_table``) gives each MatMul op, and each Einsum that is one 2-D product (a dense layer on
+a 3-D input and its gradients), the efficiency measured at its own shape instead.
 A profile entry's ``family_scale`` multiplies the roofline time (not the launch overhead) of every op of
 one family (``tag.cost.op_classes.op_family``: ``conv``, ``matmul``, ``other``) on that device type: how
 a runtime's convolutions or MatMuls run relative to what the traced kernels predicted (fitted by

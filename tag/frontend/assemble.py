@@ -104,12 +104,19 @@ def op_infos(sg: StepGraph, inferred: InferredShapes, tensors: dict[str, list[Te
     return ops, unknown_types
 
 
-_COST_ATTRS = {"MatMul": ("transpose_a", "transpose_b"), "_FusedMatMul": ("transpose_a", "transpose_b")}
+_COST_ATTRS = {"MatMul": ("transpose_a", "transpose_b"), "_FusedMatMul": ("transpose_a", "transpose_b"),
+               "Einsum": ("equation",)}
 
 
-def _cost_attrs(n: Node) -> dict[str, bool]:
-    """The attributes of N that change its speed at equal FLOPs (``tag.cost.matmul_table``: MatMul transposes)."""
-    return {a: bool(n.nd.attr[a].b) for a in _COST_ATTRS.get(n.type, ()) if a in n.nd.attr}
+def _cost_attrs(n: Node) -> dict[str, bool | str]:
+    """The attributes of N that change its speed at equal FLOPs (``tag.cost.matmul_table``: MatMul transposes,
+    an Einsum's equation)."""
+    out: dict[str, bool | str] = {}
+    for a in _COST_ATTRS.get(n.type, ()):
+        if a in n.nd.attr:
+            value = n.nd.attr[a]
+            out[a] = value.s.decode("utf-8", "replace") if value.WhichOneof("value") == "s" else bool(value.b)
+    return out
 
 
 def _op_flops(n: Node, sg: StepGraph, inferred: InferredShapes, in_infos: list[TensorInfo],

@@ -59,7 +59,8 @@ class OpInfo:
     mem_bytes: Linear               # bytes read + written (for the roofline's memory term)
     has_flop_rule: bool = True      # False: byte-based fallback was used
     colocation_group: int | None = None   # index into TrainingGraph.colocation
-    attrs: dict[str, bool] = field(default_factory=dict)   # attributes the cost model reads (MatMul transposes)
+    attrs: dict[str, bool | str] = field(default_factory=dict)   # attributes the cost model reads (MatMul
+    #                                                                  transposes, an Einsum's equation)
 
 
 @dataclass
