@@ -12,6 +12,7 @@ Usage::
 
     taskset -c 1 python scripts/probe_op_types.py --model transformer --batch 96 --width 384 --depth 8
     taskset -c 1 python scripts/probe_op_types.py --model vgg --batch 384 --profile P
+    taskset -c 1 python scripts/probe_op_types.py --model transformer --batch 96 --width 384 --depth 8 --detail Einsum --json F
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="op types printed per list")
     p.add_argument("--detail", metavar="TYPE", help="also print every op of this type (its equation or transposes)")
+    p.add_argument("--json", help="also write the figures (per op type, and the --detail ops) to this file")
     args = p.parse_args(argv)
     from tag.backend.mwms import tf1_graph
     from tag.cost.model import Profile
@@ -87,6 +89,15 @@ def main(argv=None) -> int:
     for name, attrs, p, m in ops:
         ratio = f"{p / m:5.2f}x" if m > 0 else "    -"
         print(f"  {p * 1e3:8.2f} ms predicted {m * 1e3:8.2f} ms measured {ratio}  {attrs:24s} {name}")
+    if args.json:
+        from _common import write_json
+        from bench_e2e import git_commit
+        write_json(args.json, {
+            "commit": git_commit(), "model": args.model, "batch": args.batch, "width": args.width, "depth": args.depth,
+            "profile": args.profile, "load": os.getloadavg()[0], "step_s": wall,
+            "predicted_s": sum(p for p, _ in rows.values()), "measured_kernels_s": sum(m for _, m in rows.values()),
+            "by_type": {k: {"predicted_s": p, "measured_s": m} for k, (p, m) in rows.items()},
+            "ops": [{"name": n, "attrs": a, "predicted_s": p, "measured_s": m} for n, a, p, m in ops]})
     return 0
 
 
