@@ -166,6 +166,29 @@ def _synthetic_batch(tf: Any, name: str, batch: int, seed: int) -> tuple[Any, An
     return x, gen.uniform([batch], 0, 2, dtype=tf.int32)
 
 
+#: heartbeat timeout of TensorFlow's coordination service for the MWMS anchor (TensorFlow's default is 10 s)
+HEARTBEAT_TIMEOUT_S = 600.0
+
+
+def patient_coordination(cluster: dict, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+    """Configure TensorFlow's coordination service as MultiWorkerMirroredStrategy would, with a longer heartbeat
+    timeout; call before creating the strategy (it keeps a service that is already configured).
+
+    Why: over links shaped to a few hundred Mbit/s a worker's heartbeat waits behind a step's all-reduce, and at
+    the default timeout MWMS on three hosts aborted the 20 x 2048 MLP at batch 1536 (28 s a step; bench_e2e run
+    38: "heartbeat timeout"). A user whose MWMS dies that way raises the timeout; the anchor should be that run."""
+    import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    spec = tf.train.ClusterSpec(cluster)
+    jobs = [coordination_config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
+            for j in ("chief", "worker") if j in spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000), coordinated_jobs=jobs)
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """One MWMS worker (TF_CONFIG names the cluster and this task); task 0 prints the step times."""
     p = argparse.ArgumentParser(description="one MultiWorkerMirroredStrategy worker of the tag anchor")
@@ -188,6 +211,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         args.inter_threads if args.inter_threads is not None else max(args.threads, MIN_INTER_THREADS))
     comm = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    patient_coordination(json.loads(os.environ["TF_CONFIG"])["cluster"])
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)
     n = strategy.num_replicas_in_sync
     if args.batch % n:
