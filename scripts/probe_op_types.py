@@ -97,7 +97,8 @@ def main(argv=None) -> int:
             "profile": args.profile, "load": os.getloadavg()[0], "step_s": wall,
             "predicted_s": sum(p for p, _ in rows.values()), "measured_kernels_s": sum(m for _, m in rows.values()),
             "by_type": {k: {"predicted_s": p, "measured_s": m} for k, (p, m) in rows.items()},
-            "ops": [{"name": n, "attrs": a, "predicted_s": p, "measured_s": m} for n, a, p, m in ops]})
+            "ops": [{"name": n, "attrs": a, "predicted_s": p, "measured_s": None if np.isnan(m) else m}   # None: no kernel
+                    for n, a, p, m in ops]})
     return 0
 
 

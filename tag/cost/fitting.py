@@ -175,7 +175,8 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     for t in sorted(set(types[fitted])):
         sel = fitted & (types == t)
         # the per-type efficiency serves the ops the table cannot place: fitted over those where the type has
-        # any (an Einsum of attention, a batch of small products, runs at a third of a dense layer's Einsum)
+        # any (attention's Einsums, batches of small products, ran at 0.11-0.24 of peak on one core where a dense
+        # layer's Einsum ran near 0.9: one efficiency fitted over both fits neither)
         if (sel & np.isnan(tabled)).any():
             sel &= np.isnan(tabled)
         eff[str(t)] = fit_efficiency(flops[sel], mem[sel], float(busy[sel].sum()), peak, bw)
