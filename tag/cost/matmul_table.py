@@ -217,13 +217,14 @@ def einsum_as_matmul(equation: str) -> tuple[str, str, str, int] | None:
 
 def _einsum_dims(op, tensors) -> tuple[int, list[tuple[float, bool]]] | None:
     """(variant, [(side, grows with the batch)] for m, k, n) of an Einsum op that is one 2-D product, else None."""
-    placed = einsum_as_matmul(str(op.attrs.get("equation", "")))
+    equation = str(op.attrs.get("equation", "")).replace(" ", "")
+    placed = einsum_as_matmul(equation)
     if placed is None or len(op.inputs) != 2:
         return None
     m, k, n, variant = placed
     extent: dict[str, int] = {}
     batch_label = None
-    for term, name in zip(str(op.attrs["equation"]).replace(" ", "").split("->")[0].split(","), op.inputs):
+    for term, name in zip(equation.split("->")[0].split(","), op.inputs):
         t = tensors.get(name)
         if t is None or t.shape is None or len(t.shape) != len(term):
             return None

@@ -90,10 +90,10 @@ def _first_line(err: BaseException) -> str:
     """
     lines = [" ".join(line.split()) for line in str(getattr(err, "message", "") or err).strip().splitlines()]
     lines = [line for line in lines if line]
-    node = next((line[len("Node: "):].strip("'") for line in lines if line.startswith("Node: ")), None)
-    if node is not None:
-        after = lines[lines.index(f"Node: '{node}'") + 1:] if f"Node: '{node}'" in lines else []
-        message = next((line for line in after if not line.startswith("[[")), None)
+    at = next((i for i, line in enumerate(lines) if line.startswith("Node: ")), None)
+    if at is not None:
+        message = next((line for line in lines[at + 1:] if not line.startswith("[[")), None)
+        node = lines[at][len("Node: "):].strip("'")
         if message:
             return f"{message} (at node {node})"
     skip = ("Graph execution error", "Detected at node", "File \"", "Node: ", "[[")
