@@ -314,9 +314,18 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     assert 3 <= len(rows) <= 4 and len({r["name"] for r in rows}) == len(rows)   # K, or the roles if more
     roles = [role for r in rows for role in r["roles"]]
     assert sorted(roles) == sorted([PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE])
-    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["mad_ms"] >= 0 and r["steps"] == 6 for r in rows)
+    # 3 rounds of 2 timed steps, plus 2 for each extra round a candidate tied with the fastest ran in
+    extra = t["extra_rounds"]
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["mad_ms"] >= 0
+               and 6 <= r["steps"] <= 6 + 2 * extra and r["steps"] % 2 == 0 for r in rows)
+    assert max(r["steps"] for r in rows) == 6 + 2 * extra
+    # kept: the fastest, or one within its noise (``keep``: the fewest hosts, then the plan)
+    from tag.tune import within_noise
     fastest = min(rows, key=lambda r: r["measured_ms"])
-    assert t["kept"] == fastest["name"] == plan.method and plan.report()["strategy"] == fastest["name"]
+    kept = next(r for r in rows if r["name"] == t["kept"])
+    assert within_noise(kept["measured_ms"], kept["mad_ms"], fastest["measured_ms"] + 1e-9, fastest["mad_ms"],
+                        steps=kept["steps"], fastest_steps=fastest["steps"])
+    assert t["kept"] == plan.method and plan.report()["strategy"] == t["kept"]
     assert t["overrode_simulator"] == (t["kept"] != rows[0]["name"]) and t["seconds"] > 0
     assert plan.notes[-1].startswith(f"tuned on the cluster: {len(rows)} candidates measured")
 
