@@ -47,7 +47,9 @@ Summary keys (``--json``): ``geomean_speedup_vs_best_mwms`` and ``worst_speedup_
 plan against the best MWMS), ``mixed_wins`` (cases where a measured plan that is not a uniform action --
 mixed per-group actions or a pipeline -- ran at least 1.10x faster than the best uniform action),
 ``worst_dp_over_mwms_same_hosts``, ``geomean_speedup_vs_mwms`` (the tuned plan against MWMS on all hosts),
-``dp_over_mwms`` (geomean of dp_all / MWMS on all hosts), ``rows`` and the run's commit. Needs root
+``dp_over_mwms`` (geomean of dp_all / MWMS on all hosts), ``rows`` and the run's commit. MWMS that fails on a
+set of hosts is left out of that case's anchors (its row's ``mwms_failed`` says why, the table "failed"), and a
+case where it failed on all hosts out of the last two keys. Needs root
 (namespaces, tc, cgroup v1 cpu). The machine may be shared: compare the columns of a row, not rows of
 different runs.
 
@@ -157,29 +159,40 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
 
 
 def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
-                    mwms: dict | None = None) -> tuple[dict, dict]:
+                    mwms: dict | None = None) -> tuple[dict, dict, dict]:
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
-    step} of every MWMS anchor (hosts -> (model, batch, model_args) for ``run_mwms``)), timed in ROUNDS rounds
-    that take the MWMS anchors and then the runnables in turn (reversed every other round), each round WARMUP
-    untimed steps and its share of the STEPS - WARMUP timed ones. Why: on this shared machine one program
-    timed a few minutes apart measured 41 and 50 ms, and MWMS on one host 211 and 250 ms
-    (docs/measured/issue22-e2e); interleaving spreads the drift over tag's programs and the anchors alike."""
+    step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
+    every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and then the runnables in turn
+    (reversed every other round), each round WARMUP untimed steps and its share of the STEPS - WARMUP timed
+    ones. Why: on this shared machine one program timed a few minutes apart measured 41 and 50 ms, and MWMS on
+    one host 211 and 250 ms (docs/measured/issue22-e2e); interleaving spreads the drift over tag's programs and
+    the anchors alike. An anchor that fails is not run again: a user whose MWMS fails on a set of hosts runs it
+    on another (run 38's deep MLP: MWMS on all three hosts, at 28 s a step over the slow links, aborted when
+    TensorFlow's coordination service timed out a worker's heartbeat)."""
     timed = max(steps - warmup, rounds)
     per_round = [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
     samples: dict = {k: [] for k in runnables}
     anchors: dict = {k: [] for k in (mwms or {})}
+    failed: dict = {}
     keys = list(runnables)
     for r in range(rounds):
         for k in (list(anchors) if r % 2 == 0 else list(anchors)[::-1]):
+            if k in failed:
+                continue
             model, batch, model_args = mwms[k]
-            anchors[k] += run_mwms(tb, model, batch, warmup + per_round[r], warmup, hosts=k, model_args=model_args)
+            try:
+                anchors[k] += run_mwms(tb, model, batch, warmup + per_round[r], warmup, hosts=k,
+                                       model_args=model_args)
+            except RuntimeError as err:
+                failed[k] = " ".join(str(err).split())[-500:]
+                print(f"    MWMS on {k} host(s) failed, not run again: {failed[k][-300:]}", flush=True)
         for k in (keys if r % 2 == 0 else keys[::-1]):
             x = runnables[k]
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
                             steps=warmup + per_round[r], warmup=warmup, synthetic=True)
             samples[k] += list(res.step_times[warmup:])
     return ({k: float(np.median(v)) for k, v in samples.items()},
-            {k: float(np.median(v)) for k, v in anchors.items()})
+            {k: float(np.median(v)) for k, v in anchors.items() if k not in failed}, failed)
 
 
 def uniform_keys(analysis) -> set[str]:
@@ -275,12 +288,15 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
         runnables: dict[str, object] = {}
         for name, s in strategies.items():
             runnables.setdefault(key_of[name], plan if name == "plan" else tuned if name == "tuned" else an.rewrite(s))
-        measured, mwms = run_interleaved(tb, runnables, steps, warmup,
-                                         mwms={k: (model, batch, model_args) for k in range(1, n_hosts + 1)})
+        measured, mwms, mwms_failed = run_interleaved(
+            tb, runnables, steps, warmup, mwms={k: (model, batch, model_args) for k in range(1, n_hosts + 1)})
         times = {name: measured[key_of[name]] for name in strategies}
     finally:
         tb.stop_workers()
-    best_k = min(mwms, key=mwms.get)
+    if not mwms:
+        raise RuntimeError(f"MWMS failed on every set of hosts: {mwms_failed[n_hosts]}")
+    best_k = min(mwms, key=mwms.get)     # of the sets of hosts it ran on
+    mwms_all = mwms.get(n_hosts)         # None: it failed on all of them
     same = "dp_all" if best_k == n_hosts else f"dp{best_k}"
     times["dp_same"], strategies["dp_same"] = times[same], strategies[same]
     uniform_set = uniform_keys(an)
@@ -291,8 +307,9 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     best_mixed = min(mixed.values()) if mixed else None
     row = {"config": config, "case": label, "model": model, "batch": batch, "width": width, "depth": depth,
            "quotas": list(cfg["quotas"]), "links_gbps": list(cfg["links_gbps"]),
-           "mwms_s": {str(k): v for k, v in mwms.items()}, "mwms_best_hosts": best_k, "mwms_best_s": mwms[best_k],
-           "mwms_all_s": mwms[n_hosts],
+           "mwms_s": {str(k): mwms.get(k) for k in range(1, n_hosts + 1)}, "mwms_best_hosts": best_k,
+           "mwms_best_s": mwms[best_k], "mwms_all_s": mwms_all,
+           "mwms_failed": {str(k): why for k, why in mwms_failed.items()},
            "uniform_s": times["uniform"], "uniform": describe(uniform, tb.topology),
            "dp_all_s": times["dp_all"], "dp_same_s": times["dp_same"],
            "plan_s": times["plan"], "plan_method": plan.method, "plan": describe(plan.strategy, tb.topology),
@@ -300,14 +317,16 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
            "tuned_s": times["tuned"], "tuned_method": tuned.method, "tuned": describe(tuned.strategy, tb.topology),
            "tuned_is_uniform": is_uniform["tuned"], "plan_is_uniform": is_uniform["plan"],
            "tune_seconds": tune_s, "search_seconds": search_s, "tune": tuned.report()["tune"],
-           "speedup_vs_best_mwms": mwms[best_k] / times["tuned"], "speedup_vs_mwms": mwms[n_hosts] / times["tuned"],
+           "speedup_vs_best_mwms": mwms[best_k] / times["tuned"],
+           "speedup_vs_mwms": None if mwms_all is None else mwms_all / times["tuned"],
            "plan_speedup_vs_best_mwms": mwms[best_k] / times["plan"],
-           "dp_over_mwms": times["dp_all"] / mwms[n_hosts], "dp_same_over_mwms": times["dp_same"] / mwms[best_k],
+           "dp_over_mwms": None if mwms_all is None else times["dp_all"] / mwms_all,
+           "dp_same_over_mwms": times["dp_same"] / mwms[best_k],
            "mixed_over_uniform": None if best_mixed is None else times["uniform"] / best_mixed,
            "mixed_win": best_mixed is not None and times["uniform"] / best_mixed >= MIXED_WIN,
            "steps": steps, "warmup": warmup, "load": list(os.getloadavg()),
            "steal": steal_fraction(stolen_from, cpu_times())}
-    print(f"{config:<2} {label:<12} {batch:>3}  mwms {'/'.join(f'{v * 1e3:.0f}' for v in mwms.values())} ms "
+    print(f"{config:<2} {label:<12} {batch:>3}  mwms {'/'.join(anchor_texts(row['mwms_s']))} ms "
           f"(best {best_k})  uniform {times['uniform'] * 1e3:7.1f}  dp {times['dp_all'] * 1e3:7.1f} "
           f"dp_same {times['dp_same'] * 1e3:7.1f}  plan {times['plan'] * 1e3:7.1f} "
           f"(pred {plan.predicted_step_time * 1e3:6.1f}, {plan.method})  tuned {times['tuned'] * 1e3:7.1f} "
@@ -357,8 +376,21 @@ def run_config(recipe: dict, name: str, profile: Profile, cases, args, rows: lis
                       flush=True)
 
 
-def geomean(values) -> float:
+def geomean(values) -> float | None:
+    """The geometric mean of VALUES (None when there are none)."""
+    if len(values) == 0:
+        return None
     return float(np.exp(np.mean(np.log(np.asarray(values, dtype=np.float64)))))
+
+
+def ratio_text(value: float | None, unit: str = "") -> str:
+    """VALUE to two decimals, or "n/a" (MWMS failed on all hosts in every case)."""
+    return "n/a" if value is None else f"{value:.2f}{unit}"
+
+
+def anchor_texts(mwms_s: dict) -> list[str]:
+    """Each MWMS anchor's step in ms, in host-count order; "failed" where it did not run."""
+    return ["failed" if v is None else f"{v * 1e3:.0f}" for v in mwms_s.values()]
 
 
 def mixed_over_uniform(row: dict) -> float | None:
@@ -373,12 +405,15 @@ def summary(rows: list[dict]) -> dict:
     for r in rows:
         r["mixed_over_uniform"] = mixed_over_uniform(r)
         r["mixed_win"] = r["mixed_over_uniform"] is not None and r["mixed_over_uniform"] >= MIXED_WIN
+    def known(key: str) -> list[float]:       # an anchor that failed on all hosts has no ratio to it
+        return [r[key] for r in rows if r.get(key) is not None]
+
     return {"geomean_speedup_vs_best_mwms": geomean([r["speedup_vs_best_mwms"] for r in rows]),
             "worst_speedup_vs_best_mwms": min(r["speedup_vs_best_mwms"] for r in rows),
             "mixed_wins": sum(bool(r["mixed_win"]) for r in rows),
             "worst_dp_over_mwms_same_hosts": max(r["dp_same_over_mwms"] for r in rows),
-            "geomean_speedup_vs_mwms": geomean([r["speedup_vs_mwms"] for r in rows]),
-            "dp_over_mwms": geomean([r["dp_over_mwms"] for r in rows]),
+            "geomean_speedup_vs_mwms": geomean(known("speedup_vs_mwms")),
+            "dp_over_mwms": geomean(known("dp_over_mwms")),
             "geomean_plan_speedup_vs_best_mwms": geomean([r["plan_speedup_vs_best_mwms"] for r in rows]),
             "tune_overrides": sum(r["tuned_method"] != r["plan_method"] for r in rows),
             "tune_mean_seconds": float(np.mean([r["tune_seconds"] for r in rows])),
@@ -393,14 +428,15 @@ def markdown_table(result: dict) -> str:
     lines = [head]
     for r in result["rows"]:
         tuned = r["tuned"].replace("|", "\\|")      # a pipeline's stages are listed with "|"
+        vs_all = ratio_text(r.get("speedup_vs_mwms"), "x")
         mixed = "" if r["mixed_over_uniform"] is None else f"{r['mixed_over_uniform']:.2f}" + \
             (" (win)" if r["mixed_win"] else "")
         lines.append(
-            f"| {r['config']} | {r['case']} ({r['batch']}) | {' / '.join(f'{v * 1e3:.0f}' for v in r['mwms_s'].values())} "
+            f"| {r['config']} | {r['case']} ({r['batch']}) | {' / '.join(anchor_texts(r['mwms_s']))} "
             f"| {r['mwms_best_s'] * 1e3:.0f} ({r['mwms_best_hosts']}) | {r['uniform_s'] * 1e3:.0f} "
             f"| {r['dp_same_s'] * 1e3:.0f} | {r['plan_s'] * 1e3:.0f} ({r['plan_method']}) "
             f"| {r['tuned_s'] * 1e3:.0f} ({r['tuned_method']}) | {r['speedup_vs_best_mwms']:.2f}x "
-            f"| {r['speedup_vs_mwms']:.2f}x | {mixed} | {tuned} | {r['load'][0]:.1f} |")
+            f"| {vs_all} | {mixed} | {tuned} | {r['load'][0]:.1f} |")
     return "\n".join(lines)
 
 
@@ -544,7 +580,8 @@ def main(argv=None) -> int:
           f"{s['geomean_speedup_vs_best_mwms']:.2f}x (target >= 1.3), worst {s['worst_speedup_vs_best_mwms']:.2f}x "
           f"(>= 0.97); mixed wins {s['mixed_wins']} (>= 3); worst dp / MWMS on MWMS's best hosts "
           f"{s['worst_dp_over_mwms_same_hosts']:.2f} (<= 1.0); vs MWMS on all hosts "
-          f"{s['geomean_speedup_vs_mwms']:.2f}x, dp / MWMS all hosts {s['dp_over_mwms']:.2f}; the tuning step "
+          f"{ratio_text(s['geomean_speedup_vs_mwms'], 'x')}, dp / MWMS all hosts {ratio_text(s['dp_over_mwms'])}; "
+          f"the tuning step "
           f"overrode the plan in {s['tune_overrides']} cases ({s['tune_mean_seconds']:.0f} s per case); "
           f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     save(True)

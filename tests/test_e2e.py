@@ -91,6 +91,22 @@ def test_gpu_ratio_links_and_the_readme_table():
     assert "| G | vgg (48) | 100 / 200 / 300 | 100 (1) |" in table and "1.50 (win)" in table
 
 
+def test_an_mwms_anchor_that_failed_is_named_and_left_out_of_the_all_hosts_keys():
+    """MWMS that failed on all three hosts: the row's table says "failed" there and n/a against it; the best
+    MWMS is of the prefixes that ran, and the all-hosts keys average over the other cases."""
+    bench_e2e = bench()
+    failed = {**_saved_row("deep-mlp", 0.05), "mwms_s": {"1": 0.1, "2": 0.2, "3": None},
+              "mwms_failed": {"3": "MWMS chief failed (rc 1): heartbeat timeout"}, "speedup_vs_mwms": None,
+              "dp_over_mwms": None}
+    other = {**_saved_row("vgg", 0.1), "dp_over_mwms": 2.0}
+    s = bench_e2e.summary([failed, other])
+    assert s["geomean_speedup_vs_mwms"] == pytest.approx(3.0) and s["dp_over_mwms"] == pytest.approx(2.0)
+    assert s["geomean_speedup_vs_best_mwms"] == pytest.approx((2.0 * 1.0) ** 0.5)
+    table = bench_e2e.markdown_table({"rows": [failed]})
+    assert "| G | deep-mlp (48) | 100 / 200 / failed | 100 (1) |" in table and "| 2.00x | n/a |" in table
+    assert bench_e2e.summary([failed])["geomean_speedup_vs_mwms"] is None
+
+
 def test_table_combines_the_cases_of_several_runs_and_refuses_a_case_measured_twice(tmp_path, capsys):
     """--table a.json,b.json: one table and summary over both runs' cases, each row naming its run; a case in
     both runs, or a file that is not a saved result, exits 2 with one line."""
