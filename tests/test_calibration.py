@@ -54,6 +54,21 @@ def test_fit_on_hand_made_measurement():
     assert fit_profile(tg, m, peak=1e11, bw=1e10).memory_bandwidth == pytest.approx(4e10, rel=1e-6)
 
 
+def test_the_fitted_bandwidth_does_not_hang_on_the_streaming_figure():
+    """Which ops are memory-bound is decided at the fitted bandwidth: an op of 2.5 FLOP per byte is memory-bound
+    at a streaming 20 GB/s and not at 50 (peak 100 GFLOP/s). Decided at the streaming figure, the fit took it in
+    at 20 (fitting 23 GB/s) and not at 50 (40 GB/s); from the top of the range both find 40 GB/s."""
+    ops = [_op("c", "Const", 0, 0), _op("mm", "MatMul", 1e9, 1e6), _op("r", "Relu", 1e6, 8e6),
+           _op("adam", "ResourceApplyAdam", 3e6, 1.2e6)]
+    tg = TrainingGraph(ops, [Edge(0, 1, "c:0", Linear(4, 0)), Edge(1, 2, "mm:0", Linear(4, 0))], [], [], 1, [], [])
+    m = StepMeasurement(np.array([1e-5, 0.02 + 1e-5, 2e-4 + 1e-5, 2e-4 + 1e-5]), wall_s=0.05, wall_parallel_s=0.03,
+                        steps=1)
+    slow, fast = (fit_profile(tg, m, peak=1e11, bw=bw) for bw in (2e10, 5e10))
+    assert slow.memory_bandwidth == pytest.approx(4e10, rel=1e-6) == fast.memory_bandwidth
+    assert slow.launch_overhead_s == pytest.approx(fast.launch_overhead_s, rel=1e-9)
+    assert slow.efficiency["ResourceApplyAdam"] == pytest.approx(3e6 / (1e11 * 2e-4), rel=1e-6)   # charged as compute
+
+
 def _conv_bias_graph():
     """x -> Conv2D -> BiasAdd -> Relu, as the IR holds it (inputs name the producer tensors)."""
     ops = [_op("x", "Placeholder", 0, 0), _op("conv", "Conv2D", 2e9, 1e6), _op("bias", "BiasAdd", 1e5, 8e5),

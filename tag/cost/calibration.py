@@ -167,8 +167,16 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
                  warmup: int = 3, seed: int = 0, sustain_s: float = 0.0) -> StepMeasurement:
     """Run the training step and read each op's kernel time from TensorFlow's step stats.
 
+    Two sessions on the graph are open together: ops one at a time (traced and untraced steps) and
+    TensorFlow's default settings (untraced), and their steps alternate, so that every figure sees the same
+    machine load. The launch overhead is fitted from the default-settings step minus the traced kernels
+    (``tag.cost.fitting``): a residual of a few percent of the step, which a drift of the machine between the
+    two measurements moves several-fold when they are taken one after the other (a testbed calibration fitted
+    32 us per op where the same code an hour earlier fitted 4 us, with the reference host's own sustained step
+    moving 9% between two rounds of the same calibration).
+
     ``sustain_s`` > 0: also time default-settings steps back to back for that many seconds and record
-    their mean (``StepMeasurement.wall_sustained_s``), the speed a time-sliced device keeps up."""
+    their median (``StepMeasurement.wall_sustained_s``), the speed a time-sliced device keeps up."""
     if steps < 1:
         raise TagError(f"steps must be at least 1, got {steps}")
     g = _import(graph_def, device_type)
@@ -179,37 +187,36 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
     samples: list[list[float]] = [[] for _ in graph.ops]    # per IR op: its kernel time in each traced step
     with g.as_default():
         feeds = _random_feeds(g, graph, rng)
-    with v1.Session(graph=g, config=_session_config(serial=True)) as sess:
-        if init:
-            _initialise(sess, init, feeds)
+
+    def timed(sess) -> float:
+        t0 = time.perf_counter()
+        sess.run(targets, feed_dict=feeds)
+        return time.perf_counter() - t0
+
+    with v1.Session(graph=g, config=_session_config(serial=True)) as serial, \
+            v1.Session(graph=g, config=_session_config(serial=False)) as default:
         try:
-            for _ in range(warmup):
-                sess.run(targets, feed_dict=feeds)
+            for sess in (serial, default):
+                if init:
+                    _initialise(sess, init, feeds)
+                for _ in range(warmup):
+                    sess.run(targets, feed_dict=feeds)
         except tf.errors.OpError as err:
             raise GraphError(f"the training step fails on random inputs: {' '.join(err.message.split())[:300]}") \
                 from None
-        walls = []
+        walls: list[float] = []
+        par: list[float] = []
+        wanted = max(steps, _MIN_WALL_SAMPLES)   # default-settings samples: cheap, untraced; fewer past 10 s
         opts = v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE)
-        for _ in range(steps):   # untraced and traced runs alternate, so both see the same machine load
-            t0 = time.perf_counter()
-            sess.run(targets, feed_dict=feeds)
-            walls.append(time.perf_counter() - t0)
+        for k in range(steps):    # per round: untraced, traced, then this round's share of default-settings steps
+            walls.append(timed(serial))
             md = v1.RunMetadata()
-            sess.run(targets, feed_dict=feeds, options=opts, run_metadata=md)
+            serial.run(targets, feed_dict=feeds, options=opts, run_metadata=md)
             for i, t in _kernel_times(md, index).items():
                 samples[i].append(t)
-    with v1.Session(graph=g, config=_session_config(serial=False)) as sess:
-        if init:
-            _initialise(sess, init, feeds)
-        for _ in range(warmup):
-            sess.run(targets, feed_dict=feeds)
-        par: list[float] = []
-        start = time.perf_counter()   # at least 20 samples (cheap, untraced) unless that takes > 10 s
-        while len(par) < steps or (len(par) < _MIN_WALL_SAMPLES and time.perf_counter() - start < 10.0):
-            t0 = time.perf_counter()
-            sess.run(targets, feed_dict=feeds)
-            par.append(time.perf_counter() - t0)
-        sustained = _sustained_step(sess, targets, feeds, sustain_s) if sustain_s > 0 else None
+            share = 1 if sum(par) > 10.0 else max(1, math.ceil((wanted - len(par)) / (steps - k)))
+            par.extend(timed(default) for _ in range(share))
+        sustained = _sustained_step(default, targets, feeds, sustain_s) if sustain_s > 0 else None
     op_times = np.array([np.median(s) if s else np.nan for s in samples], dtype=np.float64)
     return StepMeasurement(op_times, float(np.median(walls)), float(np.median(par)), steps, sustained)
 
