@@ -67,8 +67,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -196,17 +198,23 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
 
 
 def uniform_keys(analysis) -> set[str]:
-    """``strategy_key`` of every uniform action of ANALYSIS: each search candidate applied to every op group
+    """``action_key`` of every uniform action of ANALYSIS: each search candidate applied to every op group
     (where it is not allowed, the group's first allowed one, as ``tag.search.driver.best_uniform`` takes it),
     every built-in and dp_allreduce over each prefix of the hosts."""
     from tag.search import SearchEnv
     from tag.strategy.baselines import BUILTIN_STRATEGIES
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
-    keys = {strategy_key(env.strategy(env.uniform_choice(k))) for k in range(len(env.candidates))}
-    keys |= {strategy_key(analysis.builtin(n)) for n in BUILTIN_STRATEGIES}
-    keys |= {strategy_key(host_prefix_strategy(analysis, k)) for k in range(1, len(analysis.topology.hosts) + 1)}
+    keys = {action_key(env.strategy(env.uniform_choice(k))) for k in range(len(env.candidates))}
+    keys |= {action_key(analysis.builtin(n)) for n in BUILTIN_STRATEGIES}
+    keys |= {action_key(host_prefix_strategy(analysis, k)) for k in range(1, len(analysis.topology.hosts) + 1)}
     return keys
+
+
+def action_key(strategy: Strategy) -> str:
+    """``strategy_key`` of STRATEGY's actions, whatever its gradient buckets: data parallelism with 256 KB buckets
+    is still one action for every op group (run 39 counted the CNN's bucketed ``dp_allreduce`` as a mixed plan)."""
+    return strategy_key(dataclasses.replace(strategy, bucket_bytes=None))
 
 
 def describe(strategy: Strategy, topology) -> str:
@@ -301,7 +309,7 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     times["dp_same"], strategies["dp_same"] = times[same], strategies[same]
     uniform_set = uniform_keys(an)
     # a uniform action, or everything on one host (modes mixed on one device are not a mixed plan)
-    is_uniform = {n: strategy_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
+    is_uniform = {n: action_key(s) in uniform_set or len(hosts_used(s, tb.topology)) == 1
                   for n, s in strategies.items()}
     mixed = {n: times[n] for n in ("plan", "tuned") if not is_uniform[n]}
     best_mixed = min(mixed.values()) if mixed else None
@@ -393,11 +401,19 @@ def anchor_texts(mwms_s: dict) -> list[str]:
     return ["failed" if v is None else f"{v * 1e3:.0f}" for v in mwms_s.values()]
 
 
+def without_buckets(text: str) -> str:
+    """A ``describe`` text without its gradient buckets ("allreduce@h0+h1 x9 (256 KB buckets)" -> "allreduce@h0+h1
+    x9"): the same actions for every op group are one uniform action, whatever the buckets (rows saved before
+    ``action_key`` flagged a bucketed data parallelism as not uniform)."""
+    return re.sub(r" \([^()]* buckets\)$", "", text)
+
+
 def mixed_over_uniform(row: dict) -> float | None:
     """The best uniform action's time over the fastest measured plan of ROW (the plan or the tuned plan)
     that is not a uniform action and runs on more than one host; None when there is none."""
     mixed = [row[f"{n}_s"] for n in ("plan", "tuned")
-             if not row[f"{n}_is_uniform"] and not row[n].startswith("one device on")]
+             if not row[f"{n}_is_uniform"] and not row[n].startswith("one device on")
+             and without_buckets(row[n]) != without_buckets(row["uniform"])]
     return row["uniform_s"] / min(mixed) if mixed else None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
@@ -69,7 +70,7 @@ def test_float64_build_has_float64_weights_and_inputs_and_leaves_keras_in_float3
 def _saved_row(case: str, plan_s: float) -> dict:
     """One bench_e2e row as --json saves it (the keys summary() and markdown_table() read)."""
     return {"config": "G", "case": case, "batch": 48, "mwms_s": {"1": 0.1, "2": 0.2, "3": 0.3}, "mwms_best_s": 0.1,
-            "mwms_best_hosts": 1, "uniform_s": 0.1, "dp_same_s": 0.1, "dp_same_over_mwms": 1.0, "plan_s": plan_s,
+            "mwms_best_hosts": 1, "uniform_s": 0.1, "uniform": "one device on h0", "dp_same_s": 0.1, "dp_same_over_mwms": 1.0, "plan_s": plan_s,
             "plan_method": "pipeline", "plan_is_uniform": False, "plan": "[h0 | h1] M=4", "tuned_s": plan_s,
             "tuned_method": "pipeline", "tuned_is_uniform": False, "tuned": "[h0 | h1] M=4",
             "speedup_vs_best_mwms": 0.1 / plan_s, "speedup_vs_mwms": 0.3 / plan_s, "dp_over_mwms": 1.0,
@@ -105,6 +106,23 @@ def test_an_mwms_anchor_that_failed_is_named_and_left_out_of_the_all_hosts_keys(
     table = bench_e2e.markdown_table({"rows": [failed]})
     assert "| G | deep-mlp (48) | 100 / 200 / failed | 100 (1) |" in table and "| 2.00x | n/a |" in table
     assert bench_e2e.summary([failed])["geomean_speedup_vs_mwms"] is None
+
+
+def test_bucketed_data_parallelism_is_a_uniform_action_not_a_mixed_win():
+    """Data parallelism with its gradient buckets sized is still one action for every op group: neither a saved
+    row that flagged it mixed nor a strategy compared by ``action_key`` counts it as a mixed win."""
+    bench_e2e = bench()
+    row = {**_saved_row("cnn", 0.1), "uniform": "allreduce@h0+h1+h2 x25", "uniform_s": 0.13,
+           "plan": "allreduce@h0+h1+h2 x25 (256 KB buckets)", "tuned": "allreduce@h0+h1+h2 x25 (256 KB buckets)"}
+    assert bench_e2e.summary([row])["mixed_wins"] == 0 and row["mixed_over_uniform"] is None
+    mixed = {**row, "plan": "allreduce@h0+h1+h2 x12, allreduce@h0 x13 (256 KB buckets)", "tuned_is_uniform": True}
+    assert bench_e2e.summary([mixed])["mixed_wins"] == 1 and mixed["mixed_over_uniform"] == pytest.approx(1.3)
+    from tag.strategy.types import Action, Grouping, Strategy
+    grouping = Grouping(np.array([0, 0, 1]), ["a", "b"])
+    dp = Strategy(grouping, [Action((0, 1), "allreduce")] * 2, name="dp")
+    bucketed = Strategy(grouping, [Action((0, 1), "allreduce")] * 2, name="dp", bucket_bytes=256 * 1024)
+    assert bench_e2e.action_key(bucketed) == bench_e2e.action_key(dp)
+    assert bench_e2e.strategy_key(bucketed) != bench_e2e.strategy_key(dp)       # different programs all the same
 
 
 def test_table_combines_the_cases_of_several_runs_and_refuses_a_case_measured_twice(tmp_path, capsys):

@@ -171,9 +171,9 @@ def measure_step(graph_def, graph: "TrainingGraph", steps: int = 10, device_type
     TensorFlow's default settings (untraced), and their steps alternate, so that every figure sees the same
     machine load. The launch overhead is fitted from the default-settings step minus the traced kernels
     (``tag.cost.fitting``): a residual of a few percent of the step, which a drift of the machine between the
-    two measurements moves several-fold when they are taken one after the other (a testbed calibration fitted
-    32 us per op where the same code an hour earlier fitted 4 us, with the reference host's own sustained step
-    moving 9% between two rounds of the same calibration).
+    two measurements moves several-fold. Taken one after the other, the default-settings walls of the three
+    testbed calibration graphs ran 0.85-1.30x the ops-one-at-a-time walls in three calibrations in a row; taken
+    alternately, 0.99-1.04x (``scripts/bench_calibration_spread.py``).
 
     ``sustain_s`` > 0: also time default-settings steps back to back for that many seconds and record
     their median (``StepMeasurement.wall_sustained_s``), the speed a time-sliced device keeps up."""
