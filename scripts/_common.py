@@ -3,6 +3,8 @@ running script's folder on ``sys.path``)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 
 def write_json(path: str | None, obj, indent: int = 1) -> None:
@@ -50,3 +52,15 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
 def steal_text(fraction: float | None) -> str:
     """``"  steal 12%"`` for a row's printed line ('' when not known)."""
     return "" if fraction is None else f"  steal {fraction * 100:.0f}%"
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit, with "-dirty" when tracked files differ from it ("unknown" without git)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

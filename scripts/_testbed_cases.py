@@ -492,6 +492,20 @@ def rounds_disagree(shares: dict, limit: float) -> bool:
     return any(len(v) > 1 and (max(v) - min(v)) > limit * float(np.median(v)) for v in shares.values())
 
 
+def profile_command(cal: dict, how: list[str], device_type_name: str, out: str) -> list[str]:
+    """The ``tag-profile`` command of one calibration run, pinned to core 0 (CAL: the recipe's calibration, which
+    sets the batch and the sustained window; HOW: what to profile, e.g. ``traced_args``), writing OUT."""
+    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    return pin + [sys.executable, "-m", "tag.cli.profile", "--batch", str(cal["batch"]), "--sustained",
+                  str(cal["sustained_s"]), *how, "--device-type", device_type_name, "--out", out]
+
+
+def traced_args(cal: dict, models: list[str]) -> list[str]:
+    """``tag-profile`` options that trace the calibration MODELS (files) as the largest quota's profile is taken."""
+    return ["--model", *models, "--steps", str(cal["traced_steps"]),
+            *(["--matmul-table"] if cal.get("matmul_table") else [])]
+
+
 def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = True):
     """A Profile with one device type per quota and the runtime's network costs.
 
@@ -518,21 +532,17 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
                       f'kind: CPU count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}'
                       for i in range(len(quotas)))
     topo = parse_topology(hosts + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n", path="<calibration>")
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     models = [model_file(spec, cal["batch"], workdir) for spec in cal["models"]]
-    base_args = ["--batch", str(cal["batch"]), "--sustained", str(cal["sustained_s"])]
 
     def profile(i: int, how: list, out: str) -> Profile:
-        cmd = tb.launch_prefix(i) + pin + [sys.executable, "-m", "tag.cli.profile", *base_args, *how,
-                                           "--device-type", device_type(quotas[i]), "--out", out]
+        cmd = tb.launch_prefix(i) + profile_command(cal, how, device_type(quotas[i]), out)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
         return Profile.load(out)
 
     # the quotas are timed one at a time, each profiler pinned by taskset: the testbed need not pack them
     with Testbed(topo, shape_links=False, cpu_quota=quotas, cpu_pinning="off") as tb:
         base_path = os.path.join(workdir, f"profile-{device_type(quotas[0])}.json")
-        table = ["--matmul-table"] if cal.get("matmul_table") else []
-        base = profile(0, ["--model", *models, "--steps", str(cal["traced_steps"]), *table], base_path)
+        base = profile(0, traced_args(cal, models), base_path)
         ref = base.devices[device_type(quotas[0])]
         shares: dict[int, list[float]] = {i: [] for i in range(len(quotas))}
         r = 0

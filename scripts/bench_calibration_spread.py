@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,8 +27,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from _common import write_json  # noqa: E402
-from _testbed_cases import load_recipe, model_file  # noqa: E402
+from _common import git_commit, write_json  # noqa: E402
+from _testbed_cases import load_recipe, model_file, profile_command, traced_args  # noqa: E402
 
 DEVICE_TYPE = "CPUq100"
 FIELDS = ("launch_us", "bandwidth_gbs", "peak_gflops", "sustained_ms")
@@ -38,12 +37,9 @@ FIELDS = ("launch_us", "bandwidth_gbs", "peak_gflops", "sustained_ms")
 def one_profile(models: list[str], cal: dict, out: str) -> dict:
     """One ``tag-profile`` of MODELS as the testbed calibration runs it (CAL: the recipe's calibration), written
     to OUT; the row of this script's fields."""
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    cmd = pin + [sys.executable, "-m", "tag.cli.profile", "--batch", str(cal["batch"]), "--sustained",
-                 str(cal["sustained_s"]), "--model", *models, "--steps", str(cal["traced_steps"]),
-                 "--device-type", DEVICE_TYPE, "--out", out] + (["--matmul-table"] if cal.get("matmul_table") else [])
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    subprocess.run(profile_command(cal, traced_args(cal, models), DEVICE_TYPE, out), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
                    env=dict(os.environ, PYTHONPATH=REPO), timeout=1800)
     with open(out) as f:
         prof = json.load(f)
@@ -82,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     spreads = {k: spread([row[k] for row in rows]) for k in FIELDS}
     print("spread (largest - smallest) / median: " + ", ".join(f"{k} {v:.2f}" for k, v in spreads.items()))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    write_json(args.json, {"commit": commit, "runs": rows, "spread": spreads, "recipe_calibration": cal})
+    write_json(args.json, {"commit": git_commit(), "runs": rows, "spread": spreads, "recipe_calibration": cal})
     return 0
 
 

@@ -90,7 +90,7 @@ from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
-from _common import cpu_times, steal_fraction, steal_text  # noqa: E402
+from _common import cpu_times, git_commit, steal_fraction, steal_text  # noqa: E402
 from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
     testbed_topology  # noqa: E402
 
@@ -486,16 +486,6 @@ def combined_results(paths: list[str]) -> dict:
              "complete": r.get("complete"), "cases": len(r["rows"])} for p, r in zip(paths, results)]
     return {**{k: v for k, v in results[0].items() if k not in ("rows", "commit", "seconds", "complete")},
             "runs": runs, "rows": rows}
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:

@@ -90,8 +90,7 @@ def main(argv=None) -> int:
         ratio = f"{p / m:5.2f}x" if m > 0 else "    -"
         print(f"  {p * 1e3:8.2f} ms predicted {m * 1e3:8.2f} ms measured {ratio}  {attrs:24s} {name}")
     if args.json:
-        from _common import write_json
-        from bench_e2e import git_commit
+        from _common import git_commit, write_json
         write_json(args.json, {
             "commit": git_commit(), "model": args.model, "batch": args.batch, "width": args.width, "depth": args.depth,
             "profile": args.profile, "load": os.getloadavg()[0], "step_s": wall,

@@ -100,3 +100,14 @@ def zero_gradient_variables(names, grads) -> set[str]:
     largest = [float(np.max(np.abs(g))) if g.size else 0.0 for g in grads]
     gmax = max(largest, default=0.0)
     return {n for n, m in zip(names, largest) if m <= ROUNDING_NOISE * gmax}
+
+
+def kept_within_noise(tune: dict) -> bool:
+    """Whether a plan report's ``tune`` keys kept the candidate measured fastest or one within its noise
+    (``tag.tune.keep``: of those, the one on the fewest hosts, then the plan)."""
+    from tag.tune import within_noise
+    rows = tune["candidates"]
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    kept = next(r for r in rows if r["name"] == tune["kept"])
+    return within_noise(kept["measured_ms"], kept["mad_ms"], fastest["measured_ms"] + 1e-9, fastest["mad_ms"],
+                        steps=kept["steps"], fastest_steps=fastest["steps"])

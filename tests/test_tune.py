@@ -300,7 +300,7 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     among them), every one in the report with predicted and measured times, and the returned plan is the
     one measured fastest."""
     import tag
-    from helpers import in_process_servers
+    from helpers import in_process_servers, kept_within_noise
     from tag.cluster.topology import parse_topology
     ports, servers = in_process_servers(3)
     text = open(os.path.join(REPO, "topologies", "localhost.pbtxt")).read()
@@ -319,12 +319,7 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["mad_ms"] >= 0
                and 6 <= r["steps"] <= 6 + 2 * extra and r["steps"] % 2 == 0 for r in rows)
     assert max(r["steps"] for r in rows) == 6 + 2 * extra
-    # kept: the fastest, or one within its noise (``keep``: the fewest hosts, then the plan)
-    from tag.tune import within_noise
-    fastest = min(rows, key=lambda r: r["measured_ms"])
-    kept = next(r for r in rows if r["name"] == t["kept"])
-    assert within_noise(kept["measured_ms"], kept["mad_ms"], fastest["measured_ms"] + 1e-9, fastest["mad_ms"],
-                        steps=kept["steps"], fastest_steps=fastest["steps"])
+    assert kept_within_noise(t)        # the fastest, or one within its noise (the fewest hosts, then the plan)
     assert t["kept"] == plan.method and plan.report()["strategy"] == t["kept"]
     assert t["overrode_simulator"] == (t["kept"] != rows[0]["name"]) and t["seconds"] > 0
     assert plan.notes[-1].startswith(f"tuned on the cluster: {len(rows)} candidates measured")
