@@ -14,7 +14,7 @@ import pytest
 from tag.errors import TagError
 from tag.report import format_tune
 from tag.strategy.types import Action, Grouping, Strategy
-from tag.tune import (BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE, PLAN, Candidate, Measured, check_k, choose,
+from tag.tune import (BEST_BUILTIN, BEST_PIPELINE_ROLE, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE, PLAN, Candidate, Measured, check_k, choose,
                       default_k, distinct_candidates, keep, median_absolute_deviation, steps_per_candidate,
                       strategy_key, tune, tune_fields)
 
@@ -87,6 +87,31 @@ def test_a_pipeline_of_one_micro_batch_on_single_devices_is_that_placement():
     cands = distinct_candidates("single", {"single": single, "pipeline": pipe(1), "pipeline_m2": pipe(2)},
                                 {"single": 0.2, "pipeline": 0.2, "pipeline_m2": 0.21}, {}, topo)
     assert [(c.name, c.aliases) for c in cands] == [("single", ["pipeline"]), ("pipeline_m2", [])]
+
+
+def test_the_best_pipeline_is_measured_when_predicted_within_reach():
+    """The fastest real pipeline (stages on different devices) gets a role when predicted within
+    TUNE_PIPELINE_WITHIN of the fastest prediction, and K=1 then still measures it; one predicted further off,
+    or a pipeline whose stages share one placement (gradient accumulation), is not measured for its kind."""
+    from tiny import make_topology
+    from tag.strategy.pipeline import Pipeline, PipelineStage
+    from tag.tune import TUNE_PIPELINE_WITHIN
+    topo = make_topology([("h0", [("GPU-A", 1)]), ("h1", [("GPU-A", 1)]), ("h2", [("GPU-A", 1)])])
+
+    def pipe(m, first, second):
+        return Strategy.pipelined(GROUPING, Pipeline((PipelineStage((0,), (first,)), PipelineStage((1,), (second,))), m))
+
+    strategies = {"single": strat(ONE, ONE), "pipeline": pipe(4, 1, 0), "pipeline_m8": pipe(8, 1, 0),
+                  "accumulate": pipe(4, 0, 0)}
+    near = {"single": 0.20, "pipeline": 0.20 * 1.3, "pipeline_m8": 0.20 * 1.4, "accumulate": 0.21}
+    cands = distinct_candidates("single", strategies, near, {}, topo)
+    roles = {c.name: c.roles for c in cands}
+    assert roles["pipeline"] == [BEST_PIPELINE_ROLE] and roles["pipeline_m8"] == [] and roles["accumulate"] == []
+    assert [c.name for c in choose(cands, 1)] == ["single", "pipeline"]
+    far = dict(near, pipeline=0.20 * (TUNE_PIPELINE_WITHIN + 0.1), pipeline_m8=0.20 * (TUNE_PIPELINE_WITHIN + 0.2))
+    cands = distinct_candidates("single", strategies, far, {}, topo)
+    assert not any(BEST_PIPELINE_ROLE in c.roles for c in cands)
+    assert [c.name for c in choose(cands, 1)] == ["single"]
 
 
 def test_the_plan_is_a_builtin_and_still_meets_the_best_uniform_action():
@@ -311,8 +336,8 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     plan = tag.optimize(gd, topo, batch_size=24, playouts=8, tune_target=servers[0].target, tune_k=3)
     t = plan.report()["tune"]
     rows = t["candidates"]
-    assert 3 <= len(rows) <= 4 and len({r["name"] for r in rows}) == len(rows)   # K, or the roles if more
-    roles = [role for r in rows for role in r["roles"]]
+    assert 3 <= len(rows) <= 5 and len({r["name"] for r in rows}) == len(rows)   # K, or the roles if more
+    roles = [role for r in rows for role in r["roles"] if role != BEST_PIPELINE_ROLE]  # one when in reach
     assert sorted(roles) == sorted([PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE])
     # 3 rounds of 2 timed steps, plus 2 for each extra round a candidate tied with the fastest ran in
     extra = t["extra_rounds"]
@@ -345,7 +370,7 @@ def test_a_given_builtin_meets_the_best_builtin_and_the_best_uniform_action():
     cands = analysis_candidates(analysis, name, strategy, report)
     assert cands[0].name == "ps" and PLAN in cands[0].roles
     roles = {role: c.name for c in cands for role in c.roles}
-    assert set(roles) == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE}
+    assert set(roles) - {BEST_PIPELINE_ROLE} == {PLAN, BEST_BUILTIN, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE}
     best_builtin = min((n for n in ("dp_allreduce", "ps", "single", "partition")), key=report["baselines"].get)
     assert roles[BEST_BUILTIN] == best_builtin or best_builtin in next(c.aliases for c in cands
                                                                           if c.name == roles[BEST_BUILTIN])
