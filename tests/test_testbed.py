@@ -314,12 +314,15 @@ def test_quotas_unequal_links_and_a_shared_nic():
         for i, q in enumerate([1.0, 0.5, 0.25]):
             with open(os.path.join(tb._cgroup(i), "cpu.cfs_quota_us")) as f:
                 assert int(f.read()) == int(q * CFS_PERIOD_US)
-        # a busy loop in h2 is throttled to a quarter of a core
+        # a busy loop in h2 is throttled to a quarter of a core, and its cgroup's counters say so
+        before = tb.cpu_stat("h2")
         res = subprocess.run(tb.launch_prefix("h2") + [sys.executable, "-c",
                              "import time\nt=time.process_time()\ns=time.time()\n"
                              "while time.time()-s<1.0: pass\nprint(time.process_time()-t)"],
                              capture_output=True, text=True, timeout=60, check=True)
         assert float(res.stdout) < 0.4
+        after = tb.cpu_stat("h2")
+        assert after["nr_throttled"] - before.get("nr_throttled", 0) > 10 and after["throttled_time"] > 0
         # pinned (cpu_pinning="auto"): h0 alone on one CPU, h1 and h2 together on another
         if len(os.sched_getaffinity(0)) >= 2:
             show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]

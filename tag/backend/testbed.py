@@ -633,6 +633,17 @@ class Testbed:
             echo.wait()
 
     # -- teardown --------------------------------------------------------------------------------
+    def cpu_stat(self, host: str | int) -> dict[str, int]:
+        """HOST's CFS counters (``nr_periods``, ``nr_throttled``, ``throttled_time`` in ns, ...) from its cgroup's
+        ``cpu.stat``; empty when the host has no CPU cgroup (no quota, no shares)."""
+        if self.cpu_shares is None and self.cpu_quota is None:
+            return {}
+        try:
+            with open(os.path.join(self._cgroup(self._index(host)), "cpu.stat")) as f:
+                return {k: int(v) for k, v in (line.split() for line in f if line.strip())}
+        except OSError:
+            return {}
+
     def close(self) -> None:
         """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice. SIGTERM and
         SIGINT wait until it is done (a signal that cut a teardown short would leave the rest behind)."""

@@ -1,0 +1,34 @@
+"""scripts/probe_host_drift.py: one host's step on a bare CPU, in a testbed host's cgroup and through tag's server."""
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from probe_host_drift import in_process_steps, main, spread  # noqa: E402
+
+
+def test_bad_profile_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    assert main(["--profile", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err
+
+
+def test_bad_rounds_are_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        main(["--rounds", "0"])
+    assert exc.value.code == 2
+
+
+def test_in_process_steps_and_the_child_mode(capsys):
+    times = in_process_steps("mlp", 8, steps=2, warmup=1)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert main(["--child", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["step_times"]) == 2
+    assert spread([2.0, 1.0, 1.5]) == 2.0
