@@ -632,7 +632,6 @@ class Testbed:
                 echo.kill()
             echo.wait()
 
-    # -- teardown --------------------------------------------------------------------------------
     def cpu_stat(self, host: str | int) -> dict[str, int]:
         """HOST's CFS counters (``nr_periods``, ``nr_throttled``, ``throttled_time`` in ns, ...) from its cgroup's
         ``cpu.stat``; empty when the host has no CPU cgroup (no quota, no shares)."""
@@ -644,6 +643,7 @@ class Testbed:
         except OSError:
             return {}
 
+    # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop workers and remove namespaces, veths, bridge and cgroups. Safe to call twice. SIGTERM and
         SIGINT wait until it is done (a signal that cut a teardown short would leave the rest behind)."""
