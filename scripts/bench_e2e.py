@@ -2,9 +2,9 @@
 
 For every (testbed configuration, case), in one run and on the same testbed (network namespaces, HTB-shaped
 links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``), each figure the
-median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; every worker one intra-op
-thread), the 1-minute load average beside each row and the share of CPU time the VM's host stole during
-the row (``steal``, from /proc/stat: noise the load average cannot see):
+median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; a cheap step gets more, 20 s worth
+and at most 45: ``MIN_TIMED_S``, ``MAX_TIMED_STEPS``; every worker one intra-op thread), the 1-minute load
+average beside each row and the share of CPU time the VM's host stole during the row (``steal``, from /proc/stat: noise the load average cannot see):
 
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same tf_keras architecture,
   global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker per host with TF_CONFIG;
@@ -124,6 +124,27 @@ MWMS_PORT = 24600
 
 
 INTERLEAVED_ROUNDS = 3      # rounds in which tag's strategies of one case are timed in turn
+MIN_TIMED_S = 20.0          # timed seconds each program gets at least (as steps allow), summed over the rounds
+MAX_TIMED_STEPS = 45        # ... up to this many timed steps
+
+
+def timed_steps_after_first_round(first_round: list[float], timed: int, min_timed_s: float = MIN_TIMED_S,
+                                  max_timed: int = MAX_TIMED_STEPS) -> int:
+    """How many timed steps a program gets in all (at least TIMED, the ``--steps`` share), given its timed step
+    times of the first round: enough for MIN_TIMED_S seconds, at most MAX_TIMED (never below TIMED). Why: a
+    one-host CNN step of 0.2 s timed 10 times swung its row by 10% between runs (run 40: MWMS on one host 189 ms
+    and on three 190, tag's one-host program 208; run 41: 218 / 168 / 131), while a deep MLP's 7 s steps need no
+    more than the 10 the issue asks."""
+    if not first_round:
+        return timed
+    step = float(np.median(first_round))
+    wanted = int(np.ceil(min_timed_s / step)) if step > 0 else max_timed
+    return max(timed, min(wanted, max_timed))
+
+
+def split_steps(total: int, rounds: int) -> list[int]:
+    """TOTAL steps over ROUNDS rounds, as evenly as they go (the first rounds take the remainder)."""
+    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
 
 
 def mwms_model_args(width: int | None, depth: int | None) -> tuple[str, ...]:
@@ -165,34 +186,49 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
     step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
     every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and then the runnables in turn
-    (reversed every other round), each round WARMUP untimed steps and its share of the STEPS - WARMUP timed
-    ones. Why: on this shared machine one program timed a few minutes apart measured 41 and 50 ms, and MWMS on
+    (reversed every other round), each round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP
+    in all, or more for a cheap step (``timed_steps_after_first_round``: MIN_TIMED_S seconds, at most
+    MAX_TIMED_STEPS), decided per program after the first round. Why: on this shared machine one program timed a few minutes apart measured 41 and 50 ms, and MWMS on
     one host 211 and 250 ms (docs/measured/issue22-e2e); interleaving spreads the drift over tag's programs and
     the anchors alike. An anchor that fails is not run again: a user whose MWMS fails on a set of hosts runs it
     on another (run 38's deep MLP: MWMS on all three hosts, at 28 s a step over the slow links, aborted when
     TensorFlow's coordination service timed out a worker's heartbeat)."""
     timed = max(steps - warmup, rounds)
-    per_round = [timed // rounds + (1 if r < timed % rounds else 0) for r in range(rounds)]
+    per_round = split_steps(timed, rounds)
     samples: dict = {k: [] for k in runnables}
     anchors: dict = {k: [] for k in (mwms or {})}
+    plans: dict = {}        # ("mwms" or "tag", key) -> timed steps of every round, set after the first round
     failed: dict = {}
     keys = list(runnables)
+
+    def steps_in(which: str, k, done: list[float], r: int) -> int:
+        """Timed steps of program K in round R: the first round's even share, then MIN_TIMED_S's worth."""
+        if r == 0:
+            return per_round[0]
+        if (which, k) not in plans:
+            total = timed_steps_after_first_round(done, timed)
+            plans[which, k] = [per_round[0]] + split_steps(max(total - len(done), rounds - 1), rounds - 1)
+        return plans[which, k][r]
+
     for r in range(rounds):
         for k in (list(anchors) if r % 2 == 0 else list(anchors)[::-1]):
             if k in failed:
                 continue
             model, batch, model_args = mwms[k]
             try:
-                anchors[k] += run_mwms(tb, model, batch, warmup + per_round[r], warmup, hosts=k,
-                                       model_args=model_args)
+                n = steps_in("mwms", k, anchors[k], r)
+                anchors[k] += run_mwms(tb, model, batch, warmup + n, warmup, hosts=k, model_args=model_args)
             except RuntimeError as err:
                 failed[k] = " ".join(str(err).split())[-500:]
                 print(f"    MWMS on {k} host(s) failed, not run again: {failed[k][-300:]}", flush=True)
         for k in (keys if r % 2 == 0 else keys[::-1]):
             x = runnables[k]
+            n = steps_in("tag", k, samples[k], r)
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
-                            steps=warmup + per_round[r], warmup=warmup, synthetic=True)
+                            steps=warmup + n, warmup=warmup, synthetic=True)
             samples[k] += list(res.step_times[warmup:])
+    print(f"    timed steps: MWMS {', '.join(f'{k} host(s) {len(v)}' for k, v in anchors.items() if k not in failed)}; "
+          f"tag {', '.join(str(len(v)) for v in samples.values())}", flush=True)
     return ({k: float(np.median(v)) for k, v in samples.items()},
             {k: float(np.median(v)) for k, v in anchors.items() if k not in failed}, failed)
 

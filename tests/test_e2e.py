@@ -217,3 +217,14 @@ def test_searched_mixed_plan_trains_like_one_device_on_three_servers():
     got = run_rewritten(rewritten, servers[0].target, ir, batches)
     # 1e-4: the convolutions' weight gradients sum 48 x 32 x 32 terms, in another order on three replicas
     assert_same_training(got, ref, grads0, ir, learning_rate=0.01, rtol=1e-4)
+
+
+def test_a_cheap_step_is_timed_for_longer_and_a_costly_one_as_asked():
+    """bench_e2e times each program MIN_TIMED_S seconds' worth of steps (at most MAX_TIMED_STEPS, never fewer
+    than --steps asks), decided from its first round; the steps are spread evenly over the rounds."""
+    bench_e2e = bench()
+    assert bench_e2e.timed_steps_after_first_round([0.2] * 4, 10, min_timed_s=20.0, max_timed=45) == 45
+    assert bench_e2e.timed_steps_after_first_round([0.5, 0.6, 0.5], 10, min_timed_s=20.0, max_timed=45) == 40
+    assert bench_e2e.timed_steps_after_first_round([7.0] * 4, 10, min_timed_s=20.0, max_timed=45) == 10
+    assert bench_e2e.timed_steps_after_first_round([], 10) == 10
+    assert bench_e2e.split_steps(10, 3) == [4, 3, 3] and bench_e2e.split_steps(41, 2) == [21, 20]
