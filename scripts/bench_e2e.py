@@ -4,7 +4,8 @@ For every (testbed configuration, case), in one run and on the same testbed (net
 links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``), each figure the
 median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; a cheap step gets more, 20 s worth
 and at most 45: ``MIN_TIMED_S``, ``MAX_TIMED_STEPS``; every worker one intra-op thread), the 1-minute load
-average beside each row and the share of CPU time the VM's host stole during the row (``steal``, from /proc/stat: noise the load average cannot see):
+average beside each row and the share of CPU time the VM's host stole during the row (``steal``, from
+/proc/stat: noise the load average cannot see):
 
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same tf_keras architecture,
   global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker per host with TF_CONFIG;
@@ -134,7 +135,9 @@ def timed_steps_after_first_round(first_round: list[float], timed: int, min_time
     times of the first round: enough for MIN_TIMED_S seconds, at most MAX_TIMED (never below TIMED). Why: a
     one-host CNN step of 0.2 s timed 10 times swung its row by 10% between runs (run 40: MWMS on one host 189 ms
     and on three 190, tag's one-host program 208; run 41: 218 / 168 / 131), while a deep MLP's 7 s steps need no
-    more than the 10 the issue asks."""
+    more than the 10 the issue asks. It narrows each median; it did not settle the one-host rows, whose ratio
+    still moved between runs (run 42's transformer: 630 ms against MWMS's 581 over 35 steps each; run 41: 540
+    against 609)."""
     if not first_round:
         return timed
     step = float(np.median(first_round))
@@ -188,11 +191,12 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
     every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and then the runnables in turn
     (reversed every other round), each round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP
     in all, or more for a cheap step (``timed_steps_after_first_round``: MIN_TIMED_S seconds, at most
-    MAX_TIMED_STEPS), decided per program after the first round. Why: on this shared machine one program timed a few minutes apart measured 41 and 50 ms, and MWMS on
-    one host 211 and 250 ms (docs/measured/issue22-e2e); interleaving spreads the drift over tag's programs and
-    the anchors alike. An anchor that fails is not run again: a user whose MWMS fails on a set of hosts runs it
-    on another (run 38's deep MLP: MWMS on all three hosts, at 28 s a step over the slow links, aborted when
-    TensorFlow's coordination service timed out a worker's heartbeat)."""
+    MAX_TIMED_STEPS), decided per program after the first round. Why: on this shared machine one program timed a
+    few minutes apart measured 41 and 50 ms, and MWMS on one host 211 and 250 ms (docs/measured/issue22-e2e);
+    interleaving spreads the drift over tag's programs and the anchors alike. An anchor that fails is not run
+    again: a user whose MWMS fails on a set of hosts runs it on another (run 38's deep MLP: MWMS on all three
+    hosts, at 28 s a step over the slow links, aborted when TensorFlow's coordination service timed out a
+    worker's heartbeat)."""
     timed = max(steps - warmup, rounds)
     per_round = split_steps(timed, rounds)
     samples: dict = {k: [] for k in runnables}
