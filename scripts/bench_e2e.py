@@ -185,7 +185,7 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
 
 
 def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
-                    mwms: dict | None = None) -> tuple[dict, dict, dict]:
+                    mwms: dict | None = None, fresh_servers: bool = False) -> tuple[dict, dict, dict]:
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
     step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
     every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and then the runnables in turn
@@ -196,7 +196,8 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
     interleaving spreads the drift over tag's programs and the anchors alike. An anchor that fails is not run
     again: a user whose MWMS fails on a set of hosts runs it on another (run 38's deep MLP: MWMS on all three
     hosts, at 28 s a step over the slow links, aborted when TensorFlow's coordination service timed out a
-    worker's heartbeat)."""
+    worker's heartbeat). FRESH_SERVERS: tag's TF servers are started afresh before every round's programs, as
+    MWMS's workers are (else they live through the case: the tuning step and every round)."""
     timed = max(steps - warmup, rounds)
     per_round = split_steps(timed, rounds)
     samples: dict = {k: [] for k in runnables}
@@ -225,6 +226,9 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             except RuntimeError as err:
                 failed[k] = " ".join(str(err).split())[-500:]
                 print(f"    MWMS on {k} host(s) failed, not run again: {failed[k][-300:]}", flush=True)
+        if fresh_servers:
+            tb.stop_workers()
+            tb.start_workers(threads_per_worker=1)
         for k in (keys if r % 2 == 0 else keys[::-1]):
             x = runnables[k]
             n = steps_in("tag", k, samples[k], r)
@@ -337,7 +341,8 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
         for name, s in strategies.items():
             runnables.setdefault(key_of[name], plan if name == "plan" else tuned if name == "tuned" else an.rewrite(s))
         measured, mwms, mwms_failed = run_interleaved(
-            tb, runnables, steps, warmup, mwms={k: (model, batch, model_args) for k in range(1, n_hosts + 1)})
+            tb, runnables, steps, warmup, mwms={k: (model, batch, model_args) for k in range(1, n_hosts + 1)},
+            fresh_servers=args.fresh_servers)
         times = {name: measured[key_of[name]] for name in strategies}
     finally:
         tb.stop_workers()
@@ -534,6 +539,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
+    p.add_argument("--fresh-servers", action="store_true",
+                   help="start tag's TF servers afresh before every interleaved round, as MWMS's workers are")
     p.add_argument("--tune", type=int, default=None, metavar="K",
                    help="candidates the measured tuning step runs (default: as many as cost about 30 steps of "
                         "the slowest)")
@@ -612,7 +619,7 @@ def main(argv=None) -> int:
         if args.json and rows:
             with open(args.json, "w") as f:
                 json.dump({**summary(rows), "targets": TARGETS, "commit": commit, "complete": final,
-                           "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps,
+                           "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps, "fresh_servers": args.fresh_servers,
                            "configs": {n: recipe["configs"][n] for n in configs}, "profile_source": profile.source,
                            "rows": rows}, f, indent=2)
 
