@@ -74,6 +74,11 @@ def calibration_graph(spec: str, batch: int):
     return zoo.resolve_model(spec, batch)[1]
 
 
+def split_steps(total: int, rounds: int) -> list[int]:
+    """TOTAL steps over ROUNDS rounds, as evenly as they go (the first rounds take the remainder)."""
+    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
+
+
 def steps_for(predicted_s: float, budget_s: float) -> tuple[int, int]:
     """(timed steps, warm-up steps) of a case predicted at PREDICTED_S given BUDGET_S of timed steps: 5-40
     timed (more when steps are short, so that a 10 ms step's median is not a handful of samples), 2-3 warm-up."""
@@ -164,7 +169,7 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
             runnable, predicted_s = cases[k]
             timed, first_warmup = steps_for(predicted_s, budget_s)
             timed = max(timed, rounds)
-            share = timed // rounds + (1 if r < timed % rounds else 0)
+            share = split_steps(timed, rounds)[r]
             warmup = first_warmup if r == 0 else 1
             res = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
                             init=runnable.init, steps=warmup + share, warmup=warmup, synthetic=True)

@@ -93,7 +93,7 @@ from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
 from _common import cpu_times, git_commit, steal_fraction, steal_text  # noqa: E402
 from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
-    testbed_topology  # noqa: E402
+    split_steps, testbed_topology  # noqa: E402
 
 # (label, tag.backend.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
 # vgg, deep-mlp and deep-transformer at bench_pipeline's sizes with --batch-scale 4 (that bench's CASES says how
@@ -143,11 +143,6 @@ def timed_steps_after_first_round(first_round: list[float], timed: int, min_time
     step = float(np.median(first_round))
     wanted = int(np.ceil(min_timed_s / step)) if step > 0 else max_timed
     return max(timed, min(wanted, max_timed))
-
-
-def split_steps(total: int, rounds: int) -> list[int]:
-    """TOTAL steps over ROUNDS rounds, as evenly as they go (the first rounds take the remainder)."""
-    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
 
 
 def mwms_model_args(width: int | None, depth: int | None) -> tuple[str, ...]:
