@@ -24,8 +24,9 @@ average beside each row and the share of CPU time the VM's host stole during the
   ``INTERLEAVED_ROUNDS`` interleaved rounds, one measurement per program (strategies that run every op group
   on the same single devices, like the best uniform action and dp on one host, are one program): timed
   apart, one program measured 41 and 50 ms in one run. MWMS on every host prefix is timed in the same rounds,
-  before tag's programs (its workers started afresh each round, tag's idle servers left running), so that
-  drift between minutes falls on the anchors as on tag.
+  before tag's programs in even rounds and after them in odd ones (its workers started afresh each round; tag's
+  idle servers left running, or started afresh too with ``--fresh-servers``), so that drift between minutes
+  falls on the anchors as on tag.
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -183,8 +184,8 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
                     mwms: dict | None = None, fresh_servers: bool = False) -> tuple[dict, dict, dict]:
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
     step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
-    every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and then the runnables in turn
-    (reversed every other round), each round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP
+    every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and the runnables in turn
+    (each side's order reversed every other round, and which side goes first too: ``block_order``), each round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP
     in all, or more for a cheap step (``timed_steps_after_first_round``: MIN_TIMED_S seconds, at most
     MAX_TIMED_STEPS), decided per program after the first round. Why: on this shared machine one program timed a
     few minutes apart measured 41 and 50 ms, and MWMS on one host 211 and 250 ms (docs/measured/issue22-e2e);
@@ -210,7 +211,7 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             plans[which, k] = [per_round[0]] + split_steps(max(total - len(done), rounds - 1), rounds - 1)
         return plans[which, k][r]
 
-    for r in range(rounds):
+    def run_anchors(r: int) -> None:
         for k in (list(anchors) if r % 2 == 0 else list(anchors)[::-1]):
             if k in failed:
                 continue
@@ -221,6 +222,8 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             except RuntimeError as err:
                 failed[k] = " ".join(str(err).split())[-500:]
                 print(f"    MWMS on {k} host(s) failed, not run again: {failed[k][-300:]}", flush=True)
+
+    def run_tag(r: int) -> None:
         if fresh_servers:
             tb.stop_workers()
             tb.start_workers(threads_per_worker=1)
@@ -230,10 +233,21 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
                             steps=warmup + n, warmup=warmup, synthetic=True)
             samples[k] += list(res.step_times[warmup:])
+
+    for r in range(rounds):
+        for block in block_order(r, run_anchors, run_tag):
+            block(r)
     print(f"    timed steps: MWMS {', '.join(f'{k} host(s) {len(v)}' for k, v in anchors.items() if k not in failed)}; "
           f"tag {', '.join(str(len(v)) for v in samples.values())}", flush=True)
     return ({k: float(np.median(v)) for k, v in samples.items()},
             {k: float(np.median(v)) for k, v in anchors.items() if k not in failed}, failed)
+
+
+def block_order(r: int, anchors_block, tag_block) -> tuple:
+    """The two blocks of round R in the order they run: MWMS's anchors first in even rounds, tag's programs
+    first in odd ones, so that neither side always follows the other (run 42's transformer measured tag's
+    one-host program 8% slower than MWMS on that host, always timed right after MWMS's workers exited)."""
+    return (anchors_block, tag_block) if r % 2 == 0 else (tag_block, anchors_block)
 
 
 def uniform_keys(analysis) -> set[str]:

@@ -228,3 +228,11 @@ def test_a_cheap_step_is_timed_for_longer_and_a_costly_one_as_asked():
     assert bench_e2e.timed_steps_after_first_round([7.0] * 4, 10, min_timed_s=20.0, max_timed=45) == 10
     assert bench_e2e.timed_steps_after_first_round([], 10) == 10
     assert bench_e2e.split_steps(10, 3) == [4, 3, 3] and bench_e2e.split_steps(41, 2) == [21, 20]
+
+
+def test_mwms_and_tag_take_turns_going_first_in_the_rounds():
+    """Neither side of a bench_e2e round always runs right after the other: MWMS first in even rounds."""
+    bench_e2e = bench()
+    firsts = [bench_e2e.block_order(r, "mwms", "tag")[0] for r in range(4)]
+    assert firsts == ["mwms", "tag", "mwms", "tag"]
+    assert sorted(bench_e2e.block_order(1, "mwms", "tag")) == ["mwms", "tag"]
