@@ -24,9 +24,9 @@ average beside each row and the share of CPU time the VM's host stole during the
   ``INTERLEAVED_ROUNDS`` interleaved rounds, one measurement per program (strategies that run every op group
   on the same single devices, like the best uniform action and dp on one host, are one program): timed
   apart, one program measured 41 and 50 ms in one run. MWMS on every host prefix is timed in the same rounds,
-  before tag's programs in even rounds and after them in odd ones (its workers started afresh each round; tag's
-  idle servers left running, or started afresh too with ``--fresh-servers``), so that drift between minutes
-  falls on the anchors as on tag.
+  before tag's programs in even rounds and after them in odd ones (its workers started afresh each round, and
+  tag's servers too unless ``--no-fresh-servers``), so that drift between minutes falls on the anchors as on
+  tag, and neither side keeps a process through the case that the other restarts.
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -544,12 +544,13 @@ def combined_results(paths: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="configuration G, the VGG-style CNN and the deep MLP")
+    p.add_argument("--quick", action="store_true", help="configuration G, the VGG-style CNN and the small CNN")
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
-    p.add_argument("--fresh-servers", action="store_true",
-                   help="start tag's TF servers afresh before every interleaved round, as MWMS's workers are")
+    p.add_argument("--fresh-servers", action=argparse.BooleanOptionalAction, default=True,
+                   help="start tag's TF servers afresh before every interleaved round, as MWMS's workers are "
+                        "(default since run 44; --no-fresh-servers: they live through the case)")
     p.add_argument("--tune", type=int, default=None, metavar="K",
                    help="candidates the measured tuning step runs (default: as many as cost about 30 steps of "
                         "the slowest)")
