@@ -188,7 +188,8 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
     (each side's order reversed every other round, and which side goes first too: ``block_order``), each
     round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP in all, or more for a cheap
     step (``timed_steps_after_first_round``: MIN_TIMED_S seconds, at most MAX_TIMED_STEPS), decided per
-    program after the first round. Why: on this shared machine one program timed a few minutes apart measured 41 and 50 ms, and MWMS on one host 211 and 250 ms (docs/measured/issue22-e2e);
+    program after the first round. Why: on this shared machine one program timed a few minutes apart measured
+    41 and 50 ms, and MWMS on one host 211 and 250 ms (docs/measured/issue22-e2e);
     interleaving spreads the drift over tag's programs and the anchors alike. An anchor that fails is not run
     again: a user whose MWMS fails on a set of hosts runs it on another (run 38's deep MLP: MWMS on all three
     hosts, at 28 s a step over the slow links, aborted when TensorFlow's coordination service timed out a
