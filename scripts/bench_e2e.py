@@ -181,11 +181,11 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
 
 
 def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
-                    mwms: dict | None = None, fresh_servers: bool = False) -> tuple[dict, dict, dict]:
+                    mwms: dict | None = None, fresh_servers: bool = True) -> tuple[dict, dict, dict]:
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
     step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
     every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and the runnables in turn
-    (each side's order reversed every other round, and which side goes first too: ``block_order``), each
+    (each side's order reversed every other round, and which side goes first too: ``round_order``), each
     round WARMUP untimed steps and its share of the timed ones: STEPS - WARMUP in all, or more for a cheap
     step (``timed_steps_after_first_round``: MIN_TIMED_S seconds, at most MAX_TIMED_STEPS), decided per
     program after the first round. Why: on this shared machine one program timed a few minutes apart measured
@@ -213,7 +213,7 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
         return plans[which, k][r]
 
     def run_anchors(r: int) -> None:
-        for k in (list(anchors) if r % 2 == 0 else list(anchors)[::-1]):
+        for k in round_order(r, list(anchors)):
             if k in failed:
                 continue
             model, batch, model_args = mwms[k]
@@ -228,7 +228,7 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
         if fresh_servers:
             tb.stop_workers()
             tb.start_workers(threads_per_worker=1)
-        for k in (keys if r % 2 == 0 else keys[::-1]):
+        for k in round_order(r, keys):
             x = runnables[k]
             n = steps_in("tag", k, samples[k], r)
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
@@ -236,7 +236,7 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             samples[k] += list(res.step_times[warmup:])
 
     for r in range(rounds):
-        for block in block_order(r, run_anchors, run_tag):
+        for block in round_order(r, [run_anchors, run_tag]):
             block(r)
     print(f"    timed steps: MWMS {', '.join(f'{k} host(s) {len(v)}' for k, v in anchors.items() if k not in failed)}; "
           f"tag {', '.join(str(len(v)) for v in samples.values())}", flush=True)
@@ -244,11 +244,12 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
             {k: float(np.median(v)) for k, v in anchors.items() if k not in failed}, failed)
 
 
-def block_order(r: int, anchors_block, tag_block) -> tuple:
-    """The two blocks of round R in the order they run: MWMS's anchors first in even rounds, tag's programs
-    first in odd ones, so that neither side always follows the other (run 42's transformer measured tag's
-    one-host program 8% slower than MWMS on that host, always timed right after MWMS's workers exited)."""
-    return (anchors_block, tag_block) if r % 2 == 0 else (tag_block, anchors_block)
+def round_order(r: int, items: list) -> list:
+    """ITEMS in the order they run in interleaved round R: as given in even rounds, reversed in odd ones. Used
+    for the programs of each side and for the two sides (MWMS's anchors, tag's programs), so that nothing always
+    follows the same neighbour (run 42's transformer measured tag's one-host program 8% slower than MWMS on
+    that host, always timed right after MWMS's workers exited)."""
+    return list(items) if r % 2 == 0 else list(items)[::-1]
 
 
 def uniform_keys(analysis) -> set[str]:

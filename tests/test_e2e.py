@@ -233,6 +233,6 @@ def test_a_cheap_step_is_timed_for_longer_and_a_costly_one_as_asked():
 def test_mwms_and_tag_take_turns_going_first_in_the_rounds():
     """Neither side of a bench_e2e round always runs right after the other: MWMS first in even rounds."""
     bench_e2e = bench()
-    firsts = [bench_e2e.block_order(r, "mwms", "tag")[0] for r in range(4)]
+    firsts = [bench_e2e.round_order(r, ["mwms", "tag"])[0] for r in range(4)]
     assert firsts == ["mwms", "tag", "mwms", "tag"]
-    assert sorted(bench_e2e.block_order(1, "mwms", "tag")) == ["mwms", "tag"]
+    assert sorted(bench_e2e.round_order(1, ["mwms", "tag"])) == ["mwms", "tag"]
