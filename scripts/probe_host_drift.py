@@ -1,4 +1,4 @@
-"""One host's training step timed in turn on a bare CPU, inside a testbed host's cgroup and through tag's server:
+"""One host's training step timed in turn on a bare CPU, in a testbed host's cgroup, through tag's server and by MWMS:
 is the testbed's full-core host slower than the CPU it is pinned to, or is the machine drifting?
 
 Why: run 39 of bench_e2e measured the transformer's one-host step (batch 384) at 574 ms on configuration G's
@@ -13,12 +13,21 @@ batches, ops as TensorFlow schedules them):
 - ``bare``: ``taskset -c CPU`` outside the testbed, CPU the one configuration G pins its full-core host to;
 - ``cgroup``: the same command inside that host's network namespace, CFS quota and cpuset (``launch_prefix``);
 - ``server``: the step placed on that host by tag's rewrite, run through its TF server from a client session,
-  the way bench_e2e times tag's one-host program.
+  the way bench_e2e times tag's one-host program (``--fresh-servers``: the servers started afresh every round,
+  as bench_e2e does since run 44);
+- ``mwms``: MultiWorkerMirroredStrategy with one worker on that host, the way bench_e2e times its one-host anchor
+  (``bench_e2e.run_mwms``; the tf_keras model and a ``tf.function`` step).
+
+Why ``mwms``: bench_e2e's tag-on-one-host over MWMS-on-one-host ratio came out 0.89-1.11 over its runs 37-45,
+in both directions, for different models in one run. Timing both with ``bare`` and ``cgroup`` in the same
+rounds says whether the two programs differ (a ratio steady over the rounds) or whether one fresh process
+differs from the next by that much (``cgroup``'s own spread over the rounds, a fresh process each).
 
 Usage (needs root, as the testbed does)::
 
     python scripts/probe_host_drift.py --model transformer --batch 384 --rounds 4 --json F
     python scripts/probe_host_drift.py --model vgg --batch 384 --profile P
+    python scripts/probe_host_drift.py --model vgg --batch 384 --modes cgroup,server,mwms --fresh-servers --rounds 6
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 DEFAULT_PROFILE = "docs/measured/issue22-e2e/e2e_g3_amd_run39.profile.json"
-MODES = ("bare", "cgroup", "server")
+MODES = ("bare", "cgroup", "server", "mwms")
 CHILD_TIMEOUT_S = 900
 
 
@@ -78,6 +87,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="the calibration that sizes configuration G and predicts the step")
+    p.add_argument("--modes", default=",".join(MODES[:3]),
+                   help=f"comma-separated modes to time, the first the reference of the ratios (of {', '.join(MODES)})")
+    p.add_argument("--fresh-servers", action="store_true",
+                   help="start tag's TF servers afresh before every round's server mode (bench_e2e's default)")
     p.add_argument("--json", help="write the rounds and the summary here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -86,6 +99,11 @@ def main(argv=None) -> int:
         return 0
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be positive, --warmup not negative")
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        p.error(f"--modes {args.modes}: give distinct modes of {', '.join(MODES)}")
+    ref = modes[0]
     from _common import cpu_times, git_commit, steal_fraction, testbed_missing, write_json
     from tag.cost.model import Profile
     from tag.errors import TagError
@@ -124,12 +142,18 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 stolen_from, throttled_from = cpu_times(), tb.cpu_stat(0)
                 medians = {}
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for mode in bench_e2e.round_order(r, modes):
                     if mode == "server":
+                        if args.fresh_servers and r > 0:
+                            tb.stop_workers()
+                            tb.start_workers(threads_per_worker=1)
                         res = run_steps(program.graph_def, tb.target, train_op=program.train_op, loss=program.loss,
                                         init=program.init, steps=args.warmup + args.steps, warmup=args.warmup,
                                         synthetic=True)
                         times = res.step_times[args.warmup:]
+                    elif mode == "mwms":
+                        times = bench_e2e.run_mwms(tb, args.model, args.batch, args.warmup + args.steps, args.warmup,
+                                                   hosts=1)
                     else:
                         prefix = ["taskset", "-c", cpu] if mode == "bare" else tb.launch_prefix(0)
                         times = child_steps(prefix, args)
@@ -137,24 +161,25 @@ def main(argv=None) -> int:
                 throttled = {k: v - throttled_from.get(k, 0) for k, v in tb.cpu_stat(0).items()}
                 row = {"round": r, "median_s": medians, "load": list(os.getloadavg()),
                        "steal": steal_fraction(stolen_from, cpu_times()), "throttled": throttled,
-                       "over_bare": {m: medians[m] / medians["bare"] for m in MODES}}
+                       "over_ref": {m: medians[m] / medians[ref] for m in modes}}
                 rounds.append(row)
-                print(f"round {r}: " + "  ".join(f"{m} {medians[m] * 1e3:6.0f} ms ({row['over_bare'][m]:.2f})"
-                                                 for m in MODES)
+                print(f"round {r}: " + "  ".join(f"{m} {medians[m] * 1e3:6.0f} ms ({row['over_ref'][m]:.2f})"
+                                                 for m in modes)
                       + f"  load {row['load'][0]:.1f}  throttled {throttled.get('nr_throttled', 0)} of "
                         f"{throttled.get('nr_periods', 0)} periods", flush=True)
         finally:
             tb.stop_workers()
     summary = {m: {"median_s": float(np.median([x["median_s"][m] for x in rounds])),
                    "spread_over_rounds": spread([x["median_s"][m] for x in rounds]),
-                   "over_bare_median": float(np.median([x["over_bare"][m] for x in rounds])),
-                   "over_bare_range": [float(min(x["over_bare"][m] for x in rounds)),
-                                       float(max(x["over_bare"][m] for x in rounds))]} for m in MODES}
-    for m in MODES:
+                   "over_ref_median": float(np.median([x["over_ref"][m] for x in rounds])),
+                   "over_ref_range": [float(min(x["over_ref"][m] for x in rounds)),
+                                      float(max(x["over_ref"][m] for x in rounds))]} for m in modes}
+    for m in modes:
         s = summary[m]
         print(f"{m:<7} median {s['median_s'] * 1e3:6.0f} ms, largest/smallest round {s['spread_over_rounds']:.2f}, "
-              f"over bare {s['over_bare_median']:.2f} ({s['over_bare_range'][0]:.2f}-{s['over_bare_range'][1]:.2f})")
+              f"over {ref} {s['over_ref_median']:.2f} ({s['over_ref_range'][0]:.2f}-{s['over_ref_range'][1]:.2f})")
     write_json(args.json, {"commit": commit, "model": args.model, "batch": args.batch, "profile": args.profile,
+                           "modes": list(modes), "reference": ref, "fresh_servers": args.fresh_servers,
                            "predicted_one_host_s": predicted, "steps": args.steps, "warmup": args.warmup,
                            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": rounds, "summary": summary})
     return 0

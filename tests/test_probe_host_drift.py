@@ -1,4 +1,4 @@
-"""scripts/probe_host_drift.py: one host's step on a bare CPU, in a testbed host's cgroup and through tag's server."""
+"""scripts/probe_host_drift.py: one host's step on a bare CPU, in a testbed host's cgroup, through tag's server, by MWMS."""
 import json
 import os
 import sys
@@ -32,3 +32,10 @@ def test_in_process_steps_and_the_child_mode(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["step_times"]) == 2
     assert spread([2.0, 1.0, 1.5]) == 2.0
+
+
+@pytest.mark.parametrize("modes", ["cgroup,gpu", "server,server", ""])
+def test_bad_modes_are_a_usage_error(modes):
+    with pytest.raises(SystemExit) as exc:
+        main(["--modes", modes])
+    assert exc.value.code == 2
