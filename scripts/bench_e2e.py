@@ -24,9 +24,14 @@ average beside each row and the share of CPU time the VM's host stole during the
   ``INTERLEAVED_ROUNDS`` interleaved rounds, one measurement per program (strategies that run every op group
   on the same single devices, like the best uniform action and dp on one host, are one program): timed
   apart, one program measured 41 and 50 ms in one run. MWMS on every host prefix is timed in the same rounds,
-  before tag's programs in even rounds and after them in odd ones (its workers started afresh each round, and
-  tag's servers too unless ``--no-fresh-servers``), so that drift between minutes falls on the anchors as on
-  tag, and neither side keeps a process through the case that the other restarts.
+  before tag's programs in even rounds and after them in odd ones (its workers started afresh each time, and
+  tag's servers afresh before each of tag's programs: ``--fresh-servers``), so that drift between minutes falls
+  on the anchors as on tag, and neither side keeps a process through the case that the other restarts. Why
+  fresh servers per program: a deployment runs one plan on its servers, and each MWMS anchor is one program in
+  fresh processes; until run 45 tag's one-host program shared its servers with the round's other programs, and
+  its pair with MWMS on one host came out 0.89-1.11 over runs 37-45, while timed alone in fresh servers against
+  MWMS in the same rounds (``scripts/probe_host_drift.py --modes server,mwms``) it was 1.00 and 0.99 (the
+  transformer and the VGG-style CNN at 384, six rounds each, on December 3).
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -125,7 +130,8 @@ TARGETS = {"geomean_speedup_vs_best_mwms": ">= 1.3", "worst_speedup_vs_best_mwms
 MWMS_PORT = 24600
 
 
-INTERLEAVED_ROUNDS = 3      # rounds in which tag's strategies of one case are timed in turn
+INTERLEAVED_ROUNDS = 4      # rounds in which tag's strategies of one case are timed in turn (3 until run 45)
+FRESH_SERVER_MODES = ("program", "round", "case")   # when run_interleaved restarts tag's servers
 MIN_TIMED_S = 20.0          # timed seconds each program gets at least (as steps allow), summed over the rounds
 MAX_TIMED_STEPS = 45        # ... up to this many timed steps
 
@@ -181,7 +187,7 @@ def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts
 
 
 def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
-                    mwms: dict | None = None, fresh_servers: bool = True) -> tuple[dict, dict, dict]:
+                    mwms: dict | None = None, fresh_servers: str = "program") -> tuple[dict, dict, dict]:
     """({key: median step} of every RUNNABLES value (key -> a ``tag.rewrite`` result or a Plan), {hosts: median
     step} of every MWMS anchor that ran (hosts -> (model, batch, model_args) for ``run_mwms``), {hosts: why} of
     every anchor that failed), timed in ROUNDS rounds that take the MWMS anchors and the runnables in turn
@@ -193,8 +199,10 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
     interleaving spreads the drift over tag's programs and the anchors alike. An anchor that fails is not run
     again: a user whose MWMS fails on a set of hosts runs it on another (run 38's deep MLP: MWMS on all three
     hosts, at 28 s a step over the slow links, aborted when TensorFlow's coordination service timed out a
-    worker's heartbeat). FRESH_SERVERS: tag's TF servers are started afresh before every round's programs, as
-    MWMS's workers are (else they live through the case: the tuning step and every round)."""
+    worker's heartbeat). FRESH_SERVERS (``FRESH_SERVER_MODES``): tag's TF servers are started afresh before each
+    program (``program``: as a deployment runs one plan on its servers, and as MWMS's workers run one program),
+    before every round's programs (``round``) or not at all (``case``: they live through the case, the tuning step
+    and every round)."""
     timed = max(steps - warmup, rounds)
     per_round = split_steps(timed, rounds)
     samples: dict = {k: [] for k in runnables}
@@ -224,11 +232,16 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
                 failed[k] = " ".join(str(err).split())[-500:]
                 print(f"    MWMS on {k} host(s) failed, not run again: {failed[k][-300:]}", flush=True)
 
+    def restart_servers() -> None:
+        tb.stop_workers()
+        tb.start_workers(threads_per_worker=1)
+
     def run_tag(r: int) -> None:
-        if fresh_servers:
-            tb.stop_workers()
-            tb.start_workers(threads_per_worker=1)
+        if fresh_servers == "round":
+            restart_servers()
         for k in round_order(r, keys):
+            if fresh_servers == "program":
+                restart_servers()
             x = runnables[k]
             n = steps_in("tag", k, samples[k], r)
             res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
@@ -550,9 +563,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=13, help="steps per run (the first --warmup are not timed)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", type=float, default=20.0, help="tag.optimize search budget per case (s)")
-    p.add_argument("--fresh-servers", action=argparse.BooleanOptionalAction, default=True,
-                   help="start tag's TF servers afresh before every interleaved round, as MWMS's workers are "
-                        "(default since run 44; --no-fresh-servers: they live through the case)")
+    p.add_argument("--fresh-servers", choices=FRESH_SERVER_MODES, default="program",
+                   help="start tag's TF servers afresh before each program it times (program, the default since "
+                        "run 46), before every interleaved round's programs (round, runs 44-45) or never (case)")
+    p.add_argument("--no-fresh-servers", dest="fresh_servers", action="store_const", const="case",
+                   help="the same as --fresh-servers case: the servers live through the case")
     p.add_argument("--tune", type=int, default=None, metavar="K",
                    help="candidates the measured tuning step runs (default: as many as cost about 30 steps of "
                         "the slowest)")
