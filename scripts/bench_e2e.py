@@ -30,8 +30,8 @@ average beside each row and the share of CPU time the VM's host stole during the
   fresh servers per program: a deployment runs one plan on its servers, and each MWMS anchor is one program in
   fresh processes; until run 45 tag's one-host program shared its servers with the round's other programs, and
   its pair with MWMS on one host came out 0.89-1.11 over runs 37-45, while timed alone in fresh servers against
-  MWMS in the same rounds (``scripts/probe_host_drift.py --modes server,mwms``) it was 1.00 and 0.99 (the
-  transformer and the VGG-style CNN at 384, six rounds each, on December 3).
+  MWMS in the same rounds (``scripts/probe_host_drift.py --modes server,mwms``) it ran 552 against 552 ms and
+  357 against 354 (the transformer and the VGG-style CNN at 384, medians of six rounds each, on December 3).
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
