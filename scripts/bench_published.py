@@ -45,7 +45,12 @@ DATA = os.path.join(ROOT, "data", "published_throughput.csv")
 IR_BATCH = 8          # reference batch the IRs are built at (costs scale per example)
 GROUPS = 64           # tag-deploy's default number of op groups
 #: models the bench builds itself whose IR file names say how (older caches held Keras' biased ResNet50)
-IR_NAMES = {"resnet50": "resnet50-v1-nobias", "resnet50_v1.5": "resnet50-v1.5-nobias"}
+IR_NAMES = {"resnet50": "resnet50-v1-nobias", "resnet50_v1.5": "resnet50-v1.5-nobias",
+            "resnet152": "resnet152-v1-nobias"}
+#: the ResNets the bench builds itself: bottleneck blocks per stage, and whether a block strides in its 3x3
+#: convolution (v1.5, NVIDIA's) or in its first 1x1 (v1, tf_cnn_benchmarks' resnet50 and resnet152)
+RESNETS: dict[str, tuple[tuple[int, int, int, int], bool]] = {
+    "resnet50": ((3, 4, 6, 3), False), "resnet50_v1.5": ((3, 4, 6, 3), True), "resnet152": ((3, 8, 36, 3), False)}
 
 #: the machines of the data file: GPU spec sheet (FP32 peak, memory bandwidth, memory) and the
 #: interconnect between the GPUs of the host as its vendor lists it (GB/s each way per GPU)
@@ -118,12 +123,13 @@ def _vgg16_graph_def(batch_size: int):
     return g.as_graph_def()
 
 
-def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
-    """ResNet-50 training step as the sources build it: convolutions followed by batch norm carry no bias
+def _resnet_graph_def(batch_size: int, stride_in_3x3: bool, stages: tuple[int, ...] = (3, 4, 6, 3)):
+    """ResNet training step (bottleneck blocks, STAGES blocks per stage: ResNet-50 by default, ResNet-152 with
+    (3, 8, 36, 3)) as the sources build it: convolutions followed by batch norm carry no bias
     (tf_cnn_benchmarks' models/resnet_model.py passes ``bias=None`` with ``use_batch_norm=True``; NVIDIA's
     ConvNets model/blocks/conv2d_block.py uses ``use_bias=not use_batch_norm``), unlike Keras' ResNet50,
     whose 53 biased convolutions add a bias pass and its gradient per convolution. v1 (tf_cnn_benchmarks'
-    ``resnet50``) strides a block's first 1x1 convolution; v1.5 (NVIDIA's) its 3x3 one. The zoo's
+    ``resnet50`` and ``resnet152``) strides a block's first 1x1 convolution; v1.5 (NVIDIA's) its 3x3 one. The zoo's
     conventions otherwise (placeholders, mean cross-entropy, Momentum 0.9)."""
     import tensorflow as tf
     import tf_keras
@@ -147,7 +153,7 @@ def _resnet50_graph_def(batch_size: int, stride_in_3x3: bool):
         y = conv_bn(x, 64, 7, 2)
         y = layers.MaxPooling2D(3, 2, padding="same")(y)
         channels = 64
-        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for width, blocks, stride in zip((64, 128, 256, 512), stages, (1, 2, 2, 2)):
             for b in range(blocks):
                 s = stride if b == 0 else 1
                 short = conv_bn(y, 4 * width, 1, s, relu=False) if channels != 4 * width else y
@@ -182,8 +188,9 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
     import tag
     if row["model"] == "vgg16":
         gd = _vgg16_graph_def(IR_BATCH)
-    elif row["model"] in ("resnet50", "resnet50_v1.5"):
-        gd = _resnet50_graph_def(IR_BATCH, stride_in_3x3=row["model"] == "resnet50_v1.5")
+    elif row["model"] in RESNETS:
+        stages, stride_in_3x3 = RESNETS[row["model"]]
+        gd = _resnet_graph_def(IR_BATCH, stride_in_3x3=stride_in_3x3, stages=stages)
     else:
         opts = {"seq_len": row["seq_len"]} if row["seq_len"] else {}
         gd = tag.zoo.training_graph(row["model"], batch_size=IR_BATCH, **opts)
