@@ -10,15 +10,21 @@ that plan, the built-ins and three variants that change one thing each:
 * ``ps_c7_ar``: ``ps`` with only conv2d_7 all-reduced (one collective among parameter-server traffic);
 * ``dp_c7_ps``: ``dp_allreduce`` with only conv2d_7 on the parameter server.
 
-and prints each one's prediction with the profile as saved and with the profile's ``sync_serial_*`` set as
-given (``--serial AR,PS``). Needs root. Usage::
+and three that apply to any searched plan: ``best_uniform`` (the search's best one-action plan),
+``refine_all_ar`` (the plan with its parameter-server groups all-reduced over the same devices) and
+``refine_no_island`` (its groups that run alone on a device other than device 0 moved to device 0). It prints
+each one's prediction with the profile as saved and with the profile's ``sync_serial_*`` set as given
+(``--serial AR,PS``). ``--run PREFIX --config C`` probes another fidelity run's calibration and configuration
+(its ``PREFIX.run1.testbed-C.pbtxt`` and ``.profile.json``). Needs root. Usage::
 
     python scripts/probe_mixed_sync.py --rounds 2 --serial 0.85,0.22 --json F
+    python scripts/probe_mixed_sync.py --run docs/measured/issue20-fidelity/bench_fidelity_shared_run23 --config A --json F
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections import Counter
 import os
 import sys
 
@@ -36,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--serial", default="0.85,0.22", help="sync_serial_allreduce,sync_serial_ps for the second "
                                                           "prediction column")
     p.add_argument("--json", help="write predictions and measurements here")
+    p.add_argument("--run", default=RUN, help="the fidelity run whose saved calibration and topology are probed")
+    p.add_argument("--config", default="B", help="that run's testbed configuration")
     args = p.parse_args(argv)
     from _common import testbed_missing, write_json
     if testbed_missing("probe_mixed_sync"):
@@ -46,16 +54,20 @@ def main(argv=None) -> int:
     from tag.backend.testbed import Testbed
     from tag.cluster.topology import parse_topology
     from tag.cost.model import Profile
+    from tag.search.driver import best_uniform
+    from tag.search.env import SearchEnv
     from tag.strategy.types import Action
 
     spec, batch = {label: (s, b) for label, s, b in MODELS}["cnn"]
-    profile = Profile.load(f"{RUN}.run1.testbed-B.profile.json")
-    with open(f"{RUN}.run1.testbed-B.pbtxt") as f:
+    profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
+    with open(f"{args.run}.run1.testbed-{args.config}.pbtxt") as f:
         topo = parse_topology(f.read())
     an = prepare(calibration_graph(spec, batch), topo, batch_size=batch, profile=profile, name="cnn")
-    plan = search_plan(an, budget_s=10.0, seed=0)    # run 18's plan: the same profile, budget and seed
+    plan = search_plan(an, budget_s=10.0, seed=0)    # the run's plan: the same profile, budget and seed
     names = an.grouping.names
-    hosts = (0, 1, 2)
+    hosts = tuple(range(an.topology.num_devices))
+    env = SearchEnv(an.graph, an.topology, an.grouping, cost_model=an.cost_model, batch_size=an.batch)
+    uniform = env.strategy(best_uniform(env)[0], name="best_uniform")
 
     def variant(base, change, name):
         return dataclasses.replace(base, actions=[change(names[g], a) for g, a in enumerate(base.actions)], name=name)
@@ -65,7 +77,12 @@ def main(argv=None) -> int:
              "refine_all_ps": variant(plan.strategy, lambda n, a: Action(hosts, "ps", 0) if a.placement == hosts
                                       else a, "refine_all_ps"),
              "ps_c7_ar": variant(ps, lambda n, a: Action(hosts, "allreduce") if n == "conv2d_7" else a, "ps_c7_ar"),
-             "dp_c7_ps": variant(dp, lambda n, a: Action(hosts, "ps", 0) if n == "conv2d_7" else a, "dp_c7_ps")}
+             "dp_c7_ps": variant(dp, lambda n, a: Action(hosts, "ps", 0) if n == "conv2d_7" else a, "dp_c7_ps"),
+             "best_uniform": uniform,
+             "refine_all_ar": variant(plan.strategy, lambda n, a: Action(a.placement, "allreduce")
+                                      if a.mode == "ps" and len(a.placement) > 1 else a, "refine_all_ar"),
+             "refine_no_island": variant(plan.strategy, lambda n, a: Action((0,), "allreduce")
+                                         if a.placement != (0,) and len(a.placement) == 1 else a, "refine_no_island")}
     serial_ar, serial_ps = (float(x) for x in args.serial.split(","))
     serial = prepare(calibration_graph(spec, batch), topo, batch_size=batch, name="cnn", profile=dataclasses.replace(
         profile, network=dataclasses.replace(profile.network, sync_serial_allreduce=serial_ar,
@@ -80,7 +97,9 @@ def main(argv=None) -> int:
               f"{out['predicted_serial_ms'][k]:6.1f} ms", flush=True)
     runnables = {k: (plan if k == "refine" else an.rewrite(s), out["predicted_ms"][k] / 1e3)
                  for k, s in cases.items()}
-    with Testbed(an.topology, cpu_quota=load_recipe()["configs"]["B"]["quotas"]) as tb:
+    out["plan_actions"] = dict(Counter(str(a) for a in plan.strategy.actions))
+    print("plan: " + ", ".join(f"{n} x{c}" for n, c in sorted(out["plan_actions"].items())), flush=True)
+    with Testbed(an.topology, cpu_quota=load_recipe()["configs"][args.config]["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
             for r in range(args.rounds):
