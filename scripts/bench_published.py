@@ -45,12 +45,12 @@ DATA = os.path.join(ROOT, "data", "published_throughput.csv")
 IR_BATCH = 8          # reference batch the IRs are built at (costs scale per example)
 GROUPS = 64           # tag-deploy's default number of op groups
 #: models the bench builds itself whose IR file names say how (older caches held Keras' biased ResNet50)
-IR_NAMES = {"resnet50": "resnet50-v1-nobias", "resnet50_v1.5": "resnet50-v1.5-nobias",
-            "resnet152": "resnet152-v1-nobias"}
 #: the ResNets the bench builds itself: bottleneck blocks per stage, and whether a block strides in its 3x3
 #: convolution (v1.5, NVIDIA's) or in its first 1x1 (v1, tf_cnn_benchmarks' resnet50 and resnet152)
 RESNETS: dict[str, tuple[tuple[int, int, int, int], bool]] = {
     "resnet50": ((3, 4, 6, 3), False), "resnet50_v1.5": ((3, 4, 6, 3), True), "resnet152": ((3, 8, 36, 3), False)}
+IR_NAMES = {model: f"{model.split('_')[0]}-{'v1.5' if in_3x3 else 'v1'}-nobias"
+            for model, (_, in_3x3) in RESNETS.items()}
 
 #: the machines of the data file: GPU spec sheet (FP32 peak, memory bandwidth, memory) and the
 #: interconnect between the GPUs of the host as its vendor lists it (GB/s each way per GPU)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections import Counter
 import os
 import sys
+from collections import Counter
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,9 +54,8 @@ def main(argv=None) -> int:
     from tag.backend.testbed import Testbed
     from tag.cluster.topology import parse_topology
     from tag.cost.model import Profile
-    from tag.search.driver import best_uniform
-    from tag.search.env import SearchEnv
     from tag.strategy.types import Action
+    from tag.tune import best_uniform_of
 
     spec, batch = {label: (s, b) for label, s, b in MODELS}["cnn"]
     profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
@@ -66,8 +65,6 @@ def main(argv=None) -> int:
     plan = search_plan(an, budget_s=10.0, seed=0)    # the run's plan: the same profile, budget and seed
     names = an.grouping.names
     hosts = tuple(range(an.topology.num_devices))
-    env = SearchEnv(an.graph, an.topology, an.grouping, cost_model=an.cost_model, batch_size=an.batch)
-    uniform = env.strategy(best_uniform(env)[0], name="best_uniform")
 
     def variant(base, change, name):
         return dataclasses.replace(base, actions=[change(names[g], a) for g, a in enumerate(base.actions)], name=name)
@@ -78,7 +75,7 @@ def main(argv=None) -> int:
                                       else a, "refine_all_ps"),
              "ps_c7_ar": variant(ps, lambda n, a: Action(hosts, "allreduce") if n == "conv2d_7" else a, "ps_c7_ar"),
              "dp_c7_ps": variant(dp, lambda n, a: Action(hosts, "ps", 0) if n == "conv2d_7" else a, "dp_c7_ps"),
-             "best_uniform": uniform,
+             "best_uniform": best_uniform_of(an)[0],
              "refine_all_ar": variant(plan.strategy, lambda n, a: Action(a.placement, "allreduce")
                                       if a.mode == "ps" and len(a.placement) > 1 else a, "refine_all_ar"),
              "refine_no_island": variant(plan.strategy, lambda n, a: Action((0,), "allreduce")
