@@ -12,10 +12,15 @@ Usage::
 
     python scripts/fidelity_repredict.py docs/measured/issue20-fidelity/bench_fidelity_quiet_run4.json
     python scripts/fidelity_repredict.py RUN.json --models transformer,vgg --json out.json
+    python scripts/fidelity_repredict.py RUN.json --network collective_latency_s=0.001   # a what-if
+
+``--network KEY=VALUE`` replaces a field of every saved profile's ``NetworkProfile`` (``tag.cost.profile``):
+what a calibration that measured that figure differently would have predicted.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -49,13 +54,36 @@ def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str,
     return out
 
 
+def network_overrides(pairs: list[str]) -> dict[str, float]:
+    """{field: value} of ``--network KEY=VALUE`` options; ValueError naming a bad one."""
+    from tag.cost.profile import NetworkProfile
+    known = {f.name for f in dataclasses.fields(NetworkProfile)}
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in known:
+            raise ValueError(f"--network {pair!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(known))}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--network {pair!r}: {value!r} is not a number") from None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a saved bench_fidelity --json file (its profiles and topologies beside it)")
     p.add_argument("--models", help="comma-separated subset of the run's models")
     p.add_argument("--seed", type=int, default=0, help="the run's --seed (default 0, bench_fidelity's)")
     p.add_argument("--json", help="write the figures and rows here")
+    p.add_argument("--network", action="append", default=[], metavar="KEY=VALUE",
+                   help="replace this NetworkProfile field in every saved profile (repeatable)")
     args = p.parse_args(argv)
+    try:
+        overrides = network_overrides(args.network)
+    except ValueError as err:
+        print(f"fidelity_repredict: {err}", file=sys.stderr)
+        return 2
     with open(args.run) as f:
         run = json.load(f)
     prefix = args.run[:-len(".json")] if args.run.endswith(".json") else args.run
@@ -70,7 +98,11 @@ def main(argv=None) -> int:
         mine = {r["strategy"]: r for r in rows if (r["config"], r["model"]) == (config, label)}
         spec, batch = spec_of[label]
         randoms = sum(1 for n in mine if n.startswith("random"))
-        predicted = repredict_group(prefix, config, spec, batch, label, args.seed, randoms)
+        profile = None
+        if overrides:
+            saved = Profile.load(f"{prefix}.run1.testbed-{config}.profile.json")
+            profile = dataclasses.replace(saved, network=dataclasses.replace(saved.network, **overrides))
+        predicted = repredict_group(prefix, config, spec, batch, label, args.seed, randoms, profile=profile)
         for name, r in mine.items():
             if name not in predicted:
                 continue
@@ -83,6 +115,7 @@ def main(argv=None) -> int:
                   f"{new['predicted_s'] * 1e3:8.1f} ({new['rel_error'] * 100:+5.0f}%)", flush=True)
     rest, held = split_heldout(out_rows)
     result = {"run": os.path.basename(args.run), "run_commit": run.get("commit"), "commit": git_commit(),
+              "network_overrides": overrides,
               "rest": {k: v for k, v in summary(rest).items() if k != "groups"} if rest else None,
               "heldout": {k: v for k, v in summary(held).items() if k != "groups"} if held else None,
               "rows": out_rows}

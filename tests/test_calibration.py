@@ -295,6 +295,31 @@ def test_network_chain_crosses_tasks_at_every_hop():
 
 
 @pytest.mark.slow
+def test_collective_chain_waits_for_every_all_reduce():
+    """The chain that measures the all-reduce latency runs its all-reduces one after another, each on the last
+    one's result: over two real servers the sum doubles at every hop (each task adds the other's equal tensor),
+    and 8 hops take longer than the same chain without them by at least 8 x 0.1 ms."""
+    import numpy as np
+    from tag.backend.runtime import LocalCluster, free_ports, run_steps
+    from tag.cluster.topology import parse_topology
+    from tag.cost.calibration import _collective_chain_graph
+    text = "\n".join(f'host {{ name: "r{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
+                     f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
+                     for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
+    topo = parse_topology(text, path="<collective chain>")
+    devices = (topo.tf_device(0), topo.tf_device(1))
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
+        def run(reduce: bool):
+            return run_steps(_collective_chain_graph(1024, devices, 8, reduce=reduce), cluster.target,
+                             train_op="step", loss=None, init="init", steps=6, warmup=2, fetch_after=["sink_0"])
+        chained, apart = run(True), run(False)
+    # 6 steps, each adding the 256 ones doubled 8 times; without the all-reduces each adds them once
+    assert float(np.asarray(chained.values["sink_0"])) == pytest.approx(6 * 256 * 2 ** 8)
+    assert float(np.asarray(apart.values["sink_0"])) == pytest.approx(6 * 256)
+    assert np.median(chained.step_times[2:]) > np.median(apart.step_times[2:]) + 8 * 1e-4
+
+
+@pytest.mark.slow
 def test_sync_serial_times_synchronisation_beside_compute_on_real_servers():
     """Three real local TF servers: the ring all-reduce and the push really run (each slower than the empty
     step), the chains really compute, and the fractions are clipped medians in [0, 1]. The payload is 16 MiB

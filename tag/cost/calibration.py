@@ -560,9 +560,44 @@ def _chain_graph(nbytes: int, devices: Sequence[str], hops: int) -> "v1.GraphDef
     return g.as_graph_def()
 
 
-#: dependent transfers in measure_network's chain (its per-hop cost is the transfer latency)
+#: dependent transfers (all-reduces) in measure_network's chains: the per-hop cost is the transfer (collective) latency
 CHAIN_HOPS = 32
 CHAIN_BYTES = 1 << 10
+
+
+def _collective_chain_graph(nbytes: int, devices: Sequence[str], hops: int, reduce: bool = True) -> "v1.GraphDef":
+    """A step of HOPS dependent ring all-reduces (``CollectiveReduceV2``, as the rewriter emits them) of a tensor
+    of NBYTES over DEVICES: each device's input to the k-th is its result of the one before times a variable of
+    its own, so each all-reduce starts when the last has finished everywhere. REDUCE=False: the same chain with
+    every all-reduce left out (each device multiplies its own tensor), the baseline to take off."""
+    g = tf.Graph()
+    with g.as_default():
+        variables, xs = [], []
+        for i, dev in enumerate(devices):
+            with tf.device(dev):
+                variables.append(tf.Variable(tf.ones([max(1, nbytes // 4)], tf.float32), name=f"payload_{i}"))
+                xs.append(variables[-1].read_value())
+        for k in range(hops):
+            step = []
+            for i, dev in enumerate(devices):
+                with tf.device(dev):
+                    variables.append(tf.Variable(1.0, name=f"factor_{i}_{k}"))    # see _chain_graph
+                    x = xs[i] * variables[-1].read_value()
+                    if reduce:
+                        x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1,
+                                                          instance_key=k + 1, ordering_token=[], merge_op="Add",
+                                                          final_op="Id", communication_hint="ring")
+                    step.append(x)
+            xs = step
+        outs = []
+        for i, dev in enumerate(devices):
+            with tf.device(dev):
+                variables.append(tf.Variable(0.0, name=f"sink_{i}"))          # used: see _read_graph
+                outs.append(variables[-1].assign_add(tf.reduce_sum(xs[i])))
+        with tf.device(devices[0]):
+            tf.group(*outs, name="step")
+        v1.variables_initializer(variables, name="init")
+    return g.as_graph_def()
 
 
 def process_cpu_s(pid: int) -> float:
@@ -594,9 +629,13 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     the two tasks, minus the same chain on NEAR, per hop. (The intercept of the sizes' line is no such figure:
     a lone read overlaps the step's other work, and the intercept fitted on 64 KB-16 MB came out 0.9-1.3
     ms where a dependent hop cost about 0.3 ms on the testbed, ``scripts/bench_transfers.py``'s waves.)
-    Collectives: a ring all-reduce (CollectiveReduceV2) of each size between the two tasks, minus the same
-    step without it, fitted as a line (for two devices a ring all-reduce moves the full size each way). The
-    step overhead is the local step of the smallest size.
+    Collectives: the rate is the slope of a line fitted to a ring all-reduce (CollectiveReduceV2) of each size
+    between the two tasks, minus the same step without it (for two devices a ring all-reduce moves the full
+    size each way); the latency is what one all-reduce that the next op waits for costs: a chain of CHAIN_HOPS
+    dependent all-reduces of a 1 KB tensor minus the same chain without them, per all-reduce, less its bytes at
+    that rate. (The line's intercept is no such figure either: over bench_fidelity runs 18-24's calibrations it
+    swung between 0.0 and 3.1 ms, where the chain measured 1.0-1.2 ms twice on the same machine.) The step
+    overhead is the local step of the smallest size.
 
     PIDS (the processes of NEAR's and FAR's tasks, when they run on this machine): the runtime's own CPU work,
     from the CPU time of every thread of each process over the steps of a graph, remote minus local, per step:
@@ -641,10 +680,13 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     apart = np.array([step_time(_sync_graph(int(n), (near, far), "local")) for n in sizes])
     reduced = np.array([step_time(_sync_graph(int(n), (near, far), "allreduce")) for n in sizes])
     _, t_rate = fit_line(sizes, remote - local)
-    c_lat, c_rate = fit_line(sizes, reduced - apart)
+    _, c_rate = fit_line(sizes, reduced - apart)
     hops = (step_time(_chain_graph(CHAIN_BYTES, (near, far), CHAIN_HOPS))
             - step_time(_chain_graph(CHAIN_BYTES, (near, near), CHAIN_HOPS))) / CHAIN_HOPS
     t_lat = max(hops - CHAIN_BYTES / t_rate, 0.0)
+    reductions = (step_time(_collective_chain_graph(CHAIN_BYTES, (near, far), CHAIN_HOPS))
+                  - step_time(_collective_chain_graph(CHAIN_BYTES, (near, far), CHAIN_HOPS, reduce=False))) / CHAIN_HOPS
+    c_lat = max(reductions - CHAIN_BYTES / c_rate, 0.0)
     # many small tensors in one step against one tensor of their total size: what each extra tensor costs
     many = PER_TENSOR_PROBE
     small = max(4, int(sizes[0]) // many)
