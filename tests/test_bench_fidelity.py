@@ -226,3 +226,15 @@ def test_the_load_ratio_is_the_median_of_each_pair_s_loaded_over_alone():
     from _testbed_cases import paired_load_ratio
     assert paired_load_ratio([0.100, 0.150, 0.120], [0.110, 0.165, 0.500]) == pytest.approx(1.10)
     assert paired_load_ratio([0.2, 0.1], [0.1, 0.2]) == pytest.approx(1.25)      # the median of 0.5 and 2.0
+
+
+def test_repredict_network_overrides_name_known_fields_only():
+    """``fidelity_repredict --network KEY=VALUE``: known NetworkProfile fields become floats; an unknown field,
+    a missing '=' or a value that is not a number is refused with the option named."""
+    from fidelity_repredict import network_overrides
+    assert network_overrides(["collective_latency_s=0.00105", "per_tensor_s=7e-5"]) == {
+        "collective_latency_s": 0.00105, "per_tensor_s": 7e-5}
+    assert network_overrides([]) == {}
+    for bad in ("latency=1", "collective_latency_s", "collective_latency_s=fast"):
+        with pytest.raises(ValueError, match="--network"):
+            network_overrides([bad])

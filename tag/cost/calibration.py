@@ -634,7 +634,7 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     size each way); the latency is what one all-reduce that the next op waits for costs: a chain of CHAIN_HOPS
     dependent all-reduces of a 1 KB tensor minus the same chain without them, per all-reduce, less its bytes at
     that rate. (The line's intercept is no such figure either: over bench_fidelity runs 18-24's calibrations it
-    swung between 0.0 and 3.1 ms, where the chain measured 1.0-1.2 ms twice on the same machine.) The step
+    swung between 0.0 and 3.1 ms, where the chain measured 1.0-1.2 ms in six measurements on December 4.) The step
     overhead is the local step of the smallest size.
 
     PIDS (the processes of NEAR's and FAR's tasks, when they run on this machine): the runtime's own CPU work,
