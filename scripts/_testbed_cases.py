@@ -74,6 +74,17 @@ def calibration_graph(spec: str, batch: int):
     return zoo.resolve_model(spec, batch)[1]
 
 
+def saved_testbed(prefix: str, config: str, run: int = 1):
+    """(Profile, Topology) that bench_fidelity saved for configuration CONFIG of run RUN beside its JSON (PREFIX:
+    the ``--json`` path without ``.json``): ``PREFIX.runN.testbed-C.profile.json`` and ``.pbtxt``."""
+    from tag.cluster.topology import parse_topology
+    from tag.cost.model import Profile
+    stem = f"{prefix}.run{run}.testbed-{config}"
+    with open(f"{stem}.pbtxt") as f:
+        topology = parse_topology(f.read())
+    return Profile.load(f"{stem}.profile.json"), topology
+
+
 def split_steps(total: int, rounds: int) -> list[int]:
     """TOTAL steps over ROUNDS rounds, as evenly as they go (the first rounds take the remainder)."""
     return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]

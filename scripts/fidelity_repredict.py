@@ -32,7 +32,7 @@ sys.path.insert(0, REPO)
 
 from _fidelity_figures import case_class, split_heldout, summary  # noqa: E402
 from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
-from _testbed_cases import calibration_graph  # noqa: E402
+from _testbed_cases import calibration_graph, saved_testbed  # noqa: E402
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
@@ -40,13 +40,18 @@ from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
 
 
 def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str, seed: int,
-                    randoms: int, run: int = 1, profile: Profile | None = None) -> dict[str, float]:
+                    randoms: int, run: int = 1, profile: Profile | None = None,
+                    network: dict[str, float] | None = None) -> dict[str, float]:
     """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
-    topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it)."""
+    topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it), its
+    NetworkProfile fields in NETWORK replaced."""
     if profile is None:
-        profile = Profile.load(f"{prefix}.run{run}.testbed-{config}.profile.json")
-    with open(f"{prefix}.run{run}.testbed-{config}.pbtxt") as f:
-        topology = parse_topology(f.read())
+        profile, topology = saved_testbed(prefix, config, run)
+    else:
+        with open(f"{prefix}.run{run}.testbed-{config}.pbtxt") as f:
+            topology = parse_topology(f.read())
+    if network:
+        profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, **network))
     analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
     sim = analysis.simulator()
     out = {n: sim.evaluate(analysis.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
@@ -98,11 +103,7 @@ def main(argv=None) -> int:
         mine = {r["strategy"]: r for r in rows if (r["config"], r["model"]) == (config, label)}
         spec, batch = spec_of[label]
         randoms = sum(1 for n in mine if n.startswith("random"))
-        profile = None
-        if overrides:
-            saved = Profile.load(f"{prefix}.run1.testbed-{config}.profile.json")
-            profile = dataclasses.replace(saved, network=dataclasses.replace(saved.network, **overrides))
-        predicted = repredict_group(prefix, config, spec, batch, label, args.seed, randoms, profile=profile)
+        predicted = repredict_group(prefix, config, spec, batch, label, args.seed, randoms, network=overrides)
         for name, r in mine.items():
             if name not in predicted:
                 continue

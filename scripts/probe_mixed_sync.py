@@ -48,19 +48,15 @@ def main(argv=None) -> int:
     from _common import testbed_missing, write_json
     if testbed_missing("probe_mixed_sync"):
         return 2
-    from _testbed_cases import calibration_graph, load_recipe, measure_interleaved
+    from _testbed_cases import calibration_graph, load_recipe, measure_interleaved, saved_testbed
     from bench_fidelity import MODELS
     from tag.api import prepare, search_plan
     from tag.backend.testbed import Testbed
-    from tag.cluster.topology import parse_topology
-    from tag.cost.model import Profile
     from tag.strategy.types import Action
     from tag.tune import best_uniform_of
 
     spec, batch = {label: (s, b) for label, s, b in MODELS}["cnn"]
-    profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
-    with open(f"{args.run}.run1.testbed-{args.config}.pbtxt") as f:
-        topo = parse_topology(f.read())
+    profile, topo = saved_testbed(args.run, args.config)
     an = prepare(calibration_graph(spec, batch), topo, batch_size=batch, profile=profile, name="cnn")
     plan = search_plan(an, budget_s=10.0, seed=0)    # the run's plan: the same profile, budget and seed
     names = an.grouping.names

@@ -124,14 +124,12 @@ def main(argv=None) -> int:
     if testbed_missing("probe_step_trace"):
         return 2
     import numpy as np
-    from _testbed_cases import calibration_graph, load_recipe
+    from _testbed_cases import calibration_graph, load_recipe, saved_testbed
     from bench_fidelity import MODELS, random_mixes
     from tag.api import prepare, search_plan
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.guard import RunControl
     from tag.backend.testbed import Testbed
-    from tag.cluster.topology import parse_topology
-    from tag.cost.model import Profile
     from tag.strategy.types import Action
 
     models = {label: (s, b) for label, s, b in MODELS}
@@ -144,9 +142,7 @@ def main(argv=None) -> int:
         print(f"probe_step_trace: unknown plan(s) {', '.join(unknown)} (known: {', '.join(PLANS)})", file=sys.stderr)
         return 2
     spec, batch = models[args.model]
-    profile = Profile.load(f"{args.run}.run1.testbed-{args.config}.profile.json")
-    with open(f"{args.run}.run1.testbed-{args.config}.pbtxt") as f:
-        topo = parse_topology(f.read())
+    profile, topo = saved_testbed(args.run, args.config)
     an = prepare(calibration_graph(spec, batch), topo, batch_size=batch, profile=profile, name=args.model)
     base = an.builtin("single")
 
@@ -157,8 +153,8 @@ def main(argv=None) -> int:
             "ps2": lambda: uniform(Action((0, 1), "ps", 0), "ps2"),
             "dp_allreduce": lambda: an.builtin("dp_allreduce"), "ps": lambda: an.builtin("ps"),
             "plan": lambda: search_plan(an, budget_s=10.0, seed=0).strategy}
-    for k in range(3):
-        make[f"random{k}"] = lambda k=k: random_mixes(an, 3, 0)[k][1]
+    if any(k.startswith("random") for k in plans):
+        make.update((name, lambda s=s: s) for name, s, _ in random_mixes(an, 3, 0))
     strategies = {k: make[k]() for k in plans}
     sim = an.simulator()
     out: dict = {"run": os.path.basename(args.run), "config": args.config, "model": args.model, "batch": batch,
@@ -166,12 +162,12 @@ def main(argv=None) -> int:
     for k, s in strategies.items():
         out["plans"][k] = {"predicted_ms": sim.evaluate(s).step_time * 1e3,
                            "simulated_hosts": simulated_hosts(sim.trace(s), an.topology)}
+    rewritten = {k: an.rewrite(s) for k, s in strategies.items()}
     with Testbed(an.topology, cpu_quota=load_recipe()["configs"][args.config]["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
             for rep in range(args.traces):
-                for k, s in (strategies.items() if rep % 2 == 0 else reversed(list(strategies.items()))):
-                    rw = an.rewrite(s)
+                for k, rw in (rewritten.items() if rep % 2 == 0 else reversed(list(rewritten.items()))):
                     warmup = 3
                     r = run_steps(rw.graph_def, tb.target, train_op=rw.train_op, loss=rw.loss, init=rw.init,
                                   steps=warmup + args.steps + 1, warmup=warmup, synthetic=True,
