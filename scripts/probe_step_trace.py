@@ -11,6 +11,9 @@ it ran (ops of all its threads added up), the time its receive ops waited, and i
 figures come from the simulator's recorded schedule of the plan (``Simulator.trace``). Each plan is traced
 ``--traces`` times (a new session each) and the median of every figure is printed: one step on this shared
 machine can be off by 15%.
+Also per pair of hosts: the median rate of the traced step's receives of 64 KB or more beside the link's
+declared rate, which shows whether the testbed's shaping holds for the tensors a step really sends
+(``--gso-max-bytes 65536``: the kernel's offload packets, as the testbed had them before December 4).
 
 Plans: ``single`` (device 0), ``ar2`` / ``ps2`` (every op group all-reduced over / served by a parameter
 server on device 0 for devices 0 and 1), the built-ins ``dp_allreduce`` and ``ps`` (all hosts), ``plan``
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 
@@ -38,6 +42,8 @@ sys.path.insert(0, HERE)
 RUN = "docs/measured/issue20-fidelity/bench_fidelity_shared_run23"
 PLANS = ("single", "ar2", "ps2", "dp_allreduce", "ps", "plan", "random0", "random1", "random2")
 HEAVY_KERNELS = ("Conv2D", "MatMul", "Einsum")    # in a kernel's label: the model's compute, not bookkeeping
+RATE_MIN_BYTES = 64_000                          # receives at least this large report their wire rate
+_RECV_LABEL = re.compile(r"\[[^]]*\] \[([\d.]+)([KMG]?)b/s\] \S+ from (\S+) to (\S+)")
 
 
 def task_of(device: str) -> int | None:
@@ -46,6 +52,25 @@ def task_of(device: str) -> int | None:
         if part.startswith("task:"):
             return int(part[len("task:"):])
     return None
+
+
+def receive_rates(step_stats, min_bytes: int = RATE_MIN_BYTES) -> dict[str, dict]:
+    """Per sending -> receiving task ("0->2"): the median rate in Mbit/s of the step's receives of at least
+    MIN_BYTES and how many there were. A receive's label carries its rate over the response's time on the
+    wire (TensorFlow logs from the sender's start of the response), so bytes = rate x duration."""
+    rates: dict[str, list[float]] = {}
+    for dev in step_stats.dev_stats:
+        for ns in dev.node_stats:
+            m = _RECV_LABEL.match(ns.timeline_label)
+            if not m:
+                continue
+            mbits = float(m.group(1)) * {"": 1e-6, "K": 1e-3, "M": 1.0, "G": 1e3}[m.group(2)]
+            seconds = max(ns.all_end_rel_micros, ns.op_end_rel_micros, 0) / 1e6
+            src, dst = task_of(m.group(3)), task_of(m.group(4))
+            if src is None or dst is None or mbits * 1e6 / 8 * seconds < min_bytes:
+                continue
+            rates.setdefault(f"{src}->{dst}", []).append(mbits)
+    return {k: {"median_mbit_s": statistics.median(v), "receives": len(v)} for k, v in sorted(rates.items())}
 
 
 def measured_hosts(step_stats, top: int = 4) -> dict[int, dict]:
@@ -118,6 +143,9 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of " + ",".join(PLANS))
     p.add_argument("--traces", type=int, default=3, help="traced steps per plan (a new session each)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per session beside the traced one")
+    p.add_argument("--gso-max-bytes", type=int, default=None,
+                   help="the testbed's largest offload packet (default: tag.backend.testbed.GSO_MAX_BYTES; "
+                        "65536: the kernel's own, as before December 4)")
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
     from _common import testbed_missing, write_json
@@ -163,7 +191,10 @@ def main(argv=None) -> int:
         out["plans"][k] = {"predicted_ms": sim.evaluate(s).step_time * 1e3,
                            "simulated_hosts": simulated_hosts(sim.trace(s), an.topology)}
     rewritten = {k: an.rewrite(s) for k, s in strategies.items()}
-    with Testbed(an.topology, cpu_quota=load_recipe()["configs"][args.config]["quotas"]) as tb:
+    from tag.backend.testbed import GSO_MAX_BYTES
+    gso = GSO_MAX_BYTES if args.gso_max_bytes is None else args.gso_max_bytes
+    out["gso_max_bytes"] = gso
+    with Testbed(an.topology, cpu_quota=load_recipe()["configs"][args.config]["quotas"], gso_max_bytes=gso) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
             for rep in range(args.traces):
@@ -177,6 +208,7 @@ def main(argv=None) -> int:
                     entry.setdefault("measured_ms", []).append(float(np.median(r.step_times[warmup:-1])) * 1e3)
                     entry.setdefault("traced_ms", []).append(float(r.step_times[-1]) * 1e3)
                     entry.setdefault("traces", []).append(measured_hosts(r.run_metadata.step_stats))
+                    entry.setdefault("receive_rates", []).append(receive_rates(r.run_metadata.step_stats))
                     print(f"{k:12s} trace {rep + 1}: step {entry['measured_ms'][-1]:6.1f} ms (traced "
                           f"{entry['traced_ms'][-1]:6.1f}), load {os.getloadavg()[0]:.1f}", flush=True)
         finally:
@@ -198,6 +230,15 @@ def main(argv=None) -> int:
             if m and m.get("longest_recvs"):
                 print("      longest recvs: " + "; ".join(f"{n.split('/')[-1][:40]} at {st:.1f} for {d:.1f}"
                                                          for n, st, d in m["longest_recvs"]))
+        pairs = sorted({k for r in entry.get("receive_rates", []) for k in r})
+        if pairs:
+            rates = []
+            for k in pairs:
+                src, dst = (int(x) for x in k.split("->"))
+                got = [r[k]["median_mbit_s"] for r in entry["receive_rates"] if k in r]
+                link = float(topo.host_bandwidth[src, dst]) * 8 / 1e6
+                rates.append(f"{names.get(src, src)}->{names.get(dst, dst)} {statistics.median(got):.0f} (link {link:.0f})")
+            print(f"  receives of {RATE_MIN_BYTES // 1000} KB or more, median Mbit/s: " + "; ".join(rates))
     write_json(args.json, out)
     return 0
 

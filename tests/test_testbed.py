@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.backend.testbed import Testbed, TestbedError, cleanup_stale, testbed_available
+from tag.backend.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available
 from tag.backend.testbed_hosts import pack_quotas
 from bounded import bounded
 
@@ -374,3 +374,27 @@ def test_a_host_receiving_from_two_hosts_is_capped_at_its_nic_and_sends_at_full_
         both_ways = _concurrent_bandwidths(tb, [("h0", "h1"), ("h1", "h0")])
         for got in both_ways:
             assert got == pytest.approx(0.4 * goodput, rel=0.2)
+
+
+
+def _gso_max_size(namespace: list[str], dev: str) -> int:
+    out = subprocess.run(["ip", *namespace, "-d", "link", "show", "dev", dev], capture_output=True, text=True,
+                         check=True, timeout=30).stdout
+    return int(out.split("gso_max_size", 1)[1].split()[0])
+
+
+@needs_netns
+def test_shaped_veths_hand_the_shaper_small_offload_packets():
+    """HTB sends a packet whenever its class has tokens and runs a debt after: both ends of every shaped veth
+    carry offload packets of at most GSO_MAX_BYTES, so a tensor after an idle gap cannot leave at veth speed."""
+    with Testbed(topo(2)) as tb:
+        for i in range(2):
+            assert _gso_max_size(["-n", tb.namespace(i)], "eth0") == GSO_MAX_BYTES
+            assert _gso_max_size([], tb._veth(i)) == GSO_MAX_BYTES
+    with Testbed(topo(2), gso_max_bytes=None) as tb:
+        assert _gso_max_size(["-n", tb.namespace(0)], "eth0") == 65536
+
+
+def test_gso_max_bytes_out_of_range_is_refused():
+    with pytest.raises(TestbedError, match="gso_max_bytes"):
+        Testbed(topo(2), gso_max_bytes=100)
