@@ -288,6 +288,58 @@ def test_transfers_hold_the_link_for_their_bytes_and_overlap_their_latencies():
     assert second == pytest.approx(1e-3 + 2 * wire)
 
 
+def test_a_fast_nic_sends_beside_a_slow_link_and_the_slow_link_serialises():
+    """h0's NIC runs at its fastest link (1 GB/s to h1); its link to h2 runs at 0.2 GB/s. A transfer to h2
+    holds h0's send side only for its bytes at 1 GB/s, so a transfer to h1 issued at once waits 1/5 of it,
+    not all of it; a second transfer to h2 waits for the h0 -> h2 link's whole time."""
+    from tag.sim.routing import Routing
+    from tag.sim.schedule import StepSchedule
+    from tag.sim.task_graph import TaskGraph
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
+    topo = _hosts(3, inter_bandwidth=1e9, inter_latency=0.0,
+                  host_links={("h0", "h2"): (0.2e9, 0.0), ("h1", "h2"): (0.2e9, 0.0)})
+    tasks = TaskGraph(tg, group_ops(tg, target_groups=2))
+    routing = Routing(topo, CostModel(tg, topo), tasks)
+    # h2's NIC is itself 0.2 GB/s (its fastest link): no link is slower than both its ends' NICs
+    assert [n for n in routing.resource_names if n.endswith(" link")] == []
+    sched = StepSchedule(tasks, routing, [], {}, 1, {}, ["a", "b"], None)
+    slow = sched._transfer(0, 2, 2e6, 0.0, "to h2")
+    fast = sched._transfer(0, 1, 2e6, 0.0, "to h1")
+    again = sched._transfer(0, 2, 2e6, 0.0, "to h2 again")
+    assert slow == pytest.approx(2e6 / 0.2e9)
+    assert fast == pytest.approx(2e6 / 1e9 + 2e6 / 1e9)        # after h0's NIC has sent the first at 1 GB/s
+    assert again == pytest.approx(2 * 2e6 / 0.2e9)             # h2's receive side (0.2 GB/s) serialises
+
+
+def test_a_link_slower_than_both_nics_is_a_resource_of_its_own():
+    """Three hosts with 1 GB/s NICs, h0 -> h2 at 0.2 GB/s: that pair gets a link resource; a second transfer
+    on it waits for the first's whole time, a transfer h0 -> h1 beside them does not; both kernels agree."""
+    from tag.sim.routing import Routing
+    from tag.sim.schedule import StepSchedule
+    from tag.sim.task_graph import TaskGraph
+    tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
+    topo = _hosts(3, inter_bandwidth=1e9, inter_latency=0.0, host_links={("h0", "h2"): (0.2e9, 0.0)})
+    tasks = TaskGraph(tg, group_ops(tg, target_groups=2))
+    routing = Routing(topo, CostModel(tg, topo), tasks)
+    assert [n for n in routing.resource_names if n.endswith(" link")] == ["h0 -> h2 link", "h2 -> h0 link"]
+    sched = StepSchedule(tasks, routing, [], {}, 1, {}, ["a", "b"], None)
+    first = sched._transfer(0, 2, 2e6, 0.0, "to h2")
+    beside = sched._transfer(0, 1, 2e6, 0.0, "to h1")
+    second = sched._transfer(0, 2, 2e6, 0.0, "to h2 again")
+    assert first == pytest.approx(2e6 / 0.2e9)
+    assert beside == pytest.approx(2 * 2e6 / 1e9)
+    assert second == pytest.approx(2 * 2e6 / 0.2e9)
+    # whole steps: a chain over the three hosts, the compiled kernel equal to the reference bit for bit
+    tg3 = chain_graph([1e9, 1e9, 1e9], batch=4, act_bytes_pe=1e6)
+    gr = group_ops(tg3, target_groups=3)
+    s = Strategy(gr, [Action((0, 1, 2), "partition")] * 3, partition={i: i % 3 for i in range(len(tg3.ops))})
+    s2 = Strategy(gr, [Action((0,), "allreduce"), Action((2,), "allreduce"), Action((1,), "allreduce")])
+    for strat in (s, s2):
+        ref = Simulator(tg3, topo, gr, CostModel(tg3, topo, EXACT), kernel="python").evaluate(strat).step_time
+        fast = Simulator(tg3, topo, gr, CostModel(tg3, topo, EXACT), kernel="compiled").evaluate(strat).step_time
+        assert ref == fast and ref > 0
+
+
 def test_trace_shows_the_transfer_on_the_network_rows():
     tg = chain_graph([1e9, 2e9], batch=4, act_bytes_pe=1e6)
     topo = _hosts(2, inter_bandwidth=1e9, inter_latency=1e-4)

@@ -412,16 +412,23 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                                 continue
                             nb = int_f[q, 2]
                             comm_task += nb
-                            r1, r2 = int_lane[q, 2], int_lane[q, 3]
+                            r1, r2, r3 = int_lane[q, 2], int_lane[q, 3], int_lane[q, 4]
                             st = f
                             if resource_free[r1] > st:
                                 st = resource_free[r1]
                             if r2 >= 0 and resource_free[r2] > st:
                                 st = resource_free[r2]
-                            st += nb * int_f[q, 1]
-                            resource_free[r1] = st
-                            if r2 >= 0:
-                                resource_free[r2] = st
+                            if r3 >= 0 and resource_free[r3] > st:
+                                st = resource_free[r3]
+                            if r2 >= 0:     # between hosts: each NIC at its own rate, the link at the route's
+                                resource_free[r1] = st + nb * int_f[q, 3]
+                                resource_free[r2] = st + nb * int_f[q, 4]
+                                st += nb * int_f[q, 1]
+                                if r3 >= 0:
+                                    resource_free[r3] = st
+                            else:
+                                st += nb * int_f[q, 1]
+                                resource_free[r1] = st
                             st += int_f[q, 0]
                             dp = int_lane[q, 1]
                             if dp > p and st > internal[dp]:
@@ -468,18 +475,24 @@ def _simulate(group_local, local_ai, local_rep, local_upd, task_override, nl, la
                     if nb <= 0:
                         continue
                     nbytes += nb
-                    sl, dl, r1, r2 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3]
+                    sl, dl, r1, r2, r3 = r_lane[j, 0], r_lane[j, 1], r_lane[j, 2], r_lane[j, 3], r_lane[j, 4]
                     st = finish[sl, k]
                     if resource_free[r1] > st:
                         st = resource_free[r1]
                     if r2 >= 0:
                         if resource_free[r2] > st:
                             st = resource_free[r2]
+                        if r3 >= 0 and resource_free[r3] > st:
+                            st = resource_free[r3]
+                        # each NIC is held at its own rate, the pair's link (and the transfer) at the route's
+                        resource_free[r1] = st + nb * r_f[j, 4] + tensor_s
+                        resource_free[r2] = st + nb * r_f[j, 5] + tensor_s
                         st += nb * r_f[j, 1] + tensor_s
-                        resource_free[r2] = st
+                        if r3 >= 0:
+                            resource_free[r3] = st
                     else:
                         st += nb * r_f[j, 1]
-                    resource_free[r1] = st
+                        resource_free[r1] = st
                     st += r_f[j, 0]
                     if st > arrival[m, dl]:
                         arrival[m, dl] = st

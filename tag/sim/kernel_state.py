@@ -150,8 +150,10 @@ class KernelState:
         # and (latency, s/byte, bytes), per layout (CSR)
         self.l_int_start = _Rows(np.int64)
         self.l_int_start.extend([0])
-        self.int_lane = _Rows(np.int64, width=4)
-        self.int_f = _Rows(np.float64, width=3)
+        # (src part, dst part, resource 1, resource 2 or -1, link or -1); (latency, s/byte, bytes, send s/byte,
+        # receive s/byte): the NIC sides are held at their own rates (tag.sim.routing.Routing.link_holds)
+        self.int_lane = _Rows(np.int64, width=5)
+        self.int_f = _Rows(np.float64, width=5)
         self._row_of: dict[int, int] = {}                  # id(duration array) -> row
         self._row_arrays: list[np.ndarray] = []            # keeps those arrays alive (ids stay unique)
         self.dur = _Rows(np.float64, width=max(T, 1))
@@ -162,8 +164,8 @@ class KernelState:
         self.m_dep_start.extend([0])
         self.m_rt_start.extend([0])
         self.d_dl, self.d_sl = _Rows(np.int64), _Rows(np.int64)
-        self.r_lane = _Rows(np.int64, width=4)            # (src lane, dst lane, resource 1, resource 2 or -1)
-        self.r_f = _Rows(np.float64, width=4)             # (latency, s/byte, examples, whole copies)
+        self.r_lane = _Rows(np.int64, width=5)            # (src lane, dst lane, resource 1, resource 2 or -1, link or -1)
+        self.r_f = _Rows(np.float64, width=6)             # (latency, s/byte, examples, whole copies, send s/byte, receive s/byte)
         self.num_moves = 0
         # actions: dense index -> mode, ps device, devices, collective coefficients and resources
         self.action_index: dict = {}                       # Action -> dense index
@@ -247,13 +249,21 @@ class KernelState:
                 if nb <= 0:
                     continue
                 res, lat, ipb = self.routing.route(ds, dd)
-                self.int_lane.extend([(part_of[ds], part_of[dd], res[0], res[1] if len(res) == 2 else -1)])
-                self.int_f.extend([(lat, ipb, nb)])
+                r2, r3, ipb1, ipb2 = self._holds(res, ipb)
+                self.int_lane.extend([(part_of[ds], part_of[dd], res[0], r2, r3)])
+                self.int_f.extend([(lat, ipb, nb, ipb1, ipb2)])
         self.l_int_start.extend([self.int_lane.size])
         li = len(self._layouts)
         self._layouts.append(lay)
         self.layout_index[lay.id] = li
         return li
+
+    def _holds(self, res: tuple, ipb: float) -> tuple[int, int, float, float]:
+        """(resource 2 or -1, link or -1, send s/byte, receive s/byte) of a route holding RES."""
+        if len(res) != 2:
+            return -1, -1, ipb, ipb
+        r3, ipb1, ipb2 = self.routing.link_holds(res)
+        return res[1], r3, ipb1, ipb2
 
     def add_moves(self, keys: np.ndarray, plans: dict) -> None:
         """Register the routes of KEYS: src index << 32 | dst index (a flow between two layouts), or
@@ -268,10 +278,11 @@ class KernelState:
                 code = -1 - key
                 b, ls, ld = code >> 34, self._layouts[(code >> 17) & 0x1FFFF], self._layouts[code & 0x1FFFF]
                 deps, transfers = routing.split_moves(b, ls, ld, plans)
-                routes1, routes2 = [], []
+                routes = []
                 for (p, pl, c, cl, nb) in transfers:
                     res, lat, ipb = routing.route(p, c)
-                    routes1.append((pl, cl, res[0], res[1] if len(res) == 2 else -1, lat, ipb, 0.0, nb))
+                    r2, r3, ipb1, ipb2 = self._holds(res, ipb)
+                    routes.append(((pl, cl, res[0], r2, r3), (lat, ipb, 0.0, nb, ipb1, ipb2)))
             else:
                 ls, ld = self._layouts[key >> 32], self._layouts[key & 0xFFFFFFFF]
                 mk = ("c", ls.id, ld.id)
@@ -279,15 +290,16 @@ class KernelState:
                 if cm is None:
                     cm = routing.compiled_moves(mk, ls, ld)
                 deps, r1, r2, _ = cm
-                routes1 = [(sl, dl, r, -1, lat, ipb, ex, cnt) for (sl, dl, r, lat, ipb, ex, cnt) in r1]
-                routes2 = list(r2)
+                routes = ([((sl, dl, r, -1, -1), (lat, ipb, ex, cnt, ipb, ipb))
+                           for (sl, dl, r, lat, ipb, ex, cnt) in r1] +
+                          [((sl, dl, ra, rb, rc), (lat, ipb, ex, cnt, ipb1, ipb2))
+                           for (sl, dl, ra, rb, rc, ipb1, ipb2, lat, ipb, ex, cnt) in r2])
             pairs = [(dl, sl) for dl, sls in deps for sl in sls]
             self.d_dl.extend([p[0] for p in pairs])
             self.d_sl.extend([p[1] for p in pairs])
             self.m_dep_start.extend([self.d_dl.size])
-            routes = routes1 + routes2
-            lanes = [r[:4] for r in routes]
-            floats = [r[4:] for r in routes]
+            lanes = [r[0] for r in routes]
+            floats = [r[1] for r in routes]
             if lanes:
                 self.r_lane.extend(lanes)
                 self.r_f.extend(floats)

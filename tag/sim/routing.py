@@ -2,9 +2,14 @@
 
 The simulator's communication resources are numbered: ``0..H-1`` are the hosts' interconnects (bus),
 ``H..2H-1`` their network interfaces' send sides (NIC egress), ``2H..3H-1`` their receive sides (NIC
-ingress). A transfer between two devices of one host holds that host's bus; across hosts it holds the
-sender's egress and the receiver's ingress. NICs and links are full duplex: a host sends and receives at
-once, so transfers in opposite directions between two hosts do not wait for each other. Tensors crossing
+ingress), then one per ordered pair of hosts whose link is slower than both hosts' NICs. A transfer between
+two devices of one host holds that host's bus; across hosts it holds the sender's egress and the receiver's
+ingress for its bytes at each NIC's own rate, and the pair's link, if it has one, for its bytes at the
+link's rate (``link_holds``): a host whose NIC runs at 1 Gbit/s sends to a host behind a 0.2 Gbit/s link
+and, beside it, to a third host with what the NIC has left, as the testbed's shaping and a real switch do.
+Before, every transfer held the sender's NIC for its whole time at the pair's rate. NICs and links are full
+duplex: a host sends and receives at once, so transfers in opposite directions between two hosts do not wait
+for each other. Tensors crossing
 layouts move as the strategy semantics say (batch-axis tensors: the examples that change device; others:
 the whole tensor from one producer device, the best-connected one). ``Routing`` works out, once per pair
 of layouts, which lanes wait for which and which routes carry how many examples and whole copies; the
@@ -73,6 +78,18 @@ class Routing:
         self.resource_names = ([f"{h.name} interconnect" for h in topology.hosts] +
                                [f"{h.name} network send" for h in topology.hosts] +
                                [f"{h.name} network receive" for h in topology.hosts])
+        # seconds per byte at each host's NIC; the links slower than both ends' NICs get a resource each
+        H = self.num_hosts
+        nic_s = np.array([1.0 / cost.nic_bandwidth(h) for h in range(H)], dtype=np.float64)
+        self._nic_s_per_byte = nic_s
+        self._pair_resource: dict[tuple[int, int], int] = {}
+        host_bw = cost.topology.host_bandwidth
+        for a in range(H):
+            for b in range(H):
+                if a != b and 0 < float(host_bw[a, b]) < float("inf") and \
+                        1.0 / float(host_bw[a, b]) > max(nic_s[a], nic_s[b]) * (1 + 1e-9):
+                    self._pair_resource[(a, b)] = len(self.resource_names)
+                    self.resource_names.append(f"{topology.hosts[a].name} -> {topology.hosts[b].name} link")
         # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
         self.moves: dict[tuple, tuple] = {}
         self._collectives: dict[tuple, tuple] = {}
@@ -86,6 +103,14 @@ class Routing:
         H = self.num_hosts
         res = (hp,) if hp == hc else (H + hp, 2 * H + hc)
         return res, float(self._latency[p, c]), 1.0 / float(self._bandwidth[p, c])
+
+    def link_holds(self, res: tuple[int, ...]) -> tuple[int, float, float]:
+        """For a transfer between hosts holding RES = (sender's NIC send side, receiver's NIC receive side):
+        (the pair's link resource or -1, seconds per byte the send side is held, the same for the receive
+        side). The link and the transfer itself take the route's seconds per byte."""
+        H = self.num_hosts
+        a, b = res[0] - H, res[1] - 2 * H
+        return self._pair_resource.get((a, b), -1), float(self._nic_s_per_byte[a]), float(self._nic_s_per_byte[b])
 
     def best_source(self, sources: list[int], c: int) -> int:
         """The device of SOURCES with the fastest link to C (ties: the lowest index)."""
@@ -146,12 +171,12 @@ class Routing:
 
     def compiled_moves(self, key: tuple, ls: Layout, ld: Layout) -> tuple:
         """``movement`` from LS to LD with its routes split by how many resources they hold:
-        (deps, [(sl, dl, r, lat, s/byte, examples, copies)], [(sl, dl, r1, r2, ...)], all routes in
-        that order) (cached under KEY)."""
+        (deps, [(sl, dl, r, lat, s/byte, examples, copies)], [(sl, dl, r1, r2, link or -1, send s/byte,
+        receive s/byte, lat, s/byte, examples, copies)], all routes in that order) (cached under KEY)."""
         deps, routes = self.movement(ls, ld)
         r1 = [(sl, dl, res[0], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes if len(res) == 1]
-        r2 = [(sl, dl, res[0], res[1], lat, ipb, ex, cnt) for (sl, dl, res, lat, ipb, ex, cnt) in routes
-              if len(res) == 2]
+        r2 = [(sl, dl, res[0], res[1], *self.link_holds(res), lat, ipb, ex, cnt)
+              for (sl, dl, res, lat, ipb, ex, cnt) in routes if len(res) == 2]
         full = [r for r in routes if len(r[2]) == 1] + [r for r in routes if len(r[2]) == 2]
         cm = (deps, r1, r2, full)
         self.moves[key] = cm

@@ -450,7 +450,7 @@ class StepSchedule:
                     st += lat
                     if st > arrd[dl]:
                         arrd[dl] = st
-                for (sl, dl, r1, r2, lat, ipb, ex, cnt) in routes2:
+                for (sl, dl, r1, r2, r3, ipb1, ipb2, lat, ipb, ex, cnt) in routes2:
                     nb = per_example * ex + fixed * cnt
                     if nb <= 0:
                         continue
@@ -462,9 +462,16 @@ class StepSchedule:
                     y = rfree[r2]
                     if y > st:
                         st = y
+                    if r3 >= 0:
+                        y = rfree[r3]
+                        if y > st:
+                            st = y
+                    # each NIC is held for the bytes at its own rate, the pair's link (and the transfer) at the link's
+                    rfree[r1] = st + nb * ipb1 + tensor_s
+                    rfree[r2] = st + nb * ipb2 + tensor_s
                     st += nb * ipb + tensor_s
-                    rfree[r1] = st
-                    rfree[r2] = st
+                    if r3 >= 0:
+                        rfree[r3] = st
                     st += lat
                     if st > arrd[dl]:
                         arrd[dl] = st
@@ -475,26 +482,39 @@ class StepSchedule:
                     if nb <= 0:
                         continue
                     nbytes += nb
-                    st = max(fk[sl], *(rfree[r] for r in res))
-                    free = st + nb * ipb + (tensor_s if len(res) == 2 else 0.0)
-                    end = free + lat
-                    for r in res:
-                        rfree[r] = free
+                    st, end, held = self._hold(res, fk[sl], nb, lat, ipb, tensor_s)
                     arrd[dl] = max(arrd[dl], end)
-                    rec.transfers.append((res, st, end, nb, label))
+                    rec.transfers.append((held, st, end, nb, label))
             self.comm_bytes += nbytes
             arrival[m] = arrd
 
     # ------------------------------------------------------------------ partition sub-tasks (slow path)
+    def _hold(self, res: tuple, ready: float, nb: float, lat: float, ipb: float, tensor_s: float) -> tuple:
+        """Hold RES for a transfer of NB bytes once READY: (start, arrival time, resources held). A host's bus is
+        held while the bytes move; between hosts each NIC for the bytes at its own rate and the pair's link,
+        if it has one, at the route's (``Routing.link_holds``), each also for the tensors' TENSOR_S."""
+        rfree = self.resource_free
+        if len(res) != 2:
+            st = earliest_start(rfree, res, ready)
+            free = st + nb * ipb
+            occupy(rfree, res, free)
+            return st, free + lat, res
+        r3, ipb1, ipb2 = self.routing.link_holds(res)
+        held = res if r3 < 0 else (*res, r3)
+        st = earliest_start(rfree, held, ready)
+        rfree[res[0]] = st + nb * ipb1 + tensor_s
+        rfree[res[1]] = st + nb * ipb2 + tensor_s
+        free = st + nb * ipb + tensor_s
+        if r3 >= 0:
+            rfree[r3] = free
+        return st, free + lat, held
+
     def _transfer(self, p: int, c: int, nbytes: float, ready: float, label: str) -> float:
         """One transfer of NBYTES from device P to device C once READY: its arrival time."""
         res, lat, ipb = self.routing.route(p, c)
-        st = earliest_start(self.resource_free, res, ready)
-        free = st + nbytes * ipb                 # the links are busy while the bytes are on the wire
-        occupy(self.resource_free, res, free)
-        end = free + lat
+        st, end, held = self._hold(res, ready, nbytes, lat, ipb, 0.0)
         if self.record is not None:
-            self.record.transfers.append((res, st, end, nbytes, label))
+            self.record.transfers.append((held, st, end, nbytes, label))
         return end
 
     def _run_split(self, t: int, lay: Layout, incoming: list[int] | tuple) -> None:
