@@ -262,8 +262,9 @@ class Testbed:
     tokens and then runs a debt, so after an idle gap a whole offload packet leaves at veth speed: with
     64 KB packets a 115 KB tensor crossed a 0.2 Gbit/s link in 2.8 ms (324 Mbit/s) inside a busy
     training step, and 4.7 ms with 16 KB (the wire: 4.6 ms); 1.5 KB packets (no offload) cost the
-    quota-limited hosts so much CPU that the same step ran 1.6x slower. ``tb.launch_prefix(host)`` is the argv prefix that runs a command
-    in a host's namespace and cgroup (for servers other than tag-worker, e.g. tf.distribute workers).
+    quota-limited hosts so much CPU that the same step ran 1.6x slower. ``tb.launch_prefix(host)`` is the
+    argv prefix that runs a command in a host's namespace and cgroup (for servers other than tag-worker,
+    e.g. tf.distribute workers).
     """
 
     __test__ = False  # not a pytest test class

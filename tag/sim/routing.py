@@ -83,13 +83,13 @@ class Routing:
         nic_s = np.array([1.0 / cost.nic_bandwidth(h) for h in range(H)], dtype=np.float64)
         self._nic_s_per_byte = nic_s
         self._pair_resource: dict[tuple[int, int], int] = {}
-        host_bw = cost.topology.host_bandwidth
-        for a in range(H):
-            for b in range(H):
-                if a != b and 0 < float(host_bw[a, b]) < float("inf") and \
-                        1.0 / float(host_bw[a, b]) > max(nic_s[a], nic_s[b]) * (1 + 1e-9):
-                    self._pair_resource[(a, b)] = len(self.resource_names)
-                    self.resource_names.append(f"{topology.hosts[a].name} -> {topology.hosts[b].name} link")
+        host_bw = np.asarray(cost.topology.host_bandwidth, dtype=np.float64)
+        usable = (host_bw > 0) & np.isfinite(host_bw) & ~np.eye(H, dtype=bool)
+        link_s = np.divide(1.0, host_bw, out=np.zeros_like(host_bw), where=usable)
+        slower = usable & (link_s > np.maximum(nic_s[:, None], nic_s[None, :]) * (1 + 1e-9))
+        for a, b in zip(*np.nonzero(slower)):        # row-major: (0, 1), (0, 2), ... as the names list them
+            self._pair_resource[(int(a), int(b))] = len(self.resource_names)
+            self.resource_names.append(f"{topology.hosts[a].name} -> {topology.hosts[b].name} link")
         # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
         self.moves: dict[tuple, tuple] = {}
         self._collectives: dict[tuple, tuple] = {}
