@@ -34,7 +34,6 @@ from _fidelity_figures import case_class, split_heldout, summary  # noqa: E402
 from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
 from _testbed_cases import calibration_graph, saved_testbed  # noqa: E402
 from tag.api import prepare  # noqa: E402
-from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
 
@@ -45,11 +44,8 @@ def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str,
     """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
     topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it), its
     NetworkProfile fields in NETWORK replaced."""
-    if profile is None:
-        profile, topology = saved_testbed(prefix, config, run)
-    else:
-        with open(f"{prefix}.run{run}.testbed-{config}.pbtxt") as f:
-            topology = parse_topology(f.read())
+    saved, topology = saved_testbed(prefix, config, run)
+    profile = saved if profile is None else profile
     if network:
         profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, **network))
     analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)

@@ -450,6 +450,12 @@ def _read_graph(nbytes: int, reader: str, holder: str, count: int = 1) -> "v1.Gr
     return g.as_graph_def()
 
 
+def _ring_allreduce(x, group_size: int, instance_key: int):
+    """X summed over a group of GROUP_SIZE devices by a ring ``CollectiveReduceV2``, as the rewriter emits it."""
+    return tf.raw_ops.CollectiveReduceV2(input=x, group_size=group_size, group_key=1, instance_key=instance_key,
+                                         ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring")
+
+
 def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence[int] = ()) -> "v1.GraphDef":
     """A step in which every device of DEVICES holds a gradient-like variable of NBYTES, synchronised as the
     rewriter does it (KIND ``allreduce``: a ring ``CollectiveReduceV2`` over all of them; ``ps``: each other
@@ -466,9 +472,7 @@ def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence
                 variables.append(var)
                 x = var.read_value()
                 if kind == "allreduce":
-                    x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1, instance_key=1,
-                                                      ordering_token=[], merge_op="Add", final_op="Id",
-                                                      communication_hint="ring")
+                    x = _ring_allreduce(x, len(devices), 1)
             with tf.device(devices[0] if kind == "ps" else dev):
                 sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
                 variables.append(sink)
@@ -584,9 +588,7 @@ def _collective_chain_graph(nbytes: int, devices: Sequence[str], hops: int, redu
                     variables.append(tf.Variable(1.0, name=f"factor_{i}_{k}"))    # see _chain_graph
                     x = xs[i] * variables[-1].read_value()
                     if reduce:
-                        x = tf.raw_ops.CollectiveReduceV2(input=x, group_size=len(devices), group_key=1,
-                                                          instance_key=k + 1, ordering_token=[], merge_op="Add",
-                                                          final_op="Id", communication_hint="ring")
+                        x = _ring_allreduce(x, len(devices), k + 1)
                     step.append(x)
             xs = step
         outs = []
