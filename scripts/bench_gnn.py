@@ -5,7 +5,7 @@ For every --model x every --topo (both repeatable; default: the validation model
 mobilenet_v2 and bert_large, full size, on every ready topology file -- none of which training saw), it runs
 the search portfolio ``tag.optimize`` runs (``tag.search.driver.search``: built-ins, best uniform action,
 PaSE, tree search seeded with the best so far, refinement; decision order ``auto``, seed 0, SFB off, the 5%
-``min_gain`` rule) on a fresh environment and simulator per run (built before the clock starts; a shared
+``min_gain`` rule, but not the 10% ``mixed_min_gain`` one, which would hide the priors' mixed answers) on a fresh environment and simulator per run (built before the clock starts; a shared
 simulator's caches would favour whichever arm runs second), once per arm -- ``gnn`` (the shipped
 weights, or --weights) and ``default`` (the uniform-value prior) -- per budget: each of --budgets seconds
 (equal wall time) and --playouts playouts (equal playouts: the tree search's simulator runs are then
@@ -86,7 +86,7 @@ def run_arm(tg, grouping, topo, batch: int, simulator, prior, budget_s: float | 
         tree = mcts(env, order="auto", playouts=playouts, seed=seed, prior=prior)
         outcome, method = tree.outcome, "mcts"
     else:
-        found = search(env, budget_s=budget_s, playouts=playouts, seed=seed, prior=prior)
+        found = search(env, budget_s=budget_s, playouts=playouts, seed=seed, prior=prior, mixed_min_gain=0.0)
         outcome, method = found.outcome, found.method
     seconds = time.perf_counter() - t0
     ok = bool(outcome.feasible)

@@ -69,7 +69,7 @@ def plan_case(graph, grouping, topo, batch: int, playouts: int | None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     env = SearchEnv(graph, topo, grouping, batch_size=batch)
     t1 = time.perf_counter()
-    found = search(env, playouts=playouts, seed=0, min_gain=0.0)
+    found = search(env, playouts=playouts, seed=0, min_gain=0.0, mixed_min_gain=0.0)
     t2, c2 = time.perf_counter(), time.process_time()
     sim_s = env.simulate_seconds
     return {"devices": topo.num_devices, "batch": batch, "env_s": t1 - t0, "search_s": t2 - t1,

@@ -83,10 +83,11 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
         batch //= 2                                       # lower the batch until something fits
         env = SearchEnv(tg, topo, grouping, batch_size=batch)
     t0 = time.perf_counter()
-    # min_gain=0: this measures the search's predicted optimum; tag.optimize's default 5% margin (a searched
-    # strategy replaces the best built-in only when predicted that much faster) is a deployment choice
-    # about the simulator's error on real runs (bench_fidelity), not part of the search's quality.
-    found = search(env, playouts=playouts, budget_s=budget_s, seed=seed, min_gain=0.0)
+    # min_gain=0 and mixed_min_gain=0: this measures the search's predicted optimum; tag.optimize's default
+    # margins (a searched strategy replaces the best built-in only when predicted 5% faster, a mixed one the
+    # best uniform action only when 10% faster) are deployment choices about the simulator's error on real
+    # runs (bench_fidelity), not part of the search's quality.
+    found = search(env, playouts=playouts, budget_s=budget_s, seed=seed, min_gain=0.0, mixed_min_gain=0.0)
     search_s = time.perf_counter() - t0
     evals = env.evaluations
     # MCTS alone and random search, each on a fresh environment, at the same number of simulator runs
@@ -112,7 +113,7 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            else None, "load_average": os.getloadavg()[0], "_strategy": found.strategy}
     if without_pipeline:
         plain = search(SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator), playouts=playouts,
-                       budget_s=budget_s, seed=seed, min_gain=0.0, use_pipeline=False)
+                       budget_s=budget_s, seed=seed, min_gain=0.0, mixed_min_gain=0.0, use_pipeline=False)
         row["search_without_pipeline_s"] = plain.step_time
         row["speedup_vs_best_uniform_without_pipeline"] = base["best_uniform"] / plain.step_time
     return row
@@ -140,7 +141,7 @@ def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args,
     runs otherwise than STRATEGY (the FP32 graph's plan); 0 when the plan is the same."""
     env = SearchEnv(tg_mixed, topo, grouping_mixed, batch_size=batch)
     found = search(env, playouts=args.playouts, budget_s=args.budget, seed=args.seed if seed is None else seed,
-                   min_gain=0.0)
+                   min_gain=0.0, mixed_min_gain=0.0)
     mixed = op_actions(tg_mixed, found.strategy)
     fp32 = op_actions(tg, strategy)
     return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)

@@ -33,7 +33,8 @@ built-ins, best uniform action, PaSE DP, tree search, local refinement) and rewr
 winner (``tag.backend.rewrite``); ``plan_for`` makes a Plan of a given strategy instead. The plan is
 never predicted slower than the best feasible baseline, except that a built-in on fewer devices predicted
 within ``min_gain`` (5%) of it is preferred (a gain smaller than the simulator's error does not pay for more
-hosts); when nothing evaluated fits in memory,
+hosts), and a mixed or pipelined strategy must be predicted ``mixed_min_gain`` (10%) faster than the best uniform
+action (``tag.search.driver.is_mixed``); when nothing evaluated fits in memory,
 ``tag.MemoryBudgetError`` names the smallest shortfall. ``tag.rewrite`` rewrites a graph for a given strategy (a built-in name, a ``Strategy``, a
 saved ``strategy.pb`` or a plan directory).
 
@@ -165,7 +166,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
              progress: "Callable[[SearchProgress], None] | None" = None, name: str | None = None,
              sfb: bool = True, prior: str = "uniform", tune_target: Any = None, tune_k: int | None = None,
              min_gain: float | None = None, pipeline: bool = True, precision: str | None = None,
-             xla: bool = False) -> Plan:
+             xla: bool = False, mixed_min_gain: float | None = None) -> Plan:
     """Search a fast strategy for GRAPH_DEF (a GraphDef, ``tf.Graph`` or serialised bytes) on TOPOLOGY
     (a ``Topology`` or a .pbtxt path) and return the rewritten Plan (module docstring).
 
@@ -190,7 +191,10 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     the one measured fastest is returned, its report's ``tune`` keys listing every candidate's predicted and
     measured time. ``min_gain``: a searched strategy replaces the best feasible built-in only when
     predicted at least this much faster (default 0.05: smaller gains are within the simulator's error on
-    real runs; 0 keeps the fastest predicted).
+    real runs; 0 keeps the fastest predicted). ``mixed_min_gain``: a mixed strategy (op groups with different
+    actions) or a pipeline replaces the best uniform action only when predicted at least this much faster
+    (default 0.10, ``tag.search.driver.MIXED_MIN_GAIN``: the simulator errs more on mixed plans; 0 keeps the
+    fastest predicted). Either way the tuning step (``tune_target``) still measures the searched strategy.
     ``precision``: ``"mixed_float16"`` / ``"mixed_bfloat16"`` rewrite the graph with TensorFlow's automatic
     mixed-precision pass first (FP16 with static loss scaling; ``tag.frontend.precision``), so the plan is
     made for, and deploys, the graph that will run; ``"tf32"`` costs FP32 MatMuls and convolutions at the
@@ -206,7 +210,7 @@ def optimize(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_
     analysis = prepare(graph_def, topology, batch_size=batch_size, profile=profile, groups=groups,
                        train_op=train_op, loss=loss, init=init, name=name, precision=precision, xla=xla)
     plan = search_plan(analysis, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                       sfb=sfb, prior=prior, min_gain=min_gain, pipeline=pipeline)
+                       sfb=sfb, prior=prior, min_gain=min_gain, pipeline=pipeline, mixed_min_gain=mixed_min_gain)
     return plan if tune_target is None else tune_plan(plan, tune_target, k=tune_k)
 
 
@@ -310,25 +314,28 @@ def search_plan(analysis: Analysis, *, budget_s: float | None = None, playouts: 
                 order: str = "auto", seed: int = 0,
                 progress: "Callable[[SearchProgress], None] | None" = None, sfb: bool = True,
                 prior: str = "uniform", min_gain: float | None = None, pipeline: bool = True,
-                fuse_buckets: bool = True) -> Plan:
+                fuse_buckets: bool = True, mixed_min_gain: float | None = None) -> Plan:
     """Search ANALYSIS's graph (``tag.search.search``), then (with SFB) pick the gradients that travel as
     sufficient factors (``tag.compress.select_sfb``: a MILP confirmed by the simulator, kept only when
     faster), and return the rewritten winner as a Plan. ``min_gain``: how much faster than the best
-    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``).
+    built-in a searched strategy must be predicted (default ``tag.search.driver.DEFAULT_MIN_GAIN``);
+    ``mixed_min_gain``: how much faster than the best uniform action a mixed or pipelined one must be (default
+    ``tag.search.driver.MIXED_MIN_GAIN``).
     ``pipeline``: search pipelines too. When a pipeline wins, the best per-group answer with SFB replaces
     it if predicted faster (SFB is not deployed inside pipeline stages). ``fuse_buckets``: then choose where the
     plan's gradient fusion buckets close (``tag.search.buckets``; the plan with the default size stays a tuning
     candidate, ``default_buckets``, and so does ``dp_allreduce`` with its own size, ``dp_allreduce_buckets``)."""
     from tag.report import pipeline_fields
     from tag.search.buckets import choose_bucket_bytes, size_text
-    from tag.search.driver import DEFAULT_MIN_GAIN
+    from tag.search.driver import DEFAULT_MIN_GAIN, MIXED_MIN_GAIN
     from tag.strategy.fusion import FUSION_BUCKET_BYTES
     from tag.search import SearchEnv, search
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
     margin = DEFAULT_MIN_GAIN if min_gain is None else min_gain
     found = search(env, budget_s=budget_s, playouts=playouts, order=order, seed=seed, progress=progress,
-                   prior=search_prior(prior), min_gain=margin, use_pipeline=pipeline)
+                   prior=search_prior(prior), min_gain=margin, use_pipeline=pipeline,
+                   mixed_min_gain=MIXED_MIN_GAIN if mixed_min_gain is None else mixed_min_gain)
     if not found.outcome.feasible:
         raise _memory_error(env, found)
     _check_not_slower(found, margin)

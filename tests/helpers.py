@@ -111,3 +111,17 @@ def kept_within_noise(tune: dict) -> bool:
     kept = next(r for r in rows if r["name"] == tune["kept"])
     return within_noise(kept["measured_ms"], kept["mad_ms"], fastest["measured_ms"] + 1e-9, fastest["mad_ms"],
                         steps=kept["steps"], fastest_steps=fastest["steps"])
+
+
+def allowed_slack(baseline: str) -> float:
+    """How much slower than the search's BASELINE (a ``SearchResult.baselines`` name) the plan may be predicted:
+    nothing for a built-in; ``min_gain`` for the best uniform action (a built-in within the margin is
+    preferred); for a searched (possibly mixed or pipelined) strategy, the mixed margin over the best uniform
+    action and then ``min_gain`` over a built-in (``tag.search.driver.search``)."""
+    from tag.search.driver import DEFAULT_MIN_GAIN, MIXED_MIN_GAIN
+    from tag.strategy.baselines import BUILTIN_STRATEGIES
+    if baseline in BUILTIN_STRATEGIES:
+        return 1e-9
+    if baseline == "best_uniform":
+        return DEFAULT_MIN_GAIN + 1e-9
+    return (1 + DEFAULT_MIN_GAIN) * (1 + MIXED_MIN_GAIN) - 1 + 1e-9

@@ -173,16 +173,35 @@ def test_a_searched_strategy_must_beat_the_best_builtin_by_the_margin():
     """With min_gain 0 the search keeps the fastest predicted; with a margin larger than its predicted gain
     over the best built-in, the built-in is the answer and the notes say why."""
     env = _env(batch=512)
-    free = search(env, playouts=50, seed=0, min_gain=0.0)
+    free = search(env, playouts=50, seed=0, min_gain=0.0, mixed_min_gain=0.0)
     builtins = {n: env.builtin_results[n].step_time for n in env.builtin_results if free.baselines_feasible[n]}
     best = min(builtins, key=builtins.get)
     assert free.method not in env.builtin_results          # this case has a mixed strategy that wins
     gain = builtins[best] / free.step_time - 1.0
     assert gain > 0
-    held = search(env, playouts=50, seed=0, min_gain=gain + 0.01)
+    held = search(env, playouts=50, seed=0, min_gain=gain + 0.01, mixed_min_gain=0.0)
     assert held.method == best and held.step_time == pytest.approx(builtins[best])
     assert any("margin" in n for n in held.notes)
-    assert search(env, playouts=50, seed=0, min_gain=gain / 2).method == free.method
+    assert search(env, playouts=50, seed=0, min_gain=gain / 2, mixed_min_gain=0.0).method == free.method
+
+
+def test_a_mixed_strategy_must_beat_the_best_uniform_action_by_its_margin():
+    """With mixed_min_gain 0 the search keeps the fastest predicted mixed strategy; with a margin larger than
+    its predicted gain over the best uniform action, that uniform action is the answer and the notes say why."""
+    from tag.search.driver import is_mixed
+    env = _env(batch=512)
+    free = search(env, playouts=50, seed=0, min_gain=0.0, mixed_min_gain=0.0)
+    assert free.method not in env.builtin_results and free.method != "best_uniform"
+    assert len(set(free.strategy.actions)) > 1 or free.strategy.pipeline is not None    # mixed
+    uniform = free.baselines["best_uniform"]
+    gain = uniform / free.step_time - 1.0
+    assert gain > 0
+    held = search(env, playouts=50, seed=0, min_gain=0.0, mixed_min_gain=gain + 0.01)
+    assert held.method == "best_uniform" and held.step_time == pytest.approx(uniform)
+    assert len(set(held.strategy.actions)) == 1 and held.strategy.pipeline is None
+    assert any("uniform action" in n and "margin" in n for n in held.notes)
+    assert search(env, playouts=50, seed=0, min_gain=0.0, mixed_min_gain=gain / 2).method == free.method
+    assert not is_mixed(None) and not is_mixed((2, 2, 2)) and is_mixed((0, 1, 1))
 
 
 def test_a_builtin_on_more_devices_must_beat_one_on_fewer_by_the_margin():

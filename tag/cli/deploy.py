@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gain", type=float, default=None, metavar="F",
                    help="a searched strategy replaces the best built-in only when predicted this much faster "
                         "(default 0.05 = 5%%, the simulator's error on real runs; 0 keeps the fastest predicted)")
+    p.add_argument("--mixed-min-gain", type=float, default=None, metavar="F",
+                   help="a mixed strategy (op groups with different actions) or a pipeline replaces the best "
+                        "uniform action only when predicted this much faster (default 0.10 = 10%%, the "
+                        "simulator's larger error on mixed plans; 0 keeps the fastest predicted)")
     return p
 
 
@@ -130,7 +134,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.strategy is not None and args.strategy_file is not None:
         raise TagError("--strategy and --strategy-file exclude each other")
     search_flags = [f for f, v in (("--budget", args.budget), ("--playouts", args.playouts), ("--order", args.order),
-                                   ("--seed", args.seed), ("--prior", args.prior), ("--min-gain", args.min_gain))
+                                   ("--seed", args.seed), ("--prior", args.prior), ("--min-gain", args.min_gain),
+                                   ("--mixed-min-gain", args.mixed_min_gain))
                     if v is not None]
     if search_flags and not _searching(args):
         raise TagError(f"{', '.join(search_flags)}: search options, but --strategy/--strategy-file turn the "
@@ -141,6 +146,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TagError(f"--playouts must be positive, got {args.playouts}")
     if args.min_gain is not None and not 0 <= args.min_gain < 10:
         raise TagError(f"--min-gain must be between 0 and 10 (a fraction: 0.05 = 5%), got {args.min_gain:g}")
+    if args.mixed_min_gain is not None and not 0 <= args.mixed_min_gain < 10:
+        raise TagError(f"--mixed-min-gain must be between 0 and 10 (a fraction: 0.10 = 10%), "
+                       f"got {args.mixed_min_gain:g}")
     from tag.cost.precision import check_plan_precision
     check_plan_precision(args.precision)
     if args.order is not None and args.order not in ("auto", *ORDERS):
@@ -198,7 +206,8 @@ def _search(args: argparse.Namespace, analysis) -> Any:
 
         plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
                            seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
-                           prior=args.prior or "uniform", min_gain=args.min_gain, pipeline=not args.no_pipeline)
+                           prior=args.prior or "uniform", min_gain=args.min_gain, pipeline=not args.no_pipeline,
+                           mixed_min_gain=args.mixed_min_gain)
         bar.refresh()
         return plan
 

@@ -57,6 +57,7 @@ from tag.strategy.types import Strategy
 
 DEFAULT_PLAYOUTS = 400
 DEFAULT_MIN_GAIN = 0.05          # a searched strategy must be predicted this much faster than the best built-in
+MIXED_MIN_GAIN = 0.10            # a mixed or pipelined strategy: this much faster than the best uniform action
 REFINE_EVALUATIONS_PER_PLAYOUT = 8
 MIN_REFINE_EVALUATIONS = 2000
 PIPELINE_BUDGET_FRACTION = 0.25  # with budget_s: the pipeline search's share of what is left after steps 1-3
@@ -139,6 +140,17 @@ def pipeline_admitted(env: SearchEnv, strategy: Strategy) -> bool:
     return not env.simulator.evaluate(plain, batch_size=env.batch_size).feasible
 
 
+def is_mixed(choice) -> bool:
+    """Whether a found-table CHOICE is a mixed strategy (op groups with different actions) or a pipeline,
+    which ``MIXED_MIN_GAIN`` holds to a margin over the best uniform action: on the testbed the simulator's
+    error on such plans is larger than on uniform ones (bench_fidelity runs 26-27: median 6.3% and 7.4% for the
+    mixed plans, 5.3% and 4.1% for the built-ins, and configuration A's searched CNN plan, predicted 4.4% and 7.0%
+    faster than all-reducing every group over two hosts, ran 15% and 18% slower). A built-in (None) is not."""
+    if choice is None:
+        return False
+    return choice is _PIPELINE or len(set(choice)) > 1
+
+
 def devices_used(strategy: Strategy, topology) -> int:
     """How many devices STRATEGY runs any op group on."""
     return len({d for g in range(len(strategy.actions)) for d in strategy.devices_of(g, topology)})
@@ -157,7 +169,7 @@ def simplest_builtin(env: SearchEnv, step_times: dict[str, float], margin: float
 def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | None = None, order: str = "auto",
            seed: int = 0, prior=None, progress: Callable[[SearchProgress], None] | None = None,
            use_pase: bool = True, use_refine: bool = True, min_gain: float = DEFAULT_MIN_GAIN,
-           use_pipeline: bool = True) -> SearchResult:
+           use_pipeline: bool = True, mixed_min_gain: float = MIXED_MIN_GAIN) -> SearchResult:
     """Run the portfolio (module docstring) on ENV and return the best strategy found.
 
     ``playouts`` bounds the tree search by simulated playouts, ``budget_s`` the whole search by wall-clock
@@ -166,7 +178,9 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     group's candidates (``tag.search.mcts.uniform_value_prior`` when None); ``seed`` makes the search
     deterministic (under a playout budget). ``min_gain``: how much faster than the best feasible built-in
     a searched strategy must be predicted to replace it (0.05 = 5%; 0 keeps the fastest predicted).
-    ``use_pipeline``: search pipelines too (``tag.search.pipeline_dp``).
+    ``use_pipeline``: search pipelines too (``tag.search.pipeline_dp``). ``mixed_min_gain``: how much faster
+    than the best uniform action a mixed or pipelined strategy must be predicted to replace it (0 keeps the
+    fastest predicted; ``is_mixed``).
     """
     from tag.search.local import refine
     from tag.search.mcts import mcts
@@ -231,8 +245,17 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
         if found[runner_up][1].feasible and \
                 found[runner_up][1].step_time <= found[method][1].step_time * (1 + PIPELINE_MIN_GAIN):
             method = runner_up
-    choice, outcome = found[method]
     notes = []
+    uniform_choice, uniform = found["best_uniform"]
+    if is_mixed(found[method][0]) and found[method][1].feasible and uniform.feasible and \
+            uniform.step_time <= found[method][1].step_time * (1 + mixed_min_gain):
+        gain = uniform.step_time / found[method][1].step_time - 1.0
+        notes.append(f"the {'pipelined' if found[method][0] is _PIPELINE else 'mixed'} strategy ({method}) is "
+                     f"predicted only {gain * 100:.1f}% faster than the best uniform action, less than the "
+                     f"{mixed_min_gain * 100:g}% margin for the simulator's error on mixed plans; the plan is "
+                     f"that uniform action")
+        method = "best_uniform"
+    choice, outcome = found[method]
     builtins = [n for n in env.builtin_results if found[n][1].feasible]
     best_builtin = simplest_builtin(env, {n: found[n][1].step_time for n in builtins}, min_gain) if builtins else None
     if choice is None and method in builtins and best_builtin != method:
