@@ -2,19 +2,19 @@
 same search with the default prior, at equal wall time and at equal playouts.
 
 For every --model x every --topo (both repeatable; default: the validation models inception_v3,
-mobilenet_v2 and bert_large, full size, on every ready topology file -- none of which training saw), it runs
-the search portfolio ``tag.optimize`` runs (``tag.search.driver.search``: built-ins, best uniform action,
-PaSE, tree search seeded with the best so far, refinement; decision order ``auto``, seed 0, SFB off, the 5%
-``min_gain`` rule, but not the 10% ``mixed_min_gain`` one, which would hide the priors' mixed answers) on a fresh environment and simulator per run (built before the clock starts; a shared
-simulator's caches would favour whichever arm runs second), once per arm -- ``gnn`` (the shipped
-weights, or --weights) and ``default`` (the uniform-value prior) -- per budget: each of --budgets seconds
-(equal wall time) and --playouts playouts (equal playouts: the tree search's simulator runs are then
-equal up to cache hits, refinement gets the same cap; ``tag.optimize``'s own default is 400), and with
---tree-playouts N the tree search alone at N playouts (what the prior does without the rest of the
-portfolio: key ``gnn_over_default_treeNplayouts``, left out of worst_case_ratio). The two arms
-of a case run back to back, the first alternating from case to case (the machine may be shared: load
-averages are printed beside each row). Every simulator run is counted (``SearchEnv.evaluations``: the
-GNN's features run none of their own; the uniform strategies they read are the portfolio's cache hits).
+mobilenet_v2 and bert_large, full size, on every ready topology file -- none of which training saw), it runs the
+search portfolio ``tag.optimize`` runs (``tag.search.driver.search``: built-ins, best uniform action, PaSE, tree
+search seeded with the best so far, refinement; decision order ``auto``, seed 0, SFB off, the 5% ``min_gain``
+rule, but not the 10% ``mixed_min_gain`` one, which would hide the priors' mixed answers) on a fresh environment
+and simulator per run (built before the clock starts; a shared simulator's caches would favour whichever arm runs
+second), once per arm -- ``gnn`` (the shipped weights, or --weights) and ``default`` (the uniform-value prior) --
+per budget: each of --budgets seconds (equal wall time) and --playouts playouts (equal playouts: the tree
+search's simulator runs are then equal up to cache hits, refinement gets the same cap; ``tag.optimize``'s own
+default is 400), and with --tree-playouts N the tree search alone at N playouts (what the prior does without the
+rest of the portfolio: key ``gnn_over_default_treeNplayouts``, left out of worst_case_ratio). The two arms of a
+case run back to back, the first alternating from case to case (the machine may be shared: load averages are
+printed beside each row). Every simulator run is counted (``SearchEnv.evaluations``: the GNN's features run none
+of their own; the uniform strategies they read are the portfolio's cache hits).
 
 Per case and budget: each arm's predicted speedup over ``dp_allreduce`` and the ratio gnn / default.
 Summary per budget: geometric mean of the ratios over the cases where the two arms differ (and over all

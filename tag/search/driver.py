@@ -26,6 +26,9 @@ than the best feasible built-in: a smaller predicted gain is within the simulato
 (``scripts/bench_fidelity.py``), and a mixed strategy has more to mispredict (its transfers), so the
 simpler built-in is deployed. Among the built-ins the same margin favours fewer devices
 (``simplest_builtin``): one using more devices must be predicted ``min_gain`` faster than one using fewer.
+Before those checks, a mixed strategy (op groups with different actions) or a pipeline must be predicted
+``mixed_min_gain`` (default ``MIXED_MIN_GAIN``, 10%) faster than the best uniform action, or that action is the
+answer (``is_mixed``): the simulator errs more on mixed plans than on uniform ones.
 ``SearchResult.baselines`` holds each step's own best (the ``refine`` entry is the final answer when
 refinement found the winner), and ``SearchResult.candidates`` each step's best strategy and every
 built-in (name -> Strategy), plus the pipeline search's best for each other micro-batch count and its
@@ -246,7 +249,7 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
                 found[runner_up][1].step_time <= found[method][1].step_time * (1 + PIPELINE_MIN_GAIN):
             method = runner_up
     notes = []
-    uniform_choice, uniform = found["best_uniform"]
+    uniform = found["best_uniform"][1]
     if is_mixed(found[method][0]) and found[method][1].feasible and uniform.feasible and \
             uniform.step_time <= found[method][1].step_time * (1 + mixed_min_gain):
         gain = uniform.step_time / found[method][1].step_time - 1.0
