@@ -249,16 +249,17 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
                 found[runner_up][1].step_time <= found[method][1].step_time * (1 + PIPELINE_MIN_GAIN):
             method = runner_up
     notes = []
+    choice, outcome = found[method]
     uniform = found["best_uniform"][1]
-    if is_mixed(found[method][0]) and found[method][1].feasible and uniform.feasible and \
-            uniform.step_time <= found[method][1].step_time * (1 + mixed_min_gain):
-        gain = uniform.step_time / found[method][1].step_time - 1.0
-        notes.append(f"the {'pipelined' if found[method][0] is _PIPELINE else 'mixed'} strategy ({method}) is "
+    if is_mixed(choice) and outcome.feasible and uniform.feasible and \
+            uniform.step_time <= outcome.step_time * (1 + mixed_min_gain):
+        gain = uniform.step_time / outcome.step_time - 1.0
+        notes.append(f"the {'pipelined' if choice is _PIPELINE else 'mixed'} strategy ({method}) is "
                      f"predicted only {gain * 100:.1f}% faster than the best uniform action, less than the "
                      f"{mixed_min_gain * 100:g}% margin for the simulator's error on mixed plans; the plan is "
                      f"that uniform action")
         method = "best_uniform"
-    choice, outcome = found[method]
+        choice, outcome = found[method]
     builtins = [n for n in env.builtin_results if found[n][1].feasible]
     best_builtin = simplest_builtin(env, {n: found[n][1].step_time for n in builtins}, min_gain) if builtins else None
     if choice is None and method in builtins and best_builtin != method:
