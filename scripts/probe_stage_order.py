@@ -3,7 +3,7 @@
 bench_e2e run 51 (issue 22) ran the deep transformer's and the deep MLP's three-stage pipelines as [h2 | h1 | h0]
 (a half-core host first) and they gained 1.29x and 1.26x over one host, where runs 40-50 ran [h0 | h1 | h2] and
 gained 1.43-1.63x; that run never measured the other order. This plans each order on one calibration (the pipeline
-DP restricted to one host per stage in that order, then its hill-climb; ``tag.search.pipeline_dp``), rewrites both
+DP given that one sequence of hosts, then its hill-climb; ``tag.search.pipeline_dp``), rewrites both
 and the one-host step, and times the three in interleaved rounds on configuration G's testbed (bench_e2e's
 ``run_interleaved``, tag's servers started afresh before each program), printing predicted and measured times.
 
@@ -24,32 +24,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import tag  # noqa: E402
-import tag.search.pipeline_dp  # noqa: E402,F401  (the module: tag.search exports a function of this name)
 from tag.backend.mwms import tf1_graph  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
+from tag.api import prepare  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
+from tag.search.pipeline_dp import host_units, pipeline_dp  # noqa: E402
 from _common import git_commit  # noqa: E402
 from _testbed_cases import load_recipe, testbed_topology  # noqa: E402
 from bench_e2e import CASES, GPU_CONFIG, config_recipe, describe, run_interleaved  # noqa: E402
 
-pipeline_dp_module = sys.modules["tag.search.pipeline_dp"]
-
 ORDERS = {"fastest_first": (0, 1, 2), "slowest_first": (2, 1, 0)}
 
 
-def pipeline_in_order(analysis, batch: int, hosts: tuple[int, ...]):
+def pipeline_in_order(analysis, hosts: tuple[int, ...]):
     """The pipeline DP's answer when its only device-set sequence is one host per stage in HOSTS' order."""
-    topo = analysis.topology
-    units = [tuple(g.index for g in topo.groups if g.host == topo.hosts[h].name) for h in hosts]
-    original = pipeline_dp_module.stage_device_sets
-    pipeline_dp_module.stage_device_sets = lambda *a, **k: [units]
-    try:
-        env = SearchEnv(analysis.graph, topo, analysis.grouping, cost_model=analysis.cost_model, batch_size=batch)
-        return pipeline_dp_module.pipeline_dp(env)
-    finally:
-        pipeline_dp_module.stage_device_sets = original
+    units = host_units(analysis.topology)
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch)
+    return pipeline_dp(env, sequences=[[units[h] for h in hosts]])
 
 
 def main(argv=None) -> int:
@@ -68,12 +61,12 @@ def main(argv=None) -> int:
     recipe = config_recipe(load_recipe(), profile, 25.0)
     _, topo = testbed_topology(recipe, GPU_CONFIG, profile)
     gd = tf1_graph(model, batch, width=width, depth=depth)
-    plan = tag.optimize(gd, topo, batch_size=batch, profile=profile, budget_s=20, name=label)
-    an = plan.analysis
+    an = prepare(gd, topo, batch_size=batch, profile=profile, name=label)
     single = an.builtin("single")
-    programs, predicted, described = {"single": an.rewrite(single)}, {"single": plan.baselines.get("single")}, {}
+    programs = {"single": an.rewrite(single)}
+    predicted, described = {"single": an.simulator().evaluate(single, batch_size=batch).step_time}, {}
     for name, hosts in ORDERS.items():
-        found = pipeline_in_order(an, batch, hosts)
+        found = pipeline_in_order(an, hosts)
         programs[name] = an.rewrite(found.strategy)
         predicted[name] = found.outcome.step_time
         described[name] = describe(found.strategy, topo)

@@ -91,13 +91,19 @@ def group_chain(tasks: TaskGraph) -> list[int]:
     return sorted(range(tasks.num_groups), key=lambda g: key[g])
 
 
-def stage_device_sets(topology, speeds: np.ndarray, max_stages: int = MAX_STAGES) -> list[list[tuple[int, ...]]]:
-    """Sequences of stage placements (device-group tuples) to try (module docstring)."""
+def host_units(topology) -> list[tuple[int, ...]]:
+    """The units a stage is placed on: each host's device groups (in host order), or each device group when
+    there is one host; hosts without devices are left out."""
     if len(topology.hosts) >= 2:
         units = [tuple(g.index for g in topology.groups if g.host == h.name) for h in topology.hosts]
     else:
         units = [(g.index,) for g in topology.groups]
-    units = [u for u in units if u]
+    return [u for u in units if u]
+
+
+def stage_device_sets(topology, speeds: np.ndarray, max_stages: int = MAX_STAGES) -> list[list[tuple[int, ...]]]:
+    """Sequences of stage placements (device-group tuples) to try (module docstring)."""
+    units = host_units(topology)
     throughput = [sum(float(speeds[d]) for g in u for d in topology.groups[g].devices) for u in units]
     order = sorted(range(len(units)), key=lambda i: (-throughput[i], i))
     first = [topology.groups[u[0]].devices[0] for u in units]       # a device of each unit (for its links)
@@ -287,10 +293,12 @@ def _allreduce_estimate(tables: _Tables, placements: list[tuple[int, ...]], boun
 
 def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHES,
                 schedules: tuple[str, ...] = SCHEDULES, max_stages: int = MAX_STAGES, top_k: int = TOP_K,
-                refine_evaluations: int = REFINE_EVALUATIONS, budget_s: float | None = None) -> PipelineSearchResult:
+                refine_evaluations: int = REFINE_EVALUATIONS, budget_s: float | None = None,
+                sequences: list[list[tuple[int, ...]]] | None = None) -> PipelineSearchResult:
     """Search pipelines for ENV's graph and topology (module docstring): the fastest feasible simulated one,
     then hill-climbing from it (cuts moved by one or two groups, M doubled or halved, the other schedules;
-    at most REFINE_EVALUATIONS more simulations)."""
+    at most REFINE_EVALUATIONS more simulations). SEQUENCES: the stage device-set sequences to try (default
+    ``stage_device_sets``; scripts/probe_stage_order.py passes one order)."""
     t0 = time.perf_counter()
     sim, topo, batch = env.simulator, env.topology, env.batch_size
     G = env.num_groups
@@ -302,7 +310,9 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
     tables = _Tables(env, chain)
     speeds = env.device_speeds
     proposals: list[tuple[float, int, list[tuple[int, ...]], list[int], int, str]] = []
-    for seq in stage_device_sets(topo, np.asarray(speeds), max_stages):
+    if sequences is None:
+        sequences = stage_device_sets(topo, np.asarray(speeds), max_stages)
+    for seq in sequences:
         if len(seq) > G:
             continue
         smallest_share = min(min(batch_shares([speeds[d] for g in p for d in topo.groups[g].devices], batch))
