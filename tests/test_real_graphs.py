@@ -67,8 +67,8 @@ def keras_mlp():
 def graph(name: str):
     """(GraphDef, IR) of a named test graph at batch B."""
     if isinstance(name, tuple):
-        o, sparse, resource = name
-        gd = rg.optimizer_graph(o, sparse=sparse, resource=resource, batch_size=B)
+        o, sparse, resource, *batch = name          # a fourth item: a batch other than B
+        gd = rg.optimizer_graph(o, sparse=sparse, resource=resource, batch_size=batch[0] if batch else B)
     elif name == "causal_lm":
         gd = rg.causal_lm_graph(batch_size=B)
     elif name == "causal_lm_sequence":
@@ -304,13 +304,16 @@ def _reference(name):
     return weights, out
 
 
-def check_same_training(name, cluster_fixture):
-    """Every mode: loss and every trainable weight (every copy) within RTOL of the original's."""
+def check_same_training(name, cluster_fixture, modes=MODES, expect_note: str | None = None):
+    """Every mode of MODES: loss and every trainable weight (every copy) within RTOL of the original's.
+    EXPECT_NOTE: a rewrite note every mode's rewrite must carry."""
     topo, target, _ = cluster_fixture
     gd, ir = graph(name)
     weights, ref = _reference(name)
-    for mode in MODES:
+    for mode in modes:
         res = rewrite(gd, ir, strategy(mode, ir, topo), topo)
+        if expect_note is not None:
+            assert any(expect_note in n for n in res.notes), (mode, res.notes)
         g = _import(res.graph_def)
         copies = [c for v in weights for c in res.variables[v]]
         reads = dict(zip(copies, _value_tensors(g, copies)))
@@ -333,6 +336,17 @@ def check_same_training(name, cluster_fixture):
 def test_optimizers_train_exactly(cluster, case):
     """Each optimizer x {dense, sparse} x {resource, ref}: every strategy trains like one device."""
     check_same_training(case, cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in OPTIMIZER_CASES if c[1] and c[0] != "sgd"], ids=_id)
+def test_sparse_gradients_summed_as_tables_train_exactly(cluster, case):
+    """At a batch whose embedding rows (32 x 3 ids x 6 floats) outweigh twice the 20 x 6 table, every
+    optimizer that deduplicates its sparse gradient gets it all-reduced as a dense table
+    (``tag.strategy.sparse``) under dp_allreduce, and trains like one device."""
+    o, sparse, resource = case
+    check_same_training((o, sparse, resource, 32), cluster, modes=("allreduce",),
+                        expect_note="summed as a dense 20-row table")
 
 
 @pytest.mark.slow

@@ -538,6 +538,40 @@ def test_sparse_embedding_gradients_move_as_rows():
                                                                       rel=1e-9)
 
 
+def test_sparse_gradients_outweighing_their_table_are_all_reduced_as_the_table():
+    """A small vocabulary: the batch's embedding rows outweigh twice the table, so an allreduce group over
+    several devices is charged the dense table plus the gathered indices (as the rewriter deploys it,
+    ``tag.strategy.sparse``); ps still moves rows; both kernels agree."""
+    from tag.backend.mwms import SEQ_LEN, tf1_graph
+    from tag.frontend import analyze
+    from tag.strategy.sparse import dense_sum_pays, sparse_dedups
+    batch, width, vocab = 8, 16, 64
+    tg = analyze(tf1_graph("transformer", batch, width=width, depth=1, vocab=vocab))
+    table = next(v for v in tg.variables if v.kind == "trainable" and len(v.shape) == 2 and v.shape[0] == vocab)
+    [found] = sparse_dedups(tg).values()
+    assert found.variable == table.name and found.rows == vocab
+    assert found.values_bytes_per_example == SEQ_LEN * width * 4
+    assert dense_sum_pays(found.values_bytes_per_example, table.nbytes, batch)
+    assert not dense_sum_pays(found.values_bytes_per_example, table.nbytes, 4)
+    rows = SEQ_LEN * width * 4 + SEQ_LEN * 4
+    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
+    weights = sum(v.nbytes for v in tg.variables if v.kind == "trainable")
+    sims = {k: Simulator(tg, topo, group_ops(tg, 16), CostModel(tg, topo, FREE), kernel=k)
+            for k in ("compiled", "python")}
+    gr = sims["python"].grouping
+    dp = _all(gr, Action((0, 1, 2, 3), "allreduce"))
+    ps = _all(gr, Action((0, 1, 2, 3), "ps", ps_device=0))
+    for sim in sims.values():
+        assert sim.evaluate(dp).comm_bytes == pytest.approx(2 * 3 * (weights + batch * SEQ_LEN * 4 / 2))
+        assert sim.evaluate(ps).comm_bytes == pytest.approx(2 * 3 * (weights - table.nbytes + batch * rows / 4))
+        # at 4 examples the rows weigh exactly twice the table, no more: gathered as rows
+        assert sim.evaluate(dp, batch_size=4).comm_bytes == pytest.approx(
+            2 * 3 * (weights - table.nbytes + 4 * rows / 2))
+    for s in (dp, ps):
+        assert sims["compiled"].evaluate(s).step_time == pytest.approx(sims["python"].evaluate(s).step_time,
+                                                                      rel=1e-9)
+
+
 def test_hosts_that_share_one_machine_cost_busy_steps_with_the_levels_timed_under_load():
     tg = chain_graph([1e9, 2e9, 3e9], batch=6)
     topo = _hosts(3, inter_bandwidth=1e12, inter_latency=0.0)

@@ -170,7 +170,8 @@ class StepBound:
         devs = layouts.devices_of(a.placement)
         shares = layouts.shares_of(a.placement, batch)
         # what its collective moves (sparse gradients as rows: MemoryModel.collective_bytes)
-        W_coll = float(memory.collective_bytes(W, sparse_factor(a.mode, len(devs)), batch, groups=g))
+        W_coll = float(memory.collective_bytes(W, sparse_factor(a.mode, len(devs)), batch, groups=g,
+                                               dense_ok=a.mode == "allreduce" and len(devs) > 1))
         stage = tasks.task_stage[mine]
         on_ps = (stage == UPDATE_STAGE) if a.mode == "ps" else np.zeros(len(mine), dtype=bool)
         replicated = ~on_ps

@@ -14,7 +14,9 @@ Sparse gradients: a weight whose gradient grows with the batch (an ``IndexedSlic
 embedding lookup: the rows the batch touched and their indices) is not all-reduced or pushed as a
 dense tensor. The rewriter gives its update the whole batch's rows and indices on every replica
 (allreduce: each replica receives the others' rows, an all-gather) or on the parameter server (ps:
-each worker pushes its own rows, and its lookup's rows come back from the table on the PS).
+each worker pushes its own rows, and its lookup's rows come back from the table on the PS). Where the
+rows outweigh the table and the update deduplicates them (``tag.strategy.sparse``), an ``allreduce`` group
+outside a pipeline all-reduces the dense table instead, and only the indices are gathered.
 ``collective_bytes`` turns that into the bytes the collective models charge (see its docstring).
 
 Example::
@@ -38,6 +40,7 @@ import numpy as np
 from tag.cost.model import CostModel
 from tag.ir.types import TrainingGraph
 from tag.sim.task_graph import TaskGraph
+from tag.strategy.sparse import dense_sum_pays, sparse_dedups
 from tag.strategy.types import Action
 
 # ops whose output is their first input's buffer (no memory of their own)
@@ -144,6 +147,8 @@ class MemoryModel:
         claimed: set[str] = set()     # slot variables (counted with their weight)
         partition_vars: list[list[tuple[int, float]]] = [[] for _ in range(num_groups)]
         sparse_weights, sparse_rows = np.zeros(num_groups), np.zeros(num_groups)
+        dedups = sparse_dedups(graph)
+        dense: list[tuple[int, float, float]] = []   # (group, table bytes, row bytes per example) of each
         for v in graph.variables:
             if v.kind != "trainable":
                 continue
@@ -152,6 +157,9 @@ class MemoryModel:
             if rows > 0:
                 sparse_weights[g] += v.nbytes
                 sparse_rows[g] += rows
+                d = dedups.get(v.name)
+                if d is not None and int(group_of_op[graph.op_index[d.segment_sum_op]]) == g:
+                    dense.append((g, float(v.nbytes), d.values_bytes_per_example))
             slot = float(v.slot_bytes) if v.slot_bytes else float(sum(
                 var_by_name[s].nbytes for s in v.slots if s in var_by_name))
             claimed.update(v.slots)
@@ -168,20 +176,37 @@ class MemoryModel:
         self.weight_bytes, self.slot_bytes, self.state_bytes = weights, slots, state
         self.sparse_weight_bytes, self.sparse_row_bytes = sparse_weights, sparse_rows
         self.has_sparse = bool(np.any(sparse_rows > 0))
+        # sparse weights that an allreduce group may sum as dense tables (tag.strategy.sparse)
+        self.dense_groups = np.array([d[0] for d in dense], dtype=np.int64)
+        self.dense_tables = np.array([d[1] for d in dense], dtype=np.float64)
+        self.dense_values = np.array([d[2] for d in dense], dtype=np.float64)
         self.weight_bytes_list: list[float] = weights.tolist()
         self.weight_count_list: list[int] = counts
         self.partition_vars = [(np.array([p[0] for p in pv], dtype=np.int64), np.array([p[1] for p in pv]))
                                for pv in partition_vars]
 
-    def collective_bytes(self, weights, factor, batch: int, groups=slice(None)):
+    def collective_bytes(self, weights, factor, batch: int, groups=slice(None), dense_ok=False):
         """Per op group of GROUPS (default all; an int gives one), the bytes its all-reduce or ps transfer is
         charged for: WEIGHTS (its trainable bytes, or what SFB leaves of them) with every sparse weight's
-        table replaced by BATCH's gradient rows times FACTOR (``sparse_factor`` of its action). Unchanged
-        without sparse weights."""
+        table replaced by BATCH's gradient rows times FACTOR (``sparse_factor`` of its action). Where
+        DENSE_OK (per group of GROUPS, or one bool: an ``allreduce`` over several devices outside a
+        pipeline) and ``dense_sum_pays``, a weight whose update deduplicates its rows is charged its table
+        and its rows' indices instead (the rewriter all-reduces the dense table). Unchanged without sparse
+        weights."""
         if not self.has_sparse:
             return weights
-        return np.asarray(weights, dtype=np.float64) - self.sparse_weight_bytes[groups] + \
+        out = np.asarray(weights, dtype=np.float64) - self.sparse_weight_bytes[groups] + \
             self.sparse_row_bytes[groups] * float(batch) * factor
+        if self.dense_groups.size and np.any(dense_ok):
+            num_groups = len(self.weight_bytes)
+            ok, fac = np.zeros(num_groups, dtype=bool), np.zeros(num_groups)
+            ok[groups], fac[groups] = dense_ok, factor
+            g = self.dense_groups
+            sel = ok[g] & dense_sum_pays(self.dense_values, self.dense_tables, float(batch))
+            if sel.any():
+                saved = self.dense_tables[sel] - self.dense_values[sel] * float(batch) * fac[g[sel]]
+                out = out + np.bincount(g[sel], weights=saved, minlength=num_groups)[groups]
+        return out
 
     def static_memory(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict],
                       devices_of: Callable[[tuple[int, ...]], list[int]], num_devices: int) -> np.ndarray:

@@ -530,7 +530,8 @@ class Simulator:
         has_ps = any(a.mode == "ps" for a in stage_actions)
         schedule.add_flows(actions, has_ps)
         schedule.add_collectives(actions, group_layouts,
-                                 self._collective_bytes(actions, self.memory.weight_bytes_list, batch), None,
+                                 self._collective_bytes(actions, self.memory.weight_bytes_list, batch,
+                                                        pipeline=True), None,
                                  self.memory.weight_count_list)
         step = schedule.run(actions)
         if record is not None:
@@ -573,7 +574,8 @@ class Simulator:
         lane_of_device = lanes.lane_of_device
         step, comm, start, finish, batches, collective_end, peak, static, activation = kernel.run(
             group_stage, local_ai, unused, unused, task_layout, len(lanes.lanes), lane_of_device, kernel.static_zero,
-            {}, w_coll=self._collective_bytes(stage_actions, None, batch, group_stage), serial=self._sync_serial)
+            {}, w_coll=self._collective_bytes(stage_actions, None, batch, group_stage, pipeline=True),
+            serial=self._sync_serial)
         self.compiled_evaluations += 1
         oom = np.flatnonzero(peak > self._device_memory)
         features = partial(_features_of_schedule, self.num_groups, pt.task_by_group, pt.task_by_group_starts,
@@ -606,18 +608,23 @@ class Simulator:
                                               len(self.routing.resource_names))
         return self._offsets[key]
 
-    def _collective_bytes(self, actions: list[Action], weights, batch: int, group_of: np.ndarray | None = None):
+    def _collective_bytes(self, actions: list[Action], weights, batch: int, group_of: np.ndarray | None = None,
+                          pipeline: bool = False):
         """Bytes each op group's collective is charged for (``MemoryModel.collective_bytes``): WEIGHTS
-        (default: the trainable bytes) with sparse gradients as rows. ACTIONS: one per op group, or with
-        GROUP_OF (group -> index into ACTIONS) one per distinct action. None for the kernel means its own
-        weight bytes; a list stays a list."""
+        (default: the trainable bytes) with sparse gradients as rows, or as dense tables where an allreduce
+        group outside a PIPELINE sums them so. ACTIONS: one per op group, or with GROUP_OF (group -> index
+        into ACTIONS) one per distinct action. None for the kernel means its own weight bytes; a list stays
+        a list."""
         memory = self.memory
         if not memory.has_sparse:
             return weights
-        factors = np.array([sparse_factor(a.mode, len(self.layouts.devices_of(a.placement))) for a in actions])
+        replicas = [len(self.layouts.devices_of(a.placement)) for a in actions]
+        factors = np.array([sparse_factor(a.mode, n) for a, n in zip(actions, replicas)])
+        dense_ok = np.array([not pipeline and a.mode == "allreduce" and n > 1 for a, n in zip(actions, replicas)])
         if group_of is not None:
-            factors = factors[group_of]
-        out = memory.collective_bytes(memory.weight_bytes if weights is None else weights, factors, batch)
+            factors, dense_ok = factors[group_of], dense_ok[group_of]
+        out = memory.collective_bytes(memory.weight_bytes if weights is None else weights, factors, batch,
+                                      dense_ok=dense_ok)
         return out if weights is None else out.tolist()
 
     def _result(self, actions: list[Action], distinct: dict[int, Action], plans: dict[int, dict], lanes: Lanes,

@@ -8,6 +8,11 @@ one collective per gradient. The group key is a hash of the device set (``collec
 same set gets the same key in any graph); instance keys are unique per collective within a graph.
 Collectives among CPUs use the ring implementation; elsewhere TF picks (NCCL on GPUs).
 
+A sparse (``IndexedSlices``) gradient whose rows outweigh its table (``tag.strategy.sparse``) is summed as
+a dense table: each replica adds its rows into the table's shape (``UnsortedSegmentSum`` by its ids), one
+collective sums the tables, and the update's deduplicating segment sum becomes a ``GatherV2`` of the summed
+table at the batch's distinct ids (``Unique`` of the whole batch's ids, which are still gathered).
+
 Example::
 
     from tag.backend.rewrite import collective_group_key
@@ -25,9 +30,10 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tag.strategy.fusion import bucket_cap, bucket_leaders, fusion_buckets
+from tag.strategy.sparse import SparseDedup, dense_sum_pays, sparse_dedups
 
 from .context import RewriteContext
-from .graph_edit import Range, attr_type, canonical, fill_defaults, split_tensor
+from .graph_edit import Instance, Range, attr_type, canonical, fill_defaults, split_tensor
 
 # A fusion bucket: (op group, dtype) -- the gradients one fused collective sums.
 BucketKey = tuple[int, "tf.DType"]
@@ -86,6 +92,70 @@ class CollectivesMixin(RewriteContext):
         node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
         self.out_nodes.append(fill_defaults(node))
         return name
+
+    # -------------------------------------------------------------------------------- sparse as dense
+    def _plan_dense_sparse(self) -> None:
+        """``dense_sparse``: deduplicating segment-sum op -> its ``SparseDedup``, for the sparse gradients
+        of allreduce groups over several devices (outside a pipeline) that are cheaper to sum as tables at
+        this batch (``dense_sum_pays``), where the variable and the segment sum share their op group."""
+        self.dense_sparse: dict[str, SparseDedup] = {}
+        for d in sparse_dedups(self.ir).values():
+            g = self._group(d.variable)
+            if g is None or self._group(d.segment_sum_op) != g or self._pipelined(g) \
+                    or self.strategy.actions[g].mode != "allreduce":
+                continue
+            if len(self._replicas(g)[0]) > 1 and dense_sum_pays(d.values_bytes_per_example, d.table_bytes,
+                                                                  self.batch):
+                self.dense_sparse[d.segment_sum_op] = d
+
+    def _dense_rows(self, n: str, rng: Range, asked_dev: int, name: str, primary: bool) -> Instance | None:
+        """Instance NAME of segment-sum op N (in ``dense_sparse``) for the whole batch on its replica: the rows
+        of the all-reduced table at the whole batch's distinct ids. None where N does not run on a replica."""
+        d = self.dense_sparse[n]
+        dev = self._device_for(n, asked_dev)
+        devs, ranges = self._replicas(self._group(n))
+        if rng != self.full_batch or dev not in devs:
+            return None
+        table = self._dense_table_sums(d, devs, ranges)[dev]
+        ids = self._resolve(d.unique_op + ":0", rng, dev, n, asked_dev)
+        axis = self._const(f"{name}/axis", np.array(0, np.int32), dev)
+        node = node_def_pb2.NodeDef(name=name, op="GatherV2", device=self.topo.tf_device(dev))
+        node.input.extend([table, ids, axis])
+        node.attr["Tparams"].CopyFrom(attr_type(self._dtype(d.values)))
+        node.attr["Tindices"].CopyFrom(attr_type(self._dtype(d.indices)))
+        node.attr["Taxis"].CopyFrom(attr_type(tf.int32))
+        self.out_nodes.append(fill_defaults(node))
+        self.used_names.add(name)
+        inst = Instance(name, rng, asked_dev, dev, primary)
+        self.instances.setdefault(n, []).append(inst)
+        self.instance_at.setdefault((n, rng, asked_dev), inst)
+        return inst
+
+    def _dense_table_sums(self, d: SparseDedup, devs: list[int], ranges: list[Range]) -> dict[int, str]:
+        """Per replica device: the table D's rows sum to over the whole batch, all-reduced (each replica's
+        rows added into a dense table by their ids first)."""
+        memo_key = ("dense_table", d.variable, tuple(devs))
+        if memo_key in self.memo:
+            return self.memo[memo_key]
+        dtype = self._dtype(d.values)
+        out = {}
+        for dev, r in zip(devs, ranges):
+            base = f"tag/dense_sum/{d.variable}/{dev}"
+            rows = self._const(f"{base}/rows", np.array(d.rows, np.int32), dev)
+            node = node_def_pb2.NodeDef(name=self._fresh(base), op="UnsortedSegmentSum",
+                                        device=self.topo.tf_device(dev))
+            node.input.extend([self._resolve(d.values, r, dev, d.segment_sum_op, dev),
+                               self._resolve(d.indices, r, dev, d.segment_sum_op, dev), rows])
+            node.attr["T"].CopyFrom(attr_type(dtype))
+            node.attr["Tindices"].CopyFrom(attr_type(self._dtype(d.indices)))
+            node.attr["Tnumsegments"].CopyFrom(attr_type(tf.int32))
+            self.out_nodes.append(fill_defaults(node))
+            out[dev] = self._collective(f"tag/dense_allreduce/{d.variable}/{dev}", node.name, dev, devs, dtype,
+                                        f"dense|{d.variable}")
+        self.counts["dense table sums"] += 1
+        self.notes.append(f"{d.variable}: sparse gradient summed as a dense {d.rows}-row table")
+        self.memo[memo_key] = out
+        return out
 
     # -------------------------------------------------------------------------------- gradient fusion
     def _plan_fusion(self) -> None:

@@ -35,7 +35,7 @@ from .graph_edit import Instance, Range, split_tensor, tensor_name
 from .variables import CLONABLE_STATEFUL
 
 # what the rewrite adds -> counted in the notes ("3 slices added")
-_COUNTED = ("slices", "concats", "sums", "allreduces", "fused allreduces", "clones")
+_COUNTED = ("slices", "concats", "sums", "allreduces", "fused allreduces", "dense table sums", "clones")
 
 
 class InstancesMixin(RewriteContext):
@@ -55,6 +55,7 @@ class InstancesMixin(RewriteContext):
         self.counts = {k: 0 for k in _COUNTED}
         self.sfb_tensors = self._find_sfb_tensors()
         self._plan_fusion()
+        self._plan_dense_sparse()
         for n in self.order:
             placements = self.placements[n]
             names = self._instance_names(n, placements)
@@ -84,6 +85,10 @@ class InstancesMixin(RewriteContext):
 
     def _emit(self, n: str, rng: Range, asked_dev: int, name: str, primary: bool) -> Instance:
         """A copy of op N named NAME for examples RNG, asked on ASKED_DEV, with resolved inputs."""
+        if n in self.dense_sparse:
+            dense = self._dense_rows(n, rng, asked_dev, name, primary)
+            if dense is not None:
+                return dense
         orig = self.nodes[n]
         dev = self._device_for(n, asked_dev)
         inst = Instance(name, rng, asked_dev, dev, primary)
