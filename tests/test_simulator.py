@@ -506,6 +506,15 @@ def test_allreduce_is_charged_as_the_deployed_flat_ring():
     assert trace["otherData"]["collectives"][0]["kind"] == "allreduce"
 
 
+def _four_host_sims(tg):
+    """Both simulator kernels of TG on four hosts (free compute), and dp_allreduce / ps over all four."""
+    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
+    sims = {k: Simulator(tg, topo, group_ops(tg, 16), CostModel(tg, topo, FREE), kernel=k)
+            for k in ("compiled", "python")}
+    gr = sims["python"].grouping
+    return sims, _all(gr, Action((0, 1, 2, 3), "allreduce")), _all(gr, Action((0, 1, 2, 3), "ps", ps_device=0))
+
+
 def test_sparse_embedding_gradients_move_as_rows():
     """An embedding's IndexedSlices gradient is not all-reduced or pushed as its whole table: allreduce
     charges an all-gather of the batch's rows (half their bytes in the ring formula), ps each worker's share;
@@ -519,14 +528,9 @@ def test_sparse_embedding_gradients_move_as_rows():
     rows = SEQ_LEN * width * 4 + SEQ_LEN * 4                       # float32 rows and their int32 indices
     assert sparse_gradient_bytes(tg, table) == pytest.approx(rows)
     assert all(sparse_gradient_bytes(tg, v) == 0 for v in tg.variables if v.kind == "trainable" and v is not table)
-    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
     weights = sum(v.nbytes for v in tg.variables if v.kind == "trainable")
     dense = weights - table.nbytes
-    sims = {k: Simulator(tg, topo, group_ops(tg, 16), CostModel(tg, topo, FREE), kernel=k)
-            for k in ("compiled", "python")}
-    gr = sims["python"].grouping
-    dp = _all(gr, Action((0, 1, 2, 3), "allreduce"))
-    ps = _all(gr, Action((0, 1, 2, 3), "ps", ps_device=0))
+    sims, dp, ps = _four_host_sims(tg)
     for sim in sims.values():
         assert sim.memory.sparse_weight_bytes.sum() == table.nbytes
         assert sim.evaluate(dp).comm_bytes == pytest.approx(2 * 3 * (dense + batch * rows / 2))
@@ -554,13 +558,8 @@ def test_sparse_gradients_outweighing_their_table_are_all_reduced_as_the_table()
     assert dense_sum_pays(found.values_bytes_per_example, table.nbytes, batch)
     assert not dense_sum_pays(found.values_bytes_per_example, table.nbytes, 4)
     rows = SEQ_LEN * width * 4 + SEQ_LEN * 4
-    topo = _hosts(4, inter_bandwidth=1e9, inter_latency=1e-5)
     weights = sum(v.nbytes for v in tg.variables if v.kind == "trainable")
-    sims = {k: Simulator(tg, topo, group_ops(tg, 16), CostModel(tg, topo, FREE), kernel=k)
-            for k in ("compiled", "python")}
-    gr = sims["python"].grouping
-    dp = _all(gr, Action((0, 1, 2, 3), "allreduce"))
-    ps = _all(gr, Action((0, 1, 2, 3), "ps", ps_device=0))
+    sims, dp, ps = _four_host_sims(tg)
     for sim in sims.values():
         assert sim.evaluate(dp).comm_bytes == pytest.approx(2 * 3 * (weights + batch * SEQ_LEN * 4 / 2))
         assert sim.evaluate(ps).comm_bytes == pytest.approx(2 * 3 * (weights - table.nbytes + batch * rows / 4))
