@@ -40,7 +40,7 @@ import numpy as np
 from tag.cost.model import CostModel
 from tag.ir.types import TrainingGraph
 from tag.sim.task_graph import TaskGraph
-from tag.strategy.sparse import dense_sum_pays, sparse_dedups
+from tag.strategy.sparse import dense_sum_pays, grouped_dedups
 from tag.strategy.types import Action
 
 # ops whose output is their first input's buffer (no memory of their own)
@@ -147,7 +147,7 @@ class MemoryModel:
         claimed: set[str] = set()     # slot variables (counted with their weight)
         partition_vars: list[list[tuple[int, float]]] = [[] for _ in range(num_groups)]
         sparse_weights, sparse_rows = np.zeros(num_groups), np.zeros(num_groups)
-        dedups = sparse_dedups(graph)
+        dedups = grouped_dedups(graph, group_of_op)
         dense: list[tuple[int, float, float]] = []   # (group, table bytes, row bytes per example) of each
         for v in graph.variables:
             if v.kind != "trainable":
@@ -157,9 +157,8 @@ class MemoryModel:
             if rows > 0:
                 sparse_weights[g] += v.nbytes
                 sparse_rows[g] += rows
-                d = dedups.get(v.name)
-                if d is not None and int(group_of_op[graph.op_index[d.segment_sum_op]]) == g:
-                    dense.append((g, float(v.nbytes), d.values_bytes_per_example))
+                if v.name in dedups:
+                    dense.append((g, float(v.nbytes), dedups[v.name].values_bytes_per_example))
             slot = float(v.slot_bytes) if v.slot_bytes else float(sum(
                 var_by_name[s].nbytes for s in v.slots if s in var_by_name))
             claimed.update(v.slots)

@@ -95,6 +95,13 @@ def sparse_dedups(graph: "TrainingGraph") -> dict[str, SparseDedup]:
     return out
 
 
+def grouped_dedups(graph: "TrainingGraph", group_of_op) -> dict[str, SparseDedup]:
+    """``sparse_dedups`` whose variable and segment sum share an op group (GROUP_OF_OP: op index -> group), the
+    only ones the rewriter can sum densely under one action; the simulator charges the same ones."""
+    return {k: d for k, d in sparse_dedups(graph).items()
+            if int(group_of_op[graph.op_index[d.variable]]) == int(group_of_op[graph.op_index[d.segment_sum_op]])}
+
+
 def dense_sum_pays(values_bytes_per_example, table_bytes, batch):
     """Whether all-reducing the dense table moves fewer bytes than gathering BATCH examples' gradient rows:
     a ring all-gather moves each row once through every device, a ring all-reduce each table byte twice

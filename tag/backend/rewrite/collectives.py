@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tag.strategy.fusion import bucket_cap, bucket_leaders, fusion_buckets
-from tag.strategy.sparse import SparseDedup, dense_sum_pays, sparse_dedups
+from tag.strategy.sparse import SparseDedup, dense_sum_pays, grouped_dedups
 
 from .context import RewriteContext
 from .graph_edit import Instance, Range, attr_type, canonical, fill_defaults, split_tensor
@@ -99,10 +99,9 @@ class CollectivesMixin(RewriteContext):
         of allreduce groups over several devices (outside a pipeline) that are cheaper to sum as tables at
         this batch (``dense_sum_pays``), where the variable and the segment sum share their op group."""
         self.dense_sparse: dict[str, SparseDedup] = {}
-        for d in sparse_dedups(self.ir).values():
+        for d in grouped_dedups(self.ir, self.strategy.grouping.group_of_op).values():
             g = self._group(d.variable)
-            if g is None or self._group(d.segment_sum_op) != g or self._pipelined(g) \
-                    or self.strategy.actions[g].mode != "allreduce":
+            if g is None or self._pipelined(g) or self.strategy.actions[g].mode != "allreduce":
                 continue
             if len(self._replicas(g)[0]) > 1 and dense_sum_pays(d.values_bytes_per_example, d.table_bytes,
                                                                   self.batch):
