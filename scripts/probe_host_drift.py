@@ -16,7 +16,10 @@ batches, ops as TensorFlow schedules them):
   the way bench_e2e times tag's one-host program (``--fresh-servers``: the servers started afresh every round,
   as bench_e2e does since run 44);
 - ``mwms``: MultiWorkerMirroredStrategy with one worker on that host, the way bench_e2e times its one-host anchor
-  (``bench_e2e.run_mwms``; the tf_keras model and a ``tf.function`` step).
+  (``bench_e2e.run_mwms``; the tf_keras model and a ``tf.function`` step);
+- ``keras``: MWMS's program without the strategy, in the host's cgroup as ``cgroup``: the same tf_keras model,
+  Adam and ``tf.function`` step in one process. Beside ``cgroup`` it says whether the two programs differ, beside
+  ``mwms`` what the strategy adds.
 
 Why ``mwms``: bench_e2e's tag-on-one-host over MWMS-on-one-host ratio came out 0.89-1.11 over its runs 37-45,
 in both directions, for different models in one run. Timing both with ``bare`` and ``cgroup`` in the same
@@ -28,6 +31,7 @@ Usage (needs root, as the testbed does)::
     python scripts/probe_host_drift.py --model transformer --batch 384 --rounds 4 --json F
     python scripts/probe_host_drift.py --model vgg --batch 384 --profile P
     python scripts/probe_host_drift.py --model vgg --batch 384 --modes cgroup,server,mwms --fresh-servers --rounds 6
+    python scripts/probe_host_drift.py --model transformer --batch 384 --modes cgroup,keras,server,mwms --fresh-servers
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 DEFAULT_PROFILE = "docs/measured/issue22-e2e/e2e_g3_amd_run39.profile.json"
-MODES = ("bare", "cgroup", "server", "mwms")
+MODES = ("bare", "cgroup", "server", "mwms", "keras")
 CHILD_TIMEOUT_S = 900
 
 
@@ -61,9 +65,39 @@ def in_process_steps(model: str, batch: int, steps: int, warmup: int) -> list[fl
     return [float(t) for t in res.step_times[warmup:]]
 
 
-def child_steps(prefix: list[str], args) -> list[float]:
-    """Step times of ``in_process_steps`` run as a child process behind PREFIX (taskset, or a testbed host)."""
-    cmd = prefix + [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
+def keras_steps(model: str, batch: int, steps: int, warmup: int) -> list[float]:
+    """Step times (s) of MWMS's training step without the strategy in this process: the tf_keras model, tf_keras
+    Adam and a ``tf.function`` step, threads as ``in_process_steps``."""
+    import tensorflow as tf
+    import tf_keras
+    from tag.backend.mwms import LEARNING_RATE, _synthetic_batch, keras_model
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.random.set_seed(0)
+    net = keras_model(model, tf_keras)
+    opt = tf_keras.optimizers.Adam(LEARNING_RATE, epsilon=1e-7)
+    x, y = _synthetic_batch(tf, model, batch, seed=1)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            logits = net(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        opt.apply_gradients(zip(tape.gradient(loss, net.trainable_variables), net.trainable_variables))
+        return loss
+
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        step().numpy()
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def child_steps(prefix: list[str], args, program: str = "graph") -> list[float]:
+    """Step times of ``in_process_steps`` (PROGRAM "graph") or ``keras_steps`` ("keras") run as a child process
+    behind PREFIX (taskset, or a testbed host)."""
+    cmd = prefix + [sys.executable, os.path.abspath(__file__), "--child", program, "--model", args.model,
                     "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=REPO))
@@ -92,10 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-servers", action="store_true",
                    help="start tag's TF servers afresh before every round's server mode (bench_e2e's default)")
     p.add_argument("--json", help="write the rounds and the summary here")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("graph", "keras"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps({"step_times": in_process_steps(args.model, args.batch, args.steps, args.warmup)}))
+        steps_of = in_process_steps if args.child == "graph" else keras_steps
+        print(json.dumps({"step_times": steps_of(args.model, args.batch, args.steps, args.warmup)}))
         return 0
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be positive, --warmup not negative")
@@ -156,7 +191,7 @@ def main(argv=None) -> int:
                                                    hosts=1)
                     else:
                         prefix = ["taskset", "-c", cpu] if mode == "bare" else tb.launch_prefix(0)
-                        times = child_steps(prefix, args)
+                        times = child_steps(prefix, args, "keras" if mode == "keras" else "graph")
                     medians[mode] = float(np.median(times))
                 throttled = {k: v - throttled_from.get(k, 0) for k, v in tb.cpu_stat(0).items()}
                 row = {"round": r, "median_s": medians, "load": list(os.getloadavg()),

@@ -8,7 +8,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
-from probe_host_drift import in_process_steps, main, spread  # noqa: E402
+from probe_host_drift import in_process_steps, keras_steps, main, spread  # noqa: E402
 
 
 def test_bad_profile_is_one_line_exit_2(tmp_path, capsys):
@@ -28,10 +28,19 @@ def test_bad_rounds_are_a_usage_error():
 def test_in_process_steps_and_the_child_mode(capsys):
     times = in_process_steps("mlp", 8, steps=2, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
-    assert main(["--child", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
+    assert main(["--child", "graph", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["step_times"]) == 2
     assert spread([2.0, 1.0, 1.5]) == 2.0
+
+
+def test_keras_steps_and_its_child_mode(capsys):
+    """The keras mode runs MWMS's tf_keras program without the strategy, one time per step asked for."""
+    times = keras_steps("mlp", 8, steps=3, warmup=1)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert main(["--child", "keras", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["step_times"]) == 2
 
 
 @pytest.mark.parametrize("modes", ["cgroup,gpu", "server,server", ""])
