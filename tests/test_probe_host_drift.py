@@ -25,22 +25,18 @@ def test_bad_rounds_are_a_usage_error():
     assert exc.value.code == 2
 
 
-def test_in_process_steps_and_the_child_mode(capsys):
-    times = in_process_steps("mlp", 8, steps=2, warmup=1)
+@pytest.mark.parametrize("program, steps_of", [("graph", in_process_steps), ("keras", keras_steps)])
+def test_each_program_and_its_child_mode(program, steps_of, capsys):
+    """graph: tag's TF1 step in one process; keras: MWMS's tf_keras program without the strategy."""
+    times = steps_of("mlp", 8, steps=2, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
-    assert main(["--child", "graph", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
+    assert main(["--child", program, "--model", "mlp", "--batch", "8", "--steps", "3", "--warmup", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["step_times"]) == 2
+    assert len(out["step_times"]) == 3
+
+
+def test_spread_is_largest_over_smallest():
     assert spread([2.0, 1.0, 1.5]) == 2.0
-
-
-def test_keras_steps_and_its_child_mode(capsys):
-    """The keras mode runs MWMS's tf_keras program without the strategy, one time per step asked for."""
-    times = keras_steps("mlp", 8, steps=3, warmup=1)
-    assert len(times) == 3 and all(t > 0 for t in times)
-    assert main(["--child", "keras", "--model", "mlp", "--batch", "8", "--steps", "2", "--warmup", "1"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["step_times"]) == 2
 
 
 @pytest.mark.parametrize("modes", ["cgroup,gpu", "server,server", ""])
