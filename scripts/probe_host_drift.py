@@ -71,8 +71,11 @@ def keras_steps(model: str, batch: int, steps: int, warmup: int) -> list[float]:
     import tensorflow as tf
     import tf_keras
     from tag.backend.mwms import LEARNING_RATE, _synthetic_batch, keras_model
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    except RuntimeError:  # TensorFlow already ran in this process (a test): its threads stay as they are
+        pass
     tf.random.set_seed(0)
     net = keras_model(model, tf_keras)
     opt = tf_keras.optimizers.Adam(LEARNING_RATE, epsilon=1e-7)
