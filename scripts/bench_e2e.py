@@ -32,6 +32,9 @@ average beside each row and the share of CPU time the VM's host stole during the
   its pair with MWMS on one host came out 0.89-1.11 over runs 37-45, while timed alone in fresh servers against
   MWMS in the same rounds (``scripts/probe_host_drift.py --modes server,mwms``) it ran 552 against 552 ms and
   357 against 354 (the transformer and the VGG-style CNN at 384, medians of six rounds each, on December 3).
+  A program on one device (dp on one host, a uniform action there) runs as a process of its own on its host,
+  no server in between, as ``tag-deploy`` runs it (``tag.backend.runtime.measure.run_on``; run 55 on): through
+  its server the transformer's one-device step ran 586 ms against 557 in a process of its own (run 54's probe).
 
 Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
@@ -91,7 +94,7 @@ import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
 from tag.backend.mwms import tf1_graph  # noqa: E402
-from tag.backend.runtime import run_steps  # noqa: E402
+from tag.backend.runtime.measure import run_on  # noqa: E402
 from tag.backend.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
@@ -244,8 +247,8 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
                 restart_servers()
             x = runnables[k]
             n = steps_in("tag", k, samples[k], r)
-            res = run_steps(x.graph_def, tb.target, train_op=x.train_op, loss=x.loss, init=x.init,
-                            steps=warmup + n, warmup=warmup, synthetic=True)
+            res = run_on(tb, x.graph_def, train_op=x.train_op, loss=x.loss, init=x.init, steps=warmup + n,
+                         warmup=warmup)
             samples[k] += list(res.step_times[warmup:])
 
     for r in range(rounds):

@@ -19,7 +19,10 @@ batches, ops as TensorFlow schedules them):
   (``bench_e2e.run_mwms``; the tf_keras model and a ``tf.function`` step);
 - ``keras``: MWMS's program without the strategy, in the host's cgroup as ``cgroup``: the same tf_keras model,
   Adam and ``tf.function`` step in one process. Beside ``cgroup`` it says whether the two programs differ, beside
-  ``mwms`` what the strategy adds.
+  ``mwms`` what the strategy adds;
+- ``alone``: tag's rewritten one-host program as bench_e2e and ``tag-deploy`` run it since December 4: a process
+  of its own on the host, started as its worker is, with no server in between
+  (``tag.backend.runtime.one_device``; ``measure.run_on``). Beside ``server`` it says what the server cost.
 
 Why ``mwms``: bench_e2e's tag-on-one-host over MWMS-on-one-host ratio came out 0.89-1.11 over its runs 37-45,
 in both directions, for different models in one run. Timing both with ``bare`` and ``cgroup`` in the same
@@ -32,6 +35,7 @@ Usage (needs root, as the testbed does)::
     python scripts/probe_host_drift.py --model vgg --batch 384 --profile P
     python scripts/probe_host_drift.py --model vgg --batch 384 --modes cgroup,server,mwms --fresh-servers --rounds 6
     python scripts/probe_host_drift.py --model transformer --batch 384 --modes cgroup,keras,server,mwms --fresh-servers
+    python scripts/probe_host_drift.py --model transformer --batch 384 --modes alone,cgroup,server,mwms --fresh-servers
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 DEFAULT_PROFILE = "docs/measured/issue22-e2e/e2e_g3_amd_run39.profile.json"
-MODES = ("bare", "cgroup", "server", "mwms", "keras")
+MODES = ("bare", "cgroup", "server", "mwms", "keras", "alone")
 CHILD_TIMEOUT_S = 900
 
 
@@ -157,6 +161,7 @@ def main(argv=None) -> int:
     from tag.api import prepare
     from tag.backend.mwms import tf1_graph
     from tag.backend.runtime import run_steps
+    from tag.backend.runtime.measure import run_on
     from tag.backend.testbed import Testbed
     recipe = bench_e2e.config_recipe(load_recipe(), profile, 25.0)
     cfg = recipe["configs"][bench_e2e.GPU_CONFIG]
@@ -188,6 +193,10 @@ def main(argv=None) -> int:
                         res = run_steps(program.graph_def, tb.target, train_op=program.train_op, loss=program.loss,
                                         init=program.init, steps=args.warmup + args.steps, warmup=args.warmup,
                                         synthetic=True)
+                        times = res.step_times[args.warmup:]
+                    elif mode == "alone":
+                        res = run_on(tb, program.graph_def, train_op=program.train_op, loss=program.loss,
+                                     init=program.init, steps=args.warmup + args.steps, warmup=args.warmup)
                         times = res.step_times[args.warmup:]
                     elif mode == "mwms":
                         times = bench_e2e.run_mwms(tb, args.model, args.batch, args.warmup + args.steps, args.warmup,

@@ -415,12 +415,15 @@ def best_uniform_of(analysis: Any) -> tuple["Strategy", float, bool]:
 
 def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str | None] | None = None,
                      step_timeout_s: float | None = 600.0,
-                     progress: Callable[[str, Any], None] | None = None) -> MeasureFn:
+                     progress: Callable[[str, Any], None] | None = None,
+                     one_device: Callable[..., Any] | None = None) -> MeasureFn:
     """A ``tune`` MEASURE that runs a candidate on the cluster at TARGET: its graph rewritten once
     (``analysis.rewrite``), then ``run_steps`` on synthetic batches, guarded (WATCHDOG names a dead worker;
-    no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step."""
+    no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step. ONE_DEVICE (a local
+    cluster's ``run_one_device``): a candidate on one device runs with it, as the deployment would run it."""
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.guard import RunControl
+    from tag.backend.runtime.one_device import runs_alone
     rewritten: dict[str, Any] = {}
 
     def measure(candidate: Candidate, steps: int, warmup: int) -> list[float]:
@@ -431,9 +434,10 @@ def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str |
                              watchdog=watchdog)
         if progress is not None:
             control.progress = lambda ev: progress(candidate.name, ev)
-        r = run_steps(rr.graph_def, target, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
-                      warmup=warmup, synthetic=True, control=control)
-        return r.step_times
+        run = dict(train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps, warmup=warmup, control=control)
+        if one_device is not None and runs_alone(rr.graph_def, control):
+            return one_device(rr.graph_def, **run).step_times
+        return run_steps(rr.graph_def, target, synthetic=True, **run).step_times
 
     return measure
 
@@ -445,9 +449,10 @@ def tune_plan(plan: "Plan", target: Any, *, k: int | None = None, rounds: int = 
     one measured fastest as a Plan whose report has the ``tune`` keys and whose notes say what was kept.
 
     TARGET: a session target ("grpc://host:port"), an object with ``.target`` (``LocalCluster``, a running
-    ``Testbed``, ``tag.backend.runtime.measure.open_cluster``'s cluster; its watchdog is used), or a
-    ``Topology`` (its cluster is opened for the measurement: local workers for loopback hosts, else every
-    host's ``tag-worker`` must answer)."""
+    ``Testbed``, ``tag.backend.runtime.measure.open_cluster``'s cluster; its watchdog is used, and a candidate on
+    one device runs as a process of its own on its host, as a deployment runs it), or a ``Topology`` (its
+    cluster is opened for the measurement: local workers for loopback hosts, else every host's ``tag-worker``
+    must answer)."""
     from tag.cluster.topology import Topology
     k = check_k(k)
     chosen = choose(plan_candidates(plan), k)
@@ -455,9 +460,10 @@ def tune_plan(plan: "Plan", target: Any, *, k: int | None = None, rounds: int = 
         from tag.backend.runtime.measure import open_cluster
         with open_cluster(target) as cluster:
             return tune_plan(plan, cluster, k=len(chosen), rounds=rounds, steps=steps, warmup=warmup, say=say)
+    from tag.backend.runtime.measure import one_device_runner
     address, watchdog = _target_and_watchdog(target)
-    result = tune(chosen, candidate_runner(plan.analysis, address, watchdog=watchdog), rounds=rounds,
-                  steps=steps, warmup=warmup, say=say)
+    measure = candidate_runner(plan.analysis, address, watchdog=watchdog, one_device=one_device_runner(target))
+    result = tune(chosen, measure, rounds=rounds, steps=steps, warmup=warmup, say=say)
     fields = tune_fields(result)
     return kept_plan(plan, result.kept.candidate, fields)
 

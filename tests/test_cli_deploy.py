@@ -179,6 +179,22 @@ def test_run_measures_plan_and_baseline_on_local_workers(tmp_path, capsys):
     assert "measured speedup vs dp_allreduce" in out
 
 
+@pytest.mark.slow
+def test_run_of_a_one_device_plan_needs_no_server_and_checkpoints(tmp_path, capsys):
+    """--run of a plan on one device: a process of its own on its host (no server), checkpoints written there."""
+    from tag.backend.runtime.checkpoint import read_checkpoint_meta
+    report, ckpt = tmp_path / "r.json", tmp_path / "ckpt"
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", "zoo:mlp,input_dim=32,hidden=64", "--batch", "12",
+                         "--strategy", "single", "--run", "--steps", "4", "--checkpoint-every", "2",
+                         "--checkpoint-dir", str(ckpt), "--report", str(report)], capsys)
+    assert rc == 0, err
+    assert "single: connecting to an in-process session" in err          # the plan: no server
+    assert "dp_allreduce: connecting to grpc://" in err                    # the baseline: through the servers
+    r = json.loads(report.read_text())
+    assert len(r["measured_losses"]) == 4 and all(np.isfinite(r["measured_losses"]))
+    assert read_checkpoint_meta(r["checkpoint"])["step"] == 4
+
+
 # ------------------------------------------------------------------------------------------------
 # the search: tag-deploy without --strategy
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ One module per concern:
 - ``input_pipeline``: a ``tf.data`` pipeline on every worker host that reads the training data there;
 - ``training``: ``train_graph``, the training loop behind ``tag.train`` (data sets, evaluation, curves);
 - ``measure``: rewrite and time strategies on a topology's cluster, one start for several measurements
-  (``open_cluster``; ``tag-deploy --run``).
+  (``open_cluster``; ``tag-deploy --run``), a one-device plan with no server (``run_on``);
+- ``one_device``: a plan placed on one device run as a process of its own on its host, as a user runs it.
 
 Example::
 

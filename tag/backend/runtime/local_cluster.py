@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import tag
 from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, host_has_gpu
@@ -34,6 +34,7 @@ from tag.backend.runtime.ports import is_loopback, port_bindable, port_listening
 from tag.backend.runtime.server import READY_WORD
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.backend.runtime.steps import RunResult
     from tag.cluster.topology import Host, Topology
 
 WORKER_MODULE = "tag.cli.worker"          # run as ``sys.executable -m WORKER_MODULE``
@@ -124,10 +125,10 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, host: "Host") -> _Worker:
+    def _host_env(self, host: "Host") -> dict[str, str]:
+        """The environment of a process on HOST: no GPUs where the topology declares none, this tag package."""
         env = dict(os.environ)
         env.update(self.extra_env)
-        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": JOB, "index": host.task_index}})
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env["PYTHONUNBUFFERED"] = "1"
         if not host_has_gpu(self.topology, host.name):
@@ -135,6 +136,11 @@ class LocalCluster:
         # Make the child import this same tag package even when it is not installed.
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(tag.__file__)))
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def _spawn(self, host: "Host") -> _Worker:
+        env = self._host_env(host)
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": JOB, "index": host.task_index}})
         cmd = [sys.executable, "-m", WORKER_MODULE, "--threads", str(self.threads_per_worker),
                "--parent-pid", str(os.getpid())]
         if self.inter_threads_per_worker is not None:
@@ -212,6 +218,24 @@ class LocalCluster:
             if self._logdir is not None:
                 self._logdir.cleanup()
                 self._logdir = None
+
+    def run_one_device(self, graph_def: Any, **run: Any) -> "RunResult":
+        """Run GRAPH_DEF, placed on one device, as a process of its own on that device's host
+        (``tag.backend.runtime.one_device``): started as the host's worker is (launcher, environment) with the
+        worker's threads, no server in between. RUN: ``run_one_device``'s keywords (steps, warmup, control...)."""
+        from tag.backend.runtime.one_device import device_task, run_one_device, single_device
+        device = single_device(graph_def)
+        if device is None:
+            raise ClusterError("run_one_device needs a graph placed on one device")
+        task = device_task(device)
+        host = next((h for h in self.topology.hosts if h.task_index == task), None)
+        if host is None:
+            raise ClusterError(f"the graph is placed on task {task}, which topology {self.topology.name!r} "
+                               f"does not have")
+        prefix = list(self.launcher(host)) if self.launcher is not None else []
+        return run_one_device(graph_def, threads=self.threads_per_worker,
+                              inter_threads=self.inter_threads_per_worker, prefix=prefix,
+                              env=self._host_env(host), **run)
 
     def dead_worker(self) -> str | None:
         """A one-line message naming the first worker process that has exited, or None while all live.

@@ -5,7 +5,9 @@ on exit, error or Ctrl-C); otherwise every host's ``tag-worker`` must already be
 answer within 30 s, ``wait_for_hosts``) and the client connects to task 0. Every run is guarded
 (``tag.backend.runtime.guard``): a worker that dies is reported by host name, a step never blocks past
 its deadline. Inputs are synthetic batches stored on the devices, so the time is the
-training step alone. ``tag-deploy --run`` uses this.
+training step alone. A plan placed on one device runs as a process of its own on its host where the
+cluster can start one there (local workers: ``tag.backend.runtime.one_device``), with no TF server in
+between, as a user would run it (``run_on``). ``tag-deploy --run`` uses this.
 
 Example::
 
@@ -39,10 +41,33 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A cluster ready for runs: its session target and the watchdog naming a dead worker or host."""
+    """A cluster ready for runs: its session target, the watchdog naming a dead worker or host, and (local
+    workers) ``LocalCluster.run_one_device``, which runs a one-device graph on its host with no server."""
 
     target: str
     watchdog: Callable[[], str | None]
+    one_device: Callable[..., RunResult] | None = None
+
+
+def run_on(cluster: Any, graph_def: Any, *, control: RunControl | None = None, **run: Any) -> RunResult:
+    """``run_steps`` of GRAPH_DEF on synthetic batches on CLUSTER (a ``Cluster``, ``LocalCluster`` or running
+    ``Testbed``): a graph placed on one device as a process of its own on its host when the cluster can start one
+    (``one_device``), else through the cluster's servers. RUN: train_op, loss, init, steps, warmup."""
+    from tag.backend.runtime.one_device import runs_alone
+    one_device = one_device_runner(cluster)
+    if one_device is not None and runs_alone(graph_def, control):
+        return one_device(graph_def, control=control, **run)
+    return run_steps(graph_def, cluster.target, synthetic=True, control=control, **run)
+
+
+def one_device_runner(cluster: Any) -> Callable[..., RunResult] | None:
+    """CLUSTER's way to run a one-device graph on its host (``LocalCluster.run_one_device``), or None (remote
+    hosts, a bare session target)."""
+    for obj in (cluster, getattr(cluster, "cluster", None)):
+        fn = getattr(obj, "one_device", None) or getattr(obj, "run_one_device", None)
+        if callable(fn):
+            return fn
+    return None
 
 
 @contextlib.contextmanager
@@ -54,7 +79,7 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
     if all(is_loopback(h.address) for h in topology.hosts):
         say(f"starting {len(topology.hosts)} local TF workers")
         with LocalCluster(topology) as local:
-            yield Cluster(local.target, local.dead_worker)
+            yield Cluster(local.target, local.dead_worker, local.run_one_device)
         return
     say(f"checking that the {len(topology.hosts)} hosts answer")
     wait_for_hosts(topology.hosts, timeout_s=host_timeout_s)
@@ -100,8 +125,8 @@ def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topolo
             if progress is not None:
                 ctl.progress = (lambda n: (lambda ev: progress(n, ev)))(name)
             n = int((steps_of or {}).get(name, steps))
-            out[name] = run_steps(plan.graph_def, on.target, train_op=plan.train_op, loss=plan.loss,
-                                  init=plan.init, steps=n, warmup=min(warmup, n - 1), synthetic=True, control=ctl)
+            out[name] = run_on(on, plan.graph_def, train_op=plan.train_op, loss=plan.loss, init=plan.init,
+                               steps=n, warmup=min(warmup, n - 1), control=ctl)
         return out
 
     if cluster is not None:

@@ -23,6 +23,14 @@ READY_WORD = "ready"
 MIN_INTER_THREADS = 2    # default inter-op threads of a server given intra-op threads (serve)
 
 
+def inter_threads_for(threads: int, inter_threads: int | None = None) -> int:
+    """Inter-op threads of a process given THREADS intra-op threads: INTER_THREADS when given, else as many as
+    THREADS and at least MIN_INTER_THREADS (0 stays 0: TensorFlow's default). See ``serve`` for why."""
+    if inter_threads is not None:
+        return int(inter_threads)
+    return max(threads, MIN_INTER_THREADS) if threads > 0 else 0
+
+
 def serve(cluster: dict[str, list[str]], job: str, index: int, *, label: str, threads: int = 0,
           inter_threads: int | None = None, has_gpu: bool = True, parent_pid: int | None = None) -> int:
     """Run task INDEX of JOB in CLUSTER until SIGTERM/SIGINT (or until PARENT_PID is no longer our parent).
@@ -38,8 +46,7 @@ def serve(cluster: dict[str, list[str]], job: str, index: int, *, label: str, th
         # A CPU-only host: keep TF from probing (and reserving) GPUs that the topology does not declare.
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     tf = import_tf()
-    inter = (max(threads, MIN_INTER_THREADS) if threads > 0 else 0) if inter_threads is None else inter_threads
-    config = session_config(intra_op_threads=threads, inter_op_threads=inter)
+    config = session_config(intra_op_threads=threads, inter_op_threads=inter_threads_for(threads, inter_threads))
     stop = threading.Event()
 
     def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
