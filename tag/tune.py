@@ -421,9 +421,9 @@ def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str |
     (``analysis.rewrite``), then ``run_steps`` on synthetic batches, guarded (WATCHDOG names a dead worker;
     no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step. ONE_DEVICE (a local
     cluster's ``run_one_device``): a candidate on one device runs with it, as the deployment would run it."""
-    from tag.backend.runtime import run_steps
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.runtime.one_device import runs_alone
+    from tag.backend.runtime.measure import Cluster, run_on
+    cluster = Cluster(target, watchdog, one_device)
     rewritten: dict[str, Any] = {}
 
     def measure(candidate: Candidate, steps: int, warmup: int) -> list[float]:
@@ -434,10 +434,8 @@ def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str |
                              watchdog=watchdog)
         if progress is not None:
             control.progress = lambda ev: progress(candidate.name, ev)
-        run = dict(train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps, warmup=warmup, control=control)
-        if one_device is not None and runs_alone(rr.graph_def, control):
-            return one_device(rr.graph_def, **run).step_times
-        return run_steps(rr.graph_def, target, synthetic=True, **run).step_times
+        return run_on(cluster, rr.graph_def, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
+                      warmup=warmup, control=control).step_times
 
     return measure
 
