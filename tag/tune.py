@@ -413,17 +413,17 @@ def best_uniform_of(analysis: Any) -> tuple["Strategy", float, bool]:
     return env.strategy(choice, name=BEST_UNIFORM), float(outcome.step_time), bool(outcome.feasible)
 
 
-def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str | None] | None = None,
-                     step_timeout_s: float | None = 600.0,
-                     progress: Callable[[str, Any], None] | None = None,
-                     one_device: Callable[..., Any] | None = None) -> MeasureFn:
-    """A ``tune`` MEASURE that runs a candidate on the cluster at TARGET: its graph rewritten once
-    (``analysis.rewrite``), then ``run_steps`` on synthetic batches, guarded (WATCHDOG names a dead worker;
-    no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step. ONE_DEVICE (a local
-    cluster's ``run_one_device``): a candidate on one device runs with it, as the deployment would run it."""
+def candidate_runner(analysis: Any, cluster: Any, *, step_timeout_s: float | None = 600.0,
+                     progress: Callable[[str, Any], None] | None = None) -> MeasureFn:
+    """A ``tune`` MEASURE that runs a candidate on CLUSTER (a session target "grpc://host:port", or a running
+    cluster: ``open_cluster``'s, a ``LocalCluster``, a ``Testbed``): its graph rewritten once (``analysis.rewrite``),
+    then run on synthetic batches by ``measure.run_on`` (a candidate on one device as a process of its own on its
+    host where the cluster can start one, as a deployment runs it), guarded (the cluster's watchdog names a dead
+    worker; no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step."""
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.runtime.measure import Cluster, run_on
-    cluster = Cluster(target, watchdog, one_device)
+    from tag.backend.runtime.measure import Cluster, one_device_runner, run_on
+    address, watchdog = _target_and_watchdog(cluster)
+    on = Cluster(address, watchdog, one_device_runner(cluster))
     rewritten: dict[str, Any] = {}
 
     def measure(candidate: Candidate, steps: int, warmup: int) -> list[float]:
@@ -434,7 +434,7 @@ def candidate_runner(analysis: Any, target: str, *, watchdog: Callable[[], str |
                              watchdog=watchdog)
         if progress is not None:
             control.progress = lambda ev: progress(candidate.name, ev)
-        return run_on(cluster, rr.graph_def, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
+        return run_on(on, rr.graph_def, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
                       warmup=warmup, control=control).step_times
 
     return measure
@@ -458,10 +458,8 @@ def tune_plan(plan: "Plan", target: Any, *, k: int | None = None, rounds: int = 
         from tag.backend.runtime.measure import open_cluster
         with open_cluster(target) as cluster:
             return tune_plan(plan, cluster, k=len(chosen), rounds=rounds, steps=steps, warmup=warmup, say=say)
-    from tag.backend.runtime.measure import one_device_runner
-    address, watchdog = _target_and_watchdog(target)
-    measure = candidate_runner(plan.analysis, address, watchdog=watchdog, one_device=one_device_runner(target))
-    result = tune(chosen, measure, rounds=rounds, steps=steps, warmup=warmup, say=say)
+    result = tune(chosen, candidate_runner(plan.analysis, target), rounds=rounds, steps=steps, warmup=warmup,
+                  say=say)
     fields = tune_fields(result)
     return kept_plan(plan, result.kept.candidate, fields)
 

@@ -198,8 +198,7 @@ def _tuned(args: argparse.Namespace, analysis: Any, cluster: Any, name: str, str
     chosen = choose(analysis_candidates(analysis, name, strategy, report, searched), tune_k(args))
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(f"{PROG}: tune: measuring {len(chosen)} candidates: {', '.join(c.name for c in chosen)}")
-    measure = candidate_runner(analysis, cluster.target, watchdog=cluster.watchdog, step_timeout_s=args.step_timeout,
-                               one_device=cluster.one_device)
+    measure = candidate_runner(analysis, cluster, step_timeout_s=args.step_timeout)
     result = tune(chosen, measure, say=lambda text: say(f"{PROG}: tune: {text}"))
     fields = tune_fields(result)
     for line in format_tune(fields):
