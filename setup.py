@@ -44,7 +44,7 @@ setup(
     name="tag",
     version="0.1.0",
     description="Topology-aware distributed-training compiler for TensorFlow",
-    packages=find_packages(include=["tag", "tag.*"]),
+    packages=find_packages(include=["tag", "tag.*", "tag_bench", "tag_bench.*"]),
     python_requires=">=3.11",
     install_requires=[
         # tf-keras (below) requires the `tensorflow` distribution itself, so we pin that one rather than

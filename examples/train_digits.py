@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                                checkpoint_dir=args.checkpoint_dir, target=target, seed=SEED)
 
     if args.testbed:
-        from tag.backend.testbed import Testbed
+        from tag_bench.testbed import Testbed
         with Testbed(topo, cpu_quota=QUOTAS) as tb:
             target = tb.start_workers(threads_per_worker=1)
             plan, results["tag"] = run_tag(tb.topology, target)

@@ -17,7 +17,7 @@ def write_json(path: str | None, obj, indent: int = 1) -> None:
 def testbed_missing(prog: str) -> bool:
     """True (after saying why on stderr) when the network-namespace testbed cannot run here."""
     import sys
-    from tag.backend.testbed import testbed_available
+    from tag_bench.testbed import testbed_available
     ok, why = testbed_available()
     if not ok:
         print(f"{prog}: the testbed is not available here: {why}", file=sys.stderr)

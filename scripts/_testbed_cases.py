@@ -60,9 +60,9 @@ def all_quotas(recipe: dict, configs=None) -> list[float]:
 
 def calibration_graph(spec: str, batch: int):
     """The training GraphDef of a recipe model SPEC: ``mwms:NAME[,width=W][,depth=D][,vocab=V]``
-    (``tag.backend.mwms.tf1_graph``) or a ``tag.zoo`` spec."""
+    (``tag_bench.mwms.tf1_graph``) or a ``tag.zoo`` spec."""
     if spec.startswith("mwms:"):
-        from tag.backend.mwms import tf1_graph
+        from tag_bench.mwms import tf1_graph
         name, *opts = spec[len("mwms:"):].split(",")
         knobs = {k: int(v) for k, v in (o.split("=", 1) for o in opts)}
         unknown = set(knobs) - {"width", "depth", "vocab"}
@@ -492,7 +492,7 @@ def _no_faster(loaded, alone):
 
 def model_file(spec: str, batch: int, workdir: str) -> str:
     """A ``tag-profile --model`` argument for SPEC: zoo specs as they are; ``mwms:NAME[,width=W]`` written as a
-    GraphDef file (``tag.backend.mwms.tf1_graph``) into WORKDIR."""
+    GraphDef file (``tag_bench.mwms.tf1_graph``) into WORKDIR."""
     if not spec.startswith("mwms:"):
         return spec
     path = os.path.join(workdir, spec[len("mwms:"):].replace(",", "-").replace("=", "") + ".pb")
@@ -535,7 +535,7 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
     median (``rounds_disagree``), more rounds run, up to ``share_rounds_max`` in all: bench_pipeline run 26's two
     rounds put the full core at 0.93 and 1.26 of its traced step, and the median of two is their mean."""
     import numpy as np
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.cluster.topology import parse_topology
     from tag.cost.calibration import profile_network
     from tag.cost.model import Profile

@@ -88,8 +88,8 @@ def measured_rows(profile_path: str, case_names: list[str], seconds: float, roun
     from _testbed_cases import load_recipe, measure_interleaved, testbed_topology
     from bench_e2e import CASES, config_recipe
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
-    from tag.backend.testbed import Testbed
+    from tag_bench.mwms import tf1_graph
+    from tag_bench.testbed import Testbed
     from tag.cost.model import Profile
     from tag.search.buckets import choose_bucket_bytes
     profile = Profile.load(profile_path)

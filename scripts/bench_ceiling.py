@@ -35,9 +35,9 @@ from _common import testbed_missing, write_json  # noqa: E402
 from _testbed_cases import load_recipe, testbed_topology  # noqa: E402
 from bench_e2e import CASES, GPU_CONFIG, GPU_QUOTAS, config_recipe, geomean, git_commit  # noqa: E402
 from tag.api import prepare  # noqa: E402
-from tag.backend.mwms import tf1_graph  # noqa: E402
+from tag_bench.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
 from tag.strategy.types import batch_shares  # noqa: E402

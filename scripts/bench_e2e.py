@@ -1,7 +1,7 @@
 """End-to-end: tag's plan against the best a user can do with tf.distribute, on heterogeneous testbeds.
 
 For every (testbed configuration, case), in one run and on the same testbed (network namespaces, HTB-shaped
-links with one shared egress per NIC, CFS CPU quotas per host; ``tag.backend.testbed``), each figure the
+links with one shared egress per NIC, CFS CPU quotas per host; ``tag_bench.testbed``), each figure the
 median of at least 10 timed steps after warm-up (``--steps``/``--warmup``; a cheap step gets more, 20 s worth
 and at most 45: ``MIN_TIMED_S``, ``MAX_TIMED_STEPS``; every worker one intra-op thread), the 1-minute load
 average beside each row and the share of CPU time the VM's host stole during the row (``steal``, from
@@ -9,7 +9,7 @@ average beside each row and the share of CPU time the VM's host stole during the
 
 - ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (RING collectives; the same tf_keras architecture,
   global batch and Adam; a ``tf.function`` step with ``strategy.run``; one worker per host with TF_CONFIG;
-  ``tag.backend.mwms``) on every prefix of the hosts ordered fastest first (1, 2, ... all hosts: what a user
+  ``tag_bench.mwms``) on every prefix of the hosts ordered fastest first (1, 2, ... all hosts: what a user
   with one fast and some slow machines would try by listing fewer workers). The best is ``mwms_best_s``
   (on ``mwms_best_hosts``), the all-hosts time is ``mwms_all_s``;
 - ``uniform``: tag's best uniform action (one candidate action for every op group, the simulator's pick),
@@ -93,9 +93,9 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
-from tag.backend.mwms import tf1_graph  # noqa: E402
+from tag_bench.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime.measure import run_on  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
@@ -104,7 +104,7 @@ from _common import cpu_times, git_commit, steal_fraction, steal_text  # noqa: E
 from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
     split_steps, testbed_topology  # noqa: E402
 
-# (label, tag.backend.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
+# (label, tag_bench.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
 # vgg, deep-mlp and deep-transformer at bench_pipeline's sizes with --batch-scale 4 (that bench's CASES says how
 # they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
 # mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
@@ -156,21 +156,21 @@ def timed_steps_after_first_round(first_round: list[float], timed: int, min_time
 
 
 def mwms_model_args(width: int | None, depth: int | None) -> tuple[str, ...]:
-    """``tag.backend.mwms`` options for a case's WIDTH and DEPTH (those given)."""
+    """``tag_bench.mwms`` options for a case's WIDTH and DEPTH (those given)."""
     return tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
 
 
 def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
              model_args: tuple[str, ...] = ()) -> list[float]:
     """The timed step times (after WARMUP of STEPS) of the MWMS anchor, one worker per testbed host (the first
-    HOSTS hosts when given; MODEL_ARGS: more ``tag.backend.mwms`` options, such as ``--width``)."""
+    HOSTS hosts when given; MODEL_ARGS: more ``tag_bench.mwms`` options, such as ``--width``)."""
     n = len(tb.topology.hosts) if hosts is None else int(hosts)
     workers = [f"{tb.address(i)}:{MWMS_PORT + i}" for i in range(n)]
     procs = []
     for i in range(n):
         env = dict(os.environ, PYTHONPATH=REPO,
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
-        procs.append(subprocess.Popen(tb.launch_prefix(i) + [sys.executable, "-m", "tag.backend.mwms", "--model",
+        procs.append(subprocess.Popen(tb.launch_prefix(i) + [sys.executable, "-m", "tag_bench.mwms", "--model",
                                                              model, "--batch", str(batch), "--steps", str(steps),
                                                              *model_args],
                                       env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

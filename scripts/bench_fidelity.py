@@ -12,7 +12,7 @@ with its class:
   keeps, when it is none of the group's other cases (a strategy it keeps that is one of them counts with
   that case's measurement).
 
-The testbed (``tag.backend.testbed``): three hosts in network namespaces with CPU quotas (CFS) and shaped links
+The testbed (``tag_bench.testbed``): three hosts in network namespaces with CPU quotas (CFS) and shaped links
 (each NIC one shared HTB egress), configurations and calibration from ``scripts/testbed_recipe.json``
 (``_testbed_cases.py``). The prediction uses one profile per run: ``tag-profile --sustained`` on the recipe's
 calibration models (which share no layer width with the cases) inside each quota's cgroup, plus the
@@ -74,7 +74,7 @@ from _fidelity_figures import (HELDOUT_GAP, TARGETS, case_class, check_targets, 
 from _testbed_cases import (calibrate_testbed, calibration_graph, heldout, load_recipe, measure_interleaved,  # noqa: E402
                             measure_on_testbed, runtime_levels, testbed_topology)
 from tag.api import prepare, search_plan  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.random_search import random_choice  # noqa: E402
 from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement  # noqa: E402

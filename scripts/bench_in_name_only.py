@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 from bench_fidelity import MODELS, git_commit  # noqa: E402
 from _testbed_cases import calibration_graph, load_recipe, measure_interleaved  # noqa: E402
 from tag.api import prepare, search_plan  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search import SearchEnv  # noqa: E402

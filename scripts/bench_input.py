@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     if args.testbed:
-        from tag.backend.testbed import Testbed
+        from tag_bench.testbed import Testbed
         with Testbed(topo) as tb:
             target = tb.start_workers(threads_per_worker=1)
             plan = measure(tb.topology, target, tb.cluster.dead_worker)

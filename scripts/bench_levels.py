@@ -34,7 +34,7 @@ from bench_fidelity import git_commit  # noqa: E402
 from _testbed_cases import (calibrate_testbed, calibration_graph, first_group_per_type, load_recipe,  # noqa: E402
                             measure_on_testbed, levelled, one_host_split, runtime_levels, testbed_topology)
 from tag.api import prepare  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.fitting import LEVEL_GROUPINGS, fit_levels  # noqa: E402
 from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.cost.op_classes import FAMILIES  # noqa: E402

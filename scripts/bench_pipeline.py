@@ -1,7 +1,7 @@
 """Pipelines measured: tag's pipelined plan vs its best uniform action vs tf.distribute, on a testbed whose
 links carry what a GPU cluster's do per FLOP.
 
-The testbed (``tag.backend.testbed``): three hosts in network namespaces with CFS CPU quotas ``QUOTAS``
+The testbed (``tag_bench.testbed``): three hosts in network namespaces with CFS CPU quotas ``QUOTAS``
 (one fast host, two half-speed ones: every host has to be used to go faster than the fast one) and one
 shaped link rate between every pair. How the links are sized: a V100 sustains about 15 TFLOP/s
 (``GPU_FLOPS``) and a GPU cluster's hosts talk over 10-25 Gbit/s Ethernet, so a GPU cluster moves
@@ -38,7 +38,7 @@ intra-op thread):
   below them, so a stage may be replicated on another device set or mode than the DP gave it; the row's
   ``pipeline_source`` says which, ``predicted_pipeline_dp_s`` keeps the DP's prediction);
 - ``uniform``: tag's best uniform action (``tag.search.best_uniform``: one candidate action for every op group);
-- ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``tag.backend.mwms``, the same tf_keras
+- ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (``tag_bench.mwms``, the same tf_keras
   architecture, batch and Adam) on every prefix of the hosts, fastest first, the best kept; its prediction is
   tag's simulation of ``dp_allreduce`` on the same hosts. A host set predicted over ``SKIP_FACTOR`` times
   slower than MWMS measured on one host is not run (all-reducing every weight over these links takes tens
@@ -100,8 +100,8 @@ from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_
     testbed_topology  # noqa: E402
 from bench_e2e import geomean, mwms_model_args, run_mwms  # noqa: E402
 from tag.api import prepare  # noqa: E402
-from tag.backend.mwms import tf1_graph  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.mwms import tf1_graph  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.driver import best_uniform, search  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
@@ -112,7 +112,7 @@ from tag.tune import BEST_UNIFORM, candidate_runner, choose, distinct_candidates
 
 GPU_FLOPS = 15e12            # a V100's sustained fp32/tensor-core mix, FLOP/s
 QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
-# (label, tag.backend.mwms model, width, depth, global batch: divisible by 1, 2 and 3 hosts for MWMS)
+# (label, tag_bench.mwms model, width, depth, global batch: divisible by 1, 2 and 3 hosts for MWMS)
 # Sized so that using every host must pay (the issue's condition), by the simulator on a saved calibration
 # before any of them was measured: a micro-batch must be large enough that its MatMuls run near the CPU's
 # full rate (one intra-op thread: 2048 x 2048 MatMuls at 77 GFLOP/s for 48 rows, 99 for 192, 104 for 384)
@@ -131,7 +131,7 @@ QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 CASES = [
     ("deep-mlp", "mlp", 2048, 20, 1536),
     ("transformer", "transformer", 384, 8, 96),
-    # a VGG-style CNN with a large fully connected head (tag.backend.mwms "vgg": 97% of the weights in the
+    # a VGG-style CNN with a large fully connected head (tag_bench.mwms "vgg": 97% of the weights in the
     # head, ~80% of the FLOPs in the convolutions): the convolutions want every host, the head one host
     ("vgg", "vgg", None, None, 384),
 ]
@@ -292,7 +292,7 @@ def micro_batch_rounding(model: str, batch: int, width: int | None, depth: int |
     import tensorflow as tf
     import tf_keras
     from helpers import zero_gradient_variables
-    from tag.backend.mwms import input_spec, keras_model
+    from tag_bench.mwms import input_spec, keras_model
     tf.random.set_seed(seed)
     net = keras_model(model, tf_keras, width=width, depth=depth)
     shape, dtype = input_spec(model)

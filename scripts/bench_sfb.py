@@ -8,7 +8,7 @@ Three parts:
      on three in-process TF servers (uneven batch shares), with and without SFB: the largest relative
      difference of any weight copy;
   3. measured: an FC-heavy MLP on the network-namespace testbed (two one-core hosts behind a slow
-     shaped link, ``tag.backend.testbed``), dp_allreduce with and without the selected SFB gradients;
+     shaped link, ``tag_bench.testbed``), dp_allreduce with and without the selected SFB gradients;
      median step times with the load averages of this (shared) machine beside them. Needs root.
 
 Usage::
@@ -169,7 +169,7 @@ def two_host_topology(bandwidth_gbps: float) -> str:
 
 def measured_rows(steps: int) -> list[dict]:
     """dp_allreduce with and without the selected SFB gradients on the testbed behind a slow link."""
-    from tag.backend.testbed import Testbed, testbed_available
+    from tag_bench.testbed import Testbed, testbed_available
     ok, why = testbed_available()
     if not ok:
         print(f"measured: skipped, the testbed is not available here: {why}", flush=True)

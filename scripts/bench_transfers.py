@@ -1,7 +1,7 @@
 """What a training step pays for cross-host tensors and for a replica's slice of the batch, measured on the
 testbed and printed beside the simulator's model of the same pattern.
 
-Three measurements, each on a running testbed (``tag.backend.testbed``: hosts in network namespaces, CFS CPU
+Three measurements, each on a running testbed (``tag_bench.testbed``: hosts in network namespaces, CFS CPU
 quotas, shaped links), every figure the median of the timed steps, the load average beside each row:
 
 1. ``transfers``: N tensors of S bytes each (N = 1..512, S = 1 KB..64 MB, N x S <= ``--max-bytes``) held by
@@ -56,7 +56,7 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 from tag.backend.runtime import run_steps  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.calibration import median_step  # noqa: E402
 

@@ -61,7 +61,7 @@ CHILD_TIMEOUT_S = 900
 
 def in_process_steps(model: str, batch: int, steps: int, warmup: int) -> list[float]:
     """Step times (s) of the model's single-device training step in this process (no server)."""
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.cluster_spec import session_config
     config = session_config(intra_op_threads=1, inter_op_threads=2)
@@ -74,7 +74,7 @@ def keras_steps(model: str, batch: int, steps: int, warmup: int) -> list[float]:
     Adam and a ``tf.function`` step, threads as ``in_process_steps``."""
     import tensorflow as tf
     import tf_keras
-    from tag.backend.mwms import LEARNING_RATE, _synthetic_batch, keras_model
+    from tag_bench.mwms import LEARNING_RATE, _synthetic_batch, keras_model
     try:
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -121,7 +121,7 @@ def spread(values: list[float]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="transformer", help="a tag.backend.mwms model (mlp, cnn, transformer, vgg)")
+    p.add_argument("--model", default="transformer", help="a tag_bench.mwms model (mlp, cnn, transformer, vgg)")
     p.add_argument("--batch", type=int, default=384)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode per round")
@@ -159,10 +159,10 @@ def main(argv=None) -> int:
     import bench_e2e
     from _testbed_cases import load_recipe, testbed_topology
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.measure import run_on
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     recipe = bench_e2e.config_recipe(load_recipe(), profile, 25.0)
     cfg = recipe["configs"][bench_e2e.GPU_CONFIG]
     _, topology = testbed_topology(recipe, bench_e2e.GPU_CONFIG, profile)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from _testbed_cases import calibration_graph, load_recipe, measure_interleaved
     from bench_fidelity import MODELS
     from tag.api import prepare, search_plan
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.cluster.topology import parse_topology
     from tag.cost.model import Profile
     from tag.strategy.types import Strategy
@@ -112,7 +112,7 @@ def fresh_calibration(config: str, json_path: str | None):
     calibration, then runtime levels on the running testbed); saved beside JSON_PATH when given."""
     import tempfile
     from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels, testbed_topology
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     recipe = load_recipe()
     with tempfile.TemporaryDirectory() as workdir:
         profile = calibrate_testbed(recipe, workdir, [config])

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from _testbed_cases import calibration_graph, load_recipe, measure_interleaved, saved_testbed
     from bench_fidelity import MODELS
     from tag.api import prepare, search_plan
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.strategy.types import Action
     from tag.tune import best_uniform_of
 

@@ -57,7 +57,7 @@ def by_type(graph_def, profile, batch: int, steps: int, warmup: int,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a tag.backend.mwms model name (mlp, cnn, transformer, vgg)")
+    p.add_argument("--model", required=True, help="a tag_bench.mwms model name (mlp, cnn, transformer, vgg)")
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--width", type=int)
     p.add_argument("--depth", type=int)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--detail", metavar="TYPE", help="also print every op of this type (its equation or transposes)")
     p.add_argument("--json", help="also write the figures (per op type, and the --detail ops) to this file")
     args = p.parse_args(argv)
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.cost.model import Profile
     from tag.errors import TagError
     try:

@@ -103,9 +103,9 @@ def main(argv=None) -> int:
     from _testbed_cases import device_type, load_recipe, measure_interleaved, testbed_topology
     from bench_pipeline import CASES, GPU_FLOPS, QUOTAS
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.backend.runtime import RunControl, run_steps
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.cost.model import Profile
     from tag.ir.algorithms import weight_gradient_ops
     from tag.strategy.pipeline import Pipeline

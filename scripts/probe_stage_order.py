@@ -24,8 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from tag.backend.mwms import tf1_graph  # noqa: E402
-from tag.backend.testbed import Testbed  # noqa: E402
+from tag_bench.mwms import tf1_graph  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.api import prepare  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--traces", type=int, default=3, help="traced steps per plan (a new session each)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per session beside the traced one")
     p.add_argument("--gso-max-bytes", type=int, default=None,
-                   help="the testbed's largest offload packet (default: tag.backend.testbed.GSO_MAX_BYTES; "
+                   help="the testbed's largest offload packet (default: tag_bench.testbed.GSO_MAX_BYTES; "
                         "65536: the kernel's own, as before December 4)")
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     from tag.api import prepare, search_plan
     from tag.backend.runtime import run_steps
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.strategy.types import Action
 
     models = {label: (s, b) for label, s, b in MODELS}
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         out["plans"][k] = {"predicted_ms": sim.evaluate(s).step_time * 1e3,
                            "simulated_hosts": simulated_hosts(sim.trace(s), an.topology)}
     rewritten = {k: an.rewrite(s) for k, s in strategies.items()}
-    from tag.backend.testbed import GSO_MAX_BYTES
+    from tag_bench.testbed import GSO_MAX_BYTES
     gso = GSO_MAX_BYTES if args.gso_max_bytes is None else args.gso_max_bytes
     out["gso_max_bytes"] = gso
     with Testbed(an.topology, cpu_quota=load_recipe()["configs"][args.config]["quotas"], gso_max_bytes=gso) as tb:

@@ -1,4 +1,4 @@
-"""The end-to-end benchmark's pieces: shared models (tag.backend.mwms) and the testbed topology/profile."""
+"""The end-to-end benchmark's pieces: shared models (tag_bench.mwms) and the testbed topology/profile."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,7 +21,7 @@ def bench():
 
 
 def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.frontend.analyze import analyze
     gd = tf1_graph("mlp", 96)
     names = {n.name for n in gd.node}
@@ -32,7 +32,7 @@ def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
 
 
 def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolutions():
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     from tag.frontend.analyze import analyze
     tg = analyze(tf1_graph("vgg", 6), batch_size=6)
     weights = {v.name: v.nbytes // 4 for v in tg.variables if v.kind == "trainable"}
@@ -46,7 +46,7 @@ def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolut
 def test_float64_build_has_float64_weights_and_inputs_and_leaves_keras_in_float32():
     import tensorflow as tf
     import tf_keras
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     # even under a global policy pinned to float32 (as a test that restores the policy leaves it)
     old = tf_keras.mixed_precision.global_policy()
     tf_keras.mixed_precision.set_global_policy("float32")

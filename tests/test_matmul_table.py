@@ -90,7 +90,7 @@ def test_einsum_as_matmul_places_one_product_and_leaves_batches_of_products():
 def test_matmul_dims_places_the_dense_einsums_of_keras_attention():
     """A real Keras transformer (tf_keras MultiHeadAttention): the query/key/value/output Einsums and their
     gradients are placed as 2-D products whose row side grows with the batch; attention's Einsums are not."""
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     graph = tag.analyze(tf1_graph("transformer", 8, width=16))
     dims = matmul_dims(graph)
     placed = {graph.ops[i].name: j for j, i in enumerate(dims.ops)}
@@ -178,7 +178,7 @@ def test_fit_scales_the_table_to_the_level_of_the_measured_step(mlp):
 def test_fit_gives_einsums_of_attention_their_own_efficiency():
     """Dense Einsums at the table's speed, attention's at a tenth of peak: the per-type Einsum efficiency is the
     attention Einsums' (it serves only them), and the dense ones follow the table."""
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     graph = tag.analyze(tf1_graph("transformer", 8, width=64))
     peak, bw = 1e10, 1e13
     table = _table(nn=0.5, nt=0.5, tn=0.5)

@@ -433,7 +433,7 @@ def test_bench_transformer_pipeline_gradients_are_exact(cluster):
     gradient) and differ by any fraction of their size. bench_pipeline.weight_diff compared them; it now
     leaves them out, as assert_same_training always did. Every other gradient is exact (1e-5)."""
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     bench = _bench_pipeline_module()
     ports, target = cluster
     topo = tr.topology(ports, [0.1, 0.05, 0.05])
@@ -454,7 +454,7 @@ def _cut_transformer_pipeline(ports, micro: int = 4, schedule: str = "1f1b"):
     """bench_pipeline's transformer (64 op groups) cut 26 / 16 / 22 groups in forward order, one stage per
     host: the hand pipeline for quotas 0.6 / 0.4 / 0.4, whose rewrite once closed a cycle under 1F1B."""
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     topo = tr.topology(ports, [0.1, 0.05, 0.05])
     an = prepare(tf1_graph("transformer", 12, width=384, depth=4), topo, batch_size=12)
     order, rest = forward_group_order(an.graph, an.grouping)
@@ -567,7 +567,7 @@ def test_float64_build_takes_the_float32_graphs_op_groups():
     """bench_pipeline checks exactness on the model built in float64 with the float32 graph's pipeline: the
     float64 graph gets the float32 op groups (its optimizer's extra casts in their variable's update group)."""
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     bench = _bench_pipeline_module()
     topo = tr.topology([1, 2, 3], [0.1, 0.05, 0.05])
     an32 = prepare(tf1_graph("mlp", 12, width=64, depth=4), topo, batch_size=12)
@@ -590,7 +590,7 @@ def test_float64_build_takes_the_float32_graphs_op_groups():
 def test_float64_exactness_check_of_a_pipeline_is_at_float64_rounding(cluster):
     import types
     from tag.api import prepare
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     bench = _bench_pipeline_module()
     ports, target = cluster
     topo = tr.topology(ports, [0.1, 0.05, 0.05])

@@ -519,7 +519,7 @@ def test_sparse_embedding_gradients_move_as_rows():
     """An embedding's IndexedSlices gradient is not all-reduced or pushed as its whole table: allreduce
     charges an all-gather of the batch's rows (half their bytes in the ring formula), ps each worker's share;
     the compiled kernel and the Python reference agree."""
-    from tag.backend.mwms import SEQ_LEN, tf1_graph
+    from tag_bench.mwms import SEQ_LEN, tf1_graph
     from tag.frontend import analyze
     from tag.sim.memory import sparse_gradient_bytes
     batch, width, vocab = 8, 16, 4096
@@ -546,7 +546,7 @@ def test_sparse_gradients_outweighing_their_table_are_all_reduced_as_the_table()
     """A small vocabulary: the batch's embedding rows outweigh twice the table, so an allreduce group over
     several devices is charged the dense table plus the gathered indices (as the rewriter deploys it,
     ``tag.strategy.sparse``); ps still moves rows; both kernels agree."""
-    from tag.backend.mwms import SEQ_LEN, tf1_graph
+    from tag_bench.mwms import SEQ_LEN, tf1_graph
     from tag.frontend import analyze
     from tag.strategy.sparse import dense_sum_pays, sparse_dedups
     batch, width, vocab = 8, 16, 64

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.backend.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available
-from tag.backend.testbed_hosts import pack_quotas
+from tag_bench.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available
+from tag_bench.testbed_hosts import pack_quotas
 from bounded import bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def _testbed_child(how: str) -> subprocess.Popen:
     code = ("import json, os, signal, sys, time\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job ignores SIGINT\n"
             "from tag.cluster.topology import parse_topology\n"
-            "from tag.backend.testbed import Testbed\n"
+            "from tag_bench.testbed import Testbed\n"
             f"with Testbed(parse_topology({topo_text_for_child()!r}), cpu_quota=[1.0, 0.5]) as tb:\n"
             "    import subprocess\n"
             f"    inside = [subprocess.Popen(tb.launch_prefix(i) + ['sleep', '600']) for i in range(2 if {how == 'processes'!r} else 0)]\n"
@@ -164,7 +164,7 @@ def test_a_new_testbed_clears_what_a_killed_run_left():
 def test_cleanup_stale_removes_what_a_killed_run_left():
     code = ("import os, sys\n"
             "from tag.cluster.topology import parse_topology\n"
-            "from tag.backend.testbed import Testbed\n"
+            "from tag_bench.testbed import Testbed\n"
             f"tb = Testbed(parse_topology({topo_text_for_child()!r})).setup()\n"
             "print(tb.namespace(0), tb.bridge, flush=True)\n"
             "os._exit(0)  # dies without tearing down\n")
@@ -310,7 +310,7 @@ def test_quotas_unequal_links_and_a_shared_nic():
     runs at its own rate alone, and h0's two concurrent streams share its 0.4 Gbit/s NIC."""
     import threading
     with Testbed(topo(3, links=UNEQUAL), cpu_quota=[1.0, 0.5, 0.25]) as tb:
-        from tag.backend.testbed import CFS_PERIOD_US
+        from tag_bench.testbed import CFS_PERIOD_US
         for i, q in enumerate([1.0, 0.5, 0.25]):
             with open(os.path.join(tb._cgroup(i), "cpu.cfs_quota_us")) as f:
                 assert int(f.read()) == int(q * CFS_PERIOD_US)

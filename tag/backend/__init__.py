@@ -2,6 +2,7 @@
 
 - ``tag.backend.rewrite``: the rewritten, device-annotated GraphDef (replicas with batch slices,
   collectives, parameter servers, partitions, sufficient-factor gathers);
-- ``tag.backend.runtime``: TF servers per host, sessions, step timing;
-- ``tag.backend.testbed``: hosts in network namespaces with shaped links, for real multi-host runs.
+- ``tag.backend.runtime``: TF servers per host, sessions, step timing.
+
+The benchmark testbed (hosts in network namespaces with shaped links) is not part of the library: ``tag_bench.testbed``.
 """

@@ -11,7 +11,7 @@ One module per concern:
 - ``ports``: free ports, loopback addresses, listening/bindable probes;
 - ``server``: one host's TF server (what ``tag-worker`` runs);
 - ``local_cluster``: ``LocalCluster``, the supervisor of one worker process per host;
-- ``live``: objects stopped at interpreter exit (clusters here, testbeds in ``tag.backend.testbed``);
+- ``live``: objects stopped at interpreter exit (clusters here, testbeds in ``tag_bench.testbed``);
 - ``collective_keys``: fresh collective keys per graph;
 - ``inputs``: random and synthetic input batches;
 - ``steps``: ``run_steps`` and ``RunResult``;

@@ -1,6 +1,6 @@
 """Things that must not outlive this process: a registry whose members are stopped at interpreter exit.
 
-``LocalCluster`` (worker processes) and ``tag.backend.testbed.Testbed`` (network namespaces) each
+``LocalCluster`` (worker processes) and ``tag_bench.testbed.Testbed`` (network namespaces) each
 keep one registry: they add themselves when they start and discard themselves when stopped; at exit
 whatever is still registered is stopped, best effort (errors are swallowed: the interpreter is
 going away).

@@ -1,12 +1,12 @@
 """Signal handlers that take live testbeds down before a stopped process ends (SIGTERM, Ctrl-C, a time limit).
 
-Kept apart from ``tag.backend.testbed`` (which builds namespaces, links and quotas): this module only decides
+Kept apart from ``tag_bench.testbed`` (which builds namespaces, links and quotas): this module only decides
 what a signal does while testbeds are up.
 
 Example::
 
     from tag.backend.runtime.live import LiveRegistry
-    from tag.backend.signal_teardown import TeardownOnSignal
+    from tag_bench.signal_teardown import TeardownOnSignal
 
     live = LiveRegistry("close")          # objects with .close(), stopped at interpreter exit
     signals = TeardownOnSignal(live)

@@ -47,7 +47,7 @@ every testbed start calls it.
 Example::
 
     import tag
-    from tag.backend.testbed import Testbed
+    from tag_bench.testbed import Testbed
     from tag.backend.runtime import run_steps
 
     topo = tag.load_topology("topologies/localhost.pbtxt")
@@ -74,8 +74,8 @@ import warnings
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tag.backend.runtime.live import LiveRegistry
-from tag.backend.signal_teardown import TeardownOnSignal
-from tag.backend.testbed_hosts import CGROUP_CPUSET, TestbedError, parse_pinning, parse_quota, parse_shares
+from tag_bench.signal_teardown import TeardownOnSignal
+from tag_bench.testbed_hosts import CGROUP_CPUSET, TestbedError, parse_pinning, parse_quota, parse_shares
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.backend.runtime import LocalCluster

@@ -1,6 +1,6 @@
 """What each testbed host gets from the machine: CPU shares, a CFS quota, the CPUs it is pinned to.
 
-``tag.backend.testbed`` parses a ``Testbed``'s per-host options here and packs the quotas onto the machine's
+``tag_bench.testbed`` parses a ``Testbed``'s per-host options here and packs the quotas onto the machine's
 CPUs (``pack_quotas``); the cgroups themselves are made there.
 """
 from __future__ import annotations

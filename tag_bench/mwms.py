@@ -9,7 +9,7 @@ MWMS here, so the anchor uses a custom loop):
 
 - ``tf1_graph(name, batch)``: the TF1 training GraphDef tag optimizes (placeholders ``input`` and
   ``labels``, ``loss``, ``train_op`` = ``tf.compat.v1.train.AdamOptimizer``, ``init``);
-- ``python -m tag.backend.mwms --model NAME --batch B ...`` with ``TF_CONFIG`` set: one MWMS worker
+- ``python -m tag_bench.mwms --model NAME --batch B ...`` with ``TF_CONFIG`` set: one MWMS worker
   (tf_keras Adam with the same hyper-parameters, the global batch split evenly over the workers,
   synthetic on-device batches as ``run_steps(synthetic=True)`` uses). Task 0 prints one JSON line,
   ``{"step_times": [...]}``.
@@ -24,11 +24,11 @@ transformer: DEPTH 4, VOCAB 16384).
 
 Example::
 
-    from tag.backend.mwms import tf1_graph
+    from tag_bench.mwms import tf1_graph
     gd = tf1_graph("mlp", 96)                     # for tag.optimize / tag.rewrite
     # one worker per host (the benchmark starts them inside the testbed's namespaces):
     #   TF_CONFIG='{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": 0}}' \\
-    #   python -m tag.backend.mwms --model mlp --batch 96 --steps 15
+    #   python -m tag_bench.mwms --model mlp --batch 96 --steps 15
 """
 from __future__ import annotations
 
