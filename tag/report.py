@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from tag.cost.gpu_defaults import device_profiles
+from tag.cost.model import device_profiles
 from tag.sim import Simulator
 from tag.strategy import BUILTIN_STRATEGIES, builtin_strategy
 

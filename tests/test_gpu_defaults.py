@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.cost.gpu_defaults import (DATA_PATH, HALF_RATE_CAP, describe_device_type, device_profiles, gpu_profiles,
-                                   load_gpu_profiles, normalise, resolve)
-from tag.cost.model import CostModel, DeviceProfile, Profile
+from tag.cost.gpu_defaults import (DATA_PATH, HALF_RATE_CAP, describe_device_type, gpu_profiles, load_gpu_profiles,
+                                   normalise, resolve)
+from tag.cost.model import CostModel, DeviceProfile, Profile, device_profiles
 from tag.cost.op_classes import op_classes
 from tag.errors import TagError
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, ArgumentParser, add_verbose, one_line, run_cli
 from tag.errors import TopologyError
-from tag.cost.gpu_defaults import device_profiles
+from tag.cost.model import device_profiles
 from tag.cluster.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
 
 PROG = "tag-topo"

@@ -70,8 +70,7 @@ from typing import TYPE_CHECKING
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from tag.cluster.topology import Topology
-    from tag.cost.model import CostModel, Profile
+    from tag.cost.profile import Profile
 
 GPU_PROFILES_VERSION = 1
 DATA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpu_profiles.json")
@@ -312,15 +311,3 @@ def describe_device_type(device_type: str, tf_device_type: str, profile: "Profil
     if profile is not None and "default" in profile.devices:
         return "profile entry default"
     return f"built-in {tf_device_type} defaults"
-
-
-def device_profiles(topology: "Topology", cost_model: "CostModel | None" = None) -> dict[str, str]:
-    """{device type: which profile serves it} for TOPOLOGY's device groups (``tag-topo show``, the report).
-
-    COST_MODEL (the one predictions use) accounts for its profile file; without it, as with no profile file."""
-    out: dict[str, str] = {}
-    for g in topology.groups:
-        if g.device_type not in out:
-            out[g.device_type] = (cost_model.profile_source(g.index) if cost_model is not None
-                                  else describe_device_type(g.device_type, g.tf_device_type))
-    return out

@@ -49,6 +49,7 @@ import numpy as np
 
 from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
+from tag.cost.gpu_defaults import describe_device_type, gpu_profiles, resolve
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
 from tag.cost.op_classes import FAMILIES, cpu_fused_bias_adds, op_classes, op_family
 from tag.cost.occupancy import GemmExtents, gemm_extents, occupancy
@@ -211,7 +212,6 @@ class CostModel:
         overhead = builtin["launch_overhead_s"]
         eff = dict(builtin["efficiency"])
         if gpu is not None and not exact:
-            from tag.cost.gpu_defaults import gpu_profiles
             n = len(g.devices)
             lockstep = 1.0 + gpu_profiles().lockstep_per_doubling * math.log2(n) if n > 1 else 1.0
             r = DeviceRates(float(peak), float(bw) * gpu.cls.memory_efficiency, gpu.cls.launch_overhead_s,
@@ -252,14 +252,12 @@ class CostModel:
             g = self.topology.groups[device_group]
             res = None
             if g.tf_device_type == "GPU" and g.device_type not in self.profile.devices:
-                from tag.cost.gpu_defaults import resolve
                 res = resolve(g.device_type)
             self._gpu_res[device_group] = res
         return self._gpu_res[device_group]
 
     def profile_source(self, device_group: int) -> str:
         """Which profile serves DEVICE_GROUP (a profile entry, a shipped GPU class, or built-in defaults)."""
-        from tag.cost.gpu_defaults import describe_device_type
         g = self.topology.groups[device_group]
         return describe_device_type(g.device_type, g.tf_device_type, self.profile)
 
@@ -346,7 +344,6 @@ class CostModel:
         """(per-device-pair bandwidth efficiency, fixed seconds per collective call) of NCCL collectives
         over DEVICES when every one is a GPU with a shipped class (``tag.cost.gpu_defaults``); else (None, 0)."""
         if self._nccl is None:
-            from tag.cost.gpu_defaults import gpu_profiles
             topo = self.topology
             known = np.array([g.tf_device_type == "GPU" and gpu_profiles().resolve(g.device_type) is not None
                               for g in topo.groups], dtype=bool)
@@ -488,3 +485,15 @@ class CostModel:
         """Sum of op times (all ops, or OPS) on one device of DEVICE_GROUP at BATCH: a serial lower bound."""
         t = self.op_times(device_group, batch)
         return float(t.sum() if ops is None else t[np.asarray(list(ops), dtype=np.int64)].sum())
+
+
+def device_profiles(topology: "Topology", cost_model: "CostModel | None" = None) -> dict[str, str]:
+    """{device type: which profile serves it} for TOPOLOGY's device groups (``tag-topo show``, the report).
+
+    COST_MODEL (the one predictions use) accounts for its profile file; without it, as with no profile file."""
+    out: dict[str, str] = {}
+    for g in topology.groups:
+        if g.device_type not in out:
+            out[g.device_type] = (cost_model.profile_source(g.index) if cost_model is not None
+                                  else describe_device_type(g.device_type, g.tf_device_type))
+    return out

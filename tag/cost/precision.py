@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tag.cost.gpu_defaults import resolve
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -94,7 +95,6 @@ def device_peak(group: "DeviceGroup", precision: str) -> float:
     if declared is not None:
         return float(declared)
     if group.tf_device_type == "GPU" and precision != "fp32":
-        from tag.cost.gpu_defaults import resolve
         res = resolve(group.device_type)
         ratio = res.peak_ratio(precision) if res is not None else None
         if ratio is not None:
