@@ -62,6 +62,7 @@ from typing import Literal
 import numpy as np
 
 from tag.errors import StrategyError
+from tag.strategy.action import Action
 
 ScheduleKind = Literal["fill_drain", "1f1b", "deferred_w"]
 SCHEDULES: tuple[str, ...] = ("fill_drain", "1f1b", "deferred_w")
@@ -100,10 +101,8 @@ class PipelineStage:
         if self.ps_device is not None:
             object.__setattr__(self, "ps_device", int(self.ps_device))
 
-    def action(self):
+    def action(self) -> Action:
         """The per-group ``Action`` every op group of this stage carries in ``Strategy.actions``."""
-        from tag.strategy.types import Action
-
         return Action(self.placement, self.mode, self.ps_device)
 
     def to_dict(self) -> dict:
