@@ -35,7 +35,18 @@ from tag.errors import GraphError
 
 v1 = tf.compat.v1
 
-__all__ = ["training_graph_def"]
+__all__ = ["OPTIMIZERS", "training_graph_def"]
+
+#: every ``tf.compat.v1.train`` optimizer, by short name (small learning rates: 3 steps stay tame)
+OPTIMIZERS: dict[str, Callable[[], Any]] = {
+    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: v1.train.MomentumOptimizer(0.05, 0.9),
+    "adam": lambda: v1.train.AdamOptimizer(0.01),
+    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.01, momentum=0.5),
+    "ftrl": lambda: v1.train.FtrlOptimizer(0.05, l1_regularization_strength=0.001),
+    "adadelta": lambda: v1.train.AdadeltaOptimizer(1.0),
+}
 
 
 def training_graph_def(model: Any, loss: Any, optimizer: Any, batch_size: int, *,
@@ -48,7 +59,7 @@ def training_graph_def(model: Any, loss: Any, optimizer: Any, batch_size: int, *
     ``loss``: a tf_keras loss object or name, or a function ``(y_true, y_pred)``; values per example
     are averaged over the batch.
     ``optimizer``: a ``tf.compat.v1.train.Optimizer`` or one of the names in
-    ``tag.frontend.real_graphs.OPTIMIZERS`` ("adam", "sgd", "momentum", ...).
+    ``OPTIMIZERS`` ("adam", "sgd", "momentum", ...).
     ``label_shape`` / ``label_dtype``: one label per example (without the batch); by default the
     model output's shape and float32, or the output's shape without its last axis and int32 for a
     sparse categorical loss.
@@ -144,8 +155,6 @@ def _label_spec(outputs: tf.Tensor, loss: Any, label_shape: Sequence[int] | None
 
 
 def _optimizer(optimizer: Any) -> Any:
-    from tag.frontend.real_graphs import OPTIMIZERS
-
     if isinstance(optimizer, str):
         if optimizer.lower() not in OPTIMIZERS:
             raise GraphError(f"training_graph_def: unknown optimizer {optimizer!r}; "

@@ -21,27 +21,17 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from tag.frontend.keras import OPTIMIZERS, training_graph_def
 
 v1 = tf.compat.v1
 
 __all__ = ["OPTIMIZERS", "causal_lm_graph", "framework_parameters", "lstm_lm_graph", "optimizer_graph",
            "recommender_graph"]
-
-#: every ``tf.compat.v1.train`` optimizer, by short name (small learning rates: 3 steps stay tame)
-OPTIMIZERS: dict[str, Callable[[], Any]] = {
-    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
-    "momentum": lambda: v1.train.MomentumOptimizer(0.05, 0.9),
-    "adam": lambda: v1.train.AdamOptimizer(0.01),
-    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
-    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.01, momentum=0.5),
-    "ftrl": lambda: v1.train.FtrlOptimizer(0.05, l1_regularization_strength=0.001),
-    "adadelta": lambda: v1.train.AdadeltaOptimizer(1.0),
-}
-
 
 def framework_parameters(graph_def: tf.compat.v1.GraphDef) -> int:
     """Trainable parameters as TensorFlow counts them: the variables ``tf.compat.v1.trainable_variables()``
@@ -182,8 +172,6 @@ def lstm_lm_graph(*, batch_size: int = 4, seq_len: int = 6, vocab_size: int = 12
     """:func:`lstm_lm_model` as a training GraphDef (via :func:`tag.frontend.keras.training_graph_def`):
     next-token loss, sparse categorical cross-entropy from logits, the labels ``[B, seq_len]``."""
     import tf_keras
-
-    from tag.frontend.keras import training_graph_def
 
     def build() -> Any:
         return lstm_lm_model(seq_len=seq_len, vocab_size=vocab_size, embed=embed, units=units, layers=layers)
