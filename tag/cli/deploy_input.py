@@ -22,9 +22,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from tag.cli.deploy_progress import PROG, ProgressPrinter
 from tag.errors import TagError
-
-PROG = "tag-deploy"
 
 
 def load_dataset_fn(spec: str) -> Callable[[Any], Any]:
@@ -74,6 +73,5 @@ def train_on_input(args: argparse.Namespace, analysis: Any, name: str, strategy:
 
 def _every_step_line(name: str) -> Callable[[Any], None]:
     """Progress for a non-terminal stderr: phases, checkpoints, and a step line at most twice a second."""
-    from tag.cli.deploy_run import ProgressPrinter
     printer = ProgressPrinter()
     return lambda ev: printer(name, ev)

@@ -33,13 +33,13 @@ import argparse
 import functools
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from tag.cli.deploy_input import load_dataset_fn, train_on_input
+from tag.cli.deploy_progress import PROG, ProgressPrinter
 from tag.errors import TagError
 
-PROG = "tag-deploy"
 DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
 DEFAULT_STEP_TIMEOUT_S = 600.0
 BASELINE_MAX_STEPS = 20          # the dp_allreduce baseline is timed, not trained
@@ -93,7 +93,6 @@ def check_run_arguments(args: argparse.Namespace) -> None:
     if args.checkpoint_every is not None or args.input is not None:
         check_writable(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR, what="checkpoint directory", directory=True)
     if args.input is not None:
-        from tag.cli.deploy_input import load_dataset_fn
         load_dataset_fn(args.input)         # exit 2 now if it does not import
     if args.resume:
         from tag.backend.runtime.checkpoint import latest_checkpoint, read_checkpoint_meta
@@ -149,30 +148,6 @@ def _check_resume_matches(args: argparse.Namespace, analysis: Any, name: str) ->
                            f"{value!r}: resume with the same model, batch, strategy and topology")
 
 
-class ProgressPrinter:
-    """RunEvents as lines on stderr: every phase and checkpoint; steps at most every MIN_INTERVAL_S
-    (always the first and the last)."""
-
-    def __init__(self, stream: Any = None, min_interval_s: float = 0.5):
-        self.stream = stream
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
-
-    def __call__(self, name: str, ev: Any) -> None:
-        if ev.kind == "phase":
-            line = f"{PROG}: {name}: {ev.text}"
-        elif ev.kind == "checkpoint":
-            line = f"{PROG}: {name}: checkpoint at step {ev.step}: {ev.text}"
-        else:
-            now = time.monotonic()
-            if ev.step not in (1, ev.steps) and now - self._last < self.min_interval_s:
-                return
-            self._last = now
-            loss = f"  loss {ev.loss:.4g}" if ev.loss is not None else ""
-            line = f"{PROG}: {name}: step {ev.step}/{ev.steps}  {ev.step_time_s:.3f} s/step{loss}"
-        print(line, file=self.stream or sys.stderr, flush=True)
-
-
 @dataclass
 class RunOutcome:
     """What ``run_plan`` did: the report's keys (``measured_*``, and ``tune``), the strategy trained (NAME,
@@ -226,7 +201,6 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
         if args.verify or args.tune is not None:
             name, strategy, fields = _tuned(args, analysis, cluster, name, strategy, report, searched or {})
         if args.input is not None:      # train on the user's data sets; nothing else is timed
-            from tag.cli.deploy_input import train_on_input
             fields.update(train_on_input(args, analysis, name, strategy, cluster,
                                          _control(args, watchdog=cluster.watchdog),
                                          checkpoint_path(args),     # the trained weights are always saved
