@@ -105,7 +105,7 @@ def test_no_screening_against_an_infeasible_incumbent():
 def test_bound_with_sufficient_factors():
     import dataclasses
 
-    from tag.compress.eligibility import eligible_gradients
+    from tag.strategy.sfb_eligibility import eligible_gradients
     graph = analysed("mlp")
     topo = tag.load_topology(CONSUMER)
     env = SearchEnv(graph, topo, group_ops(graph, target_groups=6), batch_size=28)

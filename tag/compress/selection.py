@@ -2,7 +2,7 @@
 
 The problem (for one strategy ``s`` at one global batch):
 
-- Items ``i``: the SFB-eligible weights (``tag.compress.eligibility``) of ``s``'s multi-replica ``allreduce``
+- Items ``i``: the SFB-eligible weights (``tag.strategy.sfb_eligibility``) of ``s``'s multi-replica ``allreduce``
   op groups. Decision variables ``x_i in {0, 1}``: gradient ``i`` travels as factors. For every op group
   ``g`` whose trainable bytes are all eligible, ``y_g in {0, 1}``: its all-reduce disappears.
 - Savings (from the cost model, as the simulator charges them, ``tag.sim.sfb``): ``a_i = b_g W_i -

@@ -1,7 +1,7 @@
 """How the simulator charges sufficient-factor broadcasting (``Strategy.sfb``), as the rewriter deploys it.
 
 For an SFB variable of an ``allreduce`` op group with n > 1 replicas (and an SFB-eligible gradient,
-``tag.compress.eligibility``), the rewriter does not all-reduce its gradient. Each replica pads its two
+``tag.strategy.sfb_eligibility``), the rewriter does not all-reduce its gradient. Each replica pads its two
 factors to the largest share's rows, puts them side by side (``[rows, m + n]``), and one
 ``CollectiveGatherV2`` (ring) gives every replica all n blocks; each then computes the gradient as one
 MatMul over the gathered rows (padding rows are zeros and add nothing). The simulator therefore:
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tag.compress.eligibility import SufficientFactors, eligible_gradients
+from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.cost.model import CostModel
 from tag.ir.types import TrainingGraph
 from tag.sim.layouts import LayoutCache

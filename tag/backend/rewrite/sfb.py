@@ -1,7 +1,7 @@
 """Sufficient-factor broadcasting (SFB): weight gradients recomputed on every replica from gathered factors.
 
 For a variable in ``strategy.sfb`` whose gradient is one batch-contracting MatMul ``dW = A^T B``
-(``tag.compress.eligibility``) in a multi-replica ``allreduce`` op group, the gradient is not all-reduced.
+(``tag.strategy.sfb_eligibility``) in a multi-replica ``allreduce`` op group, the gradient is not all-reduced.
 On every replica the two factors of its batch slice (``A_r``: rows x m, ``B_r``: rows x n; a 2-D operand
 with its batch on axis 1 is transposed first) are put side by side, padded with zero rows to the largest
 share, and one ``CollectiveGatherV2`` (ring on CPUs) gives every replica all blocks; each replica then
@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from tag.compress.eligibility import SufficientFactors, eligible_gradients
+from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.errors import StrategyError
 
 from .collectives import collective_group_key

@@ -15,10 +15,13 @@ rewriter reads the real attributes and checks them against this). Not eligible: 
 several terms (an ``AddN`` with weight decay), sparse (IndexedSlices) gradients, convolutions, and
 MatMuls whose operands lack a static, per-example row count.
 
+Part of ``tag.strategy`` because the simulator (``tag.sim.sfb``), the selection (``tag.compress``) and the
+rewriter (``tag.backend.rewrite.sfb``) all read it: it sits below each of them.
+
 Example::
 
     import tag
-    from tag.compress.eligibility import eligible_gradients
+    from tag.strategy.sfb_eligibility import eligible_gradients
     tg = tag.analyze(tag.zoo.training_graph("mlp", batch_size=32))
     for f in eligible_gradients(tg):
         f.variable, f.weight_bytes, f.factor_bytes_per_example
