@@ -3,9 +3,9 @@
 ``read_input_file`` refuses what is not a regular file (a named pipe would block forever, ``/dev/zero``
 never ends) and anything over a size limit before reading it, and maps OS errors to one-line messages
 that start with the path; ``decode_json`` turns its bytes into a JSON value, with messages of the same
-kind. ``write_atomic`` writes through a temporary file and a rename, so a failure
-never leaves a half-written report, trace, profile or plan; ``check_writable`` tells before any work
-is done whether an output path can be written.
+kind; ``finite`` makes a value strict JSON (no NaN or infinity). ``write_atomic`` writes through a temporary
+file and a rename, so a failure never leaves a half-written report, trace, profile or plan;
+``check_writable`` tells before any work is done whether an output path can be written.
 
 Example::
 
@@ -22,6 +22,8 @@ import os
 import stat
 import threading
 from typing import Any
+
+import numpy as np
 
 from tag.errors import TagError
 
@@ -76,6 +78,19 @@ def decode_json(data: bytes, path: str, *, not_text: str, not_json: str, error: 
     except (json.JSONDecodeError, RecursionError) as err:
         where = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
         raise error(f"{path}: {not_json} ({where})") from None
+
+
+def finite(obj: Any) -> Any:
+    """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:

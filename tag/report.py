@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from tag.cost.model import device_profiles
+from tag.files import finite
 from tag.sim import Simulator
 from tag.strategy import BUILTIN_STRATEGIES, builtin_strategy
 
@@ -42,19 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 # ----------------------------------------------------------------------------------------------
 # Numbers for people and for strict JSON
 # ----------------------------------------------------------------------------------------------
-
-def finite(obj: Any) -> Any:
-    """OBJ with non-finite floats replaced by None and numpy scalars by Python ones (strict JSON)."""
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
-
 
 def report_json(report: dict) -> str:
     """REPORT as indented strict JSON text, ending in a newline."""

@@ -19,7 +19,7 @@ Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each s
   predicted and measured step time (median +- MAD), and trains the fastest measured (the report's ``tune``
   keys). ``--verify`` is ``--tune 2`` (the plan, the best built-in, the best uniform action and one device). Not with
   ``--resume`` (the checkpoint fixes the strategy).
-- ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.tensorboard``).
+- ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.runtime.tensorboard``).
 
 Example::
 
@@ -230,6 +230,6 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
 def write_tensorboard_dir(args: argparse.Namespace, analysis: Any, strategy: Any, graph_def: Any,
                           run_metadata: Any) -> list[str]:
     """``--tensorboard DIR``: the rewritten graph (+ a traced step's statistics) and the predicted trace."""
-    from tag.backend.tensorboard import write_tensorboard
+    from tag.backend.runtime.tensorboard import write_tensorboard
     trace = analysis.simulator().trace(strategy, batch_size=analysis.batch)
     return write_tensorboard(args.tensorboard, graph_def, trace=trace, run_metadata=run_metadata)

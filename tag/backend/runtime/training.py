@@ -33,6 +33,7 @@ from tag.backend.runtime.collective_keys import fresh_collective_keys
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
 from tag.backend.runtime.input_pipeline import PipelineSpec, build_inputs
 from tag.backend.runtime.steps import _op_and_tensor
+from tag.backend.runtime.tensorboard import ScalarWriter
 from tag.errors import GraphError, TagError
 
 EvalFn = Callable[[dict, int], Mapping[str, float]]
@@ -164,7 +165,6 @@ def train_graph(graph_def: Any, target: str, dataset_fn: Callable[[Any], Any], *
         cfg.operation_timeout_in_ms = int(ctl.step_timeout_s * 1000)
     curves = None
     if logdir or checkpoint_dir:
-        from tag.backend.tensorboard import ScalarWriter
         curves = ScalarWriter(logdir or checkpoint_dir)
     bar = _Progress(progress, steps, start)
     result = TrainResult(start, start, losses, [], 0.0, client_bytes=client_bytes, pipelines=list(built.specs))

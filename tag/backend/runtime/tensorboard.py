@@ -14,7 +14,7 @@
 
 Example::
 
-    from tag.backend.tensorboard import write_tensorboard
+    from tag.backend.runtime.tensorboard import write_tensorboard
     files = write_tensorboard("tb/", plan.graph_def, trace=simulator.trace(strategy))
     # then: tensorboard --logdir tb/   (Graphs tab, Color: Device)
 """
@@ -26,6 +26,7 @@ import os
 from typing import Any
 
 from tag.backend.runtime.cluster_spec import import_tf
+from tag.files import finite, write_atomic
 
 TRACE_FILE = "predicted_step.trace.json"
 
@@ -34,8 +35,6 @@ def write_tensorboard(logdir: str | os.PathLike, graph_def: Any, *, trace: dict 
                       run_metadata: Any = None, run_tag: str = "step") -> list[str]:
     """Write GRAPH_DEF (and RUN_METADATA, when given) as an event file and TRACE as Chrome trace JSON into
     LOGDIR (created if needed); returns the paths written."""
-    from tag.files import write_atomic
-    from tag.report import finite
     tf = import_tf()
     logdir = os.fspath(logdir)
     os.makedirs(logdir, exist_ok=True)
