@@ -178,7 +178,7 @@ def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     with tqdm(total=2, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
         bar.set_postfix_str("building the model")
-        from tag import zoo
+        from tag.frontend import zoo
         model_name, graph_def = zoo.resolve_model(args.model, args.batch)
         if not str(args.model).strip().startswith("zoo:"):
             from tag.cli.graph_check import check_importable

@@ -128,7 +128,7 @@ def _body(argv: Sequence[str]) -> int:
         from tag.cli.profiles import read_profile
         base = read_profile(args.like)
     from tag.cli.model_size import check_model_spec
-    from tag import zoo
+    from tag.frontend import zoo
     from tag.cost.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze
     items = []

@@ -188,7 +188,7 @@ def zoo_graph(name: str, options: dict | None = None, batch_size: int = 32) -> T
     key = (name, batch_size, tuple(sorted(options.items())))
     tg = _ZOO_IRS.get(key)
     if tg is None:
-        import tag
-        tg = _ZOO_IRS[key] = tag.analyze(tag.zoo.training_graph(name, batch_size=batch_size, **options),
-                                         batch_size=batch_size)
+        from tag.frontend import analyze, zoo
+        tg = _ZOO_IRS[key] = analyze(zoo.training_graph(name, batch_size=batch_size, **options),
+                                     batch_size=batch_size)
     return tg

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import tag
 from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, host_has_gpu
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.runtime.ports import is_loopback, port_bindable, port_listening
@@ -133,8 +132,9 @@ class LocalCluster:
         env["PYTHONUNBUFFERED"] = "1"
         if not host_has_gpu(self.topology, host.name):
             env.setdefault("CUDA_VISIBLE_DEVICES", "")
-        # Make the child import this same tag package even when it is not installed.
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(tag.__file__)))
+        # Make the child import this same tag package even when it is not installed: its parent directory
+        # is three levels above this file's (tag/backend/runtime/local_cluster.py).
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
