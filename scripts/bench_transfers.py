@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
 from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
-from tag.cost.calibration import median_step  # noqa: E402
+from tag.calibration import median_step  # noqa: E402
 
 SIZES = (1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20)
 COUNTS = (1, 8, 64, 512)
@@ -243,7 +243,7 @@ def measure_sync_overlap(tb, topo, quotas, args) -> list[dict]:
     step a ring all-reduce (or a parameter-server push to h0) of S bytes over all hosts. ``overlap`` = (C + T -
     both) / min(C, T), the empty step's time taken off each: 1 when they run side by side (the simulator's
     separate lanes without ``sync_serial_*``), 0 when they serialise."""
-    from tag.cost.calibration import SYNC_BYTES, measure_sync_serial
+    from tag.calibration import SYNC_BYTES, measure_sync_serial
     devices = [topo.tf_device(h) for h in range(len(quotas))]
     sizes = SYNC_BYTES if not args.quick else SYNC_BYTES[1:2]
     serial_ar, serial_ps, rows = measure_sync_serial(tb.target, devices, quotas, sizes_bytes=sizes, steps=args.steps)

@@ -38,7 +38,7 @@ def by_type(graph_def, profile, batch: int, steps: int, warmup: int,
     device type beside ``tag.cost.calibration.measure_step``'s kernel times of the same ops."""
     from _testbed_cases import load_recipe, testbed_topology
     from tag.api import prepare
-    from tag.cost.calibration import measure_step
+    from tag.calibration import measure_step
     recipe = load_recipe()
     recipe["configs"] = {"one": {"quotas": [1.0, 0.5], "links_gbps": [1.0]}}
     _, topology = testbed_topology(recipe, "one", profile)

@@ -1,4 +1,4 @@
-"""tag.cost.calibration, tag.cost.fitting and tag-profile: fitting on hand-made measurements, and profiling
+"""tag.calibration, tag.cost.fitting and tag-profile: fitting on hand-made measurements, and profiling
 a real small MLP on this CPU."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa: E402
 from tag.cli.profile import main  # noqa: E402
-from tag.cost.calibration import profile_graph  # noqa: E402
+from tag.calibration import profile_graph  # noqa: E402
 from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
 from tag.cost.op_classes import cpu_fused_bias_adds  # noqa: E402
 from tag.cluster.topology import load_topology  # noqa: E402
@@ -235,7 +235,7 @@ def test_profile_of_a_users_raw_tf_graph():
     """Ref variables, no ``init`` op, a None batch dimension: the initialisers are found and the step runs."""
     import tensorflow as tf
     from tag.frontend.analyze import analyze
-    from tag.cost.calibration import _init_ops
+    from tag.calibration import _init_ops
     v1 = tf.compat.v1
     g = tf.Graph()
     with g.as_default():
@@ -259,7 +259,7 @@ def test_profile_network_measures_the_runtime_between_two_workers():
     """Two real local TF servers: a remote read costs more than a local one, at a finite positive rate; the
     runtime's own CPU work is read from the workers' threads: taking part in a step from the other task, each
     tensor and each byte cost some CPU (0.6 ms, 31 us and 0.3 ns on the testbed machine)."""
-    from tag.cost.calibration import profile_network
+    from tag.calibration import profile_network
     net = profile_network(steps=6)
     assert 0 < net.step_overhead_s < 1.0
     assert net.transfer_latency_s >= 0
@@ -279,7 +279,7 @@ def test_network_chain_crosses_tasks_at_every_hop():
     import numpy as np
     from tag.backend.runtime import LocalCluster, free_ports, run_steps
     from tag.cluster.topology import parse_topology
-    from tag.cost.calibration import _chain_graph
+    from tag.calibration import _chain_graph
     text = "\n".join(f'host {{ name: "c{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -302,7 +302,7 @@ def test_collective_chain_waits_for_every_all_reduce():
     import numpy as np
     from tag.backend.runtime import LocalCluster, free_ports, run_steps
     from tag.cluster.topology import parse_topology
-    from tag.cost.calibration import _collective_chain_graph
+    from tag.calibration import _collective_chain_graph
     text = "\n".join(f'host {{ name: "r{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -327,7 +327,7 @@ def test_sync_serial_times_synchronisation_beside_compute_on_real_servers():
     within the empty step's noise (a difference of medians at or below zero)."""
     from tag.backend.runtime import LocalCluster, free_ports
     from tag.cluster.topology import parse_topology
-    from tag.cost.calibration import measure_sync_serial
+    from tag.calibration import measure_sync_serial
     text = "\n".join(f'host {{ name: "s{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(3))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -353,7 +353,7 @@ def test_sustained_step_is_recorded_and_round_trips(mlp, tmp_path):
 def test_profile_like_scales_the_base_entry_by_the_ratio_of_sustained_steps(mlp):
     """A base whose recorded sustained step is twice this machine's: the new device is twice as fast."""
     import dataclasses
-    from tag.cost.calibration import measure_sustained_step, profile_like
+    from tag.calibration import measure_sustained_step, profile_like
     from tag.cost.model import DeviceProfile
     gd, tg = mlp
     here = measure_sustained_step(gd, tg, seconds=0.5)

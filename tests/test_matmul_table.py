@@ -198,7 +198,7 @@ def test_fit_gives_einsums_of_attention_their_own_efficiency():
 
 
 def test_profile_graph_times_a_small_table_on_this_cpu():
-    from tag.cost.calibration import measure_matmul_rates, profile_graph
+    from tag.calibration import measure_matmul_rates, profile_graph
     rates = measure_matmul_rates([("nn", 16, 64, 64), ("nt", 16, 64, 64), ("tn", 64, 16, 64)], peak=1e10)
     assert len(rates) == 3 and all(r > 1e6 for r in rates.values())
     gd = tag.zoo.training_graph("mlp", batch_size=16, input_dim=64, hidden=(64,))

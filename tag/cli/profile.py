@@ -1,6 +1,6 @@
 """``tag-profile``: profile a training step on this machine and write a cost profile (JSON).
 
-Measures with ``tag.cost.calibration`` (TensorFlow), fits with ``tag.cost.fitting``; the profile
+Measures with ``tag.calibration`` (TensorFlow), fits with ``tag.cost.fitting``; the profile
 goes to ``--out``, else to ``tag.cost.profile_store.default_profile_path()`` where ``tag-deploy``
 finds it. A profile describes the device type it was measured on (``--device-type``, default CPU): for a
 mixed cluster, profile each type on its own machine and ``--merge`` the files (``tag.cli.profiles``).
@@ -129,7 +129,7 @@ def _body(argv: Sequence[str]) -> int:
         base = read_profile(args.like)
     from tag.cli.model_size import check_model_spec
     from tag.frontend import zoo
-    from tag.cost.calibration import profile_graph, profile_network
+    from tag.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze
     items = []
     for spec in args.model:
@@ -141,7 +141,7 @@ def _body(argv: Sequence[str]) -> int:
         items.append((gd, analyze(gd, batch_size=args.batch), spec))
     gd, graph, spec = items[0]
     if base is not None:     # the first model's sustained step, against the one recorded in the base profile
-        from tag.cost.calibration import profile_like
+        from tag.calibration import profile_like
         prof = profile_like(base, gd, graph, device_type=args.device_type, sustain_s=args.sustained or 4.0,
                             model=spec)
     else:

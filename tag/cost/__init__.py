@@ -1,7 +1,7 @@
 """Cost model: per-op time on each device type, transfers and collectives, memory; the profile format.
 
-``tag.cost.model`` is numpy only; ``tag.cost.calibration`` measures profiles with TensorFlow and is
-imported only by the calibration command.
+``tag.cost.model`` is numpy only; profiles are measured with TensorFlow by ``tag.calibration`` (above the
+runtime, which it runs models through) and fitted by ``tag.cost.fitting``.
 
 Example::
 

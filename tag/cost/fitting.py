@@ -1,6 +1,6 @@
 """Fit a cost profile to measurements: per-op-type efficiencies, launch overhead, network lines (numpy only).
 
-``tag.cost.calibration`` measures with TensorFlow (kernel times from step stats, peak FLOP/s,
+``tag.calibration`` measures with TensorFlow (kernel times from step stats, peak FLOP/s,
 memory bandwidth, runtime costs between two workers); this module turns those numbers into the
 ``tag.cost.Profile`` parameters, with no TensorFlow import, so fits can be tested on hand-made
 measurements.
@@ -8,7 +8,7 @@ measurements.
 Example::
 
     import tag
-    from tag.cost.calibration import measure_memory_bandwidth, measure_peak_flops, measure_step
+    from tag.calibration import measure_memory_bandwidth, measure_peak_flops, measure_step
     from tag.cost.fitting import fit_profile
 
     graph = tag.analyze(graph_def)

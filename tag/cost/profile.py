@@ -108,7 +108,7 @@ class NetworkProfile:
     gradient all-reduce (a ring of ``CollectiveReduceV2``) or a parameter-server push spends beside the host's
     compute that compute and synchronisation lose to each other (0: they overlap fully, as separate lanes; 1:
     they run one after the other). Measured on the running testbed with a calibration pattern
-    (``tag.cost.calibration.measure_sync_serial``: a 256 KB-4 MB gradient synchronised over every host while each
+    (``tag.calibration.measure_sync_serial``: a 256 KB-4 MB gradient synchronised over every host while each
     host runs a MatMul chain); ``tag.sim.host_cpu.sync_serial`` applies it. On the testbed's quota-limited hosts
     the ring overlapped 0.01-0.65 of the shorter side and the push 0.43-0.77 (``scripts/bench_transfers.py --only
     sync_overlap``); between two full-core hosts 0.52-0.86 and 0.89-0.98. ``tag-profile --network`` leaves both 0

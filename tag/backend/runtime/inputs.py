@@ -1,7 +1,7 @@
 """Random inputs for training steps: fed batches (``random_input``) and on-device synthetic batches.
 
 Floats are standard normal; integers and booleans are 0 or 1, so class ids and token ids are valid
-for any model. ``random_input`` is shared by ``run_steps`` and the profiler (``tag.cost.calibration``);
+for any model. ``random_input`` is shared by ``run_steps`` and the profiler (``tag.calibration``);
 ``synthetic_input`` builds the variable that replaces a placeholder in ``run_steps(synthetic=True)``.
 
 Example::

@@ -11,12 +11,13 @@ efficiencies with their own spec-sheet peak and bandwidth (the cost model does t
 Usage::
 
     import tag
-    from tag.cost.calibration import profile_graph
+    from tag.calibration import profile_graph
 
     prof = profile_graph(graph_def, tag.analyze(graph_def), steps=10)   # graph_def: a training GraphDef
     prof.save("profile.json")
 
-How the measurements become efficiencies and a launch overhead: ``tag.cost.fitting`` (numpy only).
+Not part of ``tag.cost``: it runs models through the runtime (``tag.backend.runtime``), which sits above the
+cost model. How the measurements become efficiencies and a launch overhead: ``tag.cost.fitting`` (numpy only).
 Where profiles are stored by default: ``tag.cost.profile_store``. The command line: ``tag.cli.profile``.
 """
 from __future__ import annotations
@@ -32,14 +33,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tag.backend.runtime import LocalCluster, free_ports, run_steps  # noqa: E402
+from tag.backend.runtime.guard import RunControl  # noqa: E402
+from tag.backend.runtime.inputs import random_input  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.fitting import Fit, StepMeasurement, fit_line, fit_profile  # noqa: E402,F401 - re-exported
+from tag.cost.matmul_table import DEFAULT_SIDES, VARIANTS, grid_shapes, table_from_rates  # noqa: E402
+from tag.cost.model import NetworkProfile, Profile  # noqa: E402
 from tag.cost.profile_store import PROFILE_ENV, default_profile_path, load_default_profile  # noqa: E402,F401
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cost.matmul_table import MatmulTable
-    from tag.cost.model import NetworkProfile, Profile
     from tag.ir.types import TrainingGraph
 
 v1 = tf.compat.v1
@@ -108,7 +114,6 @@ def _init_ops(graph_def, graph: "TrainingGraph") -> list[str]:
 def _random_feeds(g: tf.Graph, graph: "TrainingGraph", rng: np.random.Generator) -> dict:
     """Random values for every Placeholder of the step: floats ~ N(0, 1), integers in {0, 1}
     (valid class ids and token ids for any model), the batch axis at the graph's batch size."""
-    from tag.backend.runtime.inputs import random_input
     feeds = {}
     for op in graph.ops:
         if op.type != "Placeholder":
@@ -305,7 +310,6 @@ def measure_matmul_rates(shapes: Sequence[tuple[str, int, int, int]], peak: floa
     of the product grouped into one session run of about TARGET_S seconds at half of PEAK (so a small product's
     time is its kernels, not the session's), ops one at a time, the median of RUNS runs after one warm-up.
     One graph per (variant, m)."""
-    from tag.cost.matmul_table import VARIANTS
     by_group: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for v, m, k, n in shapes:
         if v not in VARIANTS:
@@ -341,7 +345,6 @@ def measure_matmul_table(peak: float, device_type: str = "CPU", sides: Sequence[
     """The MatMul efficiency table of this device (``tag.cost.matmul_table``): every variant on the grid of
     SIDES (default ``DEFAULT_SIDES``) up to ``GRID_MAX_FLOPS`` (2^32) FLOPs per product, as fractions of PEAK.
     About three minutes on one CPU core."""
-    from tag.cost.matmul_table import DEFAULT_SIDES, grid_shapes, table_from_rates
     sides = tuple(sides or DEFAULT_SIDES)
     return table_from_rates(measure_matmul_rates(grid_shapes(sides), peak, device_type), peak, sides)
 
@@ -376,7 +379,6 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
     and cost MatMul ops by their shape (``tag.cost.matmul_table``), at the level the calibration graphs'
     MatMuls run at (``Fit.matmul_scale``).
     """
-    from tag.cost.model import Profile
     items = [(graph_def, graph, model or graph.name or "graph"), *more]
     ms = [measure_step(gd, g, steps=steps, device_type=device_type, seed=seed, sustain_s=sustain_s if i == 0 else 0.0)
           for i, (gd, g, _) in enumerate(items)]
@@ -411,7 +413,6 @@ def profile_like(base: "Profile", graph_def, graph: "TrainingGraph", *, device_t
     Kernel times cannot be traced on a time-sliced device: its fastest kernels run at full speed between
     the slices it is denied, while its steps do not. The ratio of sustained steps is the speed it keeps up.
     """
-    from tag.cost.model import Profile
     types = [base_type] if base_type else list(base.devices)
     if len(types) != 1 or types[0] not in base.devices:
         raise TagError(f"the base profile describes {', '.join(sorted(base.devices)) or 'no device'}: name the "
@@ -497,7 +498,6 @@ def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence
 def median_step(graph_def, target: str, steps: int, init: str | None = "init") -> float:
     """The median of STEPS timed steps (after two warm-up steps) of a calibration graph whose step op is
     ``step`` (no loss), on TARGET."""
-    from tag.backend.runtime import run_steps
     r = run_steps(graph_def, target, train_op="step", loss=None, init=init, steps=steps + 2, warmup=2)
     return float(np.median(r.step_times[2:]))
 
@@ -646,9 +646,6 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
     it what each further tensor costs at each end (``tensor_cpu_s``, the mean of both ends), the largest size
     what each byte costs at each end (``byte_cpu_s``); ``cpu_flops`` is a one-thread MatMul's FLOP/s here.
     """
-    from tag.cost.model import NetworkProfile
-    from tag.backend.runtime import run_steps
-    from tag.backend.runtime.guard import RunControl
     def step(graph_def) -> tuple[float, np.ndarray | None]:
         """The median timed step of GRAPH_DEF and, with PIDS, the CPU seconds per step of (near, far) over the
         timed steps (the processes' CPU time after the warm-up steps and after the last: setup not counted)."""
@@ -711,8 +708,6 @@ def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[i
 
 def profile_network(*, threads_per_worker: int = 1, steps: int = 12) -> "NetworkProfile":
     """Start two local TF servers (one ``threads_per_worker``-thread worker each) and measure_network()."""
-    from tag.backend.runtime import LocalCluster, free_ports
-    from tag.cluster.topology import parse_topology
     ports = free_ports(2)
     text = "\n".join(f'host {{ name: "net{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                      f'count: 1 memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
