@@ -96,7 +96,7 @@ TUNE_PAIRED_ROUNDS = 4
 TUNE_HOPELESS = 3.0
 #: the best pipeline is measured whenever it is predicted within this factor of the fastest prediction (a role, as
 #: the plan's): on bench_e2e's configuration G the transformer's pipeline ran 14% faster than predicted (run 37)
-#: and its one-host step 8% and 34% slower (runs 38, 39, the machine's drift included: scripts/probe_host_drift.py),
+#: and its one-host step 8% and 34% slower (runs 38, 39, the machine's drift included, as a host-drift probe showed),
 #: so a pipeline predicted 1.26-1.56x one host can win
 TUNE_PIPELINE_WITHIN = 1.5
 BEST_UNIFORM = "best_uniform"

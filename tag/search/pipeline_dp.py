@@ -298,7 +298,7 @@ def pipeline_dp(env: SearchEnv, *, micro_batches: tuple[int, ...] = MICRO_BATCHE
     """Search pipelines for ENV's graph and topology (module docstring): the fastest feasible simulated one,
     then hill-climbing from it (cuts moved by one or two groups, M doubled or halved, the other schedules;
     at most REFINE_EVALUATIONS more simulations). SEQUENCES: the stage device-set sequences to try (default
-    ``stage_device_sets``; scripts/probe_stage_order.py passes one order)."""
+    ``stage_device_sets``; a caller may pass one order to try only it)."""
     t0 = time.perf_counter()
     sim, topo, batch = env.simulator, env.topology, env.batch_size
     G = env.num_groups

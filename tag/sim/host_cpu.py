@@ -31,7 +31,7 @@ end at ``end`` while a lane of one of its CPU devices is busy until ``free`` del
 ``sync_serial_ps`` (``NetworkProfile``). On the testbed a ring all-reduce of one convolution's gradient,
 issued mid-backward on hosts of one and two quarter cores, took 70-80 ms beside the backward pass instead of
 about 20 ms after it; the step ran 133-136 ms against 115-130 ms when that gradient went to the parameter server
-like the others (``scripts/probe_mixed_sync.py``).
+like the others (a one-off probe of the testbed; its figures are kept in docs/).
 
 Example::
 

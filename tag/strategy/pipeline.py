@@ -157,9 +157,9 @@ class Pipeline:
     def in_name_only(self) -> bool:
         """One micro-batch through stages that all sit on the same devices: the same per-group actions under
         another name, never offered as a pipeline (``tag.search.driver``). B/cnn in bench_fidelity runs 13-14:
-        such a "pipeline" (two stages on all three hosts) was the benchmark's max regret;
-        ``scripts/bench_in_name_only.py`` measured one predicted 13% faster than the same actions without it
-        run 46% slower (192.5 against 132.1 ms)."""
+        such a "pipeline" (two stages on all three hosts) was the benchmark's max regret; a one-off benchmark
+        (its figures are in docs/) measured one predicted 13% faster than the same actions without it run 46%
+        slower (192.5 against 132.1 ms)."""
         return self.micro_batches == 1 and self.on_one_placement
 
     def group_order(self) -> list[int]:

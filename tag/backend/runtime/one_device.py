@@ -3,7 +3,7 @@
 A plan that puts every op on one device needs no cluster, and a user would not start one for it: they would run
 the training step in one process on that host. Through tag's servers the same step pays a master, a worker
 session and gRPC calls every step: the transformer's one-device step (batch 384) measured 586 ms through its
-server against 557 ms in a process of its own on the same testbed host (``scripts/probe_host_drift.py``,
+server against 557 ms in a process of its own on the same testbed host (a host-drift probe,
 docs/measured/issue22-e2e). So a cluster that can start a process on the device's host (``LocalCluster``:
 loopback hosts, or the testbed's namespaces) runs such a program here, as its worker would, with the same
 threads and environment; remote clusters keep the server path.
