@@ -4,6 +4,7 @@ Example::
 
     import tag
     plan = tag.optimize(graph_def, "topologies/lab-v100-1080ti.pbtxt")   # search + rewrite: a tag.Plan
+    plan = tag.optimize(graph_def, "topologies/lab-v100-1080ti.pbtxt", options=tag.SearchOptions(playouts=200))
     plan.report(); plan.save("plan/")
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 
-from tag.errors import GraphError, MemoryBudgetError, RewriteError, StrategyError, TagError, TopologyError
+from tag.errors import (GraphError, MemoryBudgetError, OptionError, RewriteError, StrategyError, TagError,
+                        TopologyError)
 
 __version__ = "0.1.0"
 
@@ -29,14 +31,15 @@ _LAZY = {
     "Strategy": ("tag.strategy.types", "Strategy"),
     "Action": ("tag.strategy.types", "Action"),
     "optimize": ("tag.api", "optimize"),
-    "Plan": ("tag.api", "Plan"),
+    "Plan": ("tag.plan", "Plan"),
+    "SearchOptions": ("tag.options", "SearchOptions"),
     "rewrite": ("tag.api", "rewrite"),
     "find_entry_points": ("tag.frontend.entry_points", "find_entry_points"),
     "train": ("tag.training", "train"),
 }
 
 __all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",
-           *_LAZY]
+           "OptionError", *_LAZY]
 
 
 def __getattr__(name: str):

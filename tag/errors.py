@@ -22,6 +22,20 @@ class RewriteError(TagError):
     """The graph cannot be rewritten for a strategy; the message names the op."""
 
 
+class OptionError(TagError):
+    """A search option (``tag.options.SearchOptions``) is outside what it allows. ``field`` names it; the
+    message's template holds ``{name}`` where the name goes, so ``named("--budget")`` words the same message
+    for a command-line flag."""
+
+    def __init__(self, field: str, template: str):
+        super().__init__(template.replace("{name}", field))
+        self.field, self.template = field, template
+
+    def named(self, name: str) -> str:
+        """The message with NAME (a flag) in place of the field's name."""
+        return self.template.replace("{name}", name)
+
+
 class MemoryBudgetError(TagError):
     """No strategy fits the devices' memory.
 

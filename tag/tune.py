@@ -66,10 +66,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tag.errors import TagError
+from tag.options import check_k
+from tag.plan import Plan, plan_for
 from tag.strategy.baselines import BUILTIN_STRATEGIES, hosts_used, one_device_placement
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from tag.api import Plan
     from tag.cluster.topology import Topology
     from tag.strategy.types import Strategy
 
@@ -180,15 +181,6 @@ def strategy_key(strategy: "Strategy", topology: "Topology | None" = None) -> st
             return f"on devices {list(where)}"
     d = strategy.to_dict()
     return json.dumps({k: v for k, v in d.items() if k not in ("name", "grouping")}, sort_keys=True)
-
-
-def check_k(k: Any, what: str = "tune_k") -> int | None:
-    """K as a positive int (None: the default); TagError for anything else."""
-    if k is None:
-        return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise TagError(f"{what} must be a positive number of candidates to measure, got {k!r}")
-    return k
 
 
 def distinct_candidates(plan: str, strategies: Mapping[str, "Strategy"], predicted: Mapping[str, float],
@@ -470,7 +462,6 @@ def kept_plan(plan: "Plan", kept: Candidate, fields: dict[str, Any]) -> "Plan":
     import copy
     import dataclasses
 
-    from tag.api import plan_for
     note = (f"tuned on the cluster: {len(fields['candidates'])} candidates measured in {fields['seconds']:.1f} s; "
             + ("the plan was measured fastest" if kept.name == plan.method else
                f"{kept.name} was measured fastest and replaces the plan {plan.method}"))

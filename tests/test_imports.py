@@ -33,5 +33,5 @@ def test_public_names_resolve():
     import tag
     for name in ("load_topology", "parse_topology", "Topology", "analyze", "TrainingGraph", "zoo", "Strategy",
                  "Action", "TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError",
-                 "MemoryBudgetError"):
+                 "MemoryBudgetError", "OptionError", "SearchOptions", "Plan"):
         assert getattr(tag, name) is not None, name

@@ -58,8 +58,9 @@ from tqdm import tqdm
 
 from tag.cli.common import ArgumentParser, add_verbose, run_cli
 from tag.files import write_atomic
-from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, write_tensorboard_dir
-from tag.errors import StrategyError, TagError
+from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, tune_k, write_tensorboard_dir
+from tag.errors import OptionError, StrategyError, TagError
+from tag.options import SearchOptions
 from tag.report import finite, format_table, report_json
 
 DEFAULT_GROUPS = 64
@@ -124,9 +125,8 @@ def _searching(args: argparse.Namespace) -> bool:
     return args.strategy is None and args.strategy_file is None
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Cheap checks before anything heavy is built."""
-    from tag.search.orders import ORDERS
+def _check_args(args: argparse.Namespace) -> SearchOptions:
+    """Cheap checks before anything heavy is built; the search options of the flags."""
     from tag.strategy.baselines import BUILTIN_STRATEGIES
     if args.strategy is not None and args.strategy not in BUILTIN_STRATEGIES:
         raise StrategyError(f"unknown strategy {args.strategy!r} (known: {', '.join(BUILTIN_STRATEGIES)}; "
@@ -140,19 +140,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if search_flags and not _searching(args):
         raise TagError(f"{', '.join(search_flags)}: search options, but --strategy/--strategy-file turn the "
                        f"search off")
-    if args.budget is not None and not args.budget > 0:
-        raise TagError(f"--budget must be a positive number of seconds, got {args.budget:g}")
-    if args.playouts is not None and args.playouts < 1:
-        raise TagError(f"--playouts must be positive, got {args.playouts}")
-    if args.min_gain is not None and not 0 <= args.min_gain < 10:
-        raise TagError(f"--min-gain must be between 0 and 10 (a fraction: 0.05 = 5%), got {args.min_gain:g}")
-    if args.mixed_min_gain is not None and not 0 <= args.mixed_min_gain < 10:
-        raise TagError(f"--mixed-min-gain must be between 0 and 10 (a fraction: 0.10 = 10%), "
-                       f"got {args.mixed_min_gain:g}")
+    options = search_options(args)
     from tag.cost.precision import check_plan_precision
     check_plan_precision(args.precision)
-    if args.order is not None and args.order not in ("auto", *ORDERS):
-        raise TagError(f"unknown --order {args.order!r} (known: auto, {', '.join(ORDERS)})")
     for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise TagError(f"{flag} must be positive, got {value}")
@@ -163,6 +153,24 @@ def _check_args(args: argparse.Namespace) -> None:
     check_run_arguments(args)
     if args.strategy_file is not None and not os.path.exists(args.strategy_file):
         raise TagError(f"--strategy-file {args.strategy_file}: no such file or plan directory")
+    return options
+
+
+#: the flag of each SearchOptions field tag-deploy sets (sfb and pipeline come from --no-sfb / --no-pipeline)
+OPTION_FLAGS = {"budget_s": "--budget", "playouts": "--playouts", "order": "--order", "seed": "--seed",
+                "prior": "--prior", "min_gain": "--min-gain", "mixed_min_gain": "--mixed-min-gain",
+                "tune_k": "--tune"}
+
+
+def search_options(args: argparse.Namespace) -> SearchOptions:
+    """The search and tuning settings of ARGS' flags as one ``SearchOptions``, which checks them; a value out of
+    range is its one-line message with the flag's name (exit 2)."""
+    try:
+        return SearchOptions.of(budget_s=args.budget, playouts=args.playouts, order=args.order, seed=args.seed,
+                                prior=args.prior, sfb=not args.no_sfb, pipeline=not args.no_pipeline,
+                                min_gain=args.min_gain, mixed_min_gain=args.mixed_min_gain, tune_k=tune_k(args))
+    except OptionError as err:
+        raise TagError(err.named(OPTION_FLAGS.get(err.field, err.field))) from None
 
 
 def _load_profile(path: str | None):
@@ -172,8 +180,8 @@ def _load_profile(path: str | None):
 
 
 def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
-    """Build the model and prepare it (``tag.api.prepare``: entry points, IR, op groups, cost model)."""
-    from tag.api import prepare
+    """Build the model and prepare it (``tag.plan.prepare``: entry points, IR, op groups, cost model)."""
+    from tag.plan import prepare
     # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     with tqdm(total=2, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
@@ -193,8 +201,8 @@ def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
     return analysis
 
 
-def _search(args: argparse.Namespace, analysis) -> Any:
-    """``tag.api.search_plan`` with a progress bar: playouts, playouts/s, best speedup so far."""
+def _search(args: argparse.Namespace, analysis, options: SearchOptions) -> Any:
+    """``tag.api.search_plan`` with OPTIONS and a progress bar: playouts, playouts/s, best speedup so far."""
     from tag.api import search_plan
     with tqdm(total=args.playouts, desc="search", unit="playout", disable=not sys.stderr.isatty(),
               leave=False) as bar:
@@ -204,10 +212,7 @@ def _search(args: argparse.Namespace, analysis) -> Any:
             if p.total is not None and p.playouts >= p.total:
                 bar.refresh()           # the last playout is shown whatever the refresh interval
 
-        plan = search_plan(analysis, budget_s=args.budget, playouts=args.playouts, order=args.order or "auto",
-                           seed=args.seed or 0, progress=progress, sfb=not args.no_sfb,
-                           prior=args.prior or "uniform", min_gain=args.min_gain, pipeline=not args.no_pipeline,
-                           mixed_min_gain=args.mixed_min_gain)
+        plan = search_plan(analysis, options=options, progress=progress)
         bar.refresh()
         return plan
 
@@ -228,10 +233,10 @@ def _kept_report(plan_report: dict, kept_report: dict, notes: list[str]) -> dict
 
 def _body(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
-    _check_args(args)
+    options = _check_args(args)
     if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
         raise TagError("--run is not available yet")
-    from tag.api import load_strategy, plan_for, strategy_report
+    from tag.plan import load_strategy, plan_for, strategy_report
     from tag.cluster.topology import load_topology
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
@@ -253,7 +258,7 @@ def _body(argv: Sequence[str]) -> int:
     analysis = _analysis(args, topology, profile, saved)
     plan = None
     if _searching(args):
-        plan = _search(args, analysis)
+        plan = _search(args, analysis, options)
         report, name, strategy = plan.report(), plan.method, plan.strategy
     else:
         name, strategy, report = strategy_report(analysis, args.strategy or saved,
@@ -273,7 +278,8 @@ def _body(argv: Sequence[str]) -> int:
             where = f", pipeline stage {', '.join(map(str, stages))}" if stages else ""
             raise TagError(f"--run: the plan {name!r} does not fit in the devices' memory (out of memory on "
                            f"{', '.join(report.get('oom_devices', [])) or 'some device'}{where}); nothing was run")
-        outcome = run_plan(args, analysis, name, strategy, report, plan.candidates if plan is not None else None)
+        outcome = run_plan(args, analysis, name, strategy, report, plan.candidates if plan is not None else None,
+                           k=options.tune_k)
         if outcome.name != name:        # --tune measured another candidate faster: it is the plan now
             name, strategy = outcome.name, outcome.strategy
             plan = plan_for(analysis, strategy, name=name)

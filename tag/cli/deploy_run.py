@@ -111,23 +111,22 @@ TUNE_DEFAULT = "default"          # --tune without K
 VERIFY_K = 2                      # --verify is --tune 2
 
 
-def tune_k(args: argparse.Namespace) -> int | None:
-    """--tune's K (None: the default K); call only when tuning (``args.tune`` set, or ``--verify``)."""
+def tune_k(args: argparse.Namespace) -> int | str | None:
+    """--tune's K as given (None: the default K, or no tuning; ``--verify``: ``VERIFY_K``); text that is not a
+    number stays text, for ``SearchOptions.tune_k`` to refuse with the rest of the options."""
     if args.tune is None:
-        return VERIFY_K
-    return None if args.tune == TUNE_DEFAULT else int(args.tune)
+        return VERIFY_K if args.verify else None
+    if args.tune == TUNE_DEFAULT:
+        return None
+    try:
+        return int(args.tune)
+    except ValueError:
+        return args.tune
 
 
 def _check_tune_arguments(args: argparse.Namespace) -> None:
     if args.verify and args.tune is not None:
         raise TagError("--verify is --tune 2: give one of them")
-    if args.tune not in (None, TUNE_DEFAULT):
-        try:
-            k = int(args.tune)
-        except ValueError:
-            raise TagError(f"--tune must be a positive number of candidates to measure, got {args.tune!r}") from None
-        if k < 1:
-            raise TagError(f"--tune must be a positive number of candidates to measure, got {k}")
     if (args.verify or args.tune is not None) and args.resume:
         raise TagError(f"{'--verify' if args.verify else '--tune'} and --resume exclude each other: the checkpoint "
                        f"fixes the strategy")
@@ -165,12 +164,12 @@ def _control(args: argparse.Namespace, **kw: Any) -> Any:
 
 
 def _tuned(args: argparse.Namespace, analysis: Any, cluster: Any, name: str, strategy: Any,
-           report: dict[str, Any], searched: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+           report: dict[str, Any], searched: dict[str, Any], k: int | None) -> tuple[str, Any, dict[str, Any]]:
     """``--tune K``: measure the K most promising distinct candidates on CLUSTER (``tag.tune``); (the name and
     strategy to train: the fastest measured, the report's ``tune`` keys)."""
     from tag.report import format_tune
     from tag.tune import analysis_candidates, candidate_runner, choose, tune, tune_fields
-    chosen = choose(analysis_candidates(analysis, name, strategy, report, searched), tune_k(args))
+    chosen = choose(analysis_candidates(analysis, name, strategy, report, searched), k)
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(f"{PROG}: tune: measuring {len(chosen)} candidates: {', '.join(c.name for c in chosen)}")
     measure = candidate_runner(analysis, cluster, step_timeout_s=args.step_timeout)
@@ -183,10 +182,10 @@ def _tuned(args: argparse.Namespace, analysis: Any, cluster: Any, name: str, str
 
 
 def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, report: dict[str, Any],
-             searched: dict[str, Any] | None = None) -> RunOutcome:
+             searched: dict[str, Any] | None = None, *, k: int | None = None) -> RunOutcome:
     """Deploy strategy NAME (predicted in REPORT) and the dp_allreduce baseline on one cluster start, after
-    ``--tune`` has measured the most promising candidates (SEARCHED: name -> each search step's best and the
-    built-ins, ``Plan.candidates``) and kept the fastest."""
+    ``--tune`` has measured the K most promising candidates (``SearchOptions.tune_k``, None: the default K;
+    SEARCHED: name -> each search step's best and the built-ins, ``Plan.candidates``) and kept the fastest."""
     from tag.backend.runtime.guard import RunEvent
     from tag.backend.runtime.measure import measure_strategies, open_cluster
     from tag.report import measured_fields
@@ -199,7 +198,7 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
                                     batch_size=analysis.batch, train_op=entry.train_op, loss=entry.loss,
                                     init=entry.init, cluster=cluster)
         if args.verify or args.tune is not None:
-            name, strategy, fields = _tuned(args, analysis, cluster, name, strategy, report, searched or {})
+            name, strategy, fields = _tuned(args, analysis, cluster, name, strategy, report, searched or {}, k)
         if args.input is not None:      # train on the user's data sets; nothing else is timed
             fields.update(train_on_input(args, analysis, name, strategy, cluster,
                                          _control(args, watchdog=cluster.watchdog),

@@ -1,0 +1,360 @@
+"""A Plan: the training step rewritten for a strategy, how it was chosen, and its files.
+
+``prepare`` builds, once, everything a search or a rewrite needs (an ``Analysis``): the entry points
+(``tag.frontend.entry_points``: the step op, the loss and the initialiser of any TF1 training graph), the IR
+(``tag.analyze``), the op groups (``group_ops``) and the cost model (a ``Profile``, a path to one, or None for
+the built-in defaults). ``plan_for`` makes a Plan of a given strategy: it simulates it beside the built-ins
+(``strategy_report``) and rewrites the graph for it (``tag.backend.rewrite``). The search that chooses the
+strategy (``tag.optimize``, ``tag.api.search_plan``) and the measured tuning step (``tag.tune``) both end here.
+
+A saved plan is a directory of plain files (no pickle): ``graph.pb`` (the rewritten GraphDef, binary
+protobuf), ``strategy.pb`` (``Strategy.to_proto()``), ``report.json`` and ``plan.json`` (format
+version, entry-point names, batch size, topology name). ``load_strategy`` reads the strategy back from a
+plan directory or a bare ``strategy.pb``.
+
+Example::
+
+    import tag
+    from tag.plan import plan_for, prepare
+
+    analysis = prepare(tag.zoo.training_graph("mlp", 32), "topologies/localhost.pbtxt")
+    plan = plan_for(analysis, "dp_allreduce")        # a built-in name or a Strategy
+    plan.save("plan/")                               # graph.pb, strategy.pb, report.json, plan.json
+    plan = tag.Plan.load("plan/")
+    # sess.run(plan.init); sess.run([plan.train_op, plan.loss], {"x:0": xs, "y:0": ys})
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tag.cluster.topology import Topology, load_topology
+from tag.cost.model import CostModel, Profile
+from tag.cost.precision import check_plan_precision
+from tag.cost.speeds import device_speeds
+from tag.errors import GraphError, StrategyError, TagError
+from tag.files import decode_json, finite, read_input_file, write_atomic
+from tag.report import build_report, pipeline_fields
+from tag.sim import Simulator
+from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
+from tag.strategy.grouping import group_ops
+from tag.strategy.types import Grouping, Strategy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.backend.rewrite import RewriteResult
+    from tag.ir.types import TrainingGraph
+
+__all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "strategy_report",
+           "DEFAULT_GROUPS", "PLAN_FORMAT", "PLAN_VERSION"]
+
+PLAN_FORMAT = "tag-plan"
+PLAN_VERSION = 1
+GRAPH_FILE, STRATEGY_FILE, REPORT_FILE, PLAN_FILE = "graph.pb", "strategy.pb", "report.json", "plan.json"
+DEFAULT_GROUPS = 64
+_MAX_FILE_BYTES = 2 << 30
+
+
+@dataclass
+class Plan:
+    """A rewritten training step and how it was chosen (module docstring).
+
+    ``graph_def``: the rewritten GraphDef (every node on a ``/job:worker/task:T/device:...`` device).
+    ``strategy``: the chosen ``Strategy``. ``predicted_step_time``: seconds. ``baselines``: name ->
+    predicted seconds of every built-in strategy and of each search step (``best_uniform``, ``mcts``).
+    ``train_op`` / ``loss`` / ``init``: names to run in ``graph_def``. ``inputs``: the batch inputs to
+    feed (full global batches). ``method``: which step found the strategy. ``candidates``: name -> the
+    best strategy of each search step and each built-in (a plan made by a search in this process; not saved),
+    what the measured tuning step (``tag.tune``) chooses from.
+    """
+
+    graph_def: Any = field(repr=False)
+    strategy: "Strategy" = field(repr=False)
+    predicted_step_time: float
+    baselines: dict[str, float]
+    train_op: str
+    loss: str | None
+    init: str | None
+    batch_size: int
+    topology: str
+    inputs: list[str] = field(default_factory=list)
+    method: str = ""
+    notes: list[str] = field(default_factory=list)
+    _report: dict = field(default_factory=dict, repr=False)
+    analysis: "Analysis | None" = field(default=None, repr=False, compare=False)   # not saved
+    candidates: dict = field(default_factory=dict, repr=False, compare=False)      # not saved
+
+    def report(self) -> dict:
+        """The plan's report: a JSON-serialisable dict (keys in ``tag.report``; a copy)."""
+        return copy.deepcopy(self._report)
+
+    def trace(self) -> dict:
+        """The simulated step as a Chrome trace (chrome://tracing, Perfetto); needs ``analysis`` (a plan
+        made in this process, not a loaded one)."""
+        if self.analysis is None:
+            raise TagError("a loaded plan has no analysis to simulate; run tag.optimize again for a trace")
+        return self.analysis.simulator().trace(self.strategy, batch_size=self.batch_size)
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write the plan's four files into DIRECTORY (created if needed); returns its path."""
+        directory = os.fspath(directory)
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise TagError(f"{directory}: exists and is not a directory")
+        os.makedirs(directory, exist_ok=True)
+        meta = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "train_op": self.train_op, "loss": self.loss,
+                "init": self.init, "inputs": list(self.inputs), "batch_size": int(self.batch_size),
+                "topology": self.topology, "method": self.method, "model": self._report.get("model", ""),
+                "predicted_step_time_s": float(self.predicted_step_time), "notes": list(self.notes)}
+        files = {GRAPH_FILE: self.graph_def.SerializeToString(deterministic=True),
+                 STRATEGY_FILE: self.strategy.to_proto().SerializeToString(deterministic=True),
+                 REPORT_FILE: _json_text(self._report).encode(),
+                 PLAN_FILE: _json_text(meta).encode()}
+        for name, data in files.items():
+            write_atomic(os.path.join(directory, name), data)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Plan":
+        """Read a plan written by ``save``; TagError naming the file that is missing or bad."""
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise TagError(f"{directory}: not a plan directory (expected {PLAN_FILE}, {GRAPH_FILE}, ...)")
+        meta = _read_plan_json(os.path.join(directory, PLAN_FILE))
+        report = _read_json(os.path.join(directory, REPORT_FILE), "plan report")
+        if not isinstance(report, dict):
+            raise TagError(f"{os.path.join(directory, REPORT_FILE)}: expected a JSON object")
+        strategy = _read_strategy(os.path.join(directory, STRATEGY_FILE))
+        graph_def = _read_graph_def(os.path.join(directory, GRAPH_FILE))
+        nodes = {n.name for n in graph_def.node}
+        for key in ("train_op", "loss", "init"):
+            if meta[key] is not None and meta[key] not in nodes:
+                raise TagError(f"{os.path.join(directory, PLAN_FILE)}: {key} {meta[key]!r} is not in {GRAPH_FILE}")
+        baselines = report.get("baselines") or {}
+        return cls(graph_def, strategy, float(meta["predicted_step_time_s"]),
+                   {str(k): (float(v) if v is not None else float("inf")) for k, v in baselines.items()},
+                   meta["train_op"], meta["loss"], meta["init"], int(meta["batch_size"]), meta["topology"],
+                   list(meta.get("inputs", [])), str(meta.get("method", "")), list(meta.get("notes", [])), report)
+
+
+@dataclass
+class Analysis:
+    """Everything a search or a rewrite needs, built once (``prepare``); a Plan made in this process keeps
+    it as ``plan.analysis`` (a loaded plan has none)."""
+
+    model: str
+    graph_def: Any             # the user's graph plus the entry points' made-up nodes
+    entry: Any                 # tag.frontend.entry_points.EntryPoints
+    graph: "TrainingGraph"
+    topology: "Topology"
+    grouping: "Grouping"
+    cost_model: "CostModel"
+    batch: int
+    profile_source: str | None
+    precision: str = "fp32"    # tag.cost.precision.PLAN_PRECISIONS: what the graph was rewritten / costed for
+    xla: bool = False          # element-wise chains costed as XLA fuses them
+    _simulator: Any = field(default=None, repr=False)
+
+    def simulator(self) -> "Simulator":
+        """The step simulator of this graph, grouping and topology (built on first use)."""
+        if self._simulator is None:
+            self._simulator = Simulator(self.graph, self.topology, self.grouping, self.cost_model)
+        return self._simulator
+
+    def builtin(self, name: str) -> "Strategy":
+        """The built-in strategy NAME for this graph and topology."""
+        return builtin_strategy(name, self.graph, self.topology, self.grouping, self.cost_model,
+                                device_speeds(self.cost_model, self.batch))
+
+    def rewrite(self, strategy: "Strategy") -> "RewriteResult":
+        """The graph rewritten for STRATEGY (entry points as found or given)."""
+        from tag.backend.rewrite import rewrite as rewrite_graph
+        rr = rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
+                           train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
+        if self.xla:      # the deployed graph fuses what the cost model costs as fused
+            from tag.frontend.precision import mark_for_xla
+            mark_for_xla(rr.graph_def)
+        return rr
+
+
+def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,
+            profile: "Profile | str | os.PathLike | None" = None, groups: int = DEFAULT_GROUPS,
+            grouping: "Grouping | None" = None, train_op: str | None = None, loss: str | None = None,
+            init: str | None = None, name: str | None = None, precision: str | None = None,
+            xla: bool = False) -> Analysis:
+    """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
+    and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``tag.optimize``."""
+    from tag.frontend.analyze import analyze
+    from tag.frontend.precision import apply_precision
+    from tag.frontend.entry_points import find_entry_points
+    from tag.frontend.graph_import import coerce_graph_def
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise TagError(f"groups must be a positive integer, got {groups!r}")
+    precision = check_plan_precision(precision)
+    topo = _topology(topology)
+    prof, prof_source = _profile(profile)
+    gd = coerce_graph_def(graph_def)
+    entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
+    gd = entry.apply(gd)
+    gd = apply_precision(gd, precision, train_op=entry.train_op, loss=entry.loss, init=entry.init)
+    graph = analyze(gd, batch_size=batch_size, name=name or "")
+    batch = int(batch_size if batch_size is not None else graph.batch_size)
+    if batch < topo.num_devices:
+        raise TagError(f"the global batch {batch} is smaller than the {topo.num_devices} devices of "
+                       f"{topo.name}; data parallelism needs at least one example per device (a larger batch: "
+                       "batch_size= in tag.optimize, --batch in tag-deploy)")
+    if grouping is None:
+        grouping = group_ops(graph, target_groups=int(groups))
+    elif len(grouping.group_of_op) != len(graph.ops):
+        raise StrategyError(f"the strategy was made for a graph of {len(grouping.group_of_op)} ops; this graph "
+                            f"has {len(graph.ops)} (another model, or another batch size?)")
+    model = name or graph.name or "model"
+    cost_model = CostModel(graph, topo, prof, tf32=precision == "tf32", xla=bool(xla))
+    return Analysis(model, gd, entry, graph, topo, grouping, cost_model, batch, prof_source, precision, bool(xla))
+
+
+def _topology(topology: Any) -> "Topology":
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, bytes, os.PathLike)):
+        return load_topology(topology)
+    raise TagError(f"topology must be a tag.Topology or a path to a .pbtxt file, got {type(topology).__name__}")
+
+
+def _profile(profile: Any) -> tuple["Profile | None", str | None]:
+    if profile is None or isinstance(profile, Profile):
+        return profile, (profile.source or "given") if profile is not None else None
+    if isinstance(profile, (str, os.PathLike)):
+        return Profile.load(profile), os.fspath(profile)
+    raise TagError(f"profile must be a tag Profile, a path to a profile JSON file or None, "
+                   f"got {type(profile).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------ a given strategy
+def strategy_report(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None,
+                    ) -> tuple[str, "Strategy", dict]:
+    """Simulate a given STRATEGY (a Strategy or a built-in name) beside the built-ins, without search or
+    rewrite: (its name in the report, the Strategy, the report). NAME labels it (default: the strategy's
+    name, or "given")."""
+    if isinstance(strategy, str):
+        name, strategy = strategy, analysis.builtin(strategy)
+    name = name or strategy.name or "given"
+    sim = analysis.simulator()
+    results = {n: sim.evaluate(analysis.builtin(n), batch_size=analysis.batch) for n in BUILTIN_STRATEGIES}
+    results.setdefault(name, sim.evaluate(strategy, batch_size=analysis.batch))
+    sfb_fields = {}
+    if strategy.sfb:
+        plain = sim.evaluate(dataclasses.replace(strategy, sfb=[]), batch_size=analysis.batch)
+        applied = sim.sfb.plan(strategy, strategy.actions, sim.layouts, analysis.batch).variables
+        sfb_fields = {"sfb_gradients": list(applied),
+                      "sfb_bytes_saved": int(round(plain.comm_bytes - results[name].comm_bytes))}
+    report = plan_report(analysis, name, results, {n: float(r.step_time) for n, r in results.items()},
+                         {n: bool(r.feasible) for n, r in results.items()},
+                         {"search_seconds": 0.0, "evaluations": len(results), "method": name,
+                          "reference": "dp_allreduce", "notes": [], **sfb_fields,
+                          **pipeline_fields(strategy, analysis.topology, results[name])})
+    return name, strategy, report
+
+
+def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None = None) -> Plan:
+    """A Plan for a given STRATEGY (``strategy_report``, then the graph rewritten for it)."""
+    _, strategy, report = strategy_report(analysis, strategy, name=name)
+    return make_plan(analysis, strategy, report)
+
+
+def make_plan(analysis: Analysis, strategy: "Strategy", report: dict) -> Plan:
+    """The Plan of STRATEGY with REPORT (``plan_report``'s keys): the graph rewritten for it, the notes of both."""
+    rr = analysis.rewrite(strategy)
+    report["rewritten"] = {"train_op": rr.train_op, "loss": rr.loss, "init": rr.init, "inputs": list(rr.inputs),
+                           "nodes": len(rr.graph_def.node)}
+    notes = list(report["notes"]) + list(rr.notes)
+    plan = Plan(rr.graph_def, strategy, float(report["predicted_step_time_s"]), dict(report["baselines"]),
+                rr.train_op, rr.loss, rr.init, analysis.batch, analysis.topology.name, list(rr.inputs),
+                report["method"], notes, report)
+    plan.analysis = analysis
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------ report
+def plan_report(analysis: Analysis, name: str, results: dict, baselines: dict, feasible: dict,
+                 extra: dict) -> dict:
+    """The plan report: tag.report's keys for strategy NAME (RESULTS: name -> SimResult, with NAME and the built-ins),
+    every compared strategy's time (BASELINES, FEASIBLE) and what EXTRA adds."""
+    report = build_report(analysis.model, analysis.topology, analysis.grouping, name, results, analysis.batch)
+    report.update({
+        "baselines": {n: float(t) for n, t in baselines.items()},
+        "baselines_feasible": {n: bool(f) for n, f in feasible.items()},
+        "sfb_bytes_saved": 0,
+        "profile": analysis.profile_source,
+        "precision": analysis.precision, "xla": analysis.xla,
+        "entry_points": {"train_op": analysis.entry.train_op, "loss": analysis.entry.loss,
+                         "init": analysis.entry.init, "found": list(analysis.entry.notes)},
+        **extra})
+    return finite(report)
+
+
+def load_strategy(path: str | os.PathLike) -> tuple["Strategy", int | None]:
+    """The Strategy saved at PATH (a ``strategy.pb`` file or a plan directory) and, for a plan directory,
+    the batch size it was planned for (None for a bare strategy file). TagError names a bad file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        meta = _read_plan_json(os.path.join(path, PLAN_FILE))
+        return _read_strategy(os.path.join(path, STRATEGY_FILE)), int(meta["batch_size"])
+    if not os.path.exists(path):
+        raise StrategyError(f"{path}: no such file or plan directory")
+    return _read_strategy(path), None
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _json_text(obj: Any) -> str:
+    return json.dumps(finite(obj), indent=2) + "\n"
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    return read_input_file(path, what=what, limit=_MAX_FILE_BYTES)
+
+
+def _read_json(path: str, what: str) -> Any:
+    return decode_json(_read_bytes(path, what), path, not_text=f"not UTF-8 text ({what})", not_json="not valid JSON")
+
+
+def _read_plan_json(path: str) -> dict:
+    meta = _read_json(path, "plan description")
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        raise TagError(f"{path}: not a tag plan description (no \"format\": \"{PLAN_FORMAT}\")")
+    if meta.get("version") != PLAN_VERSION:
+        raise TagError(f"{path}: unsupported plan version {meta.get('version')!r} (this tag reads {PLAN_VERSION})")
+    for key, types in (("train_op", (str,)), ("loss", (str, type(None))), ("init", (str, type(None))),
+                       ("batch_size", (int,)), ("topology", (str,)), ("predicted_step_time_s", (int, float))):
+        if not isinstance(meta.get(key), types) or isinstance(meta.get(key), bool):
+            raise TagError(f"{path}: {key!r} is missing or has the wrong type")
+    if meta["batch_size"] < 1:
+        raise TagError(f"{path}: batch_size must be positive, got {meta['batch_size']}")
+    return meta
+
+
+def _read_strategy(path: str) -> "Strategy":
+    data = _read_bytes(path, "saved strategy")
+    try:
+        strategy = Strategy.from_proto(data)
+    except TagError as err:
+        raise StrategyError(f"{path}: {err}") from None
+    if not strategy.actions:
+        raise StrategyError(f"{path}: not a saved tag strategy (no actions)")
+    return strategy
+
+
+def _read_graph_def(path: str) -> Any:
+    from tag.frontend.graph_import import coerce_graph_def
+    data = _read_bytes(path, "rewritten GraphDef")
+    try:
+        gd = coerce_graph_def(data)
+    except GraphError as err:
+        raise GraphError(f"{path}: {err}") from None
+    if not gd.node:
+        raise GraphError(f"{path}: the GraphDef has no nodes")
+    return gd
