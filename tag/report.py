@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from tag.cost.model import device_profiles
+from tag.cost.speeds import device_speeds
 from tag.files import finite
 from tag.sim import Simulator
 from tag.strategy import BUILTIN_STRATEGIES, builtin_strategy
@@ -72,7 +73,6 @@ def predict(topology: "Topology", graph: "TrainingGraph", grouping: "Grouping", 
             batch: int) -> dict[str, Any]:
     """Simulate every built-in strategy; returns {"strategies": {name: Strategy}, "results": {name: SimResult},
     "simulator": Simulator}."""
-    from tag.cost.speeds import device_speeds
     sim = Simulator(graph, topology, grouping, cost_model)
     speeds = device_speeds(cost_model, batch)
     strategies, results = {}, {}

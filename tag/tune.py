@@ -65,13 +65,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from tag.cluster.topology import Topology
 from tag.errors import TagError
 from tag.options import check_k
 from tag.plan import Plan, plan_for
+from tag.search import SearchEnv
+from tag.search.driver import best_uniform
 from tag.strategy.baselines import BUILTIN_STRATEGIES, hosts_used, one_device_placement
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from tag.cluster.topology import Topology
     from tag.strategy.types import Strategy
 
 TUNE_ROUNDS = 3          # interleaved rounds
@@ -397,8 +399,6 @@ def analysis_candidates(analysis: Any, name: str, strategy: "Strategy", report: 
 
 def best_uniform_of(analysis: Any) -> tuple["Strategy", float, bool]:
     """(strategy, predicted seconds, fits in memory) of ANALYSIS's best uniform action."""
-    from tag.search import SearchEnv
-    from tag.search.driver import best_uniform
     env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
                     batch_size=analysis.batch, simulator=analysis.simulator())
     choice, outcome = best_uniform(env)
@@ -443,7 +443,6 @@ def tune_plan(plan: "Plan", target: Any, *, k: int | None = None, rounds: int = 
     one device runs as a process of its own on its host, as a deployment runs it), or a ``Topology`` (its
     cluster is opened for the measurement: local workers for loopback hosts, else every host's ``tag-worker``
     must answer)."""
-    from tag.cluster.topology import Topology
     k = check_k(k)
     chosen = choose(plan_candidates(plan), k)
     if isinstance(target, Topology):

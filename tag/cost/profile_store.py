@@ -13,12 +13,9 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+from tag.cost.profile import Profile
 from tag.errors import TagError
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from tag.cost.model import Profile
 
 PROFILE_ENV = "TAG_PROFILE"
 
@@ -39,7 +36,6 @@ def load_default_profile() -> "Profile | None":
     ``$TAG_PROFILE`` naming a missing or bad file is an error (the user asked for it); a missing
     file at the cache location just means "not profiled yet".
     """
-    from tag.cost.model import Profile
     path = default_profile_path()
     if not os.path.exists(path):
         if os.environ.get(PROFILE_ENV):

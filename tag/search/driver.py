@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tag.search.env import Choice, Outcome, SearchEnv
+from tag.search.local import refine
+from tag.search.mcts import mcts
+from tag.search.pase import pase_dp
 from tag.search.pipeline_dp import PipelineSearchResult, pipeline_alternatives, pipeline_dp
 from tag.search.pipeline_tree import PipelineRoots
 from tag.sim.simulator import SimResult
@@ -185,9 +188,6 @@ def search(env: SearchEnv, *, budget_s: float | None = None, playouts: int | Non
     than the best uniform action a mixed or pipelined strategy must be predicted to replace it (0 keeps the
     fastest predicted; ``is_mixed``).
     """
-    from tag.search.local import refine
-    from tag.search.mcts import mcts
-    from tag.search.pase import pase_dp
 
     t0 = time.perf_counter()
     found: dict[str, tuple[tuple[int, ...] | None, Outcome]] = {}

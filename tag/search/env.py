@@ -29,6 +29,7 @@ import numpy as np
 
 from tag.cost.model import CostModel
 from tag.cost.speeds import device_speeds
+from tag.errors import StrategyError
 from tag.search.candidates import DEFAULT_MAX_ACTIONS, Candidate, candidate_actions
 from tag.sim.bound import StepBound
 from tag.sim.simulator import SimResult, Simulator
@@ -243,7 +244,6 @@ class SearchEnv:
     def evaluate_pipeline(self, pipeline: "Pipeline") -> Outcome | None:
         """Simulate PIPELINE (cached by value, as choices are); None when it does not fit the graph (a
         StrategyError: a cut the dependencies do not allow)."""
-        from tag.errors import StrategyError
         if pipeline in self._pipeline_outcomes:
             self.cache_hits += 1
             return self._pipeline_outcomes[pipeline]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tag.search.env import Choice, Outcome, SearchEnv
+from tag.strategy.baselines import group_order
 
 
 @dataclass
@@ -55,7 +56,6 @@ def refine(env: SearchEnv, start: Sequence[int], *, order: Sequence[int] | None 
     moves whose step-time lower bound shows they cannot improve without simulating them
     (``SearchEnv.evaluate_unless_slower``; the same moves are accepted either way, and
     ``max_evaluations`` counts rejected moves as the simulator runs they replace)."""
-    from tag.strategy.baselines import group_order
     t0 = time.perf_counter()
     evals0 = env.evaluations
     tried0 = env.evaluations + env.screened

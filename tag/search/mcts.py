@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tag.search.env import Choice, Outcome, SearchEnv
+from tag.search.orders import decision_order
 from tag.search.pipeline_tree import PipelineRoots
 from tag.strategy.pipeline import Pipeline
 
@@ -137,7 +138,6 @@ def mcts(env: SearchEnv, *, order: str | Sequence[int] = "auto", playouts: int |
     ``admit_pipeline``: which pipelines may be ``TreeResult.pipeline`` (the others are still searched below;
     ``tag.search.driver.pipeline_admitted``); None admits every one.
     """
-    from tag.search.orders import decision_order
     if isinstance(order, str):
         order = decision_order(order, env.graph, env.topology, env.grouping, env.cost_model, env.batch_size)
     order = [int(g) for g in order]

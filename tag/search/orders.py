@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tag.errors import StrategyError
+from tag.strategy.baselines import group_order
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
@@ -93,7 +94,6 @@ def decision_order(name: str, graph: "TrainingGraph", topology: "Topology", grou
         name = AUTO_ORDER[model_family(graph)]
     if name not in ORDERS:
         raise StrategyError(f"unknown decision order {name!r} (known: auto, {', '.join(ORDERS)})")
-    from tag.strategy.baselines import group_order
     step_order = [int(g) for g in group_order(graph, grouping)]
     n = grouping.num_groups
     rank = np.empty(n, dtype=np.int64)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tag.search.env import Choice, Outcome, SearchEnv
+from tag.strategy.baselines import group_order
 from tag.strategy.types import batch_shares
 
 DEFAULT_MAX_DEPENDENT = 2
@@ -460,7 +461,6 @@ def pase_dp(env: SearchEnv, *, max_dependent: int = DEFAULT_MAX_DEPENDENT,
     costs = pase_costs(env)
     t1 = time.perf_counter()
     pruned, ignored, bound = costs.without_edges_below(negligible_fraction * costs.lower_bound())
-    from tag.strategy.baselines import group_order
     step = [int(g) for g in group_order(env.graph, env.grouping)]
     rank = np.empty(env.num_groups, dtype=np.int64)
     rank[step] = np.arange(env.num_groups)

@@ -30,11 +30,12 @@ Example::
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
 
-import importlib.util
+from tag.errors import StrategyError
 
 ENV_VAR = "TAG_SIM_KERNEL"
 KERNELS = ("compiled", "python")
@@ -67,7 +68,6 @@ def compiled_simulate():
 def choose_kernel(kernel: str | None) -> str:
     """The kernel a Simulator uses: KERNEL if given, else $TAG_SIM_KERNEL, else "compiled" where numba is
     installed (else "python")."""
-    from tag.errors import StrategyError
     name = kernel if kernel is not None else os.environ.get(ENV_VAR, "").strip().lower() or None
     if name is None:
         return "compiled" if available() else "python"

@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tag.cost.model import ZERO_COST_TYPES, CostModel
 from tag.errors import StrategyError
+from tag.ir.algorithms import op_levels, op_stages, topological_order
 from tag.strategy.types import Action, Grouping, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,7 +83,6 @@ def _builtin(name: str, graph: "TrainingGraph", topology: "Topology", grouping: 
     if name == "single":
         return on_one_device(grouping, topology, len(graph.ops), fastest_device(topology), name=name)
     if cost_model is None:
-        from tag.cost.model import CostModel
         cost_model = CostModel(graph, topology)
     device_of_op = balanced_partition(graph, topology, grouping, cost_model)
     return Strategy(grouping, [Action(all_groups, "partition")] * n_groups,
@@ -173,7 +174,6 @@ def fastest_device(topology: "Topology") -> int:
 
 def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
     """Position of each op in ``tag.grouping.topological_order`` (deterministic; data and control edges)."""
-    from tag.ir.algorithms import topological_order
     order = topological_order(graph)
     pos = np.empty(len(order), dtype=np.int64)
     pos[order] = np.arange(len(order))
@@ -188,7 +188,6 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
     topological order may list first, and they must not pull their layer to the front (ops of
     ``tag.cost.ZERO_COST_TYPES`` count only for a group that has nothing else).
     """
-    from tag.ir.algorithms import op_levels, op_stages, topological_order
     order = topological_order(graph)
     stage = np.asarray(op_stages(graph, order), dtype=np.int64)
     level = np.asarray(op_levels(graph, order), dtype=np.int64)
@@ -198,7 +197,6 @@ def group_order(graph: "TrainingGraph", grouping: Grouping) -> np.ndarray:
     first_stage = np.full(k, big, dtype=np.int64)
     np.minimum.at(first_stage, gof, stage)
     in_first = stage == first_stage[gof]
-    from tag.cost.model import ZERO_COST_TYPES
     working = np.array([op.type not in ZERO_COST_TYPES for op in graph.ops], dtype=bool)
     depth = np.full(k, big, dtype=np.int64)          # ops that do work decide ...
     reached = in_first & (level >= 0) & working

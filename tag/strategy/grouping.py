@@ -33,6 +33,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
+from tag.cost.model import ZERO_COST_TYPES
 from tag.errors import TagError
 from tag.ir.algorithms import UnionFind, dependency_arrays, op_levels, op_stages, topological_order
 from tag.ir.types import TrainingGraph
@@ -45,7 +46,6 @@ _NOMINAL_FLOPS, _NOMINAL_BW, _NOMINAL_OVERHEAD = 1e13, 9e11, 5e-6
 
 def nominal_op_cost(graph: TrainingGraph, batch: float | None = None) -> np.ndarray:
     """A device-independent cost per op (seconds on a nominal GPU), used to balance groups."""
-    from tag.cost.model import ZERO_COST_TYPES  # numpy-only module
 
     a = graph.arrays()
     b = graph.batch_size if batch is None else batch

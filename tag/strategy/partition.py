@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tag.ir.algorithms import UnionFind, topological_order
+from tag.strategy.baselines import linear_partition
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
@@ -109,7 +110,6 @@ class GroupPartitioner:
             times = np.asarray(self.cost_model.op_times(dg, self.batch))[op_array]
             prefix[dg] = np.concatenate([[0.0], np.cumsum(np.bincount(unit_index, weights=times,
                                                                       minlength=n_units))])
-        from tag.strategy.baselines import linear_partition
         device_of_unit = linear_partition(self.topology, devices, n_units, prefix, cut_bytes, held_prefix, True)
         if device_of_unit is None:
             device_of_unit = linear_partition(self.topology, devices, n_units, prefix, cut_bytes, held_prefix,
