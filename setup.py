@@ -77,6 +77,7 @@ setup(
             "tag-profile=tag.cli.profile:main",
         ]
     },
-    package_data={"tag": ["_proto/*.py", "cost/data/*.json", "gnn/*.npz", "gnn/TRAINING.md"]},
+    package_data={"tag": ["_proto/*.py", "cost/data/*.json", "gnn/*.npz", "gnn/TRAINING.md"],
+                  "tag_bench": ["testbed_recipe.json"]},
     cmdclass={"build_py": BuildPyWithProtos},
 )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -127,7 +126,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the curves and the final accuracies here")
     p.add_argument("--write-graph", default=None, metavar="FILE", help="only write the training GraphDef")
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tag
     from tag.backend.runtime.training import train_graph
     from tag.cluster.topology import parse_topology

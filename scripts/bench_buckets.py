@@ -22,25 +22,22 @@ Usage::
 
 JSON keys: ``predicted`` (rows: topology, model, batch, default_s, chosen_s, bucket_bytes, speedup),
 ``geomean_predicted_speedup``, ``measured`` (rows: case, batch, predicted and measured seconds per program,
-``dp_speedup`` = default-size dp over chosen-size dp, measured), ``geomean_measured_dp_speedup``, ``commit``.
+``dp_speedup`` = default-size dp over chosen-size dp, measured), ``geomean_measured_dp_speedup``,
+``provenance`` (commit, command, load average, date, machine).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
-from _common import write_json  # noqa: E402
-from bench_e2e import geomean, git_commit  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.stats import geomean  # noqa: E402
 
 #: (ready topology, zoo model, global batch): the models bench_search plans, at batches that fill the devices
 PREDICTED_CASES = [
@@ -85,24 +82,23 @@ def predicted_rows(cases) -> list[dict]:
 
 def measured_rows(profile_path: str, case_names: list[str], seconds: float, rounds: int) -> list[dict]:
     """On configuration G: one host, default-size and chosen-size dp_allreduce per bench_e2e case, measured."""
-    from _testbed_cases import load_recipe, measure_interleaved, testbed_topology
-    from bench_e2e import CASES, config_recipe
     from tag.api import prepare
-    from tag_bench.mwms import tf1_graph
-    from tag_bench.testbed import Testbed
     from tag.cost.model import Profile
     from tag.search.buckets import choose_bucket_bytes
+    from tag_bench.cases import E2E_CASES, config_recipe, load_recipe, measure_interleaved, testbed_topology
+    from tag_bench.mwms import tf1_graph
+    from tag_bench.testbed import Testbed
     profile = Profile.load(profile_path)
     recipe = config_recipe(load_recipe(), profile, 25.0)
     _, topo = testbed_topology(recipe, "G", profile)
-    unknown = set(case_names) - {c[0] for c in CASES}
+    unknown = set(case_names) - {c[0] for c in E2E_CASES}
     if unknown:
         raise SystemExit(f"bench_buckets: unknown case(s) {', '.join(sorted(unknown))}")
     rows = []
     with Testbed(topo, cpu_quota=recipe["configs"]["G"]["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
-            for label, model, batch, width, depth in CASES:
+            for label, model, batch, width, depth in E2E_CASES:
                 if label not in case_names:
                     continue
                 b = batch * 4                         # bench_e2e's --batch-scale 4, as its G runs
@@ -147,7 +143,8 @@ def main(argv=None) -> int:
     if args.testbed and not args.profile:
         print("bench_buckets: --testbed needs --profile (a saved testbed calibration)", file=sys.stderr)
         return 2
-    out: dict = {"commit": git_commit(), "load": list(os.getloadavg())}
+    this_run = Run(__file__, argv)
+    out: dict = {}
     if not args.no_predicted:
         rows = predicted_rows(PREDICTED_CASES)
         out.update(predicted=rows, geomean_predicted_speedup=geomean([r["speedup"] for r in rows]))
@@ -155,13 +152,13 @@ def main(argv=None) -> int:
               f"x{out['geomean_predicted_speedup']:.3f}, {sum(r['bucket_bytes'] is not None for r in rows)} of "
               f"{len(rows)} cases change size", flush=True)
     if args.testbed:
-        from _common import testbed_missing
+        from tag_bench.testbed import testbed_missing
         if testbed_missing("bench_buckets"):
             return 2
         rows = measured_rows(args.profile, args.cases.split(","), args.seconds, args.rounds)
         speedups = [r["dp_speedup"] for r in rows if r["dp_speedup"]]
         out.update(measured=rows, geomean_measured_dp_speedup=geomean(speedups) if speedups else None)
-    write_json(args.json, out)
+    write_json(args.json, out, this_run)
     return 0
 
 

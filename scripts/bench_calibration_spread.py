@@ -1,7 +1,7 @@
 """How much one machine's calibration moves from one run to the next: the traced profile of the testbed's
 calibration models (``testbed_recipe.json``: the models, batch, traced steps, sustained window and MatMul table
 that ``bench_e2e`` and ``bench_fidelity`` calibrate with), taken RUNS times in a row, each in its own process
-pinned to one core, as ``_testbed_cases.calibrate_testbed`` takes it.
+pinned to one core, as ``tag_bench.cases.calibrate_testbed`` takes it.
 
 Prints per run the fields the fit makes from the step (launch overhead per op, the bandwidth memory-bound ops
 reach, peak, the sustained step, the two step walls) and their spread ((largest - smallest) / median). The
@@ -20,15 +20,11 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from _common import git_commit, write_json  # noqa: E402
-from _testbed_cases import load_recipe, model_file, profile_command, traced_args  # noqa: E402
+from tag_bench.cases import load_recipe, model_file, profile_command, traced_args
+from tag_bench.records import Run, write_json
 
 DEVICE_TYPE = "CPUq100"
 FIELDS = ("launch_us", "bandwidth_gbs", "peak_gflops", "sustained_ms")
@@ -39,8 +35,7 @@ def one_profile(models: list[str], cal: dict, out: str) -> dict:
     to OUT; the row of this script's fields."""
     t0 = time.perf_counter()
     subprocess.run(profile_command(cal, traced_args(cal, models), DEVICE_TYPE, out), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                   env=dict(os.environ, PYTHONPATH=REPO), timeout=1800)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     with open(out) as f:
         prof = json.load(f)
     d = prof["devices"][DEVICE_TYPE]
@@ -62,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="calibrations in a row (default 3)")
     p.add_argument("--json", default=None, help="write every run and the spreads here")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     if args.runs < 2:
         p.error("--runs must be at least 2 to show a spread")
     cal = load_recipe()["calibration"]
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     spreads = {k: spread([row[k] for row in rows]) for k in FIELDS}
     print("spread (largest - smallest) / median: " + ", ".join(f"{k} {v:.2f}" for k, v in spreads.items()))
-    write_json(args.json, {"commit": git_commit(), "runs": rows, "spread": spreads, "recipe_calibration": cal})
+    write_json(args.json, {"runs": rows, "spread": spreads, "recipe_calibration": cal}, this_run)
     return 0
 
 

@@ -26,21 +26,21 @@ import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
-from _common import testbed_missing, write_json  # noqa: E402
-from _testbed_cases import load_recipe, testbed_topology  # noqa: E402
-from bench_e2e import CASES, GPU_CONFIG, GPU_QUOTAS, config_recipe, geomean, git_commit  # noqa: E402
 from tag.api import prepare  # noqa: E402
-from tag_bench.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime import run_steps  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
 from tag.strategy.types import batch_shares  # noqa: E402
+from tag_bench.cases import (E2E_CASES, GPU_CONFIG, GPU_QUOTAS, config_recipe, load_recipe,  # noqa: E402
+                             testbed_topology)
+from tag_bench.machine import load_text  # noqa: E402
+from tag_bench.mwms import tf1_graph  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.stats import geomean  # noqa: E402
+from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
 
 WARMUP = 3
 JOIN_TIMEOUT_S = 900.0     # a share that has not finished by then is a failed case, never a hang
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-gbps", type=float, default=25.0, help="as bench_e2e's (G's links; nothing crosses them)")
     p.add_argument("--json", help="write the rows and summary here")
     args = p.parse_args(argv)
-    known = {c[0]: c for c in CASES}
+    this_run = Run(__file__, argv)
+    known = {c[0]: c for c in E2E_CASES}
     names = args.cases.split(",")
     if unknown := [n for n in names if n not in known]:
         p.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -134,8 +135,8 @@ def main(argv=None) -> int:
     profile = Profile.load(args.profile)
     recipe = config_recipe(load_recipe(), profile, args.gpu_gbps)
     _, topo = testbed_topology(recipe, GPU_CONFIG, profile)
-    commit, t0, rows = git_commit(), time.time(), []
-    print(f"commit {commit}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    t0, rows = time.time(), []
+    print(f"commit {this_run.commit}; load {load_text()}", flush=True)
     with Testbed(topo, cpu_quota=GPU_QUOTAS) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
@@ -143,15 +144,15 @@ def main(argv=None) -> int:
                 label, model, batch, width, depth = known[n]
                 rows.append(measure_case(tb, topo, profile, (label, model, batch * args.batch_scale, width, depth),
                                          args.rounds, args.steps))
-                write_json(args.json, {"rows": rows, "commit": commit, "complete": False})
+                write_json(args.json, {"rows": rows, "complete": False}, this_run)
         finally:
             tb.stop_workers()
     result = {"ceiling_geomean": geomean([r["ceiling"] for r in rows]), "ceiling_min": min(r["ceiling"] for r in rows),
               "ceiling_alone_geomean": geomean([r["ceiling_alone"] for r in rows]), "quotas": GPU_QUOTAS,
-              "rows": rows, "commit": commit, "complete": True, "seconds": time.time() - t0}
+              "rows": rows, "complete": True, "seconds": time.time() - t0}
     print(f"ceiling over one host: geomean {result['ceiling_geomean']:.2f}x, lowest {result['ceiling_min']:.2f}x "
           f"(shares one at a time: geomean {result['ceiling_alone_geomean']:.2f}x)", flush=True)
-    write_json(args.json, result)
+    write_json(args.json, result, this_run)
     return 0
 
 

@@ -30,19 +30,19 @@ average beside each row and the share of CPU time the VM's host stole during the
   fresh servers per program: a deployment runs one plan on its servers, and each MWMS anchor is one program in
   fresh processes; until run 45 tag's one-host program shared its servers with the round's other programs, and
   its pair with MWMS on one host came out 0.89-1.11 over runs 37-45, while timed alone in fresh servers against
-  MWMS in the same rounds (``scripts/probe_host_drift.py --modes server,mwms``) it ran 552 against 552 ms and
+  MWMS in the same rounds (a host-drift probe; its figures are kept in docs/) it ran 552 against 552 ms and
   357 against 354 (the transformer and the VGG-style CNN at 384, medians of six rounds each, on December 3).
   A program on one device (dp on one host, a uniform action there) runs as a process of its own on its host,
   no server in between, as ``tag-deploy`` runs it (``tag.backend.runtime.measure.run_on``; run 55 on): through
   its server the transformer's one-device step ran 586 ms against 557 in a process of its own (run 54's probe).
 
-Testbeds: ``scripts/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
+Testbeds: ``tag_bench/testbed_recipe.json``'s configurations A (1.0 / 0.5 / 0.25 of a core; 1 Gbit/s between
 the first two hosts, 0.2 Gbit/s to the third) and B (1.0 / 0.25 / 0.25; 0.3 Gbit/s), and G, a GPU cluster's
 ratio of communication to computation: quotas 1.0 / 0.5 / 0.5 (bench_pipeline's) and every link at the rate
 that gives the fastest host the bytes per FLOP of a V100 (15 TFLOP/s) on 25 Gbit/s Ethernet
 (``--gpu-gbps``): ``25 Gbit/s * F / 15 TFLOP/s``, F the calibrated FLOP/s of the full-core host (e.g.
 20 GFLOP/s -> 33 Mbit/s, 2.1e-4 bytes per FLOP). Hosts are listed fastest first, so MWMS's prefixes are the
-fastest hosts. The topologies and profile come from the recipe (``_testbed_cases.py``: ``tag-profile
+fastest hosts. The topologies and profile come from the recipe (``tag_bench.cases``: ``tag-profile
 --sustained`` per quota in a cgroup of that quota, the runtime's network costs, runtime levels on the
 running testbed); every quota of G is one of A's, so G costs no extra calibration.
 
@@ -81,56 +81,32 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
 import tag  # noqa: E402
-from tag_bench.mwms import tf1_graph  # noqa: E402
 from tag.backend.runtime.measure import run_on  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
-from _common import cpu_times, git_commit, steal_fraction, steal_text  # noqa: E402
-from _testbed_cases import calibrate_testbed, gpu_ratio_link_gbps, load_recipe, main_configs, runtime_levels, \
-    split_steps, testbed_topology  # noqa: E402
+from tag_bench.cases import (E2E_CASES, GPU_CONFIG, GPU_QUOTAS, calibrate_testbed, config_recipe,  # noqa: E402
+                             load_recipe, main_configs, runtime_levels, split_steps, testbed_topology)
+from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
+from tag_bench.mwms import model_options, run_mwms, tf1_graph  # noqa: E402
+from tag_bench.records import Run, commit_of, write_json  # noqa: E402
+from tag_bench.stats import figure_text, geomean  # noqa: E402
+from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
 
-# (label, tag_bench.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
-# vgg, deep-mlp and deep-transformer at bench_pipeline's sizes with --batch-scale 4 (that bench's CASES says how
-# they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
-# mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
-# (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate); the
-# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the G calibration
-# docs/measured/issue22-e2e/e2e_g_scale4_xeon_buckets.profile.json the simulator predicted one host best at 192,
-# 408 ms against 424 ms for dp over the three hosts: a case where using every host cannot pay; at 384 it
-# predicted a mixed plan 1.26x faster than one host); the deep transformer at 24 x 4 = 96 since the G run of
-# December 1 (at 48 its pipeline measured 1.15x over one host in one run and 0.97x in the next, within the noise
-# of 2.5 s steps; on the same calibration the simulator predicted the pipeline 1.23x faster than one host at 48
-# and 1.34x at 96: more rows per micro-batch, the same weights to move)
-CASES = [
-    ("vgg", "vgg", 96, None, None),
-    ("deep-mlp", "mlp", 384, 2048, 20),
-    ("deep-transformer", "transformer", 24, 384, 8),
-    ("transformer", "transformer", 96, None, None),
-    ("cnn", "cnn", 48, None, None),
-    ("mlp", "mlp", 96, None, None),
-]
 QUICK_CASES = ("vgg", "cnn")
-GPU_CONFIG = "G"
-GPU_QUOTAS = [1.0, 0.5, 0.5]
 MIXED_WIN = 1.10
 TARGETS = {"geomean_speedup_vs_best_mwms": ">= 1.3", "worst_speedup_vs_best_mwms": ">= 0.97", "mixed_wins": ">= 3",
            "worst_dp_over_mwms_same_hosts": "<= 1.0"}
-MWMS_PORT = 24600
 
 
 INTERLEAVED_ROUNDS = 4      # rounds in which tag's strategies of one case are timed in turn (3 until run 45)
@@ -153,40 +129,6 @@ def timed_steps_after_first_round(first_round: list[float], timed: int, min_time
     step = float(np.median(first_round))
     wanted = int(np.ceil(min_timed_s / step)) if step > 0 else max_timed
     return max(timed, min(wanted, max_timed))
-
-
-def mwms_model_args(width: int | None, depth: int | None) -> tuple[str, ...]:
-    """``tag_bench.mwms`` options for a case's WIDTH and DEPTH (those given)."""
-    return tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
-
-
-def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
-             model_args: tuple[str, ...] = ()) -> list[float]:
-    """The timed step times (after WARMUP of STEPS) of the MWMS anchor, one worker per testbed host (the first
-    HOSTS hosts when given; MODEL_ARGS: more ``tag_bench.mwms`` options, such as ``--width``)."""
-    n = len(tb.topology.hosts) if hosts is None else int(hosts)
-    workers = [f"{tb.address(i)}:{MWMS_PORT + i}" for i in range(n)]
-    procs = []
-    for i in range(n):
-        env = dict(os.environ, PYTHONPATH=REPO,
-                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
-        procs.append(subprocess.Popen(tb.launch_prefix(i) + [sys.executable, "-m", "tag_bench.mwms", "--model",
-                                                             model, "--batch", str(batch), "--steps", str(steps),
-                                                             *model_args],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        out, err = procs[0].communicate(timeout=900)
-        for p in procs[1:]:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if procs[0].returncode != 0 or not lines:
-        raise RuntimeError(f"MWMS chief failed (rc {procs[0].returncode}): {err.strip()[-2000:]}")
-    return [float(t) for t in json.loads(lines[-1])["step_times"][warmup:]]
 
 
 def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, rounds: int = INTERLEAVED_ROUNDS,
@@ -342,7 +284,7 @@ def host_prefix_strategy(analysis, hosts: int) -> Strategy:
 def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile, args) -> dict:
     """One row: MWMS on every host prefix, then tag's uniform, dp, plan and tuned plan on the running testbed."""
     label, model, batch, width, depth = case
-    model_args = mwms_model_args(width, depth)
+    model_args = model_options(width, depth)
     steps, warmup = args.steps, args.warmup
     stolen_from = cpu_times()
     gd = tf1_graph(model, batch, width=width, depth=depth)
@@ -420,17 +362,8 @@ def run_case(tb: Testbed, cfg: dict, config: str, case: tuple, profile: Profile,
     return row
 
 
-def config_recipe(recipe: dict, profile: Profile, gpu_gbps: float) -> dict:
-    """RECIPE with configuration G: GPU_QUOTAS and links at a V100 cluster's bytes per FLOP."""
-    link = round(gpu_ratio_link_gbps(profile, max(GPU_QUOTAS), gpu_gbps), 6)
-    out = dict(recipe)
-    out["configs"] = {**recipe["configs"], GPU_CONFIG: {"quotas": GPU_QUOTAS, "links_gbps": [link] * 3,
-                                                         "gpu_gbps": gpu_gbps}}
-    return out
-
-
 def run_config(recipe: dict, name: str, profile: Profile, cases, args, rows: list[dict], saved) -> None:
-    """Every case of CASES on configuration NAME's testbed, each row appended to ROWS, then SAVED()."""
+    """Every case of E2E_CASES on configuration NAME's testbed, each row appended to ROWS, then SAVED()."""
     cfg = recipe["configs"][name]
     if list(cfg["quotas"]) != sorted(cfg["quotas"], reverse=True):
         raise SystemExit(f"bench_e2e: configuration {name}: hosts must be listed fastest first")
@@ -454,18 +387,6 @@ def run_config(recipe: dict, name: str, profile: Profile, cases, args, rows: lis
                 tb.stop_workers()
                 print(f"{name:<2} {case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}",
                       flush=True)
-
-
-def geomean(values) -> float | None:
-    """The geometric mean of VALUES (None when there are none)."""
-    if len(values) == 0:
-        return None
-    return float(np.exp(np.mean(np.log(np.asarray(values, dtype=np.float64)))))
-
-
-def ratio_text(value: float | None, unit: str = "") -> str:
-    """VALUE to two decimals, or "n/a" (MWMS failed on all hosts in every case)."""
-    return "n/a" if value is None else f"{value:.2f}{unit}"
 
 
 def anchor_texts(mwms_s: dict) -> list[str]:
@@ -516,7 +437,7 @@ def markdown_table(result: dict) -> str:
     lines = [head]
     for r in result["rows"]:
         tuned = r["tuned"].replace("|", "\\|")      # a pipeline's stages are listed with "|"
-        vs_all = ratio_text(r.get("speedup_vs_mwms"), "x")
+        vs_all = figure_text(r.get("speedup_vs_mwms"), ".2f", "x")
         mixed = "" if r["mixed_over_uniform"] is None else f"{r['mixed_over_uniform']:.2f}" + \
             (" (win)" if r["mixed_win"] else "")
         lines.append(
@@ -553,10 +474,11 @@ def combined_results(paths: list[str]) -> dict:
                 raise ValueError(f"{row['config']}/{row['case']} at batch {row['batch']} is in both {seen[key]} "
                                  f"and {path}")
             seen[key] = path
-            rows.append({**row, "run_commit": result.get("commit"), "run_file": os.path.basename(path)})
-    runs = [{"file": os.path.basename(p), "commit": r.get("commit"), "seconds": r.get("seconds"),
+            rows.append({**row, "run_commit": commit_of(result), "run_file": os.path.basename(path)})
+    runs = [{"file": os.path.basename(p), "commit": commit_of(r), "provenance": r.get("provenance"),
+             "seconds": r.get("seconds"),
              "complete": r.get("complete"), "cases": len(r["rows"])} for p, r in zip(paths, results)]
-    return {**{k: v for k, v in results[0].items() if k not in ("rows", "commit", "seconds", "complete")},
+    return {**{k: v for k, v in results[0].items() if k not in ("rows", "commit", "provenance", "seconds", "complete")},
             "runs": runs, "rows": rows}
 
 
@@ -578,9 +500,9 @@ def main(argv=None) -> int:
                    help="configuration G: the GPU cluster's Ethernet rate whose bytes per FLOP its links keep")
     p.add_argument("--batch-scale", type=int, default=1, metavar="K",
                    help="multiply every case's global batch by K (more compute per byte of weights)")
-    p.add_argument("--cases", help="comma-separated subset of " + ",".join(c[0] for c in CASES))
+    p.add_argument("--cases", help="comma-separated subset of " + ",".join(c[0] for c in E2E_CASES))
     p.add_argument("--configs", help="comma-separated subset of A,B,G")
-    p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
+    p.add_argument("--recipe", default=None, help="testbed recipe (default tag_bench/testbed_recipe.json)")
     p.add_argument("--profile", help="a saved calibration (Profile JSON) instead of calibrating")
     p.add_argument("--json", help="write the rows and summary figures to this file (the profile beside it)")
     p.add_argument("--out-dir", help="also write each configuration's topology and the profile here")
@@ -589,6 +511,7 @@ def main(argv=None) -> int:
                         "are combined case by case, each row keeping its run's commit and file (with --json F: "
                         "write the result to F with the summary recomputed)")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     if args.table:
         try:
             result = combined_results(args.table.split(","))
@@ -603,22 +526,19 @@ def main(argv=None) -> int:
             return 2
         print(table)
         print("\n" + json.dumps({k: v for k, v in result.items() if k != "rows" and not isinstance(v, dict)}))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+        write_json(args.json, result, this_run, indent=2)   # one saved run keeps its own provenance
         return 0
     if args.steps - args.warmup < 10:
         p.error("--steps minus --warmup must leave at least 10 timed steps")
-    from _common import testbed_missing
     if testbed_missing("bench_e2e"):
         return 2
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
     configs = [GPU_CONFIG, *main_configs(recipe)]     # the held-out configurations are bench_fidelity's
-    cases = CASES
+    cases = E2E_CASES
     if args.quick:
-        configs, cases = [GPU_CONFIG], [c for c in CASES if c[0] in QUICK_CASES]
+        configs, cases = [GPU_CONFIG], [c for c in E2E_CASES if c[0] in QUICK_CASES]
     if args.cases:
-        cases = [c for c in CASES if c[0] in args.cases.split(",")]
+        cases = [c for c in E2E_CASES if c[0] in args.cases.split(",")]
     if args.configs:
         configs = [c for c in configs if c in args.configs.split(",")]
     if args.batch_scale != 1:
@@ -626,8 +546,7 @@ def main(argv=None) -> int:
             p.error("--batch-scale must be a positive integer")
         cases = [(label, model, batch * args.batch_scale, w, d) for label, model, batch, w, d in cases]
     t0 = time.time()
-    commit = git_commit()     # the code measured (HEAD may move while a long run goes on)
-    print(f"commit {commit}; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    print(f"commit {this_run.commit}; load {load_text()}", flush=True)
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -646,12 +565,11 @@ def main(argv=None) -> int:
 
     def save(final: bool) -> None:
         """The JSON so far (after every row, so that a run stopped at a deadline keeps its finished cases)."""
-        if args.json and rows:
-            with open(args.json, "w") as f:
-                json.dump({**summary(rows), "targets": TARGETS, "commit": commit, "complete": final,
+        if rows:
+            write_json(args.json, {**summary(rows), "targets": TARGETS, "complete": final,
                            "seconds": time.time() - t0, "gpu_gbps": args.gpu_gbps, "fresh_servers": args.fresh_servers,
                            "configs": {n: recipe["configs"][n] for n in configs}, "profile_source": profile.source,
-                           "rows": rows}, f, indent=2)
+                           "rows": rows}, this_run, indent=2)
 
     for name in configs:
         run_config(recipe, name, profile, cases, args, rows, lambda: save(False))
@@ -663,10 +581,11 @@ def main(argv=None) -> int:
           f"{s['geomean_speedup_vs_best_mwms']:.2f}x (target >= 1.3), worst {s['worst_speedup_vs_best_mwms']:.2f}x "
           f"(>= 0.97); mixed wins {s['mixed_wins']} (>= 3); worst dp / MWMS on MWMS's best hosts "
           f"{s['worst_dp_over_mwms_same_hosts']:.2f} (<= 1.0); vs MWMS on all hosts "
-          f"{ratio_text(s['geomean_speedup_vs_mwms'], 'x')}, dp / MWMS all hosts {ratio_text(s['dp_over_mwms'])}; "
+          f"{figure_text(s['geomean_speedup_vs_mwms'], '.2f', 'x')}, dp / MWMS all hosts "
+          f"{figure_text(s['dp_over_mwms'])}; "
           f"the tuning step "
           f"overrode the plan in {s['tune_overrides']} cases ({s['tune_mean_seconds']:.0f} s per case); "
-          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"load {load_text()}")
     save(True)
     return 0
 

@@ -13,8 +13,8 @@ with its class:
   that case's measurement).
 
 The testbed (``tag_bench.testbed``): three hosts in network namespaces with CPU quotas (CFS) and shaped links
-(each NIC one shared HTB egress), configurations and calibration from ``scripts/testbed_recipe.json``
-(``_testbed_cases.py``). The prediction uses one profile per run: ``tag-profile --sustained`` on the recipe's
+(each NIC one shared HTB egress), configurations and calibration from ``tag_bench/testbed_recipe.json``
+(``tag_bench.cases``). The prediction uses one profile per run: ``tag-profile --sustained`` on the recipe's
 calibration models (which share no layer width with the cases) inside each quota's cgroup, plus the
 runtime's network costs (``profile_network``); each configuration's device speeds are then set to the speed
 the same calibration models run at on its hosts through tag's runtime (``runtime_levels``). The measurement:
@@ -27,7 +27,7 @@ anything): every case on a held-out configuration or of a held-out model is repo
 key ``heldout``, with the same keys as the rest (the top-level keys). A default run measures every main model
 on A and B, the held-out models on A and H, and the CNN on H (``default_groups``).
 
-Figures (``_fidelity_figures.py``): median and largest absolute relative error per class and over the mixed
+Figures (``tag_bench.fidelity``): median and largest absolute relative error per class and over the mixed
 cases (searched + random), per-group Kendall tau and its mean, the regret (measured time of the
 predicted-best case / the best measured in its group) without and with the tuning step, and whether the
 issue's targets hold. When a pick is not its group's best measured, the pick and the best are timed again side
@@ -51,47 +51,29 @@ JSON: the rest's figures (``cases``, ``mixed_cases``, ``median_abs_rel_error``, 
 ``spearman``, ``top1_agreement``;
 the worst of the runs), ``heldout`` (the same keys), ``rows`` (every case), ``groups`` and ``heldout_groups``
 (the last run), ``runs`` (each run's figures, rows and groups; ``heldout`` within), ``targets``,
-``targets_checked``, ``targets_held``, ``commit``.
+``targets_checked``, ``targets_held``, ``provenance``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
-
-from _fidelity_figures import (HELDOUT_GAP, TARGETS, case_class, check_targets, class_table,  # noqa: E402
-                               rows_to_confirm, split_heldout, summary, targets_text, worst_of)
-from _testbed_cases import (calibrate_testbed, calibration_graph, heldout, load_recipe, measure_interleaved,  # noqa: E402
-                            measure_on_testbed, runtime_levels, testbed_topology)
 from tag.api import prepare, search_plan  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
-from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.random_search import random_choice  # noqa: E402
-from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement  # noqa: E402
 from tag.errors import TagError  # noqa: E402
+from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement  # noqa: E402
 from tag.tune import strategy_key, tune_plan  # noqa: E402
+from tag_bench.cases import (calibrate_testbed, calibration_graph, heldout, load_recipe,  # noqa: E402
+                             measure_interleaved, measure_on_testbed, runtime_levels, testbed_topology)
+from tag_bench.fidelity import (HELDOUT_GAP, MODELS, TARGETS, case_class, check_targets, class_table,  # noqa: E402
+                                random_mixes, rows_to_confirm, split_heldout, summary, targets_text, worst_of)
+from tag_bench.machine import load1, load_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
 
-# (label, graph source, global batch): the tf.distribute comparison's three models, two plain MLPs and the
-# recipe's held-out models (a VGG-style CNN with a large head, a 4-layer transformer with a large vocabulary)
-MODELS = [
-    ("mlp", "mwms:mlp", 96),
-    ("cnn", "mwms:cnn", 48),
-    ("transformer", "mwms:transformer", 48),
-    ("mlp-512", "zoo:mlp,hidden=512x512", 96),
-    ("mlp-1024x3", "zoo:mlp,hidden=1024x1024x1024", 96),
-    ("vgg", "mwms:vgg", 48),
-    ("transformer-4x16k", "mwms:transformer,depth=4,vocab=16384", 48),
-]
 HELDOUT_CONFIG_MAIN_MODELS = ("cnn",)   # the main models that also run on a held-out configuration
 QUICK = (["A"], ["mlp-512", "vgg"], 1)  # --quick: configurations, models, random mixes per group
 QUICK_BUDGET_S, QUICK_CASE_S = 5.0, 2.0 # --quick: search budget per group, timed seconds per case
@@ -150,19 +132,6 @@ def group_cases(analysis, budget_s: float, randoms: int, seed: int):
     return cases, plan
 
 
-def random_mixes(analysis, randoms: int, seed: int) -> list[tuple]:
-    """(name, strategy, predicted seconds) of RANDOMS random mixed strategies (one random candidate per op
-    group), the same for the same SEED."""
-    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
-                    batch_size=analysis.batch)
-    rng = np.random.default_rng(seed)
-    out = []
-    for k in range(randoms):
-        choice = random_choice(env, rng)
-        out.append((f"random{k}", env.strategy(choice, name=f"random{k}"), env.evaluate(choice).step_time))
-    return out
-
-
 def measure_group(tb, config: str, label: str, source: str, batch: int, held: bool, profile, args):
     """The rows of one group (every case predicted and measured, then the tuning step's pick) and its
     extras (seconds, tuning seconds, load average)."""
@@ -174,7 +143,7 @@ def measure_group(tb, config: str, label: str, source: str, batch: int, held: bo
         row = {"config": config, "model": label, "batch": batch, "strategy": strategy_name,
                "class": case_class(strategy_name), "heldout": held, "predicted_s": float(predicted),
                "measured_s": float(measured), "rel_error": (predicted - measured) / measured,
-               "load1": os.getloadavg()[0]}
+               "load1": load1()}
         rows.append(row)
         print(f"{config:<2} {label:<17} {strategy_name:<24} {row['class']:<8} predicted {predicted * 1e3:8.1f} ms  "
               f"measured {measured * 1e3:8.1f} ms  error {row['rel_error'] * 100:+6.1f}%  "
@@ -222,14 +191,14 @@ def measure_group(tb, config: str, label: str, source: str, batch: int, held: bo
               f"{pick['strategy']}: " + ", ".join(f"{c['name']} {c['measured_ms']:.1f}+-{c['mad_ms']:.1f} ms"
                                                    for c in fields["candidates"]), flush=True)
     confirm_picks(tb, rows, row_keys, programs, args.case_seconds * CONFIRM_FACTOR)
-    extras.update(seconds=time.time() - t0, load1=os.getloadavg()[0])
+    extras.update(seconds=time.time() - t0, load1=load1())
     return rows, extras
 
 
 def confirm_picks(tb, rows: list[dict], row_keys: dict[int, str], programs: dict, seconds: float) -> None:
     """When the predicted-best case or the tuning step's pick is not the group's best measured, time those
     programs again side by side for SECONDS each (``measure_interleaved``) and store the medians as each
-    row's ``confirm_s``, which the regret is computed from (``_fidelity_figures.group_figures``): the best of
+    row's ``confirm_s``, which the regret is computed from (``tag_bench.fidelity.group_figures``): the best of
     a group's noisy medians is biased low (B/cnn's one-host step: 107, 136 and 116 ms in three side-by-side
     measurements a minute apart), so a pick as fast as the best could count as a loss."""
     todo = rows_to_confirm(rows)
@@ -291,7 +260,7 @@ def one_run(recipe: dict, groups, args, tag_out: str | None) -> dict:
     out = summary(rest, extras)
     out["heldout"] = summary(held, extras) if held else None
     out["seconds"] = time.time() - t0
-    print(f"\n{len(rows)} cases in {out['seconds']:.0f} s (load {os.getloadavg()[0]:.1f})")
+    print(f"\n{len(rows)} cases in {out['seconds']:.0f} s (load {load1():.1f})")
     print(class_table(out, "the rest"))
     if held:
         print(class_table(out["heldout"], "held out (frozen configuration / models)"))
@@ -301,14 +270,6 @@ def one_run(recipe: dict, groups, args, tag_out: str | None) -> dict:
 
 def figures_only(run: dict) -> dict:
     return {k: v for k, v in run.items() if k not in ("groups", "rows", "heldout")}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -323,10 +284,10 @@ def main(argv=None) -> int:
     p.add_argument("--case-seconds", type=float, default=None,
                    help="timed seconds per case (5-40 steps; default 3, --quick 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--recipe", default=None, help="testbed recipe (default scripts/testbed_recipe.json)")
+    p.add_argument("--recipe", default=None, help="testbed recipe (default tag_bench/testbed_recipe.json)")
     p.add_argument("--json", help="write the figures here (and each run's profile and topologies beside it)")
     args = p.parse_args(argv)
-    from _common import testbed_missing
+    this_run = Run(__file__, argv)
     if testbed_missing("bench_fidelity"):
         return 2
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
@@ -351,9 +312,8 @@ def main(argv=None) -> int:
     if not groups:
         p.error("no group to measure: check --models and --configs")
     stem = os.path.splitext(args.json)[0] if args.json else None
-    commit = git_commit()
-    print(f"commit {commit}; {len(groups)} groups: {', '.join(f'{c}/{m[0]}' for c, m in groups)}; "
-          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    print(f"commit {this_run.commit}; {len(groups)} groups: {', '.join(f'{c}/{m[0]}' for c, m in groups)}; "
+          f"load {load_text()}", flush=True)
     runs = []
     for k in range(args.runs):
         print(f"=== run {k + 1} of {args.runs} ===", flush=True)
@@ -365,16 +325,14 @@ def main(argv=None) -> int:
     what = "worst of the runs" if args.runs > 1 else "this run"
     print(f"\ntargets ({what}; held-out figures within {HELDOUT_GAP:g} of the rest's):\n{targets_text(checks)}")
     print(f"targets {'held' if held else 'NOT held'} in {'every run' if args.runs > 1 else 'this run'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            last_held = runs[-1]["heldout"]
-            json.dump({**worst, "heldout": worst_held, "rows": runs[-1]["rows"], "groups": runs[-1]["groups"],
-                       "heldout_groups": last_held["groups"] if last_held else [],
-                       "targets": {k: list(v) for k, v in TARGETS.items()}, "heldout_within": HELDOUT_GAP,
-                       "targets_checked": [{"key": k, "value": v, "target": w, "held": ok} for k, v, w, ok in checks],
-                       "targets_held": held, "commit": commit, "tune_k": args.tune_k, "randoms": args.randoms,
-                       "budget_s": args.budget, "case_seconds": args.case_seconds,
-                       "runs": runs}, f, indent=1, default=str)
+    last_held = runs[-1]["heldout"]
+    write_json(args.json, {**worst, "heldout": worst_held, "rows": runs[-1]["rows"], "groups": runs[-1]["groups"],
+                           "heldout_groups": last_held["groups"] if last_held else [],
+                           "targets": {k: list(v) for k, v in TARGETS.items()}, "heldout_within": HELDOUT_GAP,
+                           "targets_checked": [{"key": k, "value": v, "target": w, "held": ok}
+                                               for k, v, w, ok in checks],
+                           "targets_held": held, "tune_k": args.tune_k, "randoms": args.randoms,
+                           "budget_s": args.budget, "case_seconds": args.case_seconds, "runs": runs}, this_run)
     return 0
 
 

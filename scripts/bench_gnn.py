@@ -39,31 +39,25 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import os
 import sys
 import time
 
-import numpy as np
+import tag
+from tag.gnn import load_policy
+from tag.search.driver import search
+from tag.search.env import SearchEnv
+from tag.search.mcts import mcts
+from tag.strategy.grouping import group_ops
+from tag_bench.machine import load1
+from tag_bench.records import Run, write_json
+from tag_bench.stats import figure_text, geomean
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import tag  # noqa: E402
-from tag.gnn import load_policy  # noqa: E402
-from tag.search.driver import search  # noqa: E402
-from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.mcts import mcts  # noqa: E402
-from tag.strategy.grouping import group_ops  # noqa: E402
-from _common import write_json  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
 DEFAULT_MODELS = ["zoo:inception_v3", "zoo:mobilenet_v2", "zoo:bert_large"]
 GROUPS = 64
 LAB, BIG = "lab-v100-1080ti.pbtxt", "fabric-64x8.pbtxt"
-
-
-def load() -> float:
-    return float(os.getloadavg()[0])
 
 
 def build_ir(spec: str):
@@ -93,16 +87,12 @@ def run_arm(tg, grouping, topo, batch: int, simulator, prior, budget_s: float | 
     return {"speedup": float(dp.step_time / outcome.step_time) if ok else 0.0, "feasible": ok,
             "method": method, "step_s": float(outcome.step_time), "seconds": round(seconds, 2),
             "evaluations": int(env.evaluations), "prior_calls": getattr(prior, "calls", 0) - calls0,
-            "load": round(load(), 2)}
+            "load": round(load1(), 2)}
 
 
 def ratio(row: dict) -> float | None:
     g, d = row["gnn"]["speedup"], row["default"]["speedup"]
     return g / d if g > 0 and d > 0 else None
-
-
-def geomean(values: list[float]) -> float | None:
-    return float(math.exp(np.mean(np.log(values)))) if values else None
 
 
 def node_cost(policy, tg, grouping, topo, batch: int, playouts: int = 400) -> dict:
@@ -118,7 +108,7 @@ def node_cost(policy, tg, grouping, topo, batch: int, playouts: int = 400) -> di
     return {"ms_per_node": round(policy.ms_per_node, 3), "ms_per_node_without_encoder":
             round(1e3 * policy.node_seconds / max(policy.calls, 1), 3), "encode_s": round(policy.encode_seconds, 3),
             "nodes": policy.calls, "tree_seconds": round(time.perf_counter() - t0, 2),
-            "tree_evaluations": env.evaluations - evals, "playouts": tree.playouts, "load": round(load(), 2)}
+            "tree_evaluations": env.evaluations - evals, "playouts": tree.playouts, "load": round(load1(), 2)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,7 +146,7 @@ def build_irs(models: list[str]) -> list[tuple]:
         grouping = group_ops(tg, target_groups=GROUPS)
         irs.append((spec, name, tg, grouping))
         print(f"{name}: IR {len(tg.ops)} ops, {grouping.num_groups} groups ({time.perf_counter() - t0:.0f} s, "
-              f"load {load():.2f})", flush=True)
+              f"load {load1():.2f})", flush=True)
     return irs
 
 
@@ -195,8 +185,9 @@ def summarise(rows: list[dict], keys: list[str]) -> dict:
     return out
 
 
-def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
-    """Every case, topology-major (a run stopped early covers every model); the JSON summary."""
+def run_bench(args: argparse.Namespace, irs: list[tuple], this_run: Run) -> dict:
+    """Every case, topology-major (a run stopped early covers every model); the JSON summary (written to --json
+    after every case, with THIS_RUN's provenance)."""
     policy = load_policy(args.weights)
     budgets = budget_keys(args)
     rows: list[dict] = []
@@ -204,7 +195,7 @@ def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
 
     def summary() -> dict:
         s = {"cases": len(rows), "rows": rows, **summarise(rows, [k for k, _, _ in budgets]), **timing,
-             "budgets_s": args.budgets, "playouts": args.playouts, "load_average_end": load()}
+             "budgets_s": args.budgets, "playouts": args.playouts, "load_average_end": load1()}
         return s
 
     if not args.no_timing:
@@ -246,12 +237,13 @@ def run_bench(args: argparse.Namespace, irs: list[tuple]) -> dict:
             case += 1
             rows.append(row)
             if args.json:                        # after every case: a long run stopped early keeps its rows
-                write_json(args.json, summary())
+                write_json(args.json, summary(), this_run)
     return summary()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    this_run = Run(__file__, argv)
     if args.resummarise:
         import json
         with open(args.resummarise) as f:
@@ -259,21 +251,22 @@ def main(argv: list[str] | None = None) -> int:
         keys = sorted({k for r in old["rows"] for k, v in r.items() if isinstance(v, dict) and "gnn" in v})
         old.update(summarise(old["rows"], keys))
         print(json.dumps({k: v for k, v in old.items() if k != "rows" and not k.startswith("node_timing")}, indent=1))
-        write_json(args.json, old)
+        write_json(args.json, old, this_run)     # the run's own provenance kept
         return 0
     print(f"tag.optimize's search, GNN prior vs default prior; {len(args.model)} model(s) x {len(args.topo)} "
-          f"topolog(y/ies), budgets {args.budgets} s and {args.playouts} playouts; load average {load():.2f} "
+          f"topolog(y/ies), budgets {args.budgets} s and {args.playouts} playouts; load average {load1():.2f} "
           f"(2-core machine shared with other work)", flush=True)
-    out = run_bench(args, build_irs(args.model))
-    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"   # noqa: E731
+    out = run_bench(args, build_irs(args.model), this_run)
+    def fmt(v: float | None) -> str:
+        return figure_text(v, ".4f")
     for key, _, _ in budget_keys(args):
         print(f"gnn/default at {key}: geomean {fmt(out[f'gnn_over_default_{key}'])} over the "
               f"{out[f'cases_differing_{key}']} case(s) where they differ, {fmt(out[f'gnn_over_default_{key}_all_cases'])} "
               f"over all {out[f'cases_{key}']} (target >= 1.03)")
     print(f"worst case ratio {fmt(out['worst_case_ratio'])} (target >= 0.99); ms per node: lab "
           f"{fmt(out.get('ms_per_node_lab'))} (target <= 5), 512-GPU {fmt(out.get('ms_per_node_512'))} (target <= 20); "
-          f"load {load():.2f}")
-    write_json(args.json, out)
+          f"load {load1():.2f}")
+    write_json(args.json, out, this_run)
     return 0
 
 

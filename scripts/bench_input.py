@@ -18,16 +18,18 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+from tag_bench.machine import load1  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
 FEATURES = 784
 RECORD = (FEATURES + 1) * 4
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs of each kind, alternated")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     steps = args.steps or (15 if args.quick else 40)
     examples = args.examples or (8000 if args.quick else 20000)
     import tag
@@ -79,8 +82,7 @@ def main(argv=None) -> int:
     from tag.backend.runtime.measure import open_cluster
     from tag.backend.runtime.training import train_graph
 
-    topo = tag.load_topology(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          "topologies", "localhost.pbtxt"))
+    topo = tag.load_topology(os.path.join(REPO, "topologies", "localhost.pbtxt"))
     graph_def = tag.zoo.training_graph("mlp", batch_size=args.batch)
     tmp = tempfile.mkdtemp(prefix="tag-bench-input-")
     path = os.path.join(tmp, "train.records")
@@ -93,11 +95,11 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             s = run_steps(plan.graph_def, target, train_op=plan.train_op, loss=plan.loss, init=plan.init,
                           steps=steps, warmup=1, synthetic=True, control=RunControl(watchdog=watchdog))
-            synthetic.append((float(np.median(s.step_times[1:])), os.getloadavg()[0]))
+            synthetic.append((float(np.median(s.step_times[1:])), load1()))
             r = train_graph(plan.graph_def, target, dataset_fn_for(path), inputs=plan.inputs,
                             batch_size=plan.batch_size, steps=steps, train_op=plan.train_op, loss=plan.loss,
                             init=plan.init, progress=False, control=RunControl(watchdog=watchdog))
-            piped.append((float(np.median(r.step_times[1:])), os.getloadavg()[0]))
+            piped.append((float(np.median(r.step_times[1:])), load1()))
             results.append(r)
         return plan
 
@@ -140,9 +142,7 @@ def main(argv=None) -> int:
     print(f"client sent {client:,} bytes (graph {last.client_bytes['graph']:,}, feeds {last.client_bytes['feeds']}, "
           f"step requests ~{fetch_names * last.steps_done:,}) = {out['client_fraction_of_dataset'] * 100:.3f}% of the "
           f"data set's {data_bytes:,} bytes (target < 1%); the run consumed {consumed:,} bytes of examples")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out, this_run)
     return 0
 
 

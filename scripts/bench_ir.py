@@ -22,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -30,7 +29,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tag_bench.machine import load_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
 
 QUICK = ["mlp", "resnet50"]
 
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", help="zoo models or real graphs to run (default: all)")
     ap.add_argument("--real", action="store_true", help="only the real graphs: " + ", ".join(_real_graphs()))
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
 
     from tag import zoo
 
@@ -118,13 +119,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{(f'{pub:,}' if pub else '-'):>12} {r['fwd_bwd_flops_per_example'] / 1e9:>16.3f} "
               f"{r['build_graph_seconds']:>8.1f} {r['analyze_seconds']:>9.2f} {r['analyze_cpu_seconds']:>8.2f}",
               flush=True)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"\nbatch {args.batch_size}; {os.cpu_count()} CPUs, load average {load[0]:.1f}" if load else "")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "cpus": os.cpu_count(), "load_average": load,
-                       "python": platform.python_version(), "models": rows}, f, indent=2)
-            f.write("\n")
+    print(f"\nbatch {args.batch_size}; {os.cpu_count()} CPUs, load average {load_text()}")
+    write_json(args.json, {"batch_size": args.batch_size, "cpus": os.cpu_count(),
+                           "python": platform.python_version(), "models": rows}, this_run, indent=2)
     return 0
 
 

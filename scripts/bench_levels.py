@@ -1,7 +1,7 @@
 """Runtime levels per op family against one scale: the fit on the calibration models, and one-host steps of the
 benchmark models predicted with each, on one testbed configuration.
 
-``runtime_levels`` (``_testbed_cases.py``) times the recipe's calibration models whole on one host of each
+``runtime_levels`` (``tag_bench.cases``) times the recipe's calibration models whole on one host of each
 device type through tag's runtime and fits the profile to them: per op family (convolutions, MatMuls, the rest;
 ``tag.cost.fitting.fit_levels``) and, for comparison, with one scale for every op. This script prints both
 fits' residuals on those calibration points (in-sample), then checks them out of sample: the main benchmark
@@ -18,28 +18,26 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
-from bench_fidelity import git_commit  # noqa: E402
-from _testbed_cases import (calibrate_testbed, calibration_graph, first_group_per_type, load_recipe,  # noqa: E402
-                            measure_on_testbed, levelled, one_host_split, runtime_levels, testbed_topology)
 from tag.api import prepare  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.fitting import LEVEL_GROUPINGS, fit_levels  # noqa: E402
 from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.cost.op_classes import FAMILIES  # noqa: E402
 from tag.sim import Simulator  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
+from tag_bench.cases import (calibrate_testbed, calibration_graph, first_group_per_type, levelled,  # noqa: E402
+                             load_recipe, measure_on_testbed, one_host_split, runtime_levels, testbed_topology)
+from tag_bench.machine import load1  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.testbed import Testbed  # noqa: E402
 
 # the main (not held-out) models of bench_fidelity, at its global batches
 CHECK_MODELS = (("mlp", "mwms:mlp", 96), ("cnn", "mwms:cnn", 48), ("transformer", "mwms:transformer", 48),
@@ -73,7 +71,7 @@ def check(tb, profiles: dict, budget_s: float) -> list[dict]:
             measured = measure_on_testbed(tb, an.rewrite(whole), preds["per_family"], budget_s)
             row = {"model": label, "device_type": dtype, "measured_s": measured,
                    **{f"predicted_{k}_s": v for k, v in preds.items()}, "ops": ops, "parts_s": parts,
-                   "load1": os.getloadavg()[0]}
+                   "load1": load1()}
             rows.append(row)
             print(f"  {label:12s} {dtype:8s} measured {measured * 1e3:8.1f} ms  " + "  ".join(
                 f"{k} {v * 1e3:7.1f} ({v / measured - 1:+.0%})" for k, v in preds.items())
@@ -117,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the points, both fits and the check rows here")
     p.add_argument("--save-profile", help="write the (unlevelled) calibration here")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     recipe = load_recipe()
     t0 = time.time()
     if args.profile:
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
     else:
         with tempfile.TemporaryDirectory() as workdir:
             base = calibrate_testbed(recipe, workdir, [args.config])
-    print(f"calibration {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"calibration {time.time() - t0:.0f} s, load {load1():.1f}", flush=True)
     if args.save_profile:
         base.save(args.save_profile)
     _, topo = testbed_topology(recipe, args.config, base)
@@ -132,10 +131,10 @@ def main(argv=None) -> int:
     with Testbed(topo, cpu_quota=recipe["configs"][args.config]["quotas"]) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
-            load_before = os.getloadavg()[0]
+            load_before = load1()
             per_family = runtime_levels(tb, recipe, base, args.budget, record=record, per_family=True,
                                         under_load=False)
-            print(f"levels fitted (load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)", flush=True)
+            print(f"levels fitted (load {load_before:.1f} before, {load1():.1f} after)", flush=True)
             profiles = {"unlevelled": base, "one_scale": one_scale_profile(base, record), "per_family": per_family}
             print("out of sample: the benchmark models whole on one host", flush=True)
             rows = check(tb, profiles, args.budget)
@@ -154,13 +153,10 @@ def main(argv=None) -> int:
         ins = " ".join(f"{x:5.1%}" for x in t["in_sample_max"].values())
         flag = " (fell back: " + "; ".join(t["fell_back"].values()) + ")" if t["fell_back"] else ""
         print(f"  {t['grouping']:38s} {ins:32s} {t['out_of_sample_median']:6.1%} / {t['out_of_sample_max']:6.1%}{flag}")
-    print(f"total {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
-    if args.json:
-        out = {"commit": git_commit(), "config": args.config, "levels": record, "check": rows, "groupings": table,
-               "check_errors": {k: dict(zip(("median", "max"), errors(rows, k))) for k in profiles},
-               "load1_end": os.getloadavg()[0]}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    print(f"total {time.time() - t0:.0f} s, load {load1():.1f}")
+    write_json(args.json, {"config": args.config, "levels": record, "check": rows, "groupings": table,
+                           "check_errors": {k: dict(zip(("median", "max"), errors(rows, k))) for k in profiles},
+                           "load1_end": load1()}, this_run)
     return 0
 
 

@@ -21,21 +21,17 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import tag
+from tag.search import SearchEnv
+from tag.search.mcts import mcts
+from tag.search.orders import ORDERS, model_family
+from tag.strategy.grouping import group_ops
+from tag_bench.machine import load1
+from tag_bench.records import Run, write_json
+from tag_bench.stats import geomean
 
-import tag  # noqa: E402
-from tag.search import SearchEnv  # noqa: E402
-from tag.search.mcts import mcts  # noqa: E402
-from tag.search.orders import ORDERS, model_family  # noqa: E402
-from tag.strategy.grouping import group_ops  # noqa: E402
-from _common import write_json  # noqa: E402
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 TOPOLOGIES = ["lab-v100-1080ti", "cloud-slow-link", "consumer-lab-4host"]
-
-
-def geomean(xs: list[float]) -> float:
-    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else float("nan")
 
 
 def main(argv=None) -> int:
@@ -47,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     models = args.models or list(tag.zoo.names())
     rows = []
     print(f"{'model':<13} {'family':<12} {'topology':<20} " + " ".join(f"{o[:12]:>12}" for o in ORDERS)
@@ -69,20 +66,21 @@ def main(argv=None) -> int:
                              "speedup_vs_reference": speedups[order], "reference": env.reference_name,
                              "seconds": time.perf_counter() - t0, "evaluations": env.evaluations})
             print(f"{model:<13} {family:<12} {name:<20} " + " ".join(f"{speedups[o]:12.3f}" for o in ORDERS)
-                  + f" {os.getloadavg()[0]:5.1f}", flush=True)
+                  + f" {load1():5.1f}", flush=True)
     families = sorted({r["family"] for r in rows})
     winners = {}
     print("\nper family: geometric-mean speedup over the reference by order")
     for fam in families:
+        # an order that found no feasible plan in the family scores nan (it ranks nowhere)
         score = {o: geomean([r["speedup_vs_reference"] for r in rows if r["family"] == fam and r["order"] == o
-                             and r["speedup_vs_reference"] > 0]) for o in ORDERS}
+                             and r["speedup_vs_reference"] > 0]) or math.nan for o in ORDERS}
         ranked = sorted(ORDERS, key=lambda o: -score[o])
         best, second = ranked[0], ranked[1]
         winners[fam] = {"order": best, "geomean": score[best], "over_runner_up": score[best] / score[second],
                         "over_cost_descending": score[best] / score["cost_descending"], "scores": score}
         print(f"  {fam:<12} winner {best:<20} {score[best]:.3f}  (x{score[best] / score[second]:.3f} over "
               f"{second}, x{score[best] / score['cost_descending']:.3f} over cost_descending)")
-    write_json(args.json, {"rows": rows, "winners": winners, "playouts": args.playouts})
+    write_json(args.json, {"rows": rows, "winners": winners, "playouts": args.playouts}, this_run)
     return 0
 
 

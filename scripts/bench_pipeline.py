@@ -20,7 +20,7 @@ whose fully connected head holds 97% of the weights and whose convolutions do ab
 the shape where mixing must win: its convolutions want every host (few weights to all-reduce), its head one
 host (too many), at a batch (384) where one host takes about 300 ms.
 
-Calibration as the other testbed benchmarks do it (``scripts/_testbed_cases.py``: ``tag-profile --sustained``
+Calibration as the other testbed benchmarks do it (``tag_bench.cases``: ``tag-profile --sustained``
 per quota with the recipe's calibration models, the runtime's network costs, then ``runtime_levels`` on the
 running testbed); ``--profile F`` reuses a saved calibration (``--save-profile F`` writes one).
 The runtime levels are also fitted on steps timed while the other hosts run their own copies, and the
@@ -82,26 +82,16 @@ one device, M micro-batches against the whole batch), ``deferred_w_speedup`` (ge
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import numpy as np  # noqa: E402
 
-from _common import cpu_times, steal_fraction, steal_text  # noqa: E402
-from _testbed_cases import calibrate_testbed, device_type, load_recipe, measure_interleaved, runtime_levels, \
-    testbed_topology  # noqa: E402
-from bench_e2e import geomean, mwms_model_args, run_mwms  # noqa: E402
 from tag.api import prepare  # noqa: E402
-from tag_bench.mwms import tf1_graph  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.search.driver import best_uniform, search  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
@@ -109,8 +99,15 @@ from tag.search.pipeline_dp import pipeline_alternatives, pipeline_dp  # noqa: E
 from tag.strategy.pipeline import DEFERRED_W, Pipeline  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, candidate_runner, choose, distinct_candidates, tune  # noqa: E402
+from tag_bench.cases import (GPU_FLOPS, calibrate_testbed, device_type, gpu_ratio_link_gbps,  # noqa: E402
+                             load_recipe, measure_interleaved, runtime_levels, testbed_topology)
+from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
+from tag_bench.exactness import exactness_float64, micro_batch_rounding, weight_diff  # noqa: E402
+from tag_bench.mwms import model_options, run_mwms, tf1_graph  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.stats import geomean  # noqa: E402
+from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
 
-GPU_FLOPS = 15e12            # a V100's sustained fp32/tensor-core mix, FLOP/s
 QUOTAS = [1.0, 0.5, 0.5]     # CPU cores per host, fastest first
 # (label, tag_bench.mwms model, width, depth, global batch: divisible by 1, 2 and 3 hosts for MWMS)
 # Sized so that using every host must pay (the issue's condition), by the simulator on a saved calibration
@@ -140,91 +137,6 @@ TARGETS = {"pipeline_over_best_uniform": 1.25, "best_case": 1.4, "median_abs_rel
            "max_rel_weight_diff": 1e-5}
 
 
-def random_feed(ir, gd, seed: int = 0) -> dict:
-    """A batch for the graph's inputs: token ids and labels in 0..1, floats standard normal."""
-    import tensorflow as tf
-    nodes = {n.name: n for n in gd.node}
-    rng = np.random.RandomState(seed)
-    feed = {}
-    for name in ir.inputs:
-        shape = [d.size for d in nodes[name].attr["shape"].shape.dim]
-        if nodes[name].attr["dtype"].type == tf.int32.as_datatype_enum:
-            feed[name] = rng.randint(0, 2, shape).astype(np.int32)
-        else:   # the placeholder's own float type (float64 graphs for the exactness check)
-            feed[name] = rng.randn(*shape).astype(tf.as_dtype(nodes[name].attr["dtype"].type).as_numpy_dtype)
-    return feed
-
-
-def relative_diff(a, b) -> float:
-    """The largest |A - B| over B's largest magnitude (1 when B is all zeros)."""
-    return float(np.max(np.abs(a - b))) / (float(np.max(np.abs(b))) or 1.0)
-
-
-def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
-    """One step of rewrite RES on TARGET vs the original graph on one local device, same batch: (the largest
-    |difference| of an updated weight over the weight's largest magnitude, the same for the whole-batch
-    gradient each optimizer update op takes, the variables left out).
-
-    Left out, as the unit tests do (``helpers.zero_gradient_variables``): variables whose exact gradient is
-    zero by construction, such as the transformer's attention key biases. Their gradients are float32
-    rounding noise (about 1e-11 of the largest gradient), and two noises differ by any fraction of their
-    size: comparing them gave the 11/12 "gradient bug" of the searched 3-stage transformer pipeline
-    (``tests/test_rewrite_pipeline.py::test_bench_transformer_pipeline_gradients_are_exact``).
-
-    Why both: the gradients agree to float32 rounding (summation order differs with micro-batches), but
-    Adam's first step moves a weight by about lr * g / (|g| + eps) whatever g's size, so where |g| is near
-    eps (1e-7; many elements of a deep ReLU network) rounding of g changes the step visibly."""
-    import tensorflow as tf
-    from helpers import train_copies, zero_gradient_variables
-    from tag.backend.rewrite.graph_edit import canonical
-    tf1 = tf.compat.v1
-    feed = {k + ":0": v for k, v in random_feed(analysis.graph, analysis.graph_def).items()}
-    vs = [v for v in analysis.graph.variables if v.kind == "trainable"]
-    orig = {n.name: n for n in analysis.graph_def.node}
-    out = {n.name: n for n in res.graph_def.node}
-    grad_inputs, grad_vars = [], []    # the rewritten update ops' gradient inputs, of these variables
-    for v in vs:
-        inputs = [canonical(i) for i in orig[v.apply_op].input]
-        if canonical(v.gradient) not in inputs:   # reaches the update through other ops (a densified sparse one)
-            continue
-        slot = inputs.index(canonical(v.gradient))
-        # every replica's input: fetching one replica's all-reduced gradient alone would leave its peers'
-        # collective instances unlaunched, and the run would wait for them forever
-        applies = [n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out]
-        grad_inputs.append([t if ":" in t else t + ":0" for t in (out[a].input[slot] for a in applies)])
-        grad_vars.append(v)
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(res.graph_def, name="")
-    cfg = tf1.ConfigProto()
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
-    cfg.operation_timeout_in_ms = 600_000          # a step that cannot finish fails instead of waiting forever
-    with tf1.Session(target, graph=g, config=cfg) as s:
-        s.run(res.init)
-        # with the training op: every replica's collectives launch (a pipeline stage replicated over hosts
-        # names its per-replica update inputs apart, and fetching some of them alone waited forever)
-        got_grads = [copies[0] for copies in s.run([grad_inputs, res.train_op], feed)[0]]
-    got = train_copies(res, target, analysis.graph, [feed])[0]
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(analysis.graph_def, name="")
-        reads = [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(v.name + ":0"),
-                                           dtype=g.get_operation_by_name(v.name).get_attr("dtype")) for v in vs]
-    with tf1.Session(graph=g, config=cfg) as s:
-        s.run(analysis.entry.init)
-        all_grads = s.run([v.gradient for v in vs], feed)
-        s.run(analysis.entry.train_op, feed)
-        ref = s.run(reads)
-    noise = zero_gradient_variables([v.name for v in vs], all_grads)
-    ref_grads = dict(zip([v.name for v in vs], all_grads))
-
-    weights = max((relative_diff(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]),
-                  default=0.0)
-    grads = max((relative_diff(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads) if v.name not in noise),
-                default=0.0)
-    return weights, grads, sorted(noise)
-
-
 def tuning_step(an, tb: Testbed, pipe: Strategy, pipe_pred: float, uniform: Strategy, uni_pred: float, found):
     """``tag.tune`` on the running testbed as ``tag-deploy --run --tune`` does it (default K): the pipeline (the
     plan), the DP's answer when the plan is the tree search's pipeline, the best uniform action and
@@ -239,88 +151,11 @@ def tuning_step(an, tb: Testbed, pipe: Strategy, pipe_pred: float, uniform: Stra
     return tune(chosen, candidate_runner(an, tb.target))
 
 
-def same_groups(graph, analysis):
-    """A Grouping of GRAPH (the float64 build of ANALYSIS's model) with ANALYSIS's groups: each op in the group of
-    the float32 op of the same name; an op the float32 graph lacks (the optimizer's casts of its float32
-    hyperparameters, ``train_op/update_dense/kernel/Cast_2``) in the group of the float32 ops under the longest
-    name scope it shares with them (that variable's update)."""
-    from tag.strategy.types import Grouping
-    group_of = {op.name: int(g) for op, g in zip(analysis.graph.ops, analysis.grouping.group_of_op)}
-    groups = []
-    for op in graph.ops:
-        scope = op.name
-        while scope not in group_of and "/" in scope:
-            scope = scope.rsplit("/", 1)[0]
-            under = next((n for n in group_of if n.startswith(scope + "/")), None)
-            if under is not None:
-                scope = under
-        if scope not in group_of:
-            raise RuntimeError(f"{op.name}: no op of the float32 graph shares its name scope")
-        groups.append(group_of[scope])
-    return Grouping(np.asarray(groups, dtype=np.int64), list(analysis.grouping.names))
-
-
-def exactness_float64(model: str, batch: int, width: int | None, depth: int | None, analysis, pipeline: Pipeline,
-                      profile: Profile, tb: Testbed) -> tuple[float, float]:
-    """``weight_diff`` of PIPELINE (its stages, M and schedule) rewritten on the same model built in float64:
-    (weights, gradients). Why: in float32 a deep ReLU network's rounding alone reaches 1e-2 of a gradient (the
-    20 x 2048 MLP's float32 whole-batch gradient differs from its float64 one by 9.5e-3, and Adam turns that into
-    15% of an update where |g| is near eps), so a float32 comparison cannot tell a rewrite's error from
-    rounding; in float64 the rounding is about 1e-9 lower and what is left is the rewrite's. The float64 graph
-    is given the float32 graph's op groups (``same_groups``), so the same pipeline applies."""
-    gd = tf1_graph(model, batch, width=width, depth=depth, floatx="float64")
-    an = prepare(gd, tb.topology, batch_size=batch, profile=profile, name=f"{model}-float64")
-    an = prepare(gd, tb.topology, batch_size=batch, profile=profile, name=f"{model}-float64",
-                 grouping=same_groups(an.graph, analysis))
-    res = an.rewrite(Strategy.pipelined(an.grouping, pipeline))
-    weights, grads, _ = weight_diff(an, res, tb.target)
-    return weights, grads
-
-
-def micro_batch_rounding(model: str, batch: int, width: int | None, depth: int | None, micro_batches: int,
-                         seed: int = 0) -> float:
-    """What float32 summation order alone does to the gradients, with no pipeline and no rewrite: the largest
-    |difference| between the whole-batch gradient of the same tf_keras architecture on one device (plain
-    TensorFlow, eager) and the sum of its MICRO_BATCHES micro-batch gradients (each of the mean loss over its
-    slice, over M), relative to each weight's largest gradient magnitude: the scale of ``max_rel_grad_diff``.
-    Variables with a zero gradient by construction are left out, as there. A pipelined step may differ from
-    the single-device step by about this much without any error in the rewrite: deep ReLU networks carry
-    float32 rounding far above 1e-5 (a 20 x 2048 MLP at batch 384: 1.2e-3 to 9.5e-3 between initialisations;
-    its float32 whole-batch gradient itself differs from the float64 one by 9.5e-3)."""
-    if micro_batches <= 1:
-        return 0.0
-    import tensorflow as tf
-    import tf_keras
-    from helpers import zero_gradient_variables
-    from tag_bench.mwms import input_spec, keras_model
-    tf.random.set_seed(seed)
-    net = keras_model(model, tf_keras, width=width, depth=depth)
-    shape, dtype = input_spec(model)
-    rng = np.random.RandomState(seed)
-    x = rng.randint(0, 2, (batch, *shape)).astype(np.int32) if dtype == "int32" else \
-        rng.randn(batch, *shape).astype(np.float32)
-    y = rng.randint(0, int(net.output.shape[-1]), batch).astype(np.int32)
-
-    def grads(lo: int, hi: int, scale: float) -> list:
-        with tf.GradientTape() as tape:
-            loss = scale * tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y[lo:hi], logits=net(x[lo:hi], training=True)))
-        # an embedding's gradient is IndexedSlices: densified, as the whole-batch comparison needs
-        return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, net.trainable_variables)]
-    whole = grads(0, batch, 1.0)
-    step = batch // micro_batches
-    summed = [sum(gs) for gs in zip(*(grads(m * step, (m + 1) * step, 1.0 / micro_batches)
-                                      for m in range(micro_batches)))]
-    names = [v.name for v in net.trainable_variables]
-    noise = zero_gradient_variables(names, whole)
-    return max((relative_diff(a, b) for n, a, b in zip(names, summed, whole) if n not in noise), default=0.0)
-
-
 def hand_pipeline(env: SearchEnv, micro_batches: int, quotas: list[float], schedule: str = "1f1b") -> Strategy:
     """A hand-made pipeline, as a check of what the runtime does apart from the search: one stage per host
     (fastest first), the op groups in forward dependency order cut where each stage's share of the forward
     and backward FLOPs is closest to its host's share of the quotas."""
-    from helpers import forward_group_order
+    from tag_bench.exactness import forward_group_order
     from tag.strategy.pipeline import Pipeline, PipelineStage
     order, rest = forward_group_order(env.graph, env.grouping)
     flops = np.zeros(env.grouping.num_groups)
@@ -404,7 +239,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
             continue
         try:
             meas = float(np.median(run_mwms(tb, model, batch, args.mwms_steps, args.warmup, hosts=k,
-                                            model_args=mwms_model_args(width, depth))))
+                                            model_args=model_options(width, depth))))
         except RuntimeError as err:
             if k == 1:
                 raise
@@ -457,7 +292,7 @@ def run_case(tb: Testbed, label: str, model: str, width: int, depth: int, batch:
           f"tuned: {kept.name} {tuned_s * 1e3:7.1f} ms (x{row['tuned_over_best_uniform']:.2f} vs uniform)  "
           f"float64 weights {diff:.1e} (gradients {grad_diff:.1e}); float32 weights {diff32:.1e} (gradients "
           f"{grad_diff32:.1e}; float32 order alone {rounding:.1e})  "
-          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}{steal_text(row['steal'])}", flush=True)
+          f"load {load_text()}{steal_text(row['steal'])}", flush=True)
     return row
 
 
@@ -488,17 +323,17 @@ def main(argv=None) -> int:
     levels.add_argument("--levels-alone", action="store_true",
                    help="fit runtime_levels on steps timed alone only, without the levels under load that the "
                         "recipe's calibration.levels_under_load adds (the testbed's hosts share one machine: "
-                        "_testbed_cases.runtime_levels)")
+                        "tag_bench.cases.runtime_levels)")
     p.add_argument("--json", help="write rows and the summary keys to this file")
     args = p.parse_args(argv)
-    from _common import testbed_missing
+    this_run = Run(__file__, argv)
     if testbed_missing("bench_pipeline"):
         return 2
     recipe = load_recipe()
     quotas = args.quotas = [float(q) for q in args.quotas.split(",")] if args.quotas else QUOTAS
     recipe["configs"] = {"P": {"quotas": quotas, "links_gbps": [1.0, 1.0, 1.0]}}
     t0 = time.time()
-    print(f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    print(f"commit {this_run.commit}; load {load_text()}", flush=True)
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -507,7 +342,7 @@ def main(argv=None) -> int:
         if args.save_profile:
             profile.save(args.save_profile)
     fastest = profile.devices[device_type(max(quotas))].peak_flops
-    link = args.gpu_gbps * fastest / GPU_FLOPS
+    link = gpu_ratio_link_gbps(profile, max(quotas), args.gpu_gbps)
     recipe["configs"]["P"]["links_gbps"] = [round(link, 6)] * 3
     print(f"links: {args.gpu_gbps:g} Gbit/s per {GPU_FLOPS / 1e12:g} TFLOP/s GPU -> {link * 1e3:.1f} Mbit/s per "
           f"{fastest / 1e9:.1f} GFLOP/s host ({args.gpu_gbps / 8e-9 / GPU_FLOPS:.2e} bytes per FLOP)", flush=True)
@@ -532,7 +367,8 @@ def main(argv=None) -> int:
                 print(f"{case[0]:<12} FAILED: {type(err).__name__}: {' '.join(str(err).split())[:1500]}", flush=True)
                 continue
             if args.json:        # after every case: a run cut short keeps the cases it finished
-                write_json(args.json, rows, link, args.gpu_gbps, quotas, profile)
+                write_json(args.json, {**summarise(rows), "rows": rows, "link_gbps": link, "gpu_gbps": args.gpu_gbps,
+                                       "quotas": quotas, "profile_source": profile.source}, this_run, indent=2)
     if not rows:
         print("bench_pipeline: no case ran", file=sys.stderr)
         return 1
@@ -548,7 +384,7 @@ def main(argv=None) -> int:
           f"float32 summation order alone {summary['max_micro_batch_rounding']:.1e}); deferred_w / the other schedule "
           f"{summary['deferred_w_speedup']:.2f}x; after the tuning step / best uniform "
           f"{summary['tuned_over_best_uniform']:.2f}x, / best MWMS {summary['tuned_over_best_mwms']:.2f}x; "
-          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"load {load_text()}")
     return 0      # the JSON, if asked for, was written after the last case that ran
 
 
@@ -565,13 +401,6 @@ def summarise(rows: list[dict]) -> dict:
             "deferred_w_speedup": geomean([r["deferred_w_speedup"] for r in rows]),
             "tuned_over_best_uniform": geomean([r["tuned_over_best_uniform"] for r in rows]),
             "tuned_over_best_mwms": geomean([r["tuned_over_best_mwms"] for r in rows])}
-
-
-def write_json(path: str, rows: list[dict], link: float, gpu_gbps: float, quotas, profile) -> None:
-    """The run's JSON: the summary keys over ROWS, the rows and the testbed's links and quotas."""
-    with open(path, "w") as f:
-        json.dump({**summarise(rows), "rows": rows, "link_gbps": link, "gpu_gbps": gpu_gbps, "quotas": quotas,
-                   "profile_source": profile.source}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -24,22 +24,19 @@ import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import tag  # noqa: E402
 from tag.search import SearchEnv, search  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
-from _common import write_json  # noqa: E402
+from tag_bench.machine import load1  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
 GROUPS = 64          # tag.optimize's default number of op groups
 TARGET_CASES = ["resnet50:lab-v100-1080ti:64", "resnet50:lab-v100-1080ti:1024",
                 "bert_large:fabric-64x8:2048", "bert_large:fabric-64x8:8192"]
 GROWTH_HOSTS = [1, 8, 64, 128]      # x 8 GPUs = 8, 64, 512, 1,024
-
-
-def _load() -> float:
-    return os.getloadavg()[0]
 
 
 def fabric_hosts(hosts: int) -> "tag.Topology":
@@ -65,7 +62,7 @@ def fabric_hosts(hosts: int) -> "tag.Topology":
 
 def plan_case(graph, grouping, topo, batch: int, playouts: int | None) -> dict:
     """Time the environment and the default search of one case."""
-    load0 = _load()
+    load0 = load1()
     t0, c0 = time.perf_counter(), time.process_time()
     env = SearchEnv(graph, topo, grouping, batch_size=batch)
     t1 = time.perf_counter()
@@ -77,7 +74,7 @@ def plan_case(graph, grouping, topo, batch: int, playouts: int | None) -> dict:
             "feasible": found.outcome.feasible, "method": found.method, "evaluations": env.evaluations,
             "screened": getattr(env, "screened", 0), "cache_hits": env.cache_hits,
             "simulate_s": sim_s, "evaluations_per_second": env.evaluations / sim_s if sim_s > 0 else 0.0,
-            "load_before": load0, "load_average": _load()}
+            "load_before": load0, "load_average": load1()}
 
 
 def main(argv=None) -> int:
@@ -87,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--playouts", type=int, default=None, help="tree-search playouts (default: the search's)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
     cases = args.cases if args.cases is not None else ([] if args.growth else TARGET_CASES)
     graphs: dict[str, tuple] = {}
 
@@ -98,7 +96,7 @@ def main(argv=None) -> int:
             tg = tag.analyze(gd)
             t2 = time.perf_counter()
             graphs[name] = (tg, group_ops(tg, target_groups=GROUPS))
-            print(f"# {name}: zoo build {t1 - t0:.1f} s, analysis {t2 - t1:.1f} s (load {_load():.1f})", flush=True)
+            print(f"# {name}: zoo build {t1 - t0:.1f} s, analysis {t2 - t1:.1f} s (load {load1():.1f})", flush=True)
         return graphs[name]
 
     rows = []
@@ -130,7 +128,8 @@ def main(argv=None) -> int:
                  **plan_case(tg, grouping, topo, 4 * topo.num_devices, args.playouts)}
             growth.append(r)
             show(r)
-    write_json(args.json, {"cases": rows, "growth": growth, "playouts": args.playouts, "cpus": os.cpu_count()})
+    write_json(args.json, {"cases": rows, "growth": growth, "playouts": args.playouts, "cpus": os.cpu_count()},
+               this_run)
     return 0
 
 

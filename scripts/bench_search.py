@@ -31,22 +31,22 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import tag
+from tag.search import SearchEnv, random_search, search
+from tag.search.mcts import mcts
+from tag.search.orders import model_family
+from tag.strategy.grouping import group_ops
+from tag_bench.machine import load1
+from tag_bench.records import Run, write_json
+from tag_bench.stats import figure_text, geomean
 
-import tag  # noqa: E402
-from tag.search import SearchEnv, random_search, search  # noqa: E402
-from tag.search.mcts import mcts  # noqa: E402
-from tag.search.orders import model_family  # noqa: E402
-from tag.strategy.grouping import group_ops  # noqa: E402
-from _common import write_json  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
 TOPOLOGIES = ["lab-v100-1080ti", "a100-8x-nvlink", "h100-2x8-infiniband", "cloud-slow-link",
               "consumer-lab-4host", "fabric-64x8", "localhost"]
@@ -110,7 +110,7 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            "pipeline_s": min(base.get("pipeline", float("nan")), base.get("mcts_pipeline", float("inf"))),
            "pipeline": found.strategy.pipeline.to_dict() if found.strategy.pipeline is not None
            else found.pipeline.strategy.pipeline.to_dict() if found.pipeline and found.pipeline.strategy
-           else None, "load_average": os.getloadavg()[0], "_strategy": found.strategy}
+           else None, "load_average": load1(), "_strategy": found.strategy}
     if without_pipeline:
         plain = search(SearchEnv(tg, topo, grouping, batch_size=batch, simulator=env.simulator), playouts=playouts,
                        budget_s=budget_s, seed=seed, min_gain=0.0, mixed_min_gain=0.0, use_pipeline=False)
@@ -147,10 +147,6 @@ def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args,
     return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)
 
 
-def geomean(xs: list[float]) -> float:
-    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else float("nan")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_TOPOLOGIES}")
@@ -164,6 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action="store_true",
                    help="search heterogeneous cases again in mixed_float16 and count changed plans")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     models = args.models or (QUICK_MODELS if args.quick else list(tag.zoo.names()))
     topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
     rows = []
@@ -227,14 +224,15 @@ def main(argv=None) -> int:
               f"another seed: {summary['heterogeneous_cases_plan_changed_other_seed']} "
               f"({100 * (summary['median_share_of_ops_changed_other_seed'] or 0):.0f}%)")
     print(f"\nheterogeneous cases: {len(het)}; geomean speedup vs dp_allreduce "
-          f"{summary['geomean_speedup_vs_dp_heterogeneous']:.2f}x, vs best uniform "
-          f"{summary['geomean_speedup_vs_best_uniform_heterogeneous']:.3f}x; cases below a baseline: "
-          f"{summary['cases_below_a_baseline']}")
+          f"{figure_text(summary['geomean_speedup_vs_dp_heterogeneous'], '.2f', 'x')}, vs best uniform "
+          f"{figure_text(summary['geomean_speedup_vs_best_uniform_heterogeneous'], '.3f', 'x')}; cases below a "
+          f"baseline: {summary['cases_below_a_baseline']}")
+    with_pipe = summary["geomean_speedup_vs_best_uniform_large_heterogeneous_with_pipeline"]
+    without_pipe = summary["geomean_speedup_vs_best_uniform_large_heterogeneous_without_pipeline"]
     print(f"large-batch heterogeneous cases: {len(large_het)}; geomean speedup vs best uniform with pipelines "
-          f"{summary['geomean_speedup_vs_best_uniform_large_heterogeneous_with_pipeline']:.3f}x, without "
-          f"{summary['geomean_speedup_vs_best_uniform_large_heterogeneous_without_pipeline']:.3f}x; the plan is a "
+          f"{figure_text(with_pipe, '.3f', 'x')}, without {figure_text(without_pipe, '.3f', 'x')}; the plan is a "
           f"pipeline in {summary['large_heterogeneous_cases_won_by_pipeline']}")
-    write_json(args.json, summary)
+    write_json(args.json, summary, this_run)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -42,9 +41,10 @@ from tag.sim.simulator import Simulator  # noqa: E402
 from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
-
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the tests' helpers
-from helpers import in_process_servers, train_copies  # noqa: E402
+from tag_bench.exactness import in_process_servers, train_copies  # noqa: E402
+from tag_bench.machine import load_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.stats import figure_text  # noqa: E402
 
 tf1 = tf.compat.v1
 ZOO = [("mlp", {}), ("vgg19", {}), ("resnet50", {}), ("transformer", {}), ("bert_base", {})]
@@ -52,10 +52,6 @@ QUICK_ZOO = [("mlp", {}), ("transformer", dict(num_layers=2))]
 PER_DEVICE_BATCHES = (2, 64)
 MEASURED_MODEL = ("mlp-1024x3", "zoo:mlp,hidden=1024x1024x1024", 16)
 SLOW_LINK_GBPS = 0.5
-
-
-def load() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 # ------------------------------------------------------------------------------------------------ predicted
@@ -188,15 +184,15 @@ def measured_rows(steps: int) -> list[dict]:
         for name, st, predicted in (("dp_allreduce", dp, chosen.base_step_time),
                                     ("dp_allreduce+sfb", chosen.strategy, chosen.step_time)):
             res = rewrite(gd, ir, st, tb.topology, batch_size=batch)
-            before = load()
+            before = load_text(2)
             run = run_steps(res.graph_def, tb.target, train_op=res.train_op, loss=res.loss, init=res.init,
                             steps=steps, warmup=3, synthetic=True)
             measured = float(np.median(run.step_times[3:]))
             rows.append({"part": "measured", "model": label, "strategy": name, "bandwidth_gbps": SLOW_LINK_GBPS,
                          "sfb_gradients": list(st.sfb), "predicted_s": predicted, "measured_s": measured,
-                         "load_before": before, "load_after": load()})
+                         "load_before": before, "load_after": load_text(2)})
             print(f"{label} {name:<17} {SLOW_LINK_GBPS} Gbit/s  predicted {predicted * 1e3:8.2f} ms  measured "
-                  f"{measured * 1e3:8.2f} ms  ({before} -> {load()})", flush=True)
+                  f"{measured * 1e3:8.2f} ms  (load {before} -> {load_text(2)})", flush=True)
     return rows
 
 
@@ -207,24 +203,23 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="measured steps per case (default 15, quick 8)")
     p.add_argument("--json", help="write the figures as JSON to this file")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     steps = args.steps or (8 if args.quick else 15)
     t0 = time.time()
-    print(f"== predicted on {args.topo} ({load()})", flush=True)
+    print(f"== predicted on {args.topo} (load {load_text(2)})", flush=True)
     rows = predicted_rows(args.topo, QUICK_ZOO if args.quick else ZOO, PER_DEVICE_BATCHES)
-    print(f"== exactness ({load()})", flush=True)
+    print(f"== exactness (load {load_text(2)})", flush=True)
     rows += exactness_rows()
-    print(f"== measured on the testbed ({load()})", flush=True)
+    print(f"== measured on the testbed (load {load_text(2)})", flush=True)
     rows += measured_rows(steps)
     diff = max(r["max_rel_weight_diff"] for r in rows if r["part"] == "exactness")
     saved = max(r["bytes_saved_fraction"] for r in rows if r["part"] == "predicted")
     measured = {r["strategy"]: r["measured_s"] for r in rows if r["part"] == "measured"}
     speedup = measured["dp_allreduce"] / measured["dp_allreduce+sfb"] if len(measured) == 2 else None
     print(f"\nmax relative weight difference {diff:.2e}; largest fraction of bytes saved {saved:.3f}; measured "
-          f"speedup with SFB {'n/a' if speedup is None else f'{speedup:.2f}x'} ({time.time() - t0:.0f} s, {load()})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"max_rel_weight_diff": diff, "max_bytes_saved_fraction": saved,
-                       "measured_speedup_sfb": speedup, "rows": rows}, f, indent=2)
+          f"speedup with SFB {figure_text(speedup, '.2f', 'x')} ({time.time() - t0:.0f} s, load {load_text(2)})")
+    write_json(args.json, {"max_rel_weight_diff": diff, "max_bytes_saved_fraction": saved,
+                           "measured_speedup_sfb": speedup, "rows": rows}, this_run, indent=2)
     return 0
 
 

@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from tag_bench.machine import load1  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
 
 MODELS = {
     "resnet50": {"batch_size": 64},
@@ -101,7 +103,7 @@ def rate(sim, strategies, seconds: float) -> dict:
         cpus.append(time.process_time() - c0)
     n = len(strategies)
     return {"best": n / min(walls), "mean": n * len(walls) / sum(walls), "cpu": n / max(min(cpus), 1e-9),
-            "load": os.getloadavg()[0]}
+            "load": load1()}
 
 
 def screened_rate(sim, strategies, incumbent: float, seconds: float) -> dict:
@@ -135,7 +137,7 @@ def screened_rate(sim, strategies, incumbent: float, seconds: float) -> dict:
         cpus.append(time.process_time() - c0)
     n = len(strategies)
     return {"best": n / min(walls), "mean": n * len(walls) / sum(walls), "cpu": n / max(min(cpus), 1e-9),
-            "rejected": rejected / n, "load": os.getloadavg()[0]}
+            "rejected": rejected / n, "load": load1()}
 
 
 def reusable_prefix(sim, dp, strategies) -> dict:
@@ -267,6 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also sample where evaluate's CPU time goes on the search-like mix (per tag.sim function)")
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
     import tag
 
     topo = tag.load_topology(args.topo)
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
 
     first = results["resnet50"]
     print(f"Simulator speed on {topo.name} ({topo.num_devices} devices, {len(topo.groups)} device groups), "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; simulator kernel: {first['kernel']} "
+          f"{os.cpu_count()} CPUs, load average {load1():.1f}; simulator kernel: {first['kernel']} "
           f"(TAG_SIM_KERNEL=python: the reference); first evaluation {first['first_evaluation_s']:.2f} s "
           "(compiling the kernel, or loading it from numba's cache)")
     print("evaluations per second (fastest pass, wall clock; search-like also: mean over passes, CPU time)")
@@ -314,15 +317,11 @@ def main(argv=None) -> int:
     print("predicted step times (ms): " + "; ".join(
         f"{name}: " + ", ".join(f"{n} {b['step_time_s'] * 1e3:.1f}" for n, b in r["builtin"].items())
         for name, r in results.items()))
-    if args.json:
-        out = {"evaluations_per_second": {n: r["evaluations_per_second"] for n, r in results.items()},
-               "screened_evaluations_per_second": {n: r["screened_evaluations_per_second"]
-                                                   for n, r in results.items()},
-               "topology": topo.name, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
-               "kernel": first["kernel"],
-               "models": results}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, {"evaluations_per_second": {n: r["evaluations_per_second"] for n, r in results.items()},
+                           "screened_evaluations_per_second": {n: r["screened_evaluations_per_second"]
+                                                               for n, r in results.items()},
+                           "topology": topo.name, "cpus": os.cpu_count(), "load_average": load1(),
+                           "kernel": first["kernel"], "models": results}, this_run)
     return 0
 
 

@@ -18,11 +18,11 @@ quotas, shaped links), every figure the median of the timed steps, the load aver
    they serialise.
 2b. ``sync_overlap``: the same question for gradient synchronisation over every host (quotas as given): a
    ring all-reduce or a parameter-server push of 256 KB to 4 MB beside a MatMul chain on each host
-   (``tag.cost.calibration.measure_sync_serial``, which ``runtime_levels`` runs on every testbed to set the
+   (``tag.calibration.measure_sync_serial``, which ``runtime_levels`` runs on every testbed to set the
    profile's ``sync_serial_*``).
 3. ``batch_share``: a model's step on one host at a fraction of the batch (a data-parallel replica's share,
    or a pipeline's micro-batch) relative to the whole batch, measured and as the cost model predicts it
-   (``--profile``: a testbed calibration, e.g. ``scripts/results/e2e.profile.json``).
+   (``--profile``: a testbed calibration, e.g. bench_e2e's ``--json F`` writes one beside F).
 4. ``contention``: does a host's kernel slow down while the other hosts compute? Each kernel class
    (``CONTENTION_KERNELS``: a convolution, a convolution's filter gradient, a large MatMul, a memory-bound
    element-wise add) as a chain on each host, timed alone and again while every other host runs the same
@@ -50,15 +50,16 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
 from tag.backend.runtime import run_steps  # noqa: E402
-from tag_bench.testbed import Testbed  # noqa: E402
-from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.calibration import median_step  # noqa: E402
+from tag.cluster.topology import parse_topology  # noqa: E402
+from tag_bench.cases import device_type  # noqa: E402
+from tag_bench.machine import load1, load_averages, load_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
+from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
 
 SIZES = (1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20)
 COUNTS = (1, 8, 64, 512)
@@ -68,13 +69,8 @@ SHARE_MODELS = (("mlp-2048", "zoo:mlp,input_dim=2048,hidden=2048x2048x2048x2048,
                 ("transformer", "mwms:transformer,width=128"))
 
 
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def topology_text(quotas: list[float], link_gbps: float, latency_us: float) -> str:
     """One one-CPU host per quota, device type ``CPUq<percent>`` as the testbed calibration names them."""
-    from _testbed_cases import device_type
     lines = []
     for i, q in enumerate(quotas):
         lines.append(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24561 + i} device {{ type: "{device_type(q)}" '
@@ -206,7 +202,7 @@ def measure_transfers(tb, topo, args, network) -> list[dict]:
                 model = modelled_transfer_s(count, nbytes, waves, args.link_gbps, args.latency_us, network)
                 row = {"count": count, "bytes": nbytes, "waves": waves, "in_flight": -(-count // waves),
                        "measured_s": remote - local, "model_s": model, "local_step_s": local,
-                       "wire_s": count * nbytes * 8 / (args.link_gbps * 1e9), "load": load()}
+                       "wire_s": count * nbytes * 8 / (args.link_gbps * 1e9), "load": load_averages()}
                 rows.append(row)
                 print(f"  {count:4d} x {nbytes / 1024:8.0f} KB  waves {waves:3d}: measured {row['measured_s'] * 1e3:9.2f} ms"
                       f"  model {model * 1e3:9.2f} ms  wire {row['wire_s'] * 1e3:9.2f} ms"
@@ -228,7 +224,7 @@ def measure_overlap(tb, topo, args) -> list[dict]:
             c, t = compute, transfer - local
             overlap = (c + transfer - both) / max(min(c, t), 1e-9)
             row = {"compute_on": side_name, "matmul_side": side, "depth": depth, "compute_s": c, "transfer_s": t,
-                   "both_s": both, "overlap": overlap, "load": load()}
+                   "both_s": both, "overlap": overlap, "load": load_averages()}
             rows.append(row)
             print(f"  compute on {side_name:8s} ({depth} x {side}^2 MatMul): compute {c * 1e3:7.1f} ms, "
                   f"64 x 256 KB transfer {t * 1e3:7.1f} ms, both {both * 1e3:7.1f} ms -> overlap {overlap:.2f}"
@@ -248,21 +244,20 @@ def measure_sync_overlap(tb, topo, quotas, args) -> list[dict]:
     sizes = SYNC_BYTES if not args.quick else SYNC_BYTES[1:2]
     serial_ar, serial_ps, rows = measure_sync_serial(tb.target, devices, quotas, sizes_bytes=sizes, steps=args.steps)
     for row in rows:
-        row.update(quotas=quotas, load=load())
+        row.update(quotas=quotas, load=load_averages())
         print(f"  {row['kind']:9s} {row['bytes'] >> 10:5d} KB over {len(devices)} hosts: compute "
               f"{row['compute_s'] * 1e3:6.1f} ms, sync {row['sync_s'] * 1e3:6.1f} ms, "
               f"both {row['both_s'] * 1e3:6.1f} ms"
               f" -> overlap {row['overlap']:+.2f}", flush=True)
     print(f"  fractions that do not overlap (median over sizes, clipped to [0, 1]): all-reduce {serial_ar:.2f}, "
-          f"ps {serial_ps:.2f}  load {load()[0]}", flush=True)
+          f"ps {serial_ps:.2f}  load {load1():.2f}", flush=True)
     return rows
 
 
 def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
     """Each model's one-host step at fractions of its batch, on every host, measured and predicted."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _testbed_cases import calibration_graph, device_type
     import tag
+    from tag_bench.cases import calibration_graph
     from tag.backend.rewrite import rewrite
     from tag.cost.model import CostModel
     from tag.sim import Simulator
@@ -296,7 +291,8 @@ def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
                     base_measured, base_predicted = measured, predicted
                 row = {"model": name, "quota": quotas[h], "batch": batch, "share": share, "measured_s": measured,
                        "predicted_s": predicted, "measured_rel": measured / base_measured,
-                       "predicted_rel": None if predicted is None else predicted / base_predicted, "load": load()}
+                       "predicted_rel": None if predicted is None else predicted / base_predicted,
+                       "load": load_averages()}
                 rows.append(row)
                 pr = "" if predicted is None else (f"  predicted {predicted * 1e3:8.1f} ms"
                                                    f" ({row['predicted_rel']:.3f} of whole batch)")
@@ -308,7 +304,7 @@ def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
 def measure_contention(tb, topo, quotas, args) -> list[dict]:
     """Each kernel class's chain on each host, alone and while every other host runs its own copy."""
     from contextlib import ExitStack
-    from _testbed_cases import BackgroundSteps
+    from tag_bench.cases import BackgroundSteps
     rows = []
     hosts = range(len(quotas))
     print(f"  pinning: {tb.cpu_pinning}", flush=True)
@@ -322,7 +318,7 @@ def measure_contention(tb, topo, quotas, args) -> list[dict]:
                 loaded = median_step(graphs[h], tb.target, args.steps)
                 background = sum(b.steps for b in others)
             row = {"kernel": kind, "host": h, "quota": quotas[h], "alone_s": alone, "loaded_s": loaded,
-                   "slowdown": loaded / alone, "background_steps": background, "load": load()}
+                   "slowdown": loaded / alone, "background_steps": background, "load": load_averages()}
             rows.append(row)
             print(f"  {kind:17s} on h{h} (quota {quotas[h]:.2f}): alone {alone * 1e3:7.1f} ms, others busy "
                   f"{loaded * 1e3:7.1f} ms -> x{row['slowdown']:.2f} ({background} background steps)"
@@ -348,8 +344,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-profile", help="write the calibration here")
     p.add_argument("--json", help="write every row here")
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import testbed_missing, write_json
+    this_run = Run(__file__, argv)
     if testbed_missing("bench_transfers"):
         return 2
     from tag.cost.model import Profile
@@ -358,7 +353,7 @@ def main(argv=None) -> int:
     topo = parse_topology(topology_text(quotas, args.link_gbps, args.latency_us), path="<bench_transfers>")
     if args.calibrate and profile is None:
         import tempfile
-        from _testbed_cases import calibrate_testbed, load_recipe, runtime_levels
+        from tag_bench.cases import calibrate_testbed, load_recipe, runtime_levels
         recipe = load_recipe()
         recipe["configs"] = {"T": {"quotas": quotas, "links_gbps": [args.link_gbps] * 3}}
         with tempfile.TemporaryDirectory() as workdir:
@@ -373,9 +368,10 @@ def main(argv=None) -> int:
             profile.save(args.save_profile)
     network = profile.network if profile is not None else None
     out = {"quotas": quotas, "link_gbps": args.link_gbps, "latency_us": args.latency_us,
-           "network": None if network is None else network.to_dict(), "load_start": load()}
+           "network": None if network is None else network.to_dict(), "load_start": load_averages()}
     t0 = time.time()
-    print(f"testbed: quotas {quotas}, links {args.link_gbps} Gbit/s, {args.latency_us} us; load {load()}", flush=True)
+    print(f"testbed: quotas {quotas}, links {args.link_gbps} Gbit/s, {args.latency_us} us; load {load_text(2)}",
+          flush=True)
     with Testbed(topo, cpu_quota=quotas) as tb:
         tb.start_workers(threads_per_worker=1)
         try:
@@ -397,9 +393,9 @@ def main(argv=None) -> int:
         finally:
             tb.stop_workers()
     out["seconds"] = time.time() - t0
-    out["load_end"] = load()
-    write_json(args.json, out)
-    print(f"done in {out['seconds']:.0f} s; load {load()}")
+    out["load_end"] = load_averages()
+    write_json(args.json, out, this_run)
+    print(f"done in {out['seconds']:.0f} s; load {load_text(2)}")
     return 0
 
 

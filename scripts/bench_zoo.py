@@ -19,13 +19,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-
 from tag import zoo  # noqa: E402
-from _common import write_json  # noqa: E402
-
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the tests' helpers
-from helpers import trained_variables  # noqa: E402
+from tag_bench.exactness import trained_variables  # noqa: E402
+from tag_bench.machine import load_text  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
 
 QUICK = {
     "mlp": dict(hidden=(256, 256)),
@@ -43,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes of a few models")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
     models = args.models or (list(QUICK) if args.quick else zoo.names())
     rows = []
     print(f"{'model':14s} {'build s':>8s} {'nodes':>7s} {'vars':>5s} {'parameters':>13s} {'published':>13s} "
@@ -64,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {seconds:8.2f} {len(gd.node):7d} {nvars:5d} {params:13,d} {published:13,d} "
               f"{'-' if options else format(row['parameter_error_pct'], '7.2f'):>7s} {gd.ByteSize() / 1e6:11.2f}",
               flush=True)
-    write_json(args.json, {"batch_size": args.batch_size, "quick": args.quick, "models": rows}, indent=2)
+    print(f"load {load_text()}")
+    write_json(args.json, {"batch_size": args.batch_size, "quick": args.quick, "models": rows}, this_run, indent=2)
     return 0
 
 

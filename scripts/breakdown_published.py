@@ -11,28 +11,28 @@ communication can be read against the device sum (the one-device step).
 Usage::
 
     python scripts/breakdown_published.py --cache DIR ROW_ID [ROW_ID ...] [--top 12] [--json FILE]
+
+``--json`` writes ``{"provenance", "rows"}``: every row's breakdown.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from collections import defaultdict
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tag_bench import published
+from tag_bench.records import Run, write_json
 
 
 def breakdown(row: dict[str, Any], graph, step: bool = False) -> dict[str, Any]:
     """Per-key predicted seconds of one device's step for ROW (see the module docstring)."""
     import numpy as np
     import tag
-    import bench_published as bp
     from tag.cost.model import CostModel
     from tag.cost.occupancy import occupancy
     n, per = row["gpu_count"], row["per_gpu_batch"]
-    topo = tag.parse_topology(bp.topology_text(row["system"], n), path=f"<{row['system']}>")
+    topo = tag.parse_topology(published.topology_text(row["system"], n), path=f"<{row['system']}>")
     cm = CostModel(graph, topo, tf32=row["precision"] == "tf32", xla=row["xla"],
                    gradient_dtype=None if row["grad_dtype"] == "fp32" else row["grad_dtype"])
     t = cm.op_times(0, float(per))
@@ -65,7 +65,7 @@ def breakdown(row: dict[str, Any], graph, step: bool = False) -> dict[str, Any]:
         from tag.sim.simulator import Simulator
         from tag.strategy.baselines import builtin_strategy
         from tag.strategy.grouping import group_ops
-        grouping = group_ops(graph, target_groups=bp.GROUPS)
+        grouping = group_ops(graph, target_groups=published.GROUPS)
         strategy = builtin_strategy("dp_allreduce", graph, topo, grouping, cm)
         out["simulated_step_s"] = Simulator(graph, topo, grouping, cm).evaluate(strategy, batch_size=n * per).step_time
         out["lockstep_factor"] = r.lockstep_factor
@@ -83,14 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", action="store_true", help="also simulate the row's step")
     p.add_argument("--json", metavar="FILE", help="write every row's breakdown as JSON")
     args = p.parse_args(argv)
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import bench_published as bp
-    rows = {r["id"]: r for r in bp.read_rows()}
+    this_run = Run(__file__, argv)
+    rows = {r["id"]: r for r in published.read_rows()}
     res = []
     for rid in args.rows:
         row = rows[rid]
-        b = breakdown(row, bp.build_ir(row, args.cache), step=args.step)
+        b = breakdown(row, published.build_ir(row, args.cache), step=args.step)
         res.append(b)
         head = (f"{rid}: device sum {1e3 * b['device_sum_s']:.1f} ms, "
                 f"published step {1e3 * b['published_step_s']:.1f} ms")
@@ -102,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, e in list(b["keys"].items())[:args.top]:
             print(f"  {k:28} {1e3 * e['s']:8.2f} ms {100 * e['s'] / b['device_sum_s']:5.1f}%  "
                   f"mem-bound {1e3 * e['mem_s']:7.2f}  launch {1e3 * e['launch_s']:6.2f}  ops {e['ops']}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+    write_json(args.json, {"rows": res}, this_run)
     return 0
 
 

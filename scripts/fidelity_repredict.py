@@ -5,12 +5,12 @@ saved ``bench_fidelity --json F`` run, the same graph is prepared with the run's
 topology (``F.run1.testbed-C.profile.json`` / ``.pbtxt``, written beside F), and its built-ins and random mixes
 (the same seed, so the same strategies) are predicted again. The searched plan and the tuning step's pick are
 left out: the search itself may choose differently today. Prints old and new error per case and the figures
-of ``_fidelity_figures`` (errors by class, Kendall tau; the rest and the held-out part apart); ``--json``
+of ``tag_bench.fidelity`` (errors by class, Kendall tau; the rest and the held-out part apart); ``--json``
 writes them with every row.
 
 Usage::
 
-    python scripts/fidelity_repredict.py docs/measured/issue20-fidelity/bench_fidelity_quiet_run4.json
+    python scripts/fidelity_repredict.py F.json      # F.json: a bench_fidelity --json F.json run, its files beside it
     python scripts/fidelity_repredict.py RUN.json --models transformer,vgg --json out.json
     python scripts/fidelity_repredict.py RUN.json --network collective_latency_s=0.001   # a what-if
 
@@ -26,33 +26,9 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-
-from _fidelity_figures import case_class, split_heldout, summary  # noqa: E402
-from bench_fidelity import MODELS, git_commit, random_mixes  # noqa: E402
-from _testbed_cases import calibration_graph, saved_testbed  # noqa: E402
-from tag.api import prepare  # noqa: E402
-from tag.cost.model import Profile  # noqa: E402
-from tag.strategy.baselines import BUILTIN_STRATEGIES  # noqa: E402
-
-
-def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str, seed: int,
-                    randoms: int, run: int = 1, profile: Profile | None = None,
-                    network: dict[str, float] | None = None) -> dict[str, float]:
-    """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
-    topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it), its
-    NetworkProfile fields in NETWORK replaced."""
-    saved, topology = saved_testbed(prefix, config, run)
-    profile = saved if profile is None else profile
-    if network:
-        profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, **network))
-    analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
-    sim = analysis.simulator()
-    out = {n: sim.evaluate(analysis.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
-    out.update((name, predicted) for name, _, predicted in random_mixes(analysis, randoms, seed))
-    return out
+from tag_bench.fidelity import MODELS, case_class, repredict_group, split_heldout, summary  # noqa: E402
+from tag_bench.records import Run, commit_of, write_json  # noqa: E402
 
 
 def network_overrides(pairs: list[str]) -> dict[str, float]:
@@ -80,6 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--network", action="append", default=[], metavar="KEY=VALUE",
                    help="replace this NetworkProfile field in every saved profile (repeatable)")
     args = p.parse_args(argv)
+    this_run = Run(__file__, argv)
     try:
         overrides = network_overrides(args.network)
     except ValueError as err:
@@ -111,8 +88,7 @@ def main(argv=None) -> int:
                   f"{r['predicted_s'] * 1e3:8.1f} ({(r['predicted_s'] / r['measured_s'] - 1) * 100:+5.0f}%)  now "
                   f"{new['predicted_s'] * 1e3:8.1f} ({new['rel_error'] * 100:+5.0f}%)", flush=True)
     rest, held = split_heldout(out_rows)
-    result = {"run": os.path.basename(args.run), "run_commit": run.get("commit"), "commit": git_commit(),
-              "network_overrides": overrides,
+    result = {"run": os.path.basename(args.run), "run_commit": commit_of(run), "network_overrides": overrides,
               "rest": {k: v for k, v in summary(rest).items() if k != "groups"} if rest else None,
               "heldout": {k: v for k, v in summary(held).items() if k != "groups"} if held else None,
               "rows": out_rows}
@@ -122,11 +98,8 @@ def main(argv=None) -> int:
             print(f"{part}: {f['cases']} cases, median error {f['median_abs_rel_error'] * 100:.1f}% (uniform "
                   f"{f['median_abs_rel_error_uniform'] * 100:.1f}%, random {f['median_abs_rel_error_random'] * 100:.1f}%), "
                   f"max random {f['max_abs_rel_error_random'] * 100:.1f}%, mean Kendall tau {f['mean_kendall_tau']:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result, this_run)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -43,12 +43,9 @@ import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+from tag_bench import published
 
-import bench_published as bench  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OUT = os.path.join(ROOT, "tag", "cost", "data", "gpu_profiles.json")
 SHARED = ("conv:3x3s1", "conv:1x1", "conv:strided", "conv:kxk", "conv:thin", "matmul", "matmul:small", "bmm",
@@ -167,7 +164,7 @@ TENSOR_PRIOR = {"conv:3x3s1": (0.35, 0.7), "conv:1x1": (0.35, 0.7), "conv:stride
 def row_sms(row) -> int:
     """SMs of ROW's GPU (its class's spec sheet), as the cost model charges occupancy with."""
     from tag.cost.gpu_defaults import normalise
-    key = normalise(bench.SYSTEMS[row["system"]]["type"])
+    key = normalise(published.SYSTEMS[row["system"]]["type"])
     return next(spec["sms"] for patterns, spec in CLASSES.values() if any(re.search(p, key) for p in patterns))
 
 
@@ -215,8 +212,8 @@ def step_time(arr, spec, e, mem, launch, scale, tensor_e=None, tensor_peak: floa
 def fit_compute(rows, graphs):
     from scipy.optimize import least_squares
     one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "fp32"]
-    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
-             bench.SYSTEMS[r["system"]])
+    data = [(r, op_arrays(graphs[published.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
+             published.SYSTEMS[r["system"]])
             for r in one]
     prior = np.log([PRIOR[k][0] for k in SHARED] + [PRIOR["memory_efficiency"][0], PRIOR["launch_overhead_s"][0]]
                    + [1.0] * len(FITTED_GPUS))
@@ -241,8 +238,8 @@ def fit_tensor(rows, graphs, e, mem, launch) -> np.ndarray:
     from scipy.optimize import least_squares
     one = [r for r in rows if r["split"] == "fit" and r["gpu_count"] == 1 and r["precision"] == "mixed"]
     assert all(r["gpu"].startswith("V100") for r in one), "mixed fit rows must be V100 rows (held out by GPU type)"
-    data = [(r, op_arrays(graphs[bench.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
-             bench.SYSTEMS[r["system"]])
+    data = [(r, op_arrays(graphs[published.model_key(r)], r["per_gpu_batch"], r["xla"], row_sms(r)),
+             published.SYSTEMS[r["system"]])
             for r in one]
     prior = np.log([TENSOR_PRIOR[k][0] for k in TENSOR])
     sd = np.array([TENSOR_PRIOR[k][1] for k in TENSOR])
@@ -326,10 +323,10 @@ def fit_lockstep(path, rows, graphs, classes, pcie_eff: float) -> float:
     from scipy.optimize import minimize_scalar
     import tag.cost.gpu_defaults as gd
     multi = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and r["precision"] == "fp32"
-             and bench.SYSTEMS[r["system"]]["link"] == "NVLINK"]
+             and published.SYSTEMS[r["system"]]["link"] == "NVLINK"]
     write(path, classes, collectives_table(NVLINK_CALL, pcie_eff, NVLINK_CALL), 0.0)
     gd.gpu_profiles.cache_clear()
-    errs = np.array([math.log(bench.predict(r, graphs[bench.model_key(r)])["predicted"] / r["throughput"])
+    errs = np.array([math.log(published.predict(r, graphs[published.model_key(r)])["predicted"] / r["throughput"])
                      for r in multi])
     doublings = np.array([math.log2(r["gpu_count"]) for r in multi])
     print("  multi-GPU fit rows without lockstep slowdown:", {r["id"]: round(float(e), 3) for r, e in zip(multi, errs)})
@@ -342,12 +339,12 @@ def fit_pcie(path, rows, graphs, classes, lockstep: float) -> float:
     """The PCIe all-reduce efficiency that best explains the PCIe multi-GPU fit rows (bisection on log error)."""
     import tag.cost.gpu_defaults as gd
     pcie = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and r["precision"] == "fp32"
-            and bench.SYSTEMS[r["system"]]["link"] == "PCIE"]
+            and published.SYSTEMS[r["system"]]["link"] == "PCIE"]
 
     def err(eff: float) -> float:
         write(path, classes, collectives_table(NVLINK_CALL, eff, NVLINK_CALL), lockstep)
         gd.gpu_profiles.cache_clear()
-        e = float(np.mean([math.log(bench.predict(r, graphs[bench.model_key(r)])["predicted"] / r["throughput"])
+        e = float(np.mean([math.log(published.predict(r, graphs[published.model_key(r)])["predicted"] / r["throughput"])
                            for r in pcie]))
         print(f"  PCIe efficiency {eff:.3f}: mean log error {e:+.3f}", flush=True)
         return e
@@ -371,13 +368,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache", metavar="DIR", help="IR cache (as scripts/bench_published.py --cache)")
     p.add_argument("--out", default=OUT)
     args = p.parse_args(argv)
-    rows = bench.read_rows()
+    rows = published.read_rows()
     fit_rows = [r for r in rows if r["split"] == "fit"]
     graphs = {}
     for r in fit_rows:
-        graphs.setdefault(bench.model_key(r), None)
-        if graphs[bench.model_key(r)] is None:
-            graphs[bench.model_key(r)] = bench.build_ir(r, args.cache)
+        graphs.setdefault(published.model_key(r), None)
+        if graphs[published.model_key(r)] is None:
+            graphs[published.model_key(r)] = published.build_ir(r, args.cache)
     e, mem, launch, scales = fit_compute(rows, graphs)
     print("shared:", {k: round(float(v), 3) for k, v in zip(SHARED, e)}, "memory", round(mem, 3),
           "launch", f"{launch:.2e}", "scales", {k: round(v, 3) for k, v in scales.items()})

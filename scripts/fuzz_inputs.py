@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import random
 import signal
@@ -35,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from tag_bench.records import Run, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for topologies/
 
 LOCALHOST = os.path.join(ROOT, "topologies", "localhost.pbtxt")
 CONSUMER = os.path.join(ROOT, "topologies", "consumer-lab-4host.pbtxt")
@@ -330,7 +330,6 @@ def run_subprocess(case: Case, index: int, work: str) -> Outcome:
     which, argv = _argv(case, path, out_dir)
     module = "tag.cli.topo" if which == "topo" else "tag.cli.deploy"
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TAG_PROFILE")}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
                               timeout=SUBPROCESS_TIMEOUT_S, env=env, cwd=work)
@@ -360,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subprocess", type=int, default=len(SUBPROCESS_FIRST), metavar="N",
                     help=f"also run N cases as subprocesses (default {len(SUBPROCESS_FIRST)})")
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
     from tag.cli.quiet import quiet_tensorflow
     quiet_tensorflow()
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="tag-fuzz-cache-"))
@@ -382,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['tracebacks']} tracebacks, {summary['hangs']} hangs, {summary['seconds']} s")
     for f in summary["failures"]:
         print(f"  FAIL {f['case']}: rc={f['rc']} hang={f['hang']} leftovers={f['leftovers']} {f['stderr'][-300:]!r}")
-    if args.json:
-        from tag.files import write_atomic
-        write_atomic(args.json, json.dumps(summary, indent=2) + "\n")
+    write_json(args.json, summary, this_run, indent=2)
     return 0 if summary["clean_errors"] == summary["inputs"] else 1
 
 

@@ -12,7 +12,7 @@ per row, new and as measured, and medians per class and part (the rest, the held
 
 Usage::
 
-    python scripts/refit_levels.py docs/measured/issue20-fidelity/bench_fidelity_shared_run12 --json F
+    python scripts/refit_levels.py F --json OUT     # F: a bench_fidelity --json F.json run (F.log, its files beside it)
 """
 from __future__ import annotations
 
@@ -23,18 +23,17 @@ import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # saved runs are named relative to it
 
 import numpy as np  # noqa: E402
 
-from bench_fidelity import MODELS, git_commit  # noqa: E402
-from fidelity_repredict import repredict_group  # noqa: E402
-from _testbed_cases import (calibration_graph, first_group_per_type, fit_alone_and_loaded, heldout,  # noqa: E402
-                            levels_batches, load_recipe, one_host_rooflines, one_host_split)
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
+from tag_bench.cases import (calibration_graph, first_group_per_type, fit_alone_and_loaded, heldout,  # noqa: E402
+                             levels_batches, load_recipe, one_host_rooflines, one_host_split)
+from tag_bench.fidelity import MODELS, repredict_group  # noqa: E402
+from tag_bench.records import Run, write_json  # noqa: E402
 
 LEVELS_LINE = re.compile(r"\s+(\S+) \((alone|under load)\).*measured/predicted ([\d./]+);")
 
@@ -89,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("saved", help="a bench_fidelity --json F path without .json (its log, profiles, topologies)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    this_run = Run(__file__, argv)
     recipe = load_recipe()
     held_configs, held_models = heldout(recipe)
     with open(f"{args.saved}.json") as f:
@@ -134,10 +134,7 @@ def main(argv=None) -> int:
                 print(f"{key:28s} median |error| {summary[key]['median_as_run']:6.1%} as run -> "
                       f"{summary[key]['median_now']:6.1%} refitted (max {summary[key]['max_as_run']:.1%} -> "
                       f"{summary[key]['max_now']:.1%}; {len(sel)} rows)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"commit": git_commit(), "saved": os.path.relpath(args.saved, REPO), "summary": summary,
-                       "rows": rows}, f, indent=1)
+    write_json(args.json, {"saved": os.path.relpath(args.saved, REPO), "summary": summary, "rows": rows}, this_run)
     return 0
 
 

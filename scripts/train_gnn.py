@@ -25,18 +25,20 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tag.cluster.topology import parse_topology
+from tag.gnn.cases import TRAIN_ZOO, random_layered_graph, random_topology_text, zoo_graph
+from tag.gnn.model import PolicyNet
+from tag.gnn.policy import GNNPolicy, WEIGHTS_PATH, reference_log_probs
+from tag.gnn.selfplay import Trainer, self_play
+from tag.search.env import SearchEnv
+from tag.search.driver import best_uniform
+from tag.search.mcts import mcts
+from tag.strategy.grouping import group_ops
+from tag_bench.machine import load1
+from tag_bench.records import command_line
+from tag_bench.stats import geomean
 
-from tag.cluster.topology import parse_topology  # noqa: E402
-from tag.gnn.cases import TRAIN_ZOO, random_layered_graph, random_topology_text, zoo_graph  # noqa: E402
-from tag.gnn.model import PolicyNet  # noqa: E402
-from tag.gnn.policy import GNNPolicy, WEIGHTS_PATH, reference_log_probs  # noqa: E402
-from tag.gnn.selfplay import Trainer, self_play  # noqa: E402
-from tag.search.env import SearchEnv  # noqa: E402
-from tag.search.driver import best_uniform  # noqa: E402
-from tag.search.mcts import mcts  # noqa: E402
-from tag.strategy.grouping import group_ops  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the training record is tag/gnn/TRAINING.md
 
 GROUPS = 64
 LOG: list[str] = []
@@ -45,10 +47,6 @@ LOG: list[str] = []
 def say(msg: str) -> None:
     print(msg, flush=True)
     LOG.append(msg)
-
-
-def load() -> str:
-    return "load %.2f" % os.getloadavg()[0]
 
 
 def make_case(rng: np.random.Generator, index: int, zoo_every: int) -> tuple[str, SearchEnv]:
@@ -84,7 +82,7 @@ def compare(policy: GNNPolicy, rng: np.random.Generator, n: int, zoo_every: int,
             found[key] = max(tree.outcome.value, 1e-3)
         ratios.append(found["gnn"] / found["default"])
         say(f"  eval {label}: gnn {found['gnn']:.3f} default {found['default']:.3f}")
-    return float(np.exp(np.mean(np.log(ratios))))
+    return geomean(ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             say(f"gen {gen} case {label}: {len(got)} samples, best speedup {tree.outcome.value:.3f}")
         samples += new
         say(f"generation {gen}: {len(new)} new samples ({len(samples)} in all), self-play {time.time() - tg:.0f} s, "
-            f"{load()}")
+            f"load {load1():.2f}")
         te = time.time()
         say(f"  mean target entropy (the best possible loss) {trainer.target_entropy(samples):.4f}")
         for epoch in range(args.epochs):
             loss = trainer.epoch(samples, args.batch, rng)
             say(f"  epoch {epoch}: loss {loss:.4f}")
-        say(f"  training {time.time() - te:.0f} s, {load()}")
+        say(f"  training {time.time() - te:.0f} s, load {load1():.2f}")
         policy.forget()
     policy.mix = 0.0
     policy.forget()
@@ -152,11 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     net.save_npz(args.out, {"__reference_log_probs": ref.astype(np.float32),
                             "__seed": np.array(args.seed)})
     wall = time.time() - t0
-    say(f"saved {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB); wall {wall / 60:.1f} min, {load()}")
+    say(f"saved {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB); wall {wall / 60:.1f} min, load {load1():.2f}")
     if args.record:
-        cmd = "python scripts/train_gnn.py " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.record, "w") as f:
-            f.write(_record(cmd.strip(), wall))
+            f.write(_record(command_line(__file__, argv), wall))
     return 0
 
 

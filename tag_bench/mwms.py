@@ -12,7 +12,9 @@ MWMS here, so the anchor uses a custom loop):
 - ``python -m tag_bench.mwms --model NAME --batch B ...`` with ``TF_CONFIG`` set: one MWMS worker
   (tf_keras Adam with the same hyper-parameters, the global batch split evenly over the workers,
   synthetic on-device batches as ``run_steps(synthetic=True)`` uses). Task 0 prints one JSON line,
-  ``{"step_times": [...]}``.
+  ``{"step_times": [...]}``;
+- ``run_mwms(tb, name, batch, steps, warmup)``: those workers started in a testbed's hosts, one per host (the
+  first HOSTS), and the chief's timed steps (``model_options``: a case's width and depth as worker options).
 
 Models (``MODELS``): ``mlp`` (784-2048-2048-1024-10, ~7.9M parameters), ``cnn`` (a tiny ResNet at
 32x32: a stem and three residual stages of 16/32/64 channels, no BatchNorm), ``transformer`` (a 2-layer
@@ -24,20 +26,25 @@ transformer: DEPTH 4, VOCAB 16384).
 
 Example::
 
-    from tag_bench.mwms import tf1_graph
+    from tag_bench.mwms import run_mwms, tf1_graph
     gd = tf1_graph("mlp", 96)                     # for tag.optimize / tag.rewrite
     # one worker per host (the benchmark starts them inside the testbed's namespaces):
     #   TF_CONFIG='{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": 0}}' \\
     #   python -m tag_bench.mwms --model mlp --batch 96 --steps 15
+    times = run_mwms(tb, "mlp", 96, steps=15, warmup=3, hosts=2)   # tb: a running tag_bench.testbed.Testbed
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tag_bench.testbed import Testbed
 
 MODELS = ("mlp", "cnn", "transformer", "vgg")
 VGG_HEAD = 1024   # units of each of the VGG-style CNN's two hidden fully connected layers
@@ -164,6 +171,43 @@ def _synthetic_batch(tf: Any, name: str, batch: int, seed: int) -> tuple[Any, An
     else:
         x = gen.normal([batch, *shape])
     return x, gen.uniform([batch], 0, 2, dtype=tf.int32)
+
+
+MWMS_PORT = 24600         # the first worker's port (run_mwms)
+
+
+def model_options(width: int | None, depth: int | None) -> tuple[str, ...]:
+    """``tag_bench.mwms`` options for a case's WIDTH and DEPTH (those given)."""
+    return tuple(a for k, v in (("--width", width), ("--depth", depth)) if v is not None for a in (k, str(v)))
+
+
+def run_mwms(tb: Testbed, model: str, batch: int, steps: int, warmup: int, hosts: int | None = None,
+             model_args: tuple[str, ...] = ()) -> list[float]:
+    """The timed step times (after WARMUP of STEPS) of the MWMS anchor, one worker per testbed host (the first
+    HOSTS hosts when given; MODEL_ARGS: more ``tag_bench.mwms`` options, such as ``--width``)."""
+    n = len(tb.topology.hosts) if hosts is None else int(hosts)
+    workers = [f"{tb.address(i)}:{MWMS_PORT + i}" for i in range(n)]
+    procs = []
+    for i in range(n):
+        env = dict(os.environ,
+                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
+        procs.append(subprocess.Popen(tb.launch_prefix(i) + [sys.executable, "-m", "tag_bench.mwms", "--model",
+                                                             model, "--batch", str(batch), "--steps", str(steps),
+                                                             *model_args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out, err = procs[0].communicate(timeout=900)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if procs[0].returncode != 0 or not lines:
+        raise RuntimeError(f"MWMS chief failed (rc {procs[0].returncode}): {err.strip()[-2000:]}")
+    return [float(t) for t in json.loads(lines[-1])["step_times"][warmup:]]
 
 
 #: heartbeat timeout of TensorFlow's coordination service for the MWMS anchor (TensorFlow's default is 10 s)

@@ -161,6 +161,17 @@ def testbed_available() -> tuple[bool, str]:
 testbed_available.__test__ = False  # type: ignore[attr-defined]
 
 
+def testbed_missing(prog: str) -> bool:
+    """True (after saying why on stderr, as PROG) when the testbed cannot run here: a benchmark's early exit."""
+    ok, why = testbed_available()
+    if not ok:
+        print(f"{prog}: the testbed is not available here: {why}", file=sys.stderr)
+    return not ok
+
+
+testbed_missing.__test__ = False  # type: ignore[attr-defined]
+
+
 def _used_blocks() -> set[int]:
     """Indices of the /24 blocks of 198.18.0.0/15 already routed in the root namespace."""
     used = set()

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import IO, Iterator
 
+from tag_bench.exactness import SESSION_TIMEOUT_S, bounded  # noqa: F401 (re-exported: the tests' session bound)
+
 READ_TIMEOUT_S = 120.0      # a child that prints nothing for this long is taken as hung
 WAIT_TIMEOUT_S = 15.0       # a killed child is reaped within this
 
@@ -75,13 +77,3 @@ def stop(proc: subprocess.Popen, timeout_s: float = WAIT_TIMEOUT_S) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=timeout_s)
-
-
-SESSION_TIMEOUT_S = 300.0   # a session.run on a cluster (a lost collective peer) fails after this
-
-
-def bounded(config):
-    """CONFIG (a ``ConfigProto`` for a session on a cluster) with every ``session.run`` bounded by
-    SESSION_TIMEOUT_S: a hung collective is a DeadlineExceededError, not a hang."""
-    config.operation_timeout_in_ms = int(SESSION_TIMEOUT_S * 1000)
-    return config

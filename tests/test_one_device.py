@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,8 +15,7 @@ from tag.backend.runtime.one_device import (device_task, localized, run_one_devi
                                             single_device)
 from tag.errors import RunError, TagError  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_runtime import loopback_topology, mlp_graph  # noqa: E402
+from test_runtime import loopback_topology, mlp_graph  # noqa: E402  (pyproject's pytest pythonpath holds tests/)
 
 
 def test_single_device_names_the_one_device_or_none():

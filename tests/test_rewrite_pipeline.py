@@ -27,6 +27,7 @@ from tag.frontend import zoo as zoo_builders  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage  # noqa: E402
 from tag.strategy.types import Strategy  # noqa: E402
+from tag_bench.exactness import exactness_float64, micro_batch_rounding, same_groups, weight_diff  # noqa: E402
 
 tf1 = tf.compat.v1
 OPTIMIZERS = {"sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
@@ -413,34 +414,21 @@ BENCH_TRANSFORMER_PIPELINE = {
     "micro_batches": 4, "schedule": "fill_drain"}
 
 
-def _bench_pipeline_module():
-    import importlib.util
-    import sys
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(scripts, "bench_pipeline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 def test_bench_transformer_pipeline_gradients_are_exact(cluster):
     """The searched transformer pipeline of bench_pipeline run 6 showed max_rel_grad_diff 11/12. Its cause:
     the attention key biases, whose exact gradient is zero (softmax over the keys ignores a term constant
     over them), so the one-device and the pipelined gradient are both rounding noise (~1e-11 of the largest
-    gradient) and differ by any fraction of their size. bench_pipeline.weight_diff compared them; it now
+    gradient) and differ by any fraction of their size. tag_bench.exactness.weight_diff compared them; it now
     leaves them out, as assert_same_training always did. Every other gradient is exact (1e-5)."""
     from tag.api import prepare
     from tag_bench.mwms import tf1_graph
-    bench = _bench_pipeline_module()
     ports, target = cluster
     topo = tr.topology(ports, [0.1, 0.05, 0.05])
     an = prepare(tf1_graph("transformer", 12, width=384, depth=4), topo, batch_size=12)
     assert an.grouping.num_groups == 64
     res = an.rewrite(Strategy.pipelined(an.grouping, Pipeline.from_dict(BENCH_TRANSFORMER_PIPELINE)))
-    weights, grads, left_out = bench.weight_diff(an, res, target)
+    weights, grads, left_out = weight_diff(an, res, target)
     key_biases = {v.name for v in an.graph.variables if v.name.endswith("/key/bias")}
     assert len(key_biases) == 4 and key_biases <= set(left_out), left_out
     assert grads <= 1e-5, f"max relative gradient difference {grads:.2e}"
@@ -491,10 +479,9 @@ def test_control_inputs_across_stages_wait_for_the_same_micro_batch():
 
 @pytest.mark.slow
 def test_cut_transformer_pipeline_under_1f1b_trains_exactly(cluster):
-    bench = _bench_pipeline_module()
     ports, target = cluster
     an, st = _cut_transformer_pipeline(ports)
-    _, grads, _ = bench.weight_diff(an, an.rewrite(st), target)
+    _, grads, _ = weight_diff(an, an.rewrite(st), target)
     assert grads <= 1e-5, f"max relative gradient difference {grads:.2e}"
 
 
@@ -554,13 +541,12 @@ def test_random_stage_splits_train_exactly(cluster, case):
 
 
 def test_bench_micro_batch_rounding_is_what_float32_order_alone_does():
-    """bench_pipeline.micro_batch_rounding: one micro-batch is the whole batch (0); M micro-batches of a small
+    """tag_bench.exactness.micro_batch_rounding: one micro-batch is the whole batch (0); M micro-batches of a small
     MLP (and a transformer, whose embedding gradient is IndexedSlices) differ from the whole batch by float32
     rounding only, far below the 1e-5 the unit tests hold pipelines to."""
-    bench = _bench_pipeline_module()
-    assert bench.micro_batch_rounding("mlp", 48, 64, 3, 1) == 0.0
-    assert 0.0 <= bench.micro_batch_rounding("mlp", 48, 64, 3, 4) < 1e-5
-    assert 0.0 <= bench.micro_batch_rounding("transformer", 12, 32, 2, 4) < 1e-4
+    assert micro_batch_rounding("mlp", 48, 64, 3, 1) == 0.0
+    assert 0.0 <= micro_batch_rounding("mlp", 48, 64, 3, 4) < 1e-5
+    assert 0.0 <= micro_batch_rounding("transformer", 12, 32, 2, 4) < 1e-4
 
 
 def test_float64_build_takes_the_float32_graphs_op_groups():
@@ -568,11 +554,10 @@ def test_float64_build_takes_the_float32_graphs_op_groups():
     float64 graph gets the float32 op groups (its optimizer's extra casts in their variable's update group)."""
     from tag.api import prepare
     from tag_bench.mwms import tf1_graph
-    bench = _bench_pipeline_module()
     topo = tr.topology([1, 2, 3], [0.1, 0.05, 0.05])
     an32 = prepare(tf1_graph("mlp", 12, width=64, depth=4), topo, batch_size=12)
     an64 = prepare(tf1_graph("mlp", 12, width=64, depth=4, floatx="float64"), topo, batch_size=12)
-    grouping = bench.same_groups(an64.graph, an32)
+    grouping = same_groups(an64.graph, an32)
     assert grouping.names == an32.grouping.names
     group32 = {op.name: g for op, g in zip(an32.graph.ops, an32.grouping.group_of_op)}
     casts = 0
@@ -591,7 +576,6 @@ def test_float64_exactness_check_of_a_pipeline_is_at_float64_rounding(cluster):
     import types
     from tag.api import prepare
     from tag_bench.mwms import tf1_graph
-    bench = _bench_pipeline_module()
     ports, target = cluster
     topo = tr.topology(ports, [0.1, 0.05, 0.05])
     an = prepare(tf1_graph("mlp", 12, width=64, depth=6), topo, batch_size=12)
@@ -603,5 +587,5 @@ def test_float64_exactness_check_of_a_pipeline_is_at_float64_rounding(cluster):
                      PipelineStage(tuple(int(g) for g in order[third:2 * third]), (1,)),
                      PipelineStage(tuple(int(g) for g in [*order[2 * third:], *rest]), (2,))), 3, "deferred_w")
     testbed = types.SimpleNamespace(topology=topo, target=target)
-    weights, grads = bench.exactness_float64("mlp", 12, 64, 6, an, pipe, None, testbed)
+    weights, grads = exactness_float64("mlp", 12, 64, 6, an, pipe, None, testbed)
     assert weights <= 1e-10 and grads <= 1e-10, (weights, grads)

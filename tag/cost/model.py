@@ -8,7 +8,7 @@ a 3-D input and its gradients), the efficiency measured at its own shape instead
 A profile entry's ``family_scale`` multiplies the roofline time (not the launch overhead) of every op of
 one family (``tag.cost.op_classes.op_family``: ``conv``, ``matmul``, ``other``) on that device type: how
 a runtime's convolutions or MatMuls run relative to what the traced kernels predicted (fitted by
-``scripts/_testbed_cases.py``'s ``runtime_levels``); peaks and efficiencies stay as measured, so every
+``tag_bench.cases.runtime_levels``); peaks and efficiencies stay as measured, so every
 efficiency stays <= 1. With ``level_fade_s`` (tau) the scales fade for long kernels: an op of roofline time
 ``t`` is charged ``t * (1 + (scale - 1) * tau / (t + tau))``, so what a runtime adds or saves per kernel is at
 most ``(scale - 1) * tau`` and a kernel much longer than tau runs as traced. MatMuls and convolutions use the peak of the precision the graph computes them in

@@ -32,7 +32,7 @@ Classes (``None``: no class, the op type is the key):
 Op *families* are coarser: ``conv`` (convolutions and their backprop ops, depthwise and 3-D included),
 ``matmul`` (MatMul, fused MatMul, BatchMatMul, Einsum) and ``other`` (everything else). A profile entry may
 carry one time scale per family (``DeviceProfile.family_scale``), fitted where one scale for every op does not
-fit a runtime (``scripts/_testbed_cases.py``'s ``runtime_levels``).
+fit a runtime (``tag_bench.cases.runtime_levels``).
 
 On CPU, oneDNN's graph pass merges a Conv2D with the BiasAdd that consumes it into one kernel, whatever
 the session's optimizer settings, and TensorFlow's step stats report that kernel under the BiasAdd's name

@@ -1,16 +1,11 @@
 """scripts/breakdown_published.py: a published row's predicted one-GPU step split by op class, on a tiny graph."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+from helpers import load_script
+from tiny import mlp_graph
 
-from breakdown_published import breakdown  # noqa: E402
-
-from tiny import mlp_graph  # noqa: E402
+breakdown = load_script("breakdown_published").breakdown
 
 
 def _row(gpus: int) -> dict:
@@ -20,11 +15,11 @@ def _row(gpus: int) -> dict:
 
 def test_breakdown_sums_to_the_cost_models_step_and_splits_its_bounds():
     import tag
-    import bench_published as bp
     from tag.cost.model import CostModel
+    from tag_bench import published
     g = mlp_graph(batch=8, widths=(256, 512, 10))
     b = breakdown(_row(1), g)
-    topo = tag.parse_topology(bp.topology_text("dgx1-v100-16g", 1), path="<test>")
+    topo = tag.parse_topology(published.topology_text("dgx1-v100-16g", 1), path="<test>")
     assert b["device_sum_s"] == pytest.approx(float(np.sum(CostModel(g, topo).op_times(0, 64.0))))
     assert sum(e["s"] for e in b["keys"].values()) == pytest.approx(b["device_sum_s"])
     # ops are keyed by op class and precision where they have one (unknown shapes here: by type)

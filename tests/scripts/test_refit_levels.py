@@ -1,11 +1,7 @@
 """scripts/refit_levels.py: the calibration ratios read back from a bench_fidelity log (no TensorFlow run)."""
-import os
-import sys
+from helpers import load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-from refit_levels import logged_ratios  # noqa: E402
+logged_ratios = load_script("refit_levels").logged_ratios
 
 LOG = """=== run 1 of 1 ===
 runtime levels (batches 48 and 12; applied: one scale):

@@ -1,11 +1,9 @@
-"""scripts/bench_published.py: the data files it reads and the ResNets it builds itself."""
+"""tag_bench.published: the data files of published throughput and the ResNets it builds itself."""
 import os
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+from tag_bench import published as bp
 
-import bench_published as bp  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FRESH = os.path.join(REPO, "data", "published_throughput_fresh.csv")
 

@@ -8,11 +8,11 @@ times every quota in a few rounds; each quota is the traced profile scaled by it
 of the largest quota's sustained step (kernels cannot be traced under a quota: the fastest run between
 throttled slices). The profile holds one
 device type per quota (``CPUq50`` = half a core). Network costs of TensorFlow's runtime come from
-``tag.cost.calibration.profile_network`` (two local one-thread workers).
+``tag.calibration.profile_network`` (two local one-thread workers).
 
-Usage (from a script in this folder)::
+Usage::
 
-    from _testbed_cases import load_recipe, calibrate_testbed, testbed_topology
+    from tag_bench.cases import load_recipe, calibrate_testbed, testbed_topology
     recipe = load_recipe()
     profile = calibrate_testbed(recipe, workdir)                 # every quota of every configuration
     text, topo = testbed_topology(recipe, "A", profile)          # .pbtxt text and the parsed Topology
@@ -25,8 +25,11 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TYPE_CHECKING:  # pragma: no cover
+    from tag.cost.model import Profile
+
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testbed_recipe.json")
 HOST_PAIRS = (("h0", "h1"), ("h0", "h2"), ("h1", "h2"))   # order of a configuration's links_gbps
 
@@ -374,11 +377,11 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
 
 def sync_on_testbed(tb, profile, record: dict | None = None, verbose: bool = True):
     """PROFILE's network costs with ``sync_serial_allreduce`` / ``sync_serial_ps`` measured on the running testbed
-    TB (``tag.cost.calibration.measure_sync_serial`` over one device per host, chains sized by each device type's
+    TB (``tag.calibration.measure_sync_serial`` over one device per host, chains sized by each device type's
     calibrated FLOP/s): how much a gradient all-reduce or push and the hosts' compute lose to each other there.
     RECORD's key ``sync_serial`` receives the rows. Unchanged when PROFILE has no network costs or TB one host."""
     import dataclasses
-    from tag.cost.calibration import measure_sync_serial
+    from tag.calibration import measure_sync_serial
     topo = tb.topology
     if profile.network is None or len(topo.hosts) < 2:
         return profile.network
@@ -537,7 +540,7 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
     import numpy as np
     from tag_bench.testbed import Testbed
     from tag.cluster.topology import parse_topology
-    from tag.cost.calibration import profile_network
+    from tag.calibration import profile_network
     from tag.cost.model import Profile
     cal = recipe["calibration"]
     quotas = all_quotas(recipe, configs)
@@ -552,7 +555,7 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
 
     def profile(i: int, how: list, out: str) -> Profile:
         cmd = tb.launch_prefix(i) + profile_command(cal, how, device_type(quotas[i]), out)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return Profile.load(out)
 
     # the quotas are timed one at a time, each profiler pinned by taskset: the testbed need not pack them
@@ -612,3 +615,36 @@ def gpu_ratio_link_gbps(profile, quota: float, gpu_gbps: float = 25.0, gpu_flops
     of a V100-class GPU (GPU_FLOPS) on GPU_GBPS Ethernet: ``gpu_gbps * flops / gpu_flops`` (25 Gbit/s and
     20 GFLOP/s -> 33 Mbit/s; 8.3e-5 to 2.1e-4 bytes per FLOP at 10 to 25 Gbit/s)."""
     return float(gpu_gbps) * profile.devices[device_type(quota)].peak_flops / float(gpu_flops)
+
+
+# (label, tag_bench.mwms model, global batch: divisible by 1, 2 and 3 hosts, width, depth)
+# vgg, deep-mlp and deep-transformer at bench_pipeline's sizes with --batch-scale 4 (that bench's CASES says how
+# they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
+# mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
+# (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate); the
+# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the G calibration
+# docs/measured/issue22-e2e/e2e_g_scale4_xeon_buckets.profile.json the simulator predicted one host best at 192,
+# 408 ms against 424 ms for dp over the three hosts: a case where using every host cannot pay; at 384 it
+# predicted a mixed plan 1.26x faster than one host); the deep transformer at 24 x 4 = 96 since the G run of
+# December 1 (at 48 its pipeline measured 1.15x over one host in one run and 0.97x in the next, within the noise
+# of 2.5 s steps; on the same calibration the simulator predicted the pipeline 1.23x faster than one host at 48
+# and 1.34x at 96: more rows per micro-batch, the same weights to move)
+E2E_CASES = [
+    ("vgg", "vgg", 96, None, None),
+    ("deep-mlp", "mlp", 384, 2048, 20),
+    ("deep-transformer", "transformer", 24, 384, 8),
+    ("transformer", "transformer", 96, None, None),
+    ("cnn", "cnn", 48, None, None),
+    ("mlp", "mlp", 96, None, None),
+]
+GPU_CONFIG = "G"             # bench_e2e's configuration of a GPU cluster's bytes per FLOP
+GPU_QUOTAS = [1.0, 0.5, 0.5]
+
+
+def config_recipe(recipe: dict, profile: Profile, gpu_gbps: float) -> dict:
+    """RECIPE with configuration G: GPU_QUOTAS and links at a V100 cluster's bytes per FLOP."""
+    link = round(gpu_ratio_link_gbps(profile, max(GPU_QUOTAS), gpu_gbps), 6)
+    out = dict(recipe)
+    out["configs"] = {**recipe["configs"], GPU_CONFIG: {"quotas": GPU_QUOTAS, "links_gbps": [link] * 3,
+                                                         "gpu_gbps": gpu_gbps}}
+    return out

@@ -1,4 +1,4 @@
-"""tag.testbed: network namespaces, shaped links and TF servers inside them (needs root + iproute2)."""
+"""tag_bench.testbed: network namespaces, shaped links and TF servers inside them (needs root + iproute2)."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag_bench.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available
+from tag_bench.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available, testbed_missing
 from tag_bench.testbed_hosts import pack_quotas
 from bounded import bounded
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
 AVAILABLE, WHY = testbed_available()
 needs_netns = pytest.mark.skipif(not AVAILABLE, reason=f"testbed unavailable: {WHY}")
@@ -97,7 +96,7 @@ def _testbed_child(how: str) -> subprocess.Popen:
             "    print(json.dumps(names), flush=True)\n"
             "    time.sleep(600)\n")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+                            start_new_session=True)
 
 
 def _left_behind(names: dict) -> list[str]:
@@ -168,8 +167,7 @@ def test_cleanup_stale_removes_what_a_killed_run_left():
             f"tb = Testbed(parse_topology({topo_text_for_child()!r})).setup()\n"
             "print(tb.namespace(0), tb.bridge, flush=True)\n"
             "os._exit(0)  # dies without tearing down\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     ns, bridge = out.stdout.split()
     assert ns in netns_names() and bridge in link_names()
     removed = cleanup_stale()
@@ -398,3 +396,9 @@ def test_shaped_veths_hand_the_shaper_small_offload_packets():
 def test_gso_max_bytes_out_of_range_is_refused():
     with pytest.raises(TestbedError, match="gso_max_bytes"):
         Testbed(topo(2), gso_max_bytes=100)
+
+
+def test_a_benchmark_is_told_why_the_testbed_is_missing(capsys):
+    assert testbed_missing("bench_x") is (not AVAILABLE)
+    err = capsys.readouterr().err
+    assert err == ("" if AVAILABLE else f"bench_x: the testbed is not available here: {WHY}\n")

@@ -1,13 +1,9 @@
-"""bench_ceiling without a testbed: the bounded concurrent run of the hosts' shares."""
-import os
-import sys
-
+"""scripts/bench_ceiling.py without a testbed: the bounded concurrent run of the hosts' shares."""
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+from helpers import load_script
 
-import bench_ceiling  # noqa: E402
+bench_ceiling = load_script("bench_ceiling")
 
 
 def test_concurrently_reports_a_failed_share_and_never_waits_past_its_deadline(monkeypatch):

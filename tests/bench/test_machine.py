@@ -1,12 +1,10 @@
-"""scripts/_common.py: the steal-time reading printed beside each benchmark row."""
+"""tag_bench.machine: the steal-time reading printed beside each benchmark row, the load average and CPU model."""
 from __future__ import annotations
 
 import os
-import sys
+import re
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
-from _common import cpu_times, steal_fraction, steal_text  # noqa: E402
+from tag_bench.machine import cpu_times, load_averages, load_text, machine_text, steal_fraction, steal_text
 
 
 def _stat(tmp_path, name: str, cpu_line: str) -> str:
@@ -34,3 +32,17 @@ def test_missing_or_malformed_readings_give_none(tmp_path):
     reading = (5, 100)
     assert steal_fraction(None, reading) is None and steal_fraction(reading, reading) is None
     assert steal_text(None) == ""
+
+
+def test_load_average_texts_and_row_values():
+    assert re.fullmatch(r"\d+\.\d \d+\.\d \d+\.\d", load_text())
+    assert re.fullmatch(r"\d+\.\d\d \d+\.\d\d \d+\.\d\d", load_text(2))
+    values = load_averages()
+    assert len(values) == 3 and all(v >= 0 and round(v, 2) == v for v in values)
+
+
+def test_machine_names_the_cpu_model_and_cores(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU @ 2.0GHz\n" * 2)
+    assert machine_text(str(info)) == f"Example CPU @ 2.0GHz, {os.cpu_count()} cores"
+    assert machine_text(str(tmp_path / "absent")).endswith(f", {os.cpu_count()} cores")

@@ -1,5 +1,7 @@
-"""The figures of bench_fidelity from its rows: errors split by class, per-group ranking, regret with and
-without the measured tuning step, the held-out split, targets. Pure Python (numpy, scipy): no testbed.
+"""bench_fidelity's models and figures: errors split by class, per-group ranking, regret with and without the
+measured tuning step, the held-out split, targets (from its rows: numpy and scipy, no testbed); the random mixed
+strategies of a group (``random_mixes``) and a saved run's group predicted again (``repredict_group``: what
+``fidelity_repredict`` and ``refit_levels`` check today's cost model with).
 
 A row is one case: ``{"config", "model", "strategy", "class", "heldout", "predicted_s", "measured_s"}`` and
 optionally ``"tuned_pick": True`` on the row of the strategy the tuning step kept and ``"confirm_s"`` (the
@@ -10,12 +12,14 @@ row's program timed again side by side with its group's picks and best: ``rows_t
 
 Usage::
 
-    from _fidelity_figures import split_heldout, summary
+    from tag_bench.fidelity import split_heldout, summary
     rest, held = split_heldout(rows)
     figures = summary(rest)           # {"cases", "median_abs_rel_error", ..., "groups": [...]}
+    predicted = repredict_group("run12", "B", "mwms:cnn", 48, "cnn", seed=0, randoms=3)   # {case: seconds}
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable
 
@@ -35,6 +39,19 @@ HELDOUT_KEYS = ("median_abs_rel_error", "median_abs_rel_error_mixed", "max_abs_r
                 "mean_kendall_tau", "max_regret", "max_regret_tuned")
 HELDOUT_GAP = 0.03
 HIGHER_IS_BETTER = {"mean_kendall_tau", "spearman", "top1_agreement", "cases", "mixed_cases", "tuned_groups"}
+
+
+# (label, graph source, global batch): the tf.distribute comparison's three models, two plain MLPs and the
+# recipe's held-out models (a VGG-style CNN with a large head, a 4-layer transformer with a large vocabulary)
+MODELS = [
+    ("mlp", "mwms:mlp", 96),
+    ("cnn", "mwms:cnn", 48),
+    ("transformer", "mwms:transformer", 48),
+    ("mlp-512", "zoo:mlp,hidden=512x512", 96),
+    ("mlp-1024x3", "zoo:mlp,hidden=1024x1024x1024", 96),
+    ("vgg", "mwms:vgg", 48),
+    ("transformer-4x16k", "mwms:transformer,depth=4,vocab=16384", 48),
+]
 
 
 def case_class(strategy: str) -> str:
@@ -238,3 +255,37 @@ def class_table(figures: dict, title: str) -> str:
 def targets_text(checks: list[tuple[str, float | None, str, bool]]) -> str:
     return "\n".join(f"  {'held    ' if held else 'NOT held'}  {key:<36} "
                      f"{'-' if v is None else format(v, '.4g'):>8}  (target {what})" for key, v, what, held in checks)
+
+
+def random_mixes(analysis, randoms: int, seed: int) -> list[tuple]:
+    """(name, strategy, predicted seconds) of RANDOMS random mixed strategies (one random candidate per op
+    group), the same for the same SEED."""
+    from tag.search.env import SearchEnv
+    from tag.search.random_search import random_choice
+    env = SearchEnv(analysis.graph, analysis.topology, analysis.grouping, cost_model=analysis.cost_model,
+                    batch_size=analysis.batch)
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(randoms):
+        choice = random_choice(env, rng)
+        out.append((f"random{k}", env.strategy(choice, name=f"random{k}"), env.evaluate(choice).step_time))
+    return out
+
+
+def repredict_group(prefix: str, config: str, spec: str, batch: int, label: str, seed: int,
+                    randoms: int, run: int = 1, profile=None,
+                    network: dict[str, float] | None = None) -> dict[str, float]:
+    """{case name: predicted seconds} of the built-ins and the first RANDOMS random mixes of one group, with the
+    topology the run saved under PREFIX (run RUN) and PROFILE (None: the profile saved beside it), its
+    NetworkProfile fields in NETWORK replaced."""
+    from tag.api import prepare
+    from tag_bench.cases import calibration_graph, saved_testbed
+    saved, topology = saved_testbed(prefix, config, run)
+    profile = saved if profile is None else profile
+    if network:
+        profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, **network))
+    analysis = prepare(calibration_graph(spec, batch), topology, batch_size=batch, profile=profile, name=label)
+    sim = analysis.simulator()
+    out = {n: sim.evaluate(analysis.builtin(n), batch_size=batch).step_time for n in BUILTIN_STRATEGIES}
+    out.update((name, predicted) for name, _, predicted in random_mixes(analysis, randoms, seed))
+    return out

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
+from helpers import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import fuzz_inputs  # noqa: E402
+fuzz_inputs = load_script("fuzz_inputs")
 
 
 def test_generator_makes_enough_distinct_cases(tmp_path):
@@ -31,3 +27,5 @@ def test_fixed_sample_is_all_clean_errors(tmp_path, monkeypatch):
     assert summary["tracebacks"] == 0 and summary["hangs"] == 0, summary["failures"]
     assert summary["clean_errors"] == summary["inputs"], summary["failures"]
     assert rc == 0
+    command = f"python scripts/fuzz_inputs.py --sample 40 --subprocess 1 --json {out}"
+    assert summary["provenance"]["command"] == command
