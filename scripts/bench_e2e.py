@@ -57,7 +57,7 @@ Summary keys (``--json``): ``geomean_speedup_vs_best_mwms`` and ``worst_speedup_
 plan against the best MWMS), ``mixed_wins`` (cases where a measured plan that is not a uniform action --
 mixed per-group actions or a pipeline -- ran at least 1.10x faster than the best uniform action),
 ``worst_dp_over_mwms_same_hosts``, ``geomean_speedup_vs_mwms`` (the tuned plan against MWMS on all hosts),
-``dp_over_mwms`` (geomean of dp_all / MWMS on all hosts), ``rows`` and the run's commit. MWMS that fails on a
+``dp_over_mwms`` (geomean of dp_all / MWMS on all hosts), ``rows`` and ``provenance``. MWMS that fails on a
 set of hosts is left out of that case's anchors (its row's ``mwms_failed`` says why, the table "failed"), and a
 case where it failed on all hosts out of the last two keys. Needs root
 (namespaces, tc, cgroup v1 cpu). The machine may be shared: compare the columns of a row, not rows of
