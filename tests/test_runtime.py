@@ -131,10 +131,10 @@ def test_cluster_spec_without_anything_is_a_clear_error(monkeypatch):
         cluster_spec_from()
 
 
-def test_session_config_sets_collective_leader_and_isolation():
+def test_session_config_sets_collective_leader_and_shares_state_by_container():
     cfg = session_config(intra_op_threads=2)
     assert cfg.experimental.collective_group_leader == COLLECTIVE_LEADER == "/job:worker/replica:0/task:0"
-    assert cfg.isolate_session_state and cfg.intra_op_parallelism_threads == 2
+    assert not cfg.isolate_session_state and cfg.intra_op_parallelism_threads == 2
 
 
 def test_worker_unknown_host_exit_2_lists_known_hosts(tmp_path, capsys):

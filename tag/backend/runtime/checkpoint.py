@@ -138,18 +138,47 @@ def _step_of(prefix: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def save_weights_checkpoint(weights: Mapping[str, np.ndarray], directory: str | os.PathLike, *, step: int,
+                            losses: Sequence[float], meta: dict[str, Any] | None = None, keep: int = KEEP) -> str:
+    """Write WEIGHTS (original name -> value) as checkpoint ``DIRECTORY/model.ckpt-STEP`` (TensorFlow format) with
+    its description (STEP, LOSSES, META), then name it newest in the state file; keeps the newest KEEP. Returns
+    its prefix."""
+    from tag.files import write_atomic
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    prefix = os.path.join(directory, f"{PREFIX_NAME}-{int(step)}")
+    write_weights(prefix, weights)
+    desc = {**(meta or {}), "format": FORMAT, "version": VERSION, "step": int(step),
+            "losses": [float(x) for x in losses], "variables": sorted(weights)}
+    write_atomic(prefix + META_SUFFIX, json.dumps(desc))
+    older = sorted({p[: -len(".index")] for p in glob.glob(os.path.join(directory, f"{PREFIX_NAME}-*.index"))}
+                   - {prefix}, key=_step_of)
+    kept = older[-(keep - 1):] if keep > 1 else []
+    _write_state(directory, kept + [prefix])
+    for old in older[: len(older) - len(kept)]:
+        for f in glob.glob(old + ".*"):
+            os.remove(f)
+    return prefix
+
+
 class Checkpointer:
     """Read and assign ops for the variables of GRAPH (a ``tf.Graph`` not yet finalized), grouped by the
-    original variable each one copies (``names``: original names, sorted)."""
+    original variable each one copies (``names``: original names, sorted). COPIES (original name -> names of its
+    copies in GRAPH) says the grouping, e.g. a host program's own copies; without it every variable op of GRAPH
+    is grouped by name (``w/replica_2`` copies ``w``)."""
 
-    def __init__(self, graph: Any):
+    def __init__(self, graph: Any, copies: Mapping[str, Sequence[str]] | None = None):
         tf = import_tf()
-        copies: dict[str, list[Any]] = {}
-        for op in graph.get_operations():
-            if op.type in _VARIABLE_OPS and not op.name.startswith(SKIP_PREFIXES):
-                copies.setdefault(original_name(op.name), []).append(op)
+        if copies is not None:
+            copies = {name: [graph.get_operation_by_name(c) for c in names] for name, names in copies.items()}
+        else:
+            copies = {}
+            for op in graph.get_operations():
+                if op.type in _VARIABLE_OPS and not op.name.startswith(SKIP_PREFIXES):
+                    copies.setdefault(original_name(op.name), []).append(op)
         self.names: list[str] = sorted(copies)
         self._reads: list[Any] = []
+        self._copy_reads: list[list[Any]] = []
         self._feeds: list[Any] = []
         self._assigns: list[list[Any]] = []
         with graph.as_default():
@@ -169,6 +198,7 @@ class Checkpointer:
                                 assigns.append(tf.raw_ops.Assign(ref=op.outputs[0], value=value,
                                                                  validate_shape=False))
                 self._reads.append(reads[0])       # every copy holds the same value after a step
+                self._copy_reads.append(reads)
                 self._feeds.append(value)
                 self._assigns.append(assigns)
 
@@ -177,26 +207,16 @@ class Checkpointer:
         values = sess.run(self._reads) if self._reads else []
         return {n: np.asarray(v) for n, v in zip(self.names, values)}
 
+    def all_copies(self, sess: Any) -> dict[str, list[np.ndarray]]:
+        """Every copy's value, by original variable (copies in name order)."""
+        values = sess.run(self._copy_reads) if self._copy_reads else []
+        return {n: [np.asarray(x) for x in v] for n, v in zip(self.names, values)}
+
     def save(self, sess: Any, directory: str | os.PathLike, *, step: int, losses: Sequence[float],
              meta: dict[str, Any] | None = None, keep: int = KEEP) -> str:
         """Write checkpoint ``DIRECTORY/model.ckpt-STEP`` (TensorFlow format) with its description (STEP,
         LOSSES, META), then name it newest in the state file; keeps the newest KEEP. Returns its prefix."""
-        from tag.files import write_atomic
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        prefix = os.path.join(directory, f"{PREFIX_NAME}-{int(step)}")
-        write_weights(prefix, self.weights(sess))
-        desc = {**(meta or {}), "format": FORMAT, "version": VERSION, "step": int(step),
-                "losses": [float(x) for x in losses], "variables": self.names}
-        write_atomic(prefix + META_SUFFIX, json.dumps(desc))
-        older = sorted({p[: -len(".index")] for p in glob.glob(os.path.join(directory, f"{PREFIX_NAME}-*.index"))}
-                       - {prefix}, key=_step_of)
-        kept = older[-(keep - 1):] if keep > 1 else []
-        _write_state(directory, kept + [prefix])
-        for old in older[: len(older) - len(kept)]:
-            for f in glob.glob(old + ".*"):
-                os.remove(f)
-        return prefix
+        return save_weights_checkpoint(self.weights(sess), directory, step=step, losses=losses, meta=meta, keep=keep)
 
     def restore(self, sess: Any, path: str | os.PathLike) -> tuple[int, list[float]]:
         """Assign the values of checkpoint PATH (a directory: its newest; or a prefix) to every copy;

@@ -116,14 +116,14 @@ def session_config(*, intra_op_threads: int = 0, inter_op_threads: int = 0,
     """ConfigProto for tag's servers and client sessions.
 
     Sets the collective group leader (task 0 of job ``worker``), which TF's collective ops need in
-    client-session (TF1) mode, and isolates each session's resources so that two graphs run one
-    after another on the same cluster (a plan, then its baseline) never share variables.
+    client-session (TF1) mode. Sessions share resources by name (``isolate_session_state`` off: one host's
+    program reaches the queues and variables of another's), so each run keeps its resources in a container of
+    its own (``tag.backend.runtime.containers``): a plan and then its baseline never share variables.
     Thread counts of 0 let TensorFlow choose; servers sharing one machine should get fewer.
     """
     tf = import_tf()
     cfg = tf.compat.v1.ConfigProto()
     cfg.experimental.collective_group_leader = COLLECTIVE_LEADER
-    cfg.isolate_session_state = True
     cfg.allow_soft_placement = bool(soft_placement)
     cfg.intra_op_parallelism_threads = int(intra_op_threads)
     cfg.inter_op_parallelism_threads = int(inter_op_threads)

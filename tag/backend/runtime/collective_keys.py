@@ -12,10 +12,11 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -23,7 +24,8 @@ from tag.backend.runtime.cluster_spec import import_tf
 
 _V1_COLLECTIVES = {"CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"}
 _KEY_ALLOC_LOCK = threading.Lock()
-_NEXT_KEY = [0]   # one-element list: the last key handed out in this process (0: none yet)
+_NEXT_KEY = [0]
+MASKED_KEY_BASE = 1 << 30   # masked keys lie in [2**30, 2**31): never a rewriter's or a run's fixed key   # one-element list: the last key handed out in this process (0: none yet)
 
 
 def _fresh_key() -> int:
@@ -63,6 +65,22 @@ def fresh_collective_keys(graph_def: Any) -> Any:
     plan and then its baseline. Keys of V2 ops must come from Const nodes; when one does not, the graph
     is returned unchanged. ``run_steps`` calls this itself.
     """
+    return renumber_collective_keys(graph_def, lambda key, old: _fresh_key())
+
+
+def mask_collective_keys(graph_def: Any, nonce: str) -> Any:
+    """A copy of GRAPH_DEF whose collective group and instance keys are mixed with NONCE: key K becomes
+    ``2**30 + (K ^ mask(NONCE)) % 2**30``, the same on every host that masks with the same nonce (hosts' programs
+    built apart still meet) and different for another run on the same servers (TF servers remember groups and
+    instances for their whole life). A bijection on keys below 2**30, so distinct keys stay distinct."""
+    mask = int.from_bytes(hashlib.sha1(nonce.encode()).digest()[:4], "big") % MASKED_KEY_BASE
+    return renumber_collective_keys(graph_def, lambda key, old: MASKED_KEY_BASE + ((old ^ mask) % MASKED_KEY_BASE))
+
+
+def renumber_collective_keys(graph_def: Any, new_key: Callable[[str, int], int]) -> Any:
+    """A copy of GRAPH_DEF whose collective keys are NEW_KEY(\"group_key\" or \"instance_key\", old key), each old
+    key mapped once (the members of one collective still agree). V1 collectives keep keys in attributes, V2 ones
+    in Const inputs (replaced by new Consts); a V2 key that is not a Const leaves the graph unchanged."""
     tf = import_tf()
     from tensorflow.python.framework import op_def_registry, tensor_util
 
@@ -93,7 +111,7 @@ def fresh_collective_keys(graph_def: Any) -> Any:
             old = int(node.attr[key].i)
         else:
             old = int(tensor_util.MakeNdarray(nodes[node.input[p].split(":")[0]].attr["value"].tensor))
-        new = maps[key].setdefault(old, _fresh_key())
+        new = maps[key].setdefault(old, new_key(key, old))
         if kind == "attr":
             node.attr[key].i = new
             continue

@@ -25,6 +25,7 @@ import numpy as np
 from tag.backend.runtime.checkpoint import Checkpointer
 from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import fresh_collective_keys
+from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
 from tag.backend.runtime.inputs import random_feed, remote_input_slices, synthetic_input
 from tag.errors import GraphError, TagError
@@ -187,6 +188,7 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
         graph_def = gd
     if renumber_collectives:
         graph_def = fresh_collective_keys(graph_def)
+    graph_def = in_container(graph_def, new_container())      # this run's variables are its own
     if synthetic and input_fn is not None:
         raise TagError("synthetic=True and input_fn= exclude each other")
     fed_names = {k.split(":")[0] for k in (feeds or {}) if isinstance(k, str)}

@@ -30,6 +30,7 @@ import numpy as np
 from tag.backend.runtime.checkpoint import Checkpointer, read_checkpoint_meta
 from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import fresh_collective_keys
+from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
 from tag.backend.runtime.input_pipeline import PipelineSpec, build_inputs
 from tag.backend.runtime.steps import _op_and_tensor
@@ -136,7 +137,7 @@ def train_graph(graph_def: Any, target: str, dataset_fn: Callable[[Any], Any], *
         gd = tf.compat.v1.GraphDef()
         gd.ParseFromString(bytes(graph_def))
         graph_def = gd
-    graph_def = fresh_collective_keys(graph_def)
+    graph_def = in_container(fresh_collective_keys(graph_def), new_container())   # this run's state is its own
     start, losses = 0, []
     if resume:
         meta = read_checkpoint_meta(checkpoint_dir)
