@@ -143,8 +143,8 @@ def exactness_rows() -> list[dict]:
                                if nodes[i].attr["dtype"].type == tf.int32.as_datatype_enum else
                                rng.randn(*[d.size for d in nodes[i].attr["shape"].shape.dim]).astype(np.float32))
                     for i in ir.inputs} for _ in range(3)]
-        want = train_copies(rewrite(gd, ir, dp, topo), servers[0].target, ir, batches)
-        got = train_copies(rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo), servers[0].target, ir, batches)
+        want = train_copies(rewrite(gd, ir, dp, topo), ir, batches)
+        got = train_copies(rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo), ir, batches)
         worst = max(float(np.max(np.abs(c - w[v][0]))) / (float(np.max(np.abs(w[v][0]))) or 1.0)
                     for w, s in zip(want, got) for v in w for c in s[v])
         rows.append({"part": "exactness", "model": name, "sfb_gradients": sfb, "max_rel_weight_diff": worst})

@@ -2,7 +2,8 @@
 (``scripts/bench_sfb.py``, ``bench_pipeline.py``, ``bench_zoo.py``) and the tests.
 
 - ``in_process_servers``: TF servers on loopback ports in this process, to run a rewritten step on;
-- ``train_copies``: the values of every copy of every trainable variable after each step of a rewritten step;
+- ``train_copies`` / ``train_host_programs``: the loss and every copy of every trainable variable after each step of a
+  rewritten step, run as per-host programs (a thread and a session per host);
 - ``zero_gradient_variables``: variables whose gradient is rounding noise by construction (left out of exactness
   comparisons);
 - ``trained_variables``: the variables an optimizer updates, with their sizes;
@@ -17,7 +18,7 @@ Example::
 
     from tag_bench.exactness import in_process_servers, train_copies
     ports, servers = in_process_servers(3)
-    copies = train_copies(rewritten, f"grpc://127.0.0.1:{ports[0]}", ir, batches)   # one dict per step
+    copies = train_copies(rewritten, ir, batches)   # one dict per step (rewritten on a topology of those ports)
 """
 from __future__ import annotations
 
@@ -58,24 +59,40 @@ def in_process_servers(count: int = 3) -> tuple[list[int], list]:
     return ports, servers
 
 
-def train_copies(res, target: str, ir, batches) -> list[dict[str, list[np.ndarray]]]:
-    """Run the rewritten step RES (a rewrite result) on BATCHES at TARGET, Grappler off; after each step
-    the values of every copy of every trainable variable of IR, by variable name."""
-    import tensorflow as tf
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(res.graph_def, name="")
-        reads = {v.name: [tf.raw_ops.ReadVariableOp(resource=g.get_tensor_by_name(c + ":0"),
-                                                    dtype=g.get_operation_by_name(c).get_attr("dtype"))
-                          for c in res.variables[v.name]] for v in ir.variables if v.kind == "trainable"}
-    cfg = bounded(session_config())
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+def train_copies(res, ir, batches, *, config=None) -> list[dict[str, list[np.ndarray]]]:
+    """Run the rewritten step RES (a rewrite result with its topology) on BATCHES as per-host programs, one
+    thread and one session per host on the servers its topology names, Grappler off; after each step the values
+    of every copy of every trainable variable of IR, by variable name."""
+    return [copies for _, copies in train_host_programs(res, ir, batches, config=config)]
+
+
+def train_host_programs(res, ir, batches, *, config=None, trainable_only: bool = True
+                        ) -> list[tuple[float | None, dict[str, list[np.ndarray]]]]:
+    """Per step of BATCHES (original input name -> global batch): (the global loss, {variable: [every copy's
+    value]}) of RES's host programs run in threads of this process (``run_in_threads``) on RES's topology."""
+    from tag.backend.runtime.guard import RunControl
+    from tag.backend.runtime.host_run import RunSpec
+    from tag.backend.runtime.host_threads import run_in_threads
+    programs = res.programs()
+    hosts = {h.name: f"grpc://{h.address}:{h.port}" for h in res.topology.hosts}
+    spec = RunSpec.new(programs, fingerprint="exactness", steps=len(batches), join_timeout_s=SESSION_TIMEOUT_S)
+    if config is None:
+        config = bounded(session_config())
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+    feeds = [{k.split(":")[0]: v for k, v in fd.items()} for fd in batches]
+    results = run_in_threads(programs, hosts, spec, feeds=lambda step: feeds[step], config=config,
+                             read_values=True, control=RunControl(step_timeout_s=SESSION_TIMEOUT_S,
+                                                                  setup_timeout_s=SESSION_TIMEOUT_S))
+    wanted = {v.name for v in ir.variables if v.kind == "trainable"} if trainable_only else None
+    losses = next((r.losses for r in results.values() if r.losses), [None] * len(batches))
     out = []
-    with tf.compat.v1.Session(target, graph=g, config=cfg) as s:
-        s.run(res.init)
-        for fd in batches:
-            s.run(res.train_op, fd)
-            out.append(s.run(reads))
+    for step in range(len(batches)):
+        copies: dict[str, list[np.ndarray]] = {}
+        for name in sorted(results):
+            for v, values in results[name].values[step].items():
+                if wanted is None or v in wanted:
+                    copies.setdefault(v, []).extend(values)
+        out.append((losses[step], copies))
     return out
 
 
@@ -179,9 +196,10 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
         applies = [n for n in (v.apply_op, *(f"{v.apply_op}/replica_{d}" for d in range(64))) if n in out]
         grad_inputs.append([t if ":" in t else t + ":0" for t in (out[a].input[slot] for a in applies)])
         grad_vars.append(v)
+    from tag.backend.runtime.containers import in_container, new_container
     g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(res.graph_def, name="")
+    with g.as_default():   # the whole step in one client graph (its inner gradients are fetched), in a container of its own
+        tf.graph_util.import_graph_def(in_container(res.graph_def, new_container()), name="")
     cfg = tf1.ConfigProto()
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
     cfg.operation_timeout_in_ms = 600_000          # a step that cannot finish fails instead of waiting forever
@@ -190,7 +208,7 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
         # with the training op: every replica's collectives launch (a pipeline stage replicated over hosts
         # names its per-replica update inputs apart, and fetching some of them alone waited forever)
         got_grads = [copies[0] for copies in s.run([grad_inputs, res.train_op], feed)[0]]
-    got = train_copies(res, target, analysis.graph, [feed])[0]
+    got = train_copies(res, analysis.graph, [feed])[0]
     g = tf.Graph()
     with g.as_default():
         tf.graph_util.import_graph_def(analysis.graph_def, name="")

@@ -54,6 +54,6 @@ def test_searched_mixed_plan_trains_like_one_device_on_three_servers():
     assert rewritten.train_op == plan.train_op
     batches = feeds_for(gd, ir, 3)
     ref, grads0 = reference(gd, ir, batches)
-    got = run_rewritten(rewritten, servers[0].target, ir, batches)
+    got = run_rewritten(rewritten, ir, batches)
     # 1e-4: the convolutions' weight gradients sum 48 x 32 x 32 terms, in another order on three replicas
     assert_same_training(got, ref, grads0, ir, learning_rate=0.01, rtol=1e-4)

@@ -211,7 +211,7 @@ def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dt
         for fd in batches:
             loss, _ = s.run([analysis.entry.loss + ":0", analysis.entry.train_op], fd)
             ref.append((float(loss), s.run(reads)))
-    got = train_copies(rr, servers[0].target, analysis.graph, batches)
+    got = train_copies(rr, analysis.graph, batches)
     worst = 0.0
     for step, (copies, (_, weights)) in enumerate(zip(got, ref)):
         for v, w, w0 in zip(trained, weights, initial):
@@ -345,7 +345,7 @@ def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
         if xla:
             assert {n.attr["_XlaScope"].s.decode() for n in marked} == {f"tag_xla:{n.device}" for n in marked}
             assert len({n.device for n in marked}) == 2
-        runs.append(train_copies(rr, servers[0].target, analysis.graph, batches))
+        runs.append(train_copies(rr, analysis.graph, batches))
     for plain, fused in zip(*runs):
         for name, copies in plain.items():
             for a, b in zip(copies, fused[name]):

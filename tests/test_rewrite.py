@@ -24,7 +24,7 @@ from tag.errors import RewriteError, StrategyError  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
-from helpers import in_process_servers, zero_gradient_variables  # noqa: E402
+from helpers import in_process_servers, train_host_programs, zero_gradient_variables  # noqa: E402
 from bounded import bounded  # noqa: E402
 from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
@@ -213,18 +213,10 @@ def _named(fd):
     return {k + ":0": v for k, v in fd.items()}
 
 
-def run_rewritten(res: RewriteResult, target: str, ir, batches):
-    """Per step: (loss, {variable: [values of each copy]})."""
-    g = _import(res.graph_def)
-    vs = trainables(ir)
-    reads = {v.name: _reads(g, res.variables[v.name]) for v in vs}
-    out = []
-    with tf1.Session(target, graph=g, config=cluster_config()) as s:
-        s.run(res.init)
-        for fd in batches:
-            loss, _ = s.run([res.loss + ":0", res.train_op], _named(fd))
-            out.append((float(loss), s.run(reads)))
-    return out
+def run_rewritten(res: RewriteResult, ir, batches):
+    """Per step: (loss, {variable: [values of each copy]}), RES run as per-host programs (a thread and a session
+    per host of its topology)."""
+    return train_host_programs(res, ir, batches, config=cluster_config())
 
 
 ADAPTIVE_NOISE = 1e-4   # with an adaptive optimizer: elements whose gradient is below this of their variable's largest
@@ -562,7 +554,7 @@ def test_function_library_batchnorm_unknown_batch(cluster, mode):
             feed.update({v.gradient: t for v, t in zip(vs, total)})
             s.run("train_op", feed)
             ref.append((loss, s.run(reads)))
-    got = run_rewritten(res, target, ir, batches)
+    got = run_rewritten(res, ir, batches)
     assert_same_training(got, ref, grads0, ir, 0.05)
 
 
@@ -660,7 +652,7 @@ def test_mean_and_sum_losses(cluster, loss_kind):
     batches = [{"input": rng.randn(B, 10).astype(np.float32), "labels": rng.randint(0, 3, B).astype(np.int32)}
                for _ in range(STEPS)]
     ref, grads0 = reference(gd, ir, batches)
-    assert_same_training(run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.1)
+    assert_same_training(run_rewritten(res, ir, batches), ref, grads0, ir, 0.1)
 
 
 def test_sum_loss_with_constant_term_is_refused():
@@ -697,7 +689,7 @@ def test_sufficient_factor_broadcasting(cluster):
                     part = nodes[i.split(":")[0]]
                     assert part.op == "Slice" and nodes[part.input[0]].op == "CollectiveGatherV2"
     ref, grads0 = _cached_reference("mlp")
-    got = run_rewritten(res, target, ir, feeds_for(gd, ir, STEPS))
+    got = run_rewritten(res, ir, feeds_for(gd, ir, STEPS))
     assert_same_training(got, ref, grads0, ir, LEARNING_RATE["mlp"])
     with pytest.raises(StrategyError, match="sfb"):
         rewrite(gd, ir, Strategy(one_group(ir), [Action((0, 1, 2), "allreduce")], sfb=["nope"]), topo)
@@ -729,7 +721,7 @@ def test_same_training(cluster, name, mode):
         ref, grads0 = _REFS[name, shares]
     else:
         ref, grads0 = _cached_reference(name)
-    got = run_rewritten(res, target, ir, batches)
+    got = run_rewritten(res, ir, batches)
     assert_same_training(got, ref, grads0, ir, LEARNING_RATE[name])
 
 
@@ -803,7 +795,7 @@ def test_random_strategies(cluster, name, seeds):
     batches = feeds_for(gd, ir, STEPS)
     for seed in seeds:
         res = rewrite(gd, ir, random_strategy(ir, seed), topo)
-        got = run_rewritten(res, target, ir, batches[:2])
+        got = run_rewritten(res, ir, batches[:2])
         assert_same_training(got, ref[:2], grads0, ir, LEARNING_RATE[name])
 
 
@@ -825,7 +817,7 @@ def test_small_fusion_buckets_train_exactly(cluster, name):
     assert len(keys) >= 2      # the model's gradients no longer travel in one collective
     ref, grads0 = _cached_reference(name)
     batches = feeds_for(gd, ir, STEPS)
-    got = run_rewritten(res, target, ir, batches[:2])
+    got = run_rewritten(res, ir, batches[:2])
     assert_same_training(got, ref[:2], grads0, ir, LEARNING_RATE[name])
 
 

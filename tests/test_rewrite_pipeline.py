@@ -349,7 +349,7 @@ def test_pipelined_step_equals_single_device_step(cluster, case):
     res = rewrite(gd, ir, st, topo)
     batches = tr.feeds_for(gd, ir, tr.STEPS)
     ref, grads0 = tr.reference(gd, ir, batches)
-    got = tr.run_rewritten(res, target, ir, batches)
+    got = tr.run_rewritten(res, ir, batches)
     tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer], adaptive=optimizer == "adam")
 
 
@@ -365,7 +365,7 @@ def test_shared_optimizer_state_trains_exactly_every_time(cluster):
     batches = tr.feeds_for(gd, ir, tr.STEPS)
     ref, grads0 = tr.reference(gd, ir, batches)
     for _ in range(4):
-        tr.assert_same_training(tr.run_rewritten(res, target, ir, batches), ref, grads0, ir, 0.05, adaptive=True)
+        tr.assert_same_training(tr.run_rewritten(res, ir, batches), ref, grads0, ir, 0.05, adaptive=True)
 
 
 @pytest.mark.slow
@@ -536,7 +536,7 @@ def test_random_stage_splits_train_exactly(cluster, case):
         pytest.fail("no split of 20 drawn rewrote")
     batches = tr.feeds_for(gd, ir, tr.STEPS)
     ref, grads0 = tr.reference(gd, ir, batches)
-    got = tr.run_rewritten(res, target, ir, batches)
+    got = tr.run_rewritten(res, ir, batches)
     tr.assert_same_training(got, ref, grads0, ir, LEARNING_RATE[optimizer], adaptive=optimizer == "adam")
 
 

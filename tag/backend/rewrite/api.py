@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from tag.errors import RewriteError
 from tag.strategy.types import Strategy
 
 from .batch_split import BatchSplitMixin
@@ -41,12 +42,15 @@ from .loss import LossMixin
 from .parameter_server import ParameterServerMixin
 from .pipeline import PipelineMixin
 from .placement import PlacementMixin
+from .programs import split_programs
 from .sfb import SfbMixin
 from .variables import VariablesMixin
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
     from tag.ir.types import TrainingGraph
+
+    from .programs import HostProgram
 
 
 @dataclass
@@ -70,10 +74,31 @@ class RewriteResult:
     devices: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     replicas: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    topology: "Topology | None" = field(default=None, repr=False)
+    _programs: dict = field(default_factory=dict, repr=False)
 
     def copies(self, variable: str) -> list[str]:
         """Names of the copies of VARIABLE (one per replica for allreduce groups)."""
         return list(self.variables[variable])
+
+    def programs(self) -> "dict[str, HostProgram]":
+        """Every host's program (``tag.backend.rewrite.programs``), host name -> HostProgram (cut on first use)."""
+        if not self._programs:
+            if self.topology is None:
+                raise RewriteError("this rewrite result has no topology to cut host programs for")
+            self._programs.update(split_programs(self, self.topology))
+        return dict(self._programs)
+
+    def program(self, host: "str | int") -> "HostProgram":
+        """The program of HOST (a host name or task index); RewriteError for a host the topology lacks."""
+        programs = self.programs()
+        if isinstance(host, str) and host in programs:
+            return programs[host]
+        if isinstance(host, int) and not isinstance(host, bool):
+            for p in programs.values():
+                if p.task == host:
+                    return p
+        raise RewriteError(f"host {host!r} is not in the plan (hosts: {', '.join(sorted(programs))})")
 
 
 def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy: Strategy,
@@ -138,4 +163,4 @@ class Rewriter(PipelineMixin, LossMixin, SfbMixin, ParameterServerMixin, Collect
                 replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges)]
         replicas.update(self._pipeline_replicas())
         return RewriteResult(out, fetch_train, fetch_loss, fetch_init, list(self.inputs), self.batch,
-                             variables, devices, self.notes, replicas)
+                             variables, devices, self.notes, replicas, self.topo)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import tensorflow as tf
@@ -45,13 +45,12 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from tag.errors import RewriteError
+from tag.ir.op_types import CASE_TYPES, FUNCTION_CALL_TYPES, IF_TYPES, VARIABLE_WRITE_TYPES
 
 from .graph_edit import attr_type, fill_defaults, split_tensor, tensor_name, tensor_proto
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
-
-    from .api import RewriteResult
 
 STEP_OP = "tag/host_step"
 INIT_OP = "tag/host_init"
@@ -121,6 +120,50 @@ def exchange_group_key(device_a: str, device_b: str) -> int:
     return 1 + (int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "big") ^ EXCHANGE_GROUP_SALT) % (2 ** 30 - 1)
 
 
+def _variable_behind(nodes: dict, handle: str) -> str | None:
+    """The variable op a resource tensor HANDLE comes from (through Identity ops), or None."""
+    for _ in range(64):
+        op = split_tensor(handle.lstrip("^"))[0]
+        node = nodes.get(op)
+        if node is None:
+            return None
+        if node.op in _VARIABLE_OPS:
+            return op
+        if node.op != "Identity" or not node.input:
+            return None
+        handle = node.input[0]
+    return None
+
+
+def _static_shape(var_node: node_def_pb2.NodeDef) -> list[int] | None:
+    shape = var_node.attr["shape"].shape
+    return None if shape.unknown_rank else [int(d.size) for d in shape.dim]
+
+
+_WRITES = VARIABLE_WRITE_TYPES | frozenset({"AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+def _function_writes_argument(library, call: node_def_pb2.NodeDef, slot: int) -> bool:
+    """Whether function call CALL may write the resource it takes at input SLOT: an op of its function(s) that
+    updates variables (an assignment, a scatter, an optimizer apply) or calls another function, reading that
+    argument (conservative: any such op on the argument counts)."""
+    functions = {f.signature.name: f for f in library.function}
+    names = [a.func.name for key, a in call.attr.items() if a.HasField("func")]
+    names += [f.name for key, a in call.attr.items() for f in a.list.func]
+    arg_index = slot - (1 if call.op in IF_TYPES | CASE_TYPES else 0)     # If / Case: input 0 is the condition
+    for name in names:
+        f = functions.get(name)
+        if f is None or not 0 <= arg_index < len(f.signature.input_arg):
+            return True
+        arg = f.signature.input_arg[arg_index].name
+        for node in f.node_def:
+            reads_arg = any(i.split(":")[0] == arg for i in node.input if not i.startswith("^"))
+            if reads_arg and (node.op in _WRITES or node.op.startswith(("ResourceApply", "ResourceSparseApply"))
+                              or node.op in FUNCTION_CALL_TYPES or node.op in functions):
+                return True
+    return False
+
+
 def task_of(device: str) -> int | None:
     """The task index a TF device string names (None when it names none)."""
     m = _TASK_RE.search(device or "")
@@ -132,16 +175,17 @@ def host_cpu(task: int) -> str:
     return f"/job:worker/task:{task}/device:CPU:0"
 
 
-def split_programs(result: "RewriteResult", topology: "Topology") -> dict[str, HostProgram]:
-    """One ``HostProgram`` per host of TOPOLOGY that runs part of RESULT's step (module docstring); a host
-    with nothing to run gets an empty program (its NoOps only). RewriteError for what cannot be cut."""
+def split_programs(result: Any, topology: "Topology") -> dict[str, HostProgram]:
+    """One ``HostProgram`` per host of TOPOLOGY that runs part of RESULT's step (a ``RewriteResult``: graph_def,
+    train_op, loss, init, inputs, batch_size, variables; module docstring); a host with nothing to run gets an
+    empty program (its NoOps only). RewriteError for what cannot be cut."""
     return _Splitter(result, topology).run()
 
 
 class _Splitter:
     """The state of one split: the rewritten graph indexed, its phases, and the programs being built."""
 
-    def __init__(self, result: "RewriteResult", topology: "Topology"):
+    def __init__(self, result: Any, topology: "Topology"):
         self.result = result
         self.topo = topology
         self.gd = result.graph_def
@@ -342,6 +386,7 @@ class _ProgramBuilder:
         self.inputs: list[HostInput] = []
         self.received: dict[str, str] = {}                  # tensor of another host -> its local name here
         self.sent: dict[str, list[str]] = {}                # a receiver's node -> this host's nodes sending to it
+        self.mirror_assigns: dict[str, set[str]] = {}      # function call -> assigns of the mirrors it reads
         self.sends = 0
         self.receives = 0
 
@@ -401,9 +446,8 @@ class _ProgramBuilder:
                 node.input.append("^" + self._receive_token(p, builders[s.task[p]], step, init))
                 continue
             if s.dtypes.get(tensor_name(*split_tensor(i))) == tf.resource.as_datatype_enum:
-                raise RewriteError(f"op {n!r} (task {self.task}) takes the handle {i!r} of a resource on task "
-                                   f"{s.task[p]}: a host's program reaches no other host's state (put the op in "
-                                   f"the op group of its variable)")
+                node.input.append(self._mirror(n, len(node.input), i, builders[s.task[p]], step, init))
+                continue
             if s._clonable(p, clone_memo):
                 self._copy_closure(p, keep_device=False, step=step, init=init, memo=clone_memo)
                 node.input.append(i)
@@ -413,7 +457,51 @@ class _ProgramBuilder:
                                    f"{s.task[p]}: a loop cannot span two hosts' programs; keep the loop's op "
                                    f"group on one host")
             node.input.append(self._receive(i, builders[s.task[p]], step, init))
+        node.input.extend(sorted("^" + a for a in self.mirror_assigns.get(n, ())))
         self._put(node, step, init)
+
+    def _mirror(self, n: str, slot: int, handle: str, owner: "_ProgramBuilder", step: bool, init: bool) -> str:
+        """A local variable holding this step's value of the variable behind HANDLE (on OWNER's host), for input
+        SLOT of function call N, which reads it: the owner reads and sends the value, this host assigns it to
+        the mirror before N runs. A host's program reaches no other host's state, so a call that writes such a
+        variable cannot be cut (RewriteError)."""
+        s = self.s
+        var = _variable_behind(s.nodes, handle)
+        if var is None or s.nodes[n].op not in FUNCTION_CALL_TYPES:
+            raise RewriteError(f"op {n!r} (task {self.task}) takes the handle {handle!r} of a resource on task "
+                               f"{owner.task}: a host's program reaches no other host's state (put the op in "
+                               f"the op group of its variable)")
+        if _function_writes_argument(s.gd.library, s.nodes[n], slot):
+            raise RewriteError(f"op {n!r} (task {self.task}) updates variable {var!r} of task {owner.task} inside "
+                               f"its function: keep the call in the op group of that variable")
+        dtype = s.nodes[var].attr["dtype"].type
+        mirror = f"tag/mirror/{var}/to_{self.task}"
+        if mirror not in self.out:
+            read = node_def_pb2.NodeDef(name=f"tag/mirror_read/{var}", op="ReadVariableOp",
+                                        device=s.nodes[split_tensor(handle)[0]].device)
+            read.input.append(handle)
+            read.attr["dtype"].type = dtype
+            owner._put(read, step, init)
+            s.nodes.setdefault(read.name, read)
+            s.task.setdefault(read.name, owner.task)
+            s.dtypes.setdefault(read.name, dtype)
+            s.shapes.setdefault(read.name, _static_shape(s.nodes[var]))
+            value = self._receive(read.name, owner, step, init)
+            device = s.nodes[n].device
+            var_node = node_def_pb2.NodeDef(name=mirror, op="VarHandleOp", device=device)
+            var_node.attr["dtype"].type = dtype
+            var_node.attr["shape"].CopyFrom(s.nodes[var].attr["shape"])
+            var_node.attr["shared_name"].s = mirror.encode()
+            assign = node_def_pb2.NodeDef(name=mirror + "/assign", op="AssignVariableOp", device=device)
+            assign.input.extend([mirror, value])
+            assign.attr["dtype"].type = dtype
+            self._put(fill_defaults(var_node), step, init)
+            self._put(fill_defaults(assign), step, init)
+        else:
+            self._widen(mirror, step, init)
+            self._widen(mirror + "/assign", step, init)
+        self.mirror_assigns.setdefault(n, set()).add(mirror + "/assign")
+        return mirror
 
     def _copy_closure(self, p: str, *, keep_device: bool, step: bool, init: bool, memo: dict[str, bool]) -> None:
         """P and everything it is computed from, copied into this program (on this host's device of the first
@@ -432,7 +520,7 @@ class _ProgramBuilder:
             self._put(node, step, init)
             stack.extend(split_tensor(i.lstrip("^"))[0] for i in node.input)
 
-    def _key_const(self, name: str, value: int) -> str:
+    def _key_const(self, name: str, value: int) -> node_def_pb2.NodeDef:
         node = node_def_pb2.NodeDef(name=name, op="Const", device=self.cpu)
         node.attr["dtype"].CopyFrom(attr_type(tf.int32))
         node.attr["value"].tensor.CopyFrom(tensor_proto(np.array(value, np.int32)))
@@ -440,7 +528,8 @@ class _ProgramBuilder:
 
     def _receive(self, t: str, sender: "_ProgramBuilder", step: bool, init: bool) -> str:
         """The local name of tensor T (produced on SENDER's host), received through a collective broadcast from
-        the sender's CPU to this host's CPU (a group of the two, keys derived from T and this host)."""
+        the sender's CPU to this host's CPU (a group of the two, keys derived from T and this host). A shape
+        that is not static travels first, in broadcasts of its own."""
         t = tensor_name(*split_tensor(t))
         if t in self.received:
             name = self.received[t]
@@ -448,74 +537,86 @@ class _ProgramBuilder:
             for n in sender.sent[name]:
                 sender._widen(n, step, init)
             return name
-        dtype = self.s.dtypes[t]
         shape = self.s.shapes.get(t)
-        if shape is None:
-            raise RewriteError(f"tensor {t!r} crosses from task {sender.task} to task {self.task} with an unknown "
-                               f"rank; tag cannot size its transfer (give it a static rank)")
         base = f"{EXCHANGE_PREFIX}{_digest(t)}/to_{self.task}"
         group = exchange_group_key(sender.cpu, self.cpu)
-        instance = _instance_key(f"{t}|{self.task}")
-        recv = node_def_pb2.NodeDef(name=base + "/recv", op="CollectiveBcastRecvV2", device=self.cpu)
-        consts = [self._key_const(f"{base}/recv/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
-                                                                        ("instance_key", instance))]
-        if all(d >= 0 for d in shape):
-            shape_src = node_def_pb2.NodeDef(name=base + "/recv/shape", op="Const", device=self.cpu)
-            shape_src.attr["dtype"].CopyFrom(attr_type(tf.int32))
-            shape_src.attr["value"].tensor.CopyFrom(tensor_proto(np.array(shape, np.int32)))
-            shape_nodes = [shape_src]
-        else:        # a dynamic dimension: the shape travels first, in a broadcast of its own
+        sender.sent.pop("_shape", None)
+        if shape is not None and all(d >= 0 for d in shape):
+            shape_node = node_def_pb2.NodeDef(name=base + "/shape_const", op="Const", device=self.cpu)
+            shape_node.attr["dtype"].CopyFrom(attr_type(tf.int32))
+            shape_node.attr["value"].tensor.CopyFrom(tensor_proto(np.array(shape, np.int32)))
+            shape_nodes = [shape_node]
+        else:
             shape_nodes = self._shape_exchange(t, sender, base, group, step, init)
-            shape_src = shape_nodes[-1]
-        recv.input.extend([c.name for c in consts] + [shape_src.name])
-        recv.attr["T"].type = dtype
-        recv.attr["Tshape"].CopyFrom(attr_type(tf.int32))
-        recv.attr["communication_hint"].s = b"ring"
-        for node in consts + shape_nodes + [fill_defaults(recv)]:
+        s_nodes, r_nodes = self._bcast_pair(f"{t}|{self.task}", base + "/recv", t, shape_nodes[-1].name, sender,
+                                            group, self.s.dtypes[t])
+        for node in shape_nodes + r_nodes:
             self._put(node, step, init)
-        send = node_def_pb2.NodeDef(name=base + "/send", op="CollectiveBcastSendV2", device=sender.cpu)
-        sconsts = [sender._key_const(f"{base}/send/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
-                                                                           ("instance_key", instance))]
-        send.input.extend([t] + [c.name for c in sconsts])
-        send.attr["T"].type = dtype
-        send.attr["communication_hint"].s = b"ring"
-        for node in sconsts + [fill_defaults(send)]:
+        for node in s_nodes:
             sender._put(node, step, init)
-        sender.sent[recv.name] = [n.name for n in sconsts] + [send.name] + sender.sent.pop("_shape", [])
+        recv = r_nodes[-1].name
+        sender.sent[recv] = [n.name for n in s_nodes] + sender.sent.pop("_shape", [])
         sender.sends += 1
         self.receives += 1
-        self.received[t] = recv.name
-        return recv.name
+        self.received[t] = recv
+        return recv
 
     def _shape_exchange(self, t: str, sender: "_ProgramBuilder", base: str, group: int, step: bool,
                         init: bool) -> list[node_def_pb2.NodeDef]:
-        """Nodes on this side that receive T's shape (sent by SENDER from a Shape op of T) before T itself."""
-        rank = len(self.s.shapes[t])
-        instance = _instance_key(f"{t}|{self.task}|shape")
-        consts = [self._key_const(f"{base}/shape/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
-                                                                         ("instance_key", instance))]
-        rank_const = node_def_pb2.NodeDef(name=base + "/shape/rank", op="Const", device=self.cpu)
-        rank_const.attr["dtype"].CopyFrom(attr_type(tf.int32))
-        rank_const.attr["value"].tensor.CopyFrom(tensor_proto(np.array([rank], np.int32)))
-        recv = node_def_pb2.NodeDef(name=base + "/shape", op="CollectiveBcastRecvV2", device=self.cpu)
-        recv.input.extend([c.name for c in consts] + [rank_const.name])
-        recv.attr["T"].CopyFrom(attr_type(tf.int32))
-        recv.attr["Tshape"].CopyFrom(attr_type(tf.int32))
-        recv.attr["communication_hint"].s = b"ring"
+        """Nodes on this side that receive T's shape before T itself (sent by SENDER from a Shape op of T); a T of
+        unknown rank sends its rank first. The last node returned is the received shape."""
         shape_op = node_def_pb2.NodeDef(name=base + "/send_shape/of", op="Shape", device=sender.cpu)
         shape_op.input.append(t)
         shape_op.attr["T"].type = self.s.dtypes[t]
         shape_op.attr["out_type"].CopyFrom(attr_type(tf.int32))
-        sconsts = [sender._key_const(f"{base}/send_shape/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
-                                                                                 ("instance_key", instance))]
-        send = node_def_pb2.NodeDef(name=base + "/send_shape", op="CollectiveBcastSendV2", device=sender.cpu)
-        send.input.extend([shape_op.name] + [c.name for c in sconsts])
-        send.attr["T"].CopyFrom(attr_type(tf.int32))
-        send.attr["communication_hint"].s = b"ring"
-        for node in [shape_op] + sconsts + [fill_defaults(send)]:
+        sent = [shape_op]
+        mine: list[node_def_pb2.NodeDef] = []
+        known = self.s.shapes.get(t)
+        if known is not None:
+            rank = node_def_pb2.NodeDef(name=base + "/shape/rank", op="Const", device=self.cpu)
+            rank.attr["dtype"].CopyFrom(attr_type(tf.int32))
+            rank.attr["value"].tensor.CopyFrom(tensor_proto(np.array([len(known)], np.int32)))
+            mine.append(rank)
+        else:
+            size = node_def_pb2.NodeDef(name=base + "/send_rank/of", op="Shape", device=sender.cpu)
+            size.input.append(shape_op.name)
+            size.attr["T"].CopyFrom(attr_type(tf.int32))
+            size.attr["out_type"].CopyFrom(attr_type(tf.int32))
+            one = node_def_pb2.NodeDef(name=base + "/rank/shape", op="Const", device=self.cpu)
+            one.attr["dtype"].CopyFrom(attr_type(tf.int32))
+            one.attr["value"].tensor.CopyFrom(tensor_proto(np.array([1], np.int32)))
+            s_nodes, r_nodes = self._bcast_pair(f"{t}|{self.task}|rank", base + "/rank", size.name, one.name,
+                                                sender, group, tf.int32.as_datatype_enum)
+            sent += [size] + s_nodes
+            mine += [one] + r_nodes
+            rank = r_nodes[-1]
+        s_nodes, r_nodes = self._bcast_pair(f"{t}|{self.task}|shape", base + "/shape", shape_op.name, rank.name,
+                                            sender, group, tf.int32.as_datatype_enum)
+        for node in sent + s_nodes:
             sender._put(node, step, init)
-        sender.sent["_shape"] = [shape_op.name] + [c.name for c in sconsts] + [send.name]
-        return consts + [rank_const, fill_defaults(recv)]
+        sender.sent["_shape"] = [n.name for n in sent + s_nodes]
+        return mine + r_nodes
+
+    def _bcast_pair(self, what: str, base: str, value: str, shape: str, sender: "_ProgramBuilder", group: int,
+                    dtype: int) -> tuple[list[node_def_pb2.NodeDef], list[node_def_pb2.NodeDef]]:
+        """(SENDER's nodes, this host's nodes) of one broadcast of VALUE (a tensor of SENDER's program) to here,
+        received with shape SHAPE (a tensor of this program); the last node of each list is the send / the
+        received value."""
+        instance = _instance_key(what)
+        consts = [self._key_const(f"{base}/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
+                                                                   ("instance_key", instance))]
+        recv = node_def_pb2.NodeDef(name=base, op="CollectiveBcastRecvV2", device=self.cpu)
+        recv.input.extend([c.name for c in consts] + [shape])
+        recv.attr["T"].type = dtype
+        recv.attr["Tshape"].CopyFrom(attr_type(tf.int32))
+        recv.attr["communication_hint"].s = b"ring"
+        sconsts = [sender._key_const(f"{base}/send/{k}", v) for k, v in (("group_size", 2), ("group_key", group),
+                                                                           ("instance_key", instance))]
+        send = node_def_pb2.NodeDef(name=base + "/send", op="CollectiveBcastSendV2", device=sender.cpu)
+        send.input.extend([value] + [c.name for c in sconsts])
+        send.attr["T"].type = dtype
+        send.attr["communication_hint"].s = b"ring"
+        return sconsts + [fill_defaults(send)], consts + [fill_defaults(recv)]
 
     def _receive_token(self, p: str, sender: "_ProgramBuilder", step: bool, init: bool) -> str:
         """A local op that completes once op P (on SENDER's host) has run: a token P's host sends after it."""

@@ -66,7 +66,6 @@ class RunSpec:
     steps: int
     warmup: int = 0
     seed: int = 0
-    collective_timeout_s: float = 600.0
     join_timeout_s: float = 600.0
 
     @classmethod
@@ -102,11 +101,14 @@ class HostResult:
 
 def program_for_run(program: "HostProgram", spec: RunSpec) -> Any:
     """PROGRAM's GraphDef made the run's own: resources in the run's container, collective keys masked with the
-    run id, every collective bounded by the run's collective timeout."""
+    run id. Every collective is bounded by the deadline of the ``session.run`` it runs in (``RunOptions``): a
+    step whose peer never comes ends in DeadlineExceeded, which aborts its collectives."""
     gd = in_container(mask_collective_keys(program.graph_def, spec.run_id), spec.container)
     for node in gd.node:
         if node.op.startswith("Collective") and "timeout_seconds" in node.attr:
-            node.attr["timeout_seconds"].f = float(spec.collective_timeout_s)
+            # bounded by the step's deadline instead: a collective's own timeout holds a thread of the server for
+            # every execution (measured: two threads a step per host, kept), which a long run cannot afford
+            node.attr["timeout_seconds"].f = 0.0
     return gd
 
 
@@ -124,11 +126,10 @@ def _collectives(tf: Any, spec: RunSpec, my_cpu: str) -> tuple[Any, Any, Any]:
         words = tf.compat.v1.placeholder(tf.int32, [1, 2], name="fingerprint")
         gather = tf.raw_ops.CollectiveGatherV2(input=words, group_size=len(cpus), group_key=group,
                                                instance_key=HANDSHAKE_INSTANCE, ordering_token=[],
-                                               communication_hint="ring", timeout_seconds=spec.join_timeout_s)
+                                               communication_hint="ring")
         barrier = tf.raw_ops.CollectiveReduceV2(input=tf.constant([1], tf.int32), group_size=len(cpus),
                                                 group_key=group, instance_key=BARRIER_INSTANCE, ordering_token=[],
-                                                merge_op="Add", final_op="Id", communication_hint="ring",
-                                                timeout_seconds=spec.collective_timeout_s)
+                                                merge_op="Add", final_op="Id", communication_hint="ring")
     return words, gather, barrier
 
 
@@ -170,10 +171,9 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
     cfg = config if config is not None else session_config()
     if ctl.step_timeout_s:
         cfg.operation_timeout_in_ms = int(ctl.step_timeout_s * 1000)
-    run_options = tf.compat.v1.RunOptions()
-    run_options.experimental.collective_graph_key = _graph_key(spec)
-    if ctl.step_timeout_s:
-        run_options.timeout_in_ms = int(ctl.step_timeout_s * 1000)
+    run_options = _run_options(tf, spec, ctl.step_timeout_s)          # a step
+    setup_options = _run_options(tf, spec, ctl.setup_timeout_s)       # initialisation, barriers, checkpoints
+    join_options = _run_options(tf, spec, spec.join_timeout_s)        # the handshake: hosts may start apart
 
     def guard(fn, what: str, setup: bool = False):
         return guarded(fn, what=f"{what} on {program.host}",
@@ -181,20 +181,21 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
                        watchdog=ctl.watchdog, poll_s=ctl.poll_s)
 
     def sync(what: str) -> None:
-        guard(lambda: sess.run(barrier, options=run_options), f"waiting for every host ({what})", setup=True)
+        guard(lambda: sess.run(barrier, options=setup_options), f"waiting for every host ({what})", setup=True)
 
     ctl.emit(RunEvent("phase", f"{program.host}: connecting to {target}"))
     sess = guard(lambda: tf.compat.v1.Session(target, graph=graph, config=cfg), "opening a session", setup=True)
     result = HostResult(program.host, [], [])
     try:
         ctl.emit(RunEvent("phase", f"{program.host}: waiting for the other hosts"))
-        seen = guard(lambda: sess.run(gather, {words: _fingerprint_words(spec.fingerprint)}, options=run_options),
-                     "the hosts' handshake", setup=True)
+        seen = guarded(lambda: sess.run(gather, {words: _fingerprint_words(spec.fingerprint)}, options=join_options),
+                       what=f"the hosts' handshake on {program.host}", timeout_s=spec.join_timeout_s + 30,
+                       watchdog=ctl.watchdog, poll_s=ctl.poll_s)
         _check_same_plan(seen, spec)
         ctl.emit(RunEvent("phase", f"{program.host}: initialising"))
         if synthetic_init:
-            guard(lambda: sess.run(synthetic_init, options=run_options), "making the input batches", setup=True)
-        guard(lambda: sess.run(init_op, options=run_options), "initialising the variables", setup=True)
+            guard(lambda: sess.run(synthetic_init, options=setup_options), "making the input batches", setup=True)
+        guard(lambda: sess.run(init_op, options=setup_options), "initialising the variables", setup=True)
         start, losses = 0, []
         if ctl.resume_from:
             start, losses = guard(lambda: own.restore(sess, ctl.resume_from), "restoring the checkpoint", setup=True)
@@ -235,6 +236,16 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
 
 def _tensor(name: str) -> str:
     return name if ":" in name else name + ":0"
+
+
+def _run_options(tf: Any, spec: RunSpec, timeout_s: float | None) -> Any:
+    """RunOptions of a run of this host's program: the run's collective graph key (every host's sessions then
+    number their steps alike, so their collectives meet) and a deadline of TIMEOUT_S (None: none)."""
+    options = tf.compat.v1.RunOptions()
+    options.experimental.collective_graph_key = _graph_key(spec)
+    if timeout_s:
+        options.timeout_in_ms = int(timeout_s * 1000)
+    return options
 
 
 def _graph_key(spec: RunSpec) -> int:
