@@ -131,10 +131,6 @@ PAGES: tuple[Page, ...] = (
     Page("calibration-spread", "How far a calibration moves (bench_calibration_spread)",
          "Three traced calibrations of the testbed's calibration models in a row on one core.",
          (Run("calibration_spread_run39.json", "Three calibrations in a row", "calibration_spread"),)),
-    Page("in-name-only", "A pipeline in name only (bench_in_name_only)",
-         "One micro-batch through stages that all sit on the same devices, against the same actions without the "
-         "pipeline, the plan and the built-ins, on a saved fidelity run's calibration.",
-         (Run("bench_in_name_only_B_cnn.json", "Configuration B, the small CNN", "in_name_only"),)),
     Page("fidelity-repredict", "Saved fidelity runs re-predicted (fidelity_repredict)",
          "A saved bench_fidelity run's measurements against the current simulator's predictions, offline.",
          (Run("repredict_run25_link_holds.json", "Run 25 with each NIC held at its own rate", "repredict"),)),
@@ -436,14 +432,6 @@ def render_refit(d: dict) -> list[str]:
                                       "largest refitted"], rows)
 
 
-def render_in_name_only(d: dict) -> list[str]:
-    return [f"Configuration {d['config']}, {d['model']} at batch {d['batch']}, on the calibration of "
-            f"`{d['saved']}`:", ""] + table(
-        ["case", "predicted ms", "measured ms", "error"],
-        [[num(r["case"]), ms(r["predicted_s"]), ms(r["measured_s"]),
-          pct(r["predicted_s"] / r["measured_s"] - 1, signed=True)] for r in d["rows"]])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the other testbed benchmarks
 
@@ -702,7 +690,7 @@ def render_ir(d: dict) -> list[str]:
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "e2e": render_e2e, "pipeline": render_pipeline, "fidelity": render_fidelity, "repredict": render_repredict,
-    "refit": render_refit, "in_name_only": render_in_name_only, "ceiling": render_ceiling,
+    "refit": render_refit, "ceiling": render_ceiling,
     "buckets_predicted": render_buckets_predicted, "buckets_measured": render_buckets_measured,
     "calibration_spread": render_calibration_spread, "levels": render_levels, "transfers": render_transfers,
     "published": render_published, "search": render_search, "gnn": render_gnn, "input": render_input,
