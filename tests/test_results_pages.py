@@ -76,4 +76,5 @@ def test_every_result_json_records_its_commit_command_and_load():
                 with open(os.path.join(root, name)) as f:
                     prov = json.load(f).get("provenance")
                 assert isinstance(prov, dict), name
-                assert all(isinstance(prov.get(k), str) and prov[k] for k in ("commit", "command", "load_average")), name
+                assert all(isinstance(prov.get(k), str) and prov[k]
+                           for k in ("commit", "command", "load_average")), name
