@@ -617,7 +617,8 @@ def render_gnn(d: dict) -> list[str]:
     if timings:
         lines += ["Cost per new tree node (bert_large, 64 op groups, 400 playouts):", ""] + table(
             ["topology", "ms per node", "without the encoder", "encoder s", "load"],
-            [[GNN_TOPOLOGIES.get(t, t), f"{v['ms_per_node']:.2f}", f"{v['ms_per_node_without_encoder']:.2f}", f"{v['encode_s']:.2f}",
+            [[GNN_TOPOLOGIES.get(t, t), f"{v['ms_per_node']:.2f}", f"{v['ms_per_node_without_encoder']:.2f}",
+              f"{v['encode_s']:.2f}",
               load(v.get("load"))] for t, v in timings])
     diff = []
     for r in d["rows"]:
