@@ -185,10 +185,10 @@ def x(ratio: float | None, digits: int = 2) -> str:
     return "-" if ratio is None else f"{ratio:.{digits}f}x"
 
 
-def pct(fraction: float | None, signed: bool = False) -> str:
+def pct(fraction: float | None, signed: bool = False, digits: int = 1) -> str:
     if fraction is None:
         return "-"
-    return f"{fraction * 100:+.1f}%" if signed else f"{fraction * 100:.1f}%"
+    return f"{fraction * 100:+.{digits}f}%" if signed else f"{fraction * 100:.{digits}f}%"
 
 
 def num(v, digits: int = 3) -> str:
@@ -656,7 +656,7 @@ def render_input(d: dict) -> list[str]:
         ["pipelines over synthetic (median ratio)", f"{d['input_vs_synthetic']:.3f}"],
         ["bytes the client sent (graph, feeds)",
          f"{d['client_bytes']:,} ({d['client_graph_bytes']:,}, {d['client_feed_bytes']:,})"],
-        ["of the data set's bytes", f"{pct(d['client_fraction_of_dataset'])} of {d['dataset_bytes']:,}"],
+        ["of the data set's bytes", f"{pct(d['client_fraction_of_dataset'], digits=3)} of {d['dataset_bytes']:,}"],
         ["examples consumed on the workers, bytes", f"{d['consumed_bytes']:,}"]])
 
 
