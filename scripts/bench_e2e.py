@@ -189,8 +189,7 @@ def run_interleaved(tb: Testbed, runnables: dict, steps: int, warmup: int, round
                 restart_servers()
             x = runnables[k]
             n = steps_in("tag", k, samples[k], r)
-            res = run_on(tb, x.graph_def, train_op=x.train_op, loss=x.loss, init=x.init, steps=warmup + n,
-                         warmup=warmup)
+            res = run_on(tb, x, steps=warmup + n, warmup=warmup)
             samples[k] += list(res.step_times[warmup:])
 
     for r in range(rounds):

@@ -7,10 +7,12 @@ the built-in defaults). ``plan_for`` makes a Plan of a given strategy: it simula
 (``strategy_report``) and rewrites the graph for it (``tag.backend.rewrite``). The search that chooses the
 strategy (``tag.optimize``, ``tag.api.search_plan``) and the measured tuning step (``tag.tune``) both end here.
 
-A saved plan is a directory of plain files (no pickle): ``graph.pb`` (the rewritten GraphDef, binary
-protobuf), ``strategy.pb`` (``Strategy.to_proto()``), ``report.json`` and ``plan.json`` (format
-version, entry-point names, batch size, topology name). ``load_strategy`` reads the strategy back from a
-plan directory or a bare ``strategy.pb``.
+A saved plan is a directory of plain files (no pickle): ``graph.pb`` (the training step the plan was made for,
+binary protobuf), ``strategy.pb`` (``Strategy.to_proto()``), ``topology.pbtxt`` (the cluster),
+``report.json`` and ``plan.json`` (format 2: entry-point names, batch size, precision, hosts and the plan's
+fingerprint). Each host builds its own program from these files (``Plan.program``); a directory an earlier
+tag saved (format 1, one rewritten graph for the whole cluster) is refused with a line saying to save it
+again. ``load_strategy`` reads the strategy back from a plan directory or a bare ``strategy.pb``.
 
 Example::
 
@@ -19,14 +21,15 @@ Example::
 
     analysis = prepare(tag.zoo.training_graph("mlp", 32), "topologies/localhost.pbtxt")
     plan = plan_for(analysis, "dp_allreduce")        # a built-in name or a Strategy
-    plan.save("plan/")                               # graph.pb, strategy.pb, report.json, plan.json
+    plan.save("plan/")                               # graph.pb, strategy.pb, topology.pbtxt, report.json, plan.json
     plan = tag.Plan.load("plan/")
-    # sess.run(plan.init); sess.run([plan.train_op, plan.loss], {"x:0": xs, "y:0": ys})
+    plan.program("cpu1").graph_def                   # one host's program, built on first use
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tag.cluster.topology import Topology, load_topology
+from tag.cluster.topology import Topology, format_topology, load_topology
 from tag.cost.model import CostModel, Profile
 from tag.cost.precision import check_plan_precision
 from tag.cost.speeds import device_speeds
@@ -48,32 +51,40 @@ from tag.strategy.types import Grouping, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.rewrite import RewriteResult
+    from tag.backend.rewrite.programs import HostProgram
     from tag.ir.types import TrainingGraph
 
 __all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "strategy_report",
            "DEFAULT_GROUPS", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 GRAPH_FILE, STRATEGY_FILE, REPORT_FILE, PLAN_FILE = "graph.pb", "strategy.pb", "report.json", "plan.json"
+TOPOLOGY_FILE = "topology.pbtxt"
 DEFAULT_GROUPS = 64
 _MAX_FILE_BYTES = 2 << 30
 
 
 @dataclass
 class Plan:
-    """A rewritten training step and how it was chosen (module docstring).
+    """A training step, the strategy chosen for it on a cluster, and how it was chosen (module docstring).
 
-    ``graph_def``: the rewritten GraphDef (every node on a ``/job:worker/task:T/device:...`` device).
-    ``strategy``: the chosen ``Strategy``. ``predicted_step_time``: seconds. ``baselines``: name ->
-    predicted seconds of every built-in strategy and of each search step (``best_uniform``, ``mcts``).
-    ``train_op`` / ``loss`` / ``init``: names to run in ``graph_def``. ``inputs``: the batch inputs to
-    feed (full global batches). ``method``: which step found the strategy. ``candidates``: name -> the
-    best strategy of each search step and each built-in (a plan made by a search in this process; not saved),
-    what the measured tuning step (``tag.tune``) chooses from.
+    ``step_graph``: the training step the plan was made for (the user's GraphDef with its entry points found and
+    the precision applied): what a plan directory keeps, and what every host builds its program from.
+    ``strategy``: the chosen ``Strategy``. ``cluster``: the ``Topology`` it was made for (``topology`` is its
+    name). ``predicted_step_time``: seconds. ``baselines``: name -> predicted seconds of every built-in strategy
+    and of each search step (``best_uniform``, ``mcts``). ``train_op`` / ``loss`` / ``init``: the step's entry
+    points (the same names in the rewritten step). ``inputs``: its batch inputs (full global batches).
+    ``method``: which step found the strategy. ``candidates``: name -> the best strategy of each search step and
+    each built-in (a plan made by a search in this process; not saved), what the measured tuning step
+    (``tag.tune``) chooses from.
+
+    Each host runs a program of its own: ``plan.program(host)`` (a host name or task index) builds it on first
+    use. ``plan.graph_def`` is the rewritten step as one graph where that is one program: a plan placed on one
+    host (one device, or several devices of one machine); a plan over several hosts has no such graph.
     """
 
-    graph_def: Any = field(repr=False)
+    step_graph: Any = field(repr=False)
     strategy: "Strategy" = field(repr=False)
     predicted_step_time: float
     baselines: dict[str, float]
@@ -81,13 +92,21 @@ class Plan:
     loss: str | None
     init: str | None
     batch_size: int
-    topology: str
+    cluster: "Topology" = field(repr=False)
     inputs: list[str] = field(default_factory=list)
     method: str = ""
     notes: list[str] = field(default_factory=list)
     _report: dict = field(default_factory=dict, repr=False)
+    precision: str = "fp32"
+    xla: bool = False
     analysis: "Analysis | None" = field(default=None, repr=False, compare=False)   # not saved
     candidates: dict = field(default_factory=dict, repr=False, compare=False)      # not saved
+    _rewritten: Any = field(default=None, repr=False, compare=False)                # built on first use
+
+    @property
+    def topology(self) -> str:
+        """The name of the cluster the plan was made for."""
+        return self.cluster.name
 
     def report(self) -> dict:
         """The plan's report: a JSON-serialisable dict (keys in ``tag.report``; a copy)."""
@@ -100,27 +119,87 @@ class Plan:
             raise TagError("a loaded plan has no analysis to simulate; run tag.optimize again for a trace")
         return self.analysis.simulator().trace(self.strategy, batch_size=self.batch_size)
 
+    # -- programs ---------------------------------------------------------------------------------
+    @property
+    def rewritten(self) -> "RewriteResult":
+        """The step rewritten for the strategy (``tag.backend.rewrite.RewriteResult``; built on first use)."""
+        if self._rewritten is None:
+            self._rewritten = rewrite_step(self.step_graph, self.strategy, self.cluster, batch_size=self.batch_size,
+                                           train_op=self.train_op, loss=self.loss, init=self.init, xla=self.xla)
+        return self._rewritten
+
+    def programs(self) -> "dict[str, HostProgram]":
+        """Host name -> that host's program (``tag.backend.rewrite.programs.HostProgram``), every host of the
+        cluster (a host the strategy leaves idle gets an empty one)."""
+        return self.rewritten.programs()
+
+    def program(self, host: "str | int") -> "HostProgram":
+        """HOST's program (a host name or task index); TagError naming the plan's hosts for one it lacks.
+
+        Example::
+
+            p = plan.program("cpu1")            # or plan.program(1)
+            p.graph_def, p.step_op, p.init_op, p.loss, p.inputs
+        """
+        if isinstance(host, bool) or not isinstance(host, (str, int, np.integer)):
+            raise TagError(f"host must be a host name or a task index, got {type(host).__name__}")
+        return self.rewritten.program(int(host) if isinstance(host, np.integer) else host)
+
+    @property
+    def hosts(self) -> list[str]:
+        """The cluster's hosts, in task order."""
+        return [h.name for h in sorted(self.cluster.hosts, key=lambda h: h.task_index)]
+
+    @property
+    def graph_def(self) -> Any:
+        """The rewritten step as one graph, for a plan on one host (run ``train_op``, ``loss`` and ``init`` in it);
+        TagError for a plan over several hosts, where each host runs its own program (``program(host)``)."""
+        rr = self.rewritten
+        from tag.backend.rewrite.programs import task_of
+        tasks = {task_of(d) for d in rr.devices}
+        if len(tasks) > 1:
+            raise TagError(f"this plan runs on {len(tasks)} hosts, each its own program: plan.program(host) gives one "
+                           f"({', '.join(self.hosts)}); tag.train, tag-deploy --run and tag-worker --plan run them all")
+        return rr.graph_def
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what the plan runs (the step, the strategy, the cluster, the batch and how it is compiled):
+        every host checks it before a run, so hosts given different plans stop instead of waiting on each other."""
+        return _fingerprint(self.step_graph.SerializeToString(deterministic=True),
+                            self.strategy.to_proto().SerializeToString(deterministic=True),
+                            format_topology(self.cluster), self._meta_for_fingerprint())
+
+    def _meta_for_fingerprint(self) -> dict:
+        return {"train_op": self.train_op, "loss": self.loss, "init": self.init, "batch_size": int(self.batch_size),
+                "precision": self.precision, "xla": bool(self.xla)}
+
+    # -- files ------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> str:
-        """Write the plan's four files into DIRECTORY (created if needed); returns its path."""
+        """Write the plan into DIRECTORY (created if needed): the step, the strategy, the cluster, the report and
+        the plan's description; returns its path. Every host builds its own program from these files."""
         directory = os.fspath(directory)
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise TagError(f"{directory}: exists and is not a directory")
         os.makedirs(directory, exist_ok=True)
-        meta = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "train_op": self.train_op, "loss": self.loss,
-                "init": self.init, "inputs": list(self.inputs), "batch_size": int(self.batch_size),
-                "topology": self.topology, "method": self.method, "model": self._report.get("model", ""),
-                "predicted_step_time_s": float(self.predicted_step_time), "notes": list(self.notes)}
-        files = {GRAPH_FILE: self.graph_def.SerializeToString(deterministic=True),
-                 STRATEGY_FILE: self.strategy.to_proto().SerializeToString(deterministic=True),
-                 REPORT_FILE: _json_text(self._report).encode(),
-                 PLAN_FILE: _json_text(meta).encode()}
-        for name, data in files.items():
+        graph = self.step_graph.SerializeToString(deterministic=True)
+        strategy = self.strategy.to_proto().SerializeToString(deterministic=True)
+        cluster = format_topology(self.cluster)
+        meta = {"format": PLAN_FORMAT, "version": PLAN_VERSION, **self._meta_for_fingerprint(),
+                "fingerprint": _fingerprint(graph, strategy, cluster, self._meta_for_fingerprint()),
+                "inputs": list(self.inputs), "topology": self.topology, "hosts": self.hosts, "method": self.method,
+                "model": self._report.get("model", ""), "predicted_step_time_s": float(self.predicted_step_time),
+                "notes": list(self.notes)}
+        files = {GRAPH_FILE: graph, STRATEGY_FILE: strategy, TOPOLOGY_FILE: cluster.encode(),
+                 REPORT_FILE: _json_text(self._report).encode(), PLAN_FILE: _json_text(meta).encode()}
+        for name, data in files.items():      # the description last: a plan is complete once it is there
             write_atomic(os.path.join(directory, name), data)
         return directory
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Plan":
-        """Read a plan written by ``save``; TagError naming the file that is missing or bad."""
+        """Read a plan written by ``save``; TagError naming the file that is missing or bad, or saying to re-save a
+        plan an earlier tag wrote."""
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise TagError(f"{directory}: not a plan directory (expected {PLAN_FILE}, {GRAPH_FILE}, ...)")
@@ -130,15 +209,46 @@ class Plan:
             raise TagError(f"{os.path.join(directory, REPORT_FILE)}: expected a JSON object")
         strategy = _read_strategy(os.path.join(directory, STRATEGY_FILE))
         graph_def = _read_graph_def(os.path.join(directory, GRAPH_FILE))
+        cluster_path = os.path.join(directory, TOPOLOGY_FILE)
+        cluster = load_topology(cluster_path)
         nodes = {n.name for n in graph_def.node}
         for key in ("train_op", "loss", "init"):
             if meta[key] is not None and meta[key] not in nodes:
                 raise TagError(f"{os.path.join(directory, PLAN_FILE)}: {key} {meta[key]!r} is not in {GRAPH_FILE}")
         baselines = report.get("baselines") or {}
-        return cls(graph_def, strategy, float(meta["predicted_step_time_s"]),
+        plan = cls(graph_def, strategy, float(meta["predicted_step_time_s"]),
                    {str(k): (float(v) if v is not None else float("inf")) for k, v in baselines.items()},
-                   meta["train_op"], meta["loss"], meta["init"], int(meta["batch_size"]), meta["topology"],
-                   list(meta.get("inputs", [])), str(meta.get("method", "")), list(meta.get("notes", [])), report)
+                   meta["train_op"], meta["loss"], meta["init"], int(meta["batch_size"]), cluster,
+                   list(meta.get("inputs", [])), str(meta.get("method", "")), list(meta.get("notes", [])), report,
+                   str(meta.get("precision", "fp32")), bool(meta.get("xla", False)))
+        if plan.fingerprint != meta["fingerprint"]:
+            raise TagError(f"{directory}: its files changed after the plan was saved (fingerprint "
+                           f"{plan.fingerprint[:12]}, saved {str(meta['fingerprint'])[:12]}); save the plan again")
+        return plan
+
+
+def _fingerprint(graph: bytes, strategy: bytes, cluster: str, meta: dict) -> str:
+    digest = hashlib.sha256()
+    for part in (graph, strategy, cluster.encode(), json.dumps(meta, sort_keys=True).encode()):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def rewrite_step(step_graph: Any, strategy: "Strategy", cluster: "Topology", *, batch_size: int, train_op: str,
+                 loss: str | None, init: str | None, xla: bool = False, graph: "TrainingGraph | None" = None,
+                 ) -> "RewriteResult":
+    """STEP_GRAPH (a plan's step) rewritten for STRATEGY on CLUSTER at BATCH_SIZE (``tag.backend.rewrite``), its
+    XLA-costed ops marked for XLA when XLA; GRAPH: the step's IR when already analysed."""
+    from tag.backend.rewrite import rewrite as rewrite_graph
+    from tag.frontend.analyze import analyze
+    ir = graph if graph is not None else analyze(step_graph, batch_size=batch_size)
+    rr = rewrite_graph(step_graph, ir, strategy, cluster, batch_size=batch_size, train_op=train_op, loss=loss,
+                       init=init)
+    if xla:      # the deployed graph fuses what the cost model costs as fused
+        from tag.frontend.precision import mark_for_xla
+        mark_for_xla(rr.graph_def)
+    return rr
 
 
 @dataclass
@@ -172,13 +282,9 @@ class Analysis:
 
     def rewrite(self, strategy: "Strategy") -> "RewriteResult":
         """The graph rewritten for STRATEGY (entry points as found or given)."""
-        from tag.backend.rewrite import rewrite as rewrite_graph
-        rr = rewrite_graph(self.graph_def, self.graph, strategy, self.topology, batch_size=self.batch,
-                           train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init)
-        if self.xla:      # the deployed graph fuses what the cost model costs as fused
-            from tag.frontend.precision import mark_for_xla
-            mark_for_xla(rr.graph_def)
-        return rr
+        return rewrite_step(self.graph_def, strategy, self.topology, batch_size=self.batch,
+                            train_op=self.entry.train_op, loss=self.entry.loss, init=self.entry.init, xla=self.xla,
+                            graph=self.graph)
 
 
 def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_size: int | None = None,
@@ -267,15 +373,19 @@ def plan_for(analysis: Analysis, strategy: "Strategy | str", *, name: str | None
 
 
 def make_plan(analysis: Analysis, strategy: "Strategy", report: dict) -> Plan:
-    """The Plan of STRATEGY with REPORT (``plan_report``'s keys): the graph rewritten for it, the notes of both."""
+    """The Plan of STRATEGY with REPORT (``plan_report``'s keys): the step rewritten and cut into its hosts'
+    programs (so that what cannot be deployed fails here), the notes of both."""
     rr = analysis.rewrite(strategy)
+    programs = rr.programs()
     report["rewritten"] = {"train_op": rr.train_op, "loss": rr.loss, "init": rr.init, "inputs": list(rr.inputs),
-                           "nodes": len(rr.graph_def.node)}
+                           "nodes": len(rr.graph_def.node),
+                           "nodes_per_host": {name: p.nodes for name, p in programs.items()}}
     notes = list(report["notes"]) + list(rr.notes)
-    plan = Plan(rr.graph_def, strategy, float(report["predicted_step_time_s"]), dict(report["baselines"]),
-                rr.train_op, rr.loss, rr.init, analysis.batch, analysis.topology.name, list(rr.inputs),
-                report["method"], notes, report)
+    plan = Plan(analysis.graph_def, strategy, float(report["predicted_step_time_s"]), dict(report["baselines"]),
+                rr.train_op, rr.loss, rr.init, analysis.batch, analysis.topology, list(rr.inputs),
+                report["method"], notes, report, analysis.precision, analysis.xla)
     plan.analysis = analysis
+    plan._rewritten = rr
     return plan
 
 
@@ -326,8 +436,14 @@ def _read_plan_json(path: str) -> dict:
     meta = _read_json(path, "plan description")
     if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
         raise TagError(f"{path}: not a tag plan description (no \"format\": \"{PLAN_FORMAT}\")")
+    if meta.get("version") == 1:
+        raise TagError(f"{os.path.dirname(path) or '.'}: a plan saved by an earlier tag (format 1, one graph for the "
+                       f"whole cluster); this tag runs a program per host: make and save the plan again "
+                       f"(tag-deploy ... --save-plan DIR, or plan.save(DIR))")
     if meta.get("version") != PLAN_VERSION:
         raise TagError(f"{path}: unsupported plan version {meta.get('version')!r} (this tag reads {PLAN_VERSION})")
+    if not isinstance(meta.get("fingerprint"), str):
+        raise TagError(f"{path}: 'fingerprint' is missing or has the wrong type")
     for key, types in (("train_op", (str,)), ("loss", (str, type(None))), ("init", (str, type(None))),
                        ("batch_size", (int,)), ("topology", (str,)), ("predicted_step_time_s", (int, float))):
         if not isinstance(meta.get(key), types) or isinstance(meta.get(key), bool):

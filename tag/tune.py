@@ -413,9 +413,12 @@ def candidate_runner(analysis: Any, cluster: Any, *, step_timeout_s: float | Non
     host where the cluster can start one, as a deployment runs it), guarded (the cluster's watchdog names a dead
     worker; no step waits past STEP_TIMEOUT_S). PROGRESS(name, RunEvent) hears every phase and step."""
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.runtime.measure import Cluster, one_device_runner, run_on
+    from tag.backend.runtime.measure import Cluster, cluster_targets, host_launcher, one_device_runner, run_on
     address, watchdog = _target_and_watchdog(cluster)
-    on = Cluster(address, watchdog, one_device_runner(cluster))
+    targets = {h.name: f"grpc://{h.address}:{h.port}" for h in analysis.topology.hosts}
+    if not isinstance(cluster, str):
+        targets.update(cluster_targets(cluster) if getattr(cluster, "targets", None) else {})
+    on = Cluster(address, watchdog, one_device_runner(cluster), targets, host_launcher(cluster))
     rewritten: dict[str, Any] = {}
 
     def measure(candidate: Candidate, steps: int, warmup: int) -> list[float]:
@@ -426,8 +429,7 @@ def candidate_runner(analysis: Any, cluster: Any, *, step_timeout_s: float | Non
                              watchdog=watchdog)
         if progress is not None:
             control.progress = lambda ev: progress(candidate.name, ev)
-        return run_on(on, rr.graph_def, train_op=rr.train_op, loss=rr.loss, init=rr.init, steps=steps,
-                      warmup=warmup, control=control).step_times
+        return run_on(on, rr, steps=steps, warmup=warmup, control=control).step_times
 
     return measure
 

@@ -103,10 +103,9 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     """Median step of RUNNABLE (a ``tag.rewrite`` result) on the running testbed TB, as many steps as
     ``steps_for`` gives."""
     import numpy as np
-    from tag.backend.runtime import run_steps
+    from tag.backend.runtime.measure import run_on
     timed, warmup = steps_for(predicted_s, budget_s)
-    r = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
-                  init=runnable.init, steps=warmup + timed, warmup=warmup, synthetic=True)
+    r = run_on(tb, runnable, steps=warmup + timed, warmup=warmup)
     return float(np.median(r.step_times[warmup:]))
 
 
@@ -175,7 +174,7 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
     50 ms (bench_fidelity run 5, B/cnn), more than the gaps between the cases being ranked; interleaving puts
     the drift on every case alike."""
     import numpy as np
-    from tag.backend.runtime import run_steps
+    from tag.backend.runtime.measure import run_on
     samples: dict = {k: [] for k in cases}
     keys = list(cases)
     for r in range(rounds):
@@ -185,8 +184,7 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
             timed = max(timed, rounds)
             share = split_steps(timed, rounds)[r]
             warmup = first_warmup if r == 0 else 1
-            res = run_steps(runnable.graph_def, tb.target, train_op=runnable.train_op, loss=runnable.loss,
-                            init=runnable.init, steps=warmup + share, warmup=warmup, synthetic=True)
+            res = run_on(tb, runnable, steps=warmup + share, warmup=warmup)
             samples[k] += list(res.step_times[warmup:])
     return {k: float(np.median(v)) for k, v in samples.items()}
 

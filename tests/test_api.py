@@ -79,9 +79,11 @@ def test_optimize_is_never_slower_than_a_feasible_baseline(plan):
     assert plan.predicted_step_time in (pytest.approx(_best_feasible(plan)), pytest.approx(min(builtins)),
                                         pytest.approx(plan.baselines["best_uniform"]))
     assert plan.batch_size == BATCH and plan.topology == "localhost"
-    names = {n.name for n in plan.graph_def.node}
-    assert {plan.train_op, plan.loss, plan.init} <= names
-    assert all(n.device.startswith("/job:worker/task:") for n in plan.graph_def.node if n.op != "NoOp" or n.device)
+    assert {plan.train_op, plan.loss, plan.init} <= {n.name for n in plan.step_graph.node}
+    for task, host in enumerate(plan.hosts):          # each host's program holds only that host's devices
+        program = plan.program(host)
+        assert program is plan.program(task) and program.task == task
+        assert all(n.device.startswith(f"/job:worker/task:{task}/") for n in program.graph_def.node), host
 
 
 def test_report_keys_and_json(plan):
@@ -104,23 +106,61 @@ def test_report_keys_and_json(plan):
 def test_save_load_round_trip(plan, tmp_path):
     d = tmp_path / "plan"
     assert plan.save(d) == str(d)
-    assert sorted(os.listdir(d)) == ["graph.pb", "plan.json", "report.json", "strategy.pb"]
+    files = ["graph.pb", "plan.json", "report.json", "strategy.pb", "topology.pbtxt"]
+    assert sorted(os.listdir(d)) == files
     meta = json.loads((d / "plan.json").read_text())
-    assert meta["format"] == "tag-plan" and meta["version"] == 1 and meta["batch_size"] == BATCH
+    assert meta["format"] == "tag-plan" and meta["version"] == 2 and meta["batch_size"] == BATCH
     assert meta["topology"] == "localhost" and meta["train_op"] == plan.train_op
+    assert meta["fingerprint"] == plan.fingerprint and meta["hosts"] == ["cpu0", "cpu1", "cpu2"]
     back = tag.Plan.load(d)
-    assert back.strategy.to_dict() == plan.strategy.to_dict()
-    assert _bytes(back.graph_def) == _bytes(plan.graph_def)
+    assert back.strategy.to_dict() == plan.strategy.to_dict() and back.fingerprint == plan.fingerprint
+    assert _bytes(back.step_graph) == _bytes(plan.step_graph)
+    for host in plan.hosts:                           # every host builds the same program from the files
+        assert _bytes(back.program(host).graph_def) == _bytes(plan.program(host).graph_def)
     assert (back.train_op, back.loss, back.init, back.inputs) == (plan.train_op, plan.loss, plan.init, plan.inputs)
     assert back.report() == plan.report() and back.baselines == plan.baselines
     assert back.predicted_step_time == plan.predicted_step_time and back.method == plan.method
     plan.save(d)                                      # overwriting a saved plan is fine
-    assert sorted(os.listdir(d)) == ["graph.pb", "plan.json", "report.json", "strategy.pb"]
+    assert sorted(os.listdir(d)) == files
+
+
+def test_a_host_not_in_the_plan_and_a_plan_of_several_hosts_have_one_line_errors(plan):
+    with pytest.raises(TagError, match=r"host 'gpu9' is not in the plan \(hosts: cpu0, cpu1, cpu2\)"):
+        plan.program("gpu9")
+    with pytest.raises(TagError, match="host 7 is not in the plan"):
+        plan.program(7)
+    if len({p.task for p in plan.programs().values() if len(p.graph_def.node) > 2}) > 1:
+        with pytest.raises(TagError, match="runs on 3 hosts, each its own program"):
+            plan.graph_def
+
+
+def test_a_plan_on_one_host_is_one_graph():
+    one = tag.parse_topology('name: "one"\nhost { name: "solo" address: "127.0.0.1" port: 23999 '
+                             'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 '
+                             'memory_bandwidth_gbs: 10 } }\n')
+    from tag.api import plan_for, prepare
+    p = plan_for(prepare(mlp(), one), "single")
+    names = {n.name for n in p.graph_def.node}
+    assert {p.train_op, p.loss, p.init} <= names and "input" in names   # the whole batch is fed as before
+
+
+def test_an_earlier_plan_directory_and_changed_files_are_refused_in_one_line(plan, tmp_path):
+    d = tmp_path / "plan"
+    plan.save(d)
+    meta = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**meta, "batch_size": BATCH * 2}))
+    with pytest.raises(TagError, match="files changed after the plan was saved"):
+        tag.Plan.load(d)
+    (d / "plan.json").write_text(json.dumps({**meta, "version": 1}))
+    with pytest.raises(TagError, match="saved by an earlier tag .* make and save the plan again"):
+        tag.Plan.load(d)
 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda d: os.remove(d / "graph.pb"), "graph.pb"),
     (lambda d: os.remove(d / "strategy.pb"), "strategy.pb"),
+    (lambda d: os.remove(d / "topology.pbtxt"), "topology.pbtxt"),
+    (lambda d: (d / "topology.pbtxt").write_text("host { name: "), "topology.pbtxt"),
     (lambda d: (d / "strategy.pb").write_bytes(b"\xff\xff\xff garbage"), "strategy.pb"),
     (lambda d: (d / "graph.pb").write_bytes(b"\xff\xff\xff garbage"), "graph.pb"),
     (lambda d: (d / "plan.json").write_text("{not json"), "plan.json"),
@@ -177,7 +217,7 @@ def test_user_graph_without_names():
     r = p.report()
     assert r["entry_points"]["train_op"] == "Adam" and r["entry_points"]["init"] == "init"
     assert r["entry_points"]["loss"] == "Mean"
-    names = {n.name for n in p.graph_def.node}
+    names = {n.name for n in p.step_graph.node}
     assert {p.train_op, p.loss, p.init} <= names and set(p.inputs) == {"features", "classes"}
 
 
@@ -187,7 +227,7 @@ def test_rewrite_accepts_names_strategies_and_saved_files(plan, tmp_path):
     by_name = tag.rewrite(gd, topo, "dp_allreduce")
     assert by_name.train_op == "train_op" and len(by_name.devices) == 3
     d = plan.save(tmp_path / "plan")
-    want = _bytes(plan.graph_def)
+    want = _bytes(plan.rewritten.graph_def)
     assert _bytes(tag.rewrite(gd, LOCALHOST, d).graph_def) == want                 # batch from plan.json
     assert _bytes(tag.rewrite(gd, LOCALHOST, os.path.join(d, "strategy.pb"), batch_size=BATCH).graph_def) == want
     assert _bytes(tag.rewrite(gd, LOCALHOST, plan.strategy, batch_size=BATCH).graph_def) == want
@@ -232,13 +272,13 @@ def test_bad_arguments():
 
 @pytest.mark.slow
 def test_saved_plan_runs_on_local_workers(tmp_path):
-    from tag.backend.runtime import LocalCluster, free_ports, run_steps
+    from tag.backend.runtime import LocalCluster, free_ports
+    from tag.backend.runtime.measure import run_on
     topo = tag.parse_topology(topology_text(free_ports(3), tflops=[0.1, 0.05, 0.05]))
     plan = tag.optimize(user_graph(), topo, playouts=20)
     loaded = tag.Plan.load(plan.save(tmp_path / "plan"))
     with LocalCluster(topo) as cluster:
-        run = run_steps(loaded.graph_def, cluster.target, train_op=loaded.train_op, loss=loaded.loss,
-                        init=loaded.init, steps=4, warmup=1, synthetic=True)
+        run = run_on(cluster, loaded, steps=4, warmup=1)
     assert len(run.losses) >= 3 and all(math.isfinite(x) for x in run.losses)
     assert np.isfinite(run.mean_step_time_s) and run.mean_step_time_s > 0
 

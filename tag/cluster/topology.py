@@ -167,6 +167,45 @@ def parse_topology(text: str, path: str = "<string>") -> Topology:
     return _build(cluster, text, path, _Lines(text, cluster.DESCRIPTOR))
 
 
+def format_topology(topology: Topology) -> str:
+    """TOPOLOGY as cluster-file text (protobuf text format) that ``parse_topology`` reads back to the same hosts,
+    devices, links and fabric: how a plan directory carries the cluster it was made for. The leading comment is
+    kept; the text is generated, so its other comments and field order are not the original file's."""
+    kinds = topology.extra.get("interconnect", {})
+    out = [f"# {line}".rstrip() for line in topology.comment.splitlines()]
+    out.append(f"name: {_pb_string(topology.name)}")
+    for h in sorted(topology.hosts, key=lambda h: h.task_index):
+        out.append("host {")
+        out.append(f"  name: {_pb_string(h.name)}")
+        out.append(f"  address: {_pb_string(h.address)}")
+        out.append(f"  port: {h.port}")
+        for g in topology.groups:
+            if g.host != h.name:
+                continue
+            fields = [f"type: {_pb_string(g.device_type)}", f"kind: {g.tf_device_type}", f"count: {len(g.devices)}",
+                      f"memory_gib: {g.memory_bytes / GIB!r}", f"peak_tflops: {g.peak_flops / TFLOPS!r}",
+                      f"memory_bandwidth_gbs: {g.memory_bandwidth / GBYTES_PER_S!r}"]
+            fields += [f"peak_{prec}_tflops: {peak / TFLOPS!r}" for prec, peak in g.declared_peaks]
+            out.append("  device { " + " ".join(fields) + " }")
+        if h.name in kinds:
+            out.append(f"  interconnect {{ kind: {kinds[h.name]} bandwidth_gbs: {h.intra_bandwidth / GBYTES_PER_S!r} "
+                       f"latency_us: {h.intra_latency / MICROSECOND!r} }}")
+        out.append("}")
+    for link in topology.extra.get("links", []):
+        out.append(f"link {{ a: {_pb_string(link['a'])} b: {_pb_string(link['b'])} bandwidth_gbps: "
+                   f"{link['bandwidth'] / GBITS_PER_S!r} latency_us: {link['latency'] / MICROSECOND!r} }}")
+    fabric = topology.extra.get("fabric")
+    if fabric:
+        out.append(f"fabric {{ bandwidth_gbps: {fabric['bandwidth'] / GBITS_PER_S!r} "
+                   f"latency_us: {fabric['latency'] / MICROSECOND!r} }}")
+    return "\n".join(out) + "\n"
+
+
+def _pb_string(value: Any) -> str:
+    """VALUE as a protobuf text-format string literal."""
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
 def _read_text(path: str) -> str:
     from tag.files import read_input_file
     data = read_input_file(path, what="topology file", limit=MAX_FILE_BYTES, error=TopologyError)

@@ -75,19 +75,28 @@ class RewriteResult:
     notes: list[str] = field(default_factory=list)
     replicas: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     topology: "Topology | None" = field(default=None, repr=False)
-    _programs: dict = field(default_factory=dict, repr=False)
+    _programs: dict = field(default_factory=dict, repr=False)      # cache: "programs", "fingerprint"
 
     def copies(self, variable: str) -> list[str]:
         """Names of the copies of VARIABLE (one per replica for allreduce groups)."""
         return list(self.variables[variable])
 
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the rewritten step: hosts running programs cut from different rewrites tell them apart."""
+        if "fingerprint" not in self._programs:
+            import hashlib
+            self._programs["fingerprint"] = hashlib.sha256(
+                self.graph_def.SerializeToString(deterministic=True)).hexdigest()
+        return self._programs["fingerprint"]
+
     def programs(self) -> "dict[str, HostProgram]":
         """Every host's program (``tag.backend.rewrite.programs``), host name -> HostProgram (cut on first use)."""
-        if not self._programs:
+        if "programs" not in self._programs:
             if self.topology is None:
                 raise RewriteError("this rewrite result has no topology to cut host programs for")
-            self._programs.update(split_programs(self, self.topology))
-        return dict(self._programs)
+            self._programs["programs"] = split_programs(self, self.topology)
+        return dict(self._programs["programs"])
 
     def program(self, host: "str | int") -> "HostProgram":
         """The program of HOST (a host name or task index); RewriteError for a host the topology lacks."""

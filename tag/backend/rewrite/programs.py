@@ -104,6 +104,39 @@ class HostProgram:
     def nodes(self) -> int:
         return len(self.graph_def.node)
 
+    def to_files(self, directory: str) -> tuple[str, str]:
+        """Write the program as DIRECTORY/<host>.pb (its GraphDef) and <host>.json (the rest, plain data);
+        returns both paths (``HostProgram.from_files`` reads them)."""
+        import base64
+        import json
+        import os
+        graph_path = os.path.join(directory, f"{self.host}.pb")
+        meta_path = os.path.join(directory, f"{self.host}.json")
+        with open(graph_path, "wb") as f:
+            f.write(self.graph_def.SerializeToString(deterministic=True))
+        meta = {"host": self.host, "task": self.task, "step_op": self.step_op, "init_op": self.init_op,
+                "loss": self.loss, "inputs": [vars(i) for i in self.inputs], "variables": self.variables,
+                "primary": {v: [c, d, t, base64.b64encode(n).decode()] for v, (c, d, t, n) in self.primary.items()},
+                "sends": self.sends, "receives": self.receives, "cpu": self.cpu}
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+        return graph_path, meta_path
+
+    @classmethod
+    def from_files(cls, graph_path: str, meta_path: str) -> "HostProgram":
+        """The program ``to_files`` wrote."""
+        import base64
+        import json
+        with open(meta_path) as f:
+            meta = json.load(f)
+        gd = graph_pb2.GraphDef()
+        with open(graph_path, "rb") as f:
+            gd.ParseFromString(f.read())
+        return cls(meta["host"], int(meta["task"]), gd, meta["step_op"], meta["init_op"], meta["loss"],
+                   [HostInput(**i) for i in meta["inputs"]], {k: list(v) for k, v in meta["variables"].items()},
+                   {v: (c, d, int(t), base64.b64decode(n)) for v, (c, d, t, n) in meta["primary"].items()},
+                   int(meta["sends"]), int(meta["receives"]), meta["cpu"])
+
 
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]

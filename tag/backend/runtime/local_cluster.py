@@ -33,6 +33,7 @@ from tag.backend.runtime.ports import is_loopback, port_bindable, port_listening
 from tag.backend.runtime.server import READY_WORD
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tag.backend.runtime.host_process import HostLaunch
     from tag.backend.runtime.steps import RunResult
     from tag.cluster.topology import Host, Topology
 
@@ -218,6 +219,16 @@ class LocalCluster:
             if self._logdir is not None:
                 self._logdir.cleanup()
                 self._logdir = None
+
+    def host_launch(self, host_name: str) -> "HostLaunch":
+        """How to start a process on host HOST_NAME as its worker was started (launcher prefix, environment),
+        and that host's server target."""
+        from tag.backend.runtime.host_process import HostLaunch
+        host = next((h for h in self.topology.hosts if h.name == host_name), None)
+        if host is None:
+            raise ClusterError(f"host {host_name!r} is not in topology {self.topology.name!r}")
+        prefix = tuple(self.launcher(host)) if self.launcher is not None else ()
+        return HostLaunch(prefix, self._host_env(host), f"grpc://{host.address}:{host.port}")
 
     def run_one_device(self, graph_def: Any, **run: Any) -> "RunResult":
         """Run GRAPH_DEF, placed on one device, as a process of its own on that device's host

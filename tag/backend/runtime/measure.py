@@ -27,11 +27,14 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import numpy as np
+
 from tag.backend.runtime.guard import RunControl, RunEvent
 from tag.backend.runtime.health import HOST_TIMEOUT_S, HostProbe, wait_for_hosts
 from tag.backend.runtime.local_cluster import LocalCluster
 from tag.backend.runtime.ports import is_loopback
-from tag.backend.runtime.steps import RunResult, run_steps
+from tag.backend.runtime.steps import RunResult
+from tag.errors import RunError, TagError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.cluster.topology import Topology
@@ -41,23 +44,84 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A cluster ready for runs: its session target, the watchdog naming a dead worker or host, and (local
-    workers) ``LocalCluster.run_one_device``, which runs a one-device graph on its host with no server."""
+    """A cluster ready for runs: its session target (task 0), the watchdog naming a dead worker or host, every
+    host's server target by name, and (local workers) how to start a process on each host (``LocalCluster``'s
+    ``host_launch``) and ``run_one_device``, which runs a one-device graph on its host with no server."""
 
     target: str
     watchdog: Callable[[], str | None]
     one_device: Callable[..., RunResult] | None = None
+    targets: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    host_launch: Callable[[str], Any] | None = None
 
 
-def run_on(cluster: Any, graph_def: Any, *, control: RunControl | None = None, **run: Any) -> RunResult:
-    """``run_steps`` of GRAPH_DEF on synthetic batches on CLUSTER (a ``Cluster``, ``LocalCluster`` or running
-    ``Testbed``): a graph placed on one device as a process of its own on its host when the cluster can start one
-    (``one_device``), else through the cluster's servers. RUN: train_op, loss, init, steps, warmup."""
+def run_on(cluster: Any, rewritten: Any, *, control: RunControl | None = None, steps: int = 20, warmup: int = 3,
+           seed: int = 0) -> RunResult:
+    """STEPS steps of the rewritten step REWRITTEN (a ``RewriteResult``, or a Plan: its graph and its host programs) on
+    synthetic batches on CLUSTER (a ``Cluster``, ``LocalCluster`` or running ``Testbed``). A graph placed on one
+    device runs as a process of its own on its host when the cluster can start one (``one_device``); otherwise
+    every host runs its own program (``tag.backend.runtime.host_run``): in a process on the host when the cluster
+    can start one there, else in a thread here with a session on that host's server (remote hosts)."""
     from tag.backend.runtime.one_device import runs_alone
+    rewritten = getattr(rewritten, "rewritten", rewritten)      # a Plan: its rewrite
+    if steps < 1:
+        raise TagError(f"steps must be >= 1, got {steps}")
+    if not 0 <= warmup < steps:
+        raise TagError(f"warmup must be in [0, steps) = [0, {steps}), got {warmup}")
     one_device = one_device_runner(cluster)
-    if one_device is not None and runs_alone(graph_def, control):
-        return one_device(graph_def, control=control, **run)
-    return run_steps(graph_def, cluster.target, synthetic=True, control=control, **run)
+    if one_device is not None and runs_alone(rewritten.graph_def, control):
+        return one_device(rewritten.graph_def, control=control, train_op=rewritten.train_op, loss=rewritten.loss,
+                          init=rewritten.init, steps=steps, warmup=warmup, seed=seed)
+    return run_programs(cluster, rewritten.programs(), fingerprint=rewritten.fingerprint, control=control,
+                        steps=steps, warmup=warmup, seed=seed)
+
+
+def run_programs(cluster: Any, programs: Mapping[str, Any], *, fingerprint: str, control: RunControl | None = None,
+                 steps: int = 20, warmup: int = 3, seed: int = 0) -> RunResult:
+    """Every host's program of PROGRAMS (host name -> ``HostProgram``) for STEPS steps on synthetic batches on
+    CLUSTER, merged into one RunResult (a step's time is its slowest host's; the loss is the chief's)."""
+    from tag.backend.runtime.host_process import run_in_processes
+    from tag.backend.runtime.host_run import RunSpec
+    from tag.backend.runtime.host_threads import run_in_threads
+    ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
+    spec = RunSpec.new(programs, fingerprint=fingerprint, steps=steps, warmup=warmup, seed=seed,
+                       **({"join_timeout_s": ctl.setup_timeout_s} if ctl.setup_timeout_s else {}))
+    launch = host_launcher(cluster)
+    if launch is not None:
+        results = run_in_processes(programs, {name: launch(name) for name in programs}, spec, control=ctl)
+    else:
+        results = run_in_threads(programs, cluster_targets(cluster), spec, control=ctl)
+    return merged_result(results, spec)
+
+
+def merged_result(results: Mapping[str, Any], spec: Any) -> RunResult:
+    """One RunResult of every host's HostResult: a step's time is its slowest host's, the losses the chief's."""
+    chief = next(name for task, name in spec.hosts if task == spec.chief)
+    count = min(len(r.step_times) for r in results.values())
+    times = [max(r.step_times[k] for r in results.values()) for k in range(count)]
+    skip = min(spec.warmup, max(0, count - 1))
+    mean = float(np.mean(times[skip:])) if times else float("nan")
+    return RunResult(mean, times, list(results[chief].losses), skip, start_step=results[chief].start_step)
+
+
+def host_launcher(cluster: Any) -> Callable[[str], Any] | None:
+    """CLUSTER's way to start a process on one of its hosts (``LocalCluster.host_launch``), or None (remote)."""
+    for obj in (cluster, getattr(cluster, "cluster", None)):
+        fn = getattr(obj, "host_launch", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def cluster_targets(cluster: Any) -> dict[str, str]:
+    """Host name -> its server target ("grpc://addr:port") of CLUSTER."""
+    targets = dict(getattr(cluster, "targets", None) or {})
+    topology = getattr(cluster, "topology", None)
+    if not targets and topology is not None:
+        targets = {h.name: f"grpc://{h.address}:{h.port}" for h in topology.hosts}
+    if not targets:
+        raise RunError("this cluster names no host targets: run the plan through open_cluster or a LocalCluster")
+    return targets
 
 
 def one_device_runner(cluster: Any) -> Callable[..., RunResult] | None:
@@ -79,16 +143,21 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
     if all(is_loopback(h.address) for h in topology.hosts):
         say(f"starting {len(topology.hosts)} local TF workers")
         with LocalCluster(topology) as local:
-            yield Cluster(local.target, local.dead_worker, local.run_one_device)
+            yield Cluster(local.target, local.dead_worker, local.run_one_device, _targets(topology),
+                          local.host_launch)
         return
     say(f"checking that the {len(topology.hosts)} hosts answer")
     wait_for_hosts(topology.hosts, timeout_s=host_timeout_s)
     first = min(topology.hosts, key=lambda h: h.task_index)
     probe = HostProbe(topology.hosts)
     try:
-        yield Cluster(f"grpc://{first.address}:{first.port}", probe.dead_host)
+        yield Cluster(f"grpc://{first.address}:{first.port}", probe.dead_host, targets=_targets(topology))
     finally:
         probe.stop()
+
+
+def _targets(topology: "Topology") -> dict[str, str]:
+    return {h.name: f"grpc://{h.address}:{h.port}" for h in topology.hosts}
 
 
 def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topology",
@@ -125,8 +194,7 @@ def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topolo
             if progress is not None:
                 ctl.progress = (lambda n: (lambda ev: progress(n, ev)))(name)
             n = int((steps_of or {}).get(name, steps))
-            out[name] = run_on(on, plan.graph_def, train_op=plan.train_op, loss=plan.loss, init=plan.init,
-                               steps=n, warmup=min(warmup, n - 1), control=ctl)
+            out[name] = run_on(on, plan, steps=n, warmup=min(warmup, n - 1), control=ctl)
         return out
 
     if cluster is not None:

@@ -1,0 +1,244 @@
+"""Every host's program in a process of its own on that host, beside its TF server: how a plan runs.
+
+``run_in_processes`` starts one child per host (``python -m tag.backend.runtime.host_process``) the way that
+host's worker was started (``LocalCluster``: same launcher -- a testbed host's namespace and cgroup -- and
+environment). Each child loads its host's program and runs ``run_host`` in a session on its host's server;
+the hosts meet in collectives, not through this process. The children stream their progress as JSON lines;
+this process merges them (step K is done when every host has done it: its time is the slowest host's, its
+loss the one host's that computes the loss) and relays them to the run's progress callback.
+
+Every wait is bounded: a child that exits without a result, a worker the cluster's watchdog reports dead, or
+no event from any host within the run's deadline stops every child and raises one ``RunError`` naming the
+host.
+
+Example::
+
+    from tag.backend.runtime.host_process import HostLaunch, run_in_processes
+
+    launches = {name: HostLaunch(prefix=[], env=None, target=f"grpc://127.0.0.1:{port}") for name, port in ...}
+    results = run_in_processes(programs, launches, spec, control=control)     # {host: HostResult}
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from tag.backend.runtime.guard import RunControl, RunEvent
+from tag.backend.runtime.host_run import HostResult, RunSpec
+from tag.errors import RunError, TagError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tag.backend.rewrite.programs import HostProgram
+
+START_ALLOWANCE_S = 120.0   # a child's Python and TensorFlow start before its first event
+NO_DEADLINE_S = 3600.0      # the longest wait for the next event when the control sets no deadline
+CONTROL_FIELDS = ("step_timeout_s", "setup_timeout_s", "checkpoint_every", "checkpoint_path", "checkpoint_meta",
+                  "resume_from")   # what a child's RunControl carries over (plain data)
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    """How to start a process on one host: the argv PREFIX (a testbed host's namespace and cgroup; empty here),
+    its ENV (None: this process's) and TARGET, the host's own server ("grpc://addr:port")."""
+
+    prefix: tuple[str, ...]
+    env: Mapping[str, str] | None
+    target: str
+
+
+def run_in_processes(programs: Mapping[str, "HostProgram"], launches: Mapping[str, HostLaunch], spec: RunSpec, *,
+                     control: RunControl | None = None, config: Any = None) -> dict[str, HostResult]:
+    """``run_host`` of each program of PROGRAMS (host name -> program) in a child process started per
+    LAUNCHES[host] (module docstring); {host: HostResult}. CONFIG: the children's session ConfigProto (its
+    thread counts), as text-format protobuf; None: ``session_config()``."""
+    ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
+    with tempfile.TemporaryDirectory(prefix="tag-hosts-") as tmp:
+        children: dict[str, subprocess.Popen] = {}
+        errs: dict[str, Any] = {}
+        try:
+            for name, program in programs.items():
+                children[name], errs[name] = _start(name, program, launches[name], spec, ctl, config, tmp)
+            return _follow(children, errs, spec, ctl)
+        finally:
+            for proc in children.values():
+                _stop(proc)
+            for f in errs.values():
+                f.close()
+
+
+def _start(name: str, program: "HostProgram", launch: HostLaunch, spec: RunSpec, ctl: RunControl, config: Any,
+           tmp: str) -> tuple[subprocess.Popen, Any]:
+    """Start NAME's child; (its process, its stderr file)."""
+    from google.protobuf import text_format
+    graph_path, meta_path = program.to_files(tmp)
+    child_spec = {"graph": graph_path, "program": meta_path, "target": launch.target, "run": dataclasses.asdict(spec),
+                  "control": {k: getattr(ctl, k) for k in CONTROL_FIELDS},
+                  "config": text_format.MessageToString(config) if config is not None else None}
+    spec_path = os.path.join(tmp, f"{name}.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(child_spec, f)
+    env = dict(os.environ if launch.env is None else launch.env)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    err = open(os.path.join(tmp, f"{name}.stderr"), "w+")
+    proc = subprocess.Popen([*launch.prefix, sys.executable, "-m", __name__, "--spec", spec_path],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
+                            start_new_session=True)
+    return proc, err
+
+
+class _Merge:
+    """Per-host step events merged into one stream: step K once every host did it."""
+
+    def __init__(self, hosts: Sequence[str], spec: RunSpec, ctl: RunControl):
+        self.ctl = ctl
+        self.spec = spec
+        self.chief = next(name for task, name in spec.hosts if task == spec.chief)
+        self.times: dict[str, dict[int, float]] = {h: {} for h in hosts}
+        self.loss: dict[int, float | None] = {}
+        self.emitted = 0
+
+    def event(self, host: str, ev: RunEvent) -> None:
+        if ev.kind != "step":
+            if host == self.chief:
+                self.ctl.emit(ev)
+            return
+        self.times[host][ev.step] = ev.step_time_s
+        if ev.loss is not None:
+            self.loss[ev.step] = ev.loss
+        if not self.emitted:
+            self.emitted = ev.step - 1          # every host starts at the same step (a resumed run: later)
+        while all(self.emitted + 1 in t for t in self.times.values()):
+            k = self.emitted + 1
+            self.ctl.emit(RunEvent("step", step=k, steps=ev.steps,
+                                   step_time_s=max(t[k] for t in self.times.values()), loss=self.loss.get(k)))
+            self.emitted = k
+
+
+def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: RunSpec,
+            ctl: RunControl) -> dict[str, HostResult]:
+    """Relay and merge the children's events until each has given its result; RunError when one fails."""
+    lines: queue.Queue = queue.Queue()
+
+    def read(name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            lines.put((name, line))
+        lines.put((name, None))
+
+    for name, proc in children.items():
+        threading.Thread(target=read, args=(name, proc), daemon=True, name=f"tag-host-reader-{name}").start()
+    merge = _Merge(list(children), spec, ctl)
+    results: dict[str, HostResult] = {}
+    wait_s = max(ctl.setup_timeout_s or NO_DEADLINE_S, START_ALLOWANCE_S, spec.join_timeout_s)
+    poll_s = max(ctl.poll_s, 0.2)
+    waited = 0.0
+    while len(results) < len(children):
+        try:
+            name, line = lines.get(timeout=poll_s)
+        except queue.Empty:
+            waited += poll_s
+            msg = ctl.watchdog() if ctl.watchdog is not None else None
+            if msg:
+                raise RunError(msg)
+            if waited > wait_s:
+                raise RunError(f"no host sent anything for {wait_s:.0f} s (a step or its set-up past its deadline); "
+                               f"stopped every host")
+            continue
+        waited = 0.0
+        if line is None:
+            if name in results:
+                continue
+            proc = children[name]
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            msg = ctl.watchdog() if ctl.watchdog is not None else None
+            raise RunError(msg or f"host {name}'s program exited (rc {proc.returncode}) without a result: "
+                                  f"{_tail(errs[name])}")
+        if not line.startswith("{"):
+            continue
+        msg = json.loads(line)
+        if "event" in msg:
+            event = RunEvent(**msg["event"])
+            merge.event(name, event)
+            wait_s = (ctl.step_timeout_s if event.kind == "step" else ctl.setup_timeout_s) or NO_DEADLINE_S
+            wait_s = max(wait_s, spec.join_timeout_s if event.kind == "phase" else 0.0)
+        elif "error" in msg:
+            raise (TagError if msg.get("kind") == "TagError" else RunError)(msg["error"])
+        elif "result" in msg:
+            r = msg["result"]
+            results[name] = HostResult(name, r["step_times"], r["losses"], r["start_step"], r["checkpoints"])
+    return results
+
+
+def _tail(err: Any) -> str:
+    err.flush()
+    err.seek(0)
+    lines = [ln.strip() for ln in err.read().splitlines() if ln.strip() and "cuInit" not in ln and "cuda" not in ln]
+    return " ".join(lines[-3:])[-800:] or "(no output)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the child's process group if it still runs, and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def _child(spec_path: str) -> int:
+    """Run one host's program as the spec says, printing its events and result as JSON lines."""
+    def say(msg: dict) -> None:
+        print(json.dumps(msg), flush=True)
+
+    try:
+        with open(spec_path) as f:
+            spec = json.load(f)
+        from google.protobuf import text_format
+
+        from tag.backend.rewrite.programs import HostProgram
+        from tag.backend.runtime.cluster_spec import import_tf, session_config
+        from tag.backend.runtime.host_run import run_host
+        tf = import_tf()
+        program = HostProgram.from_files(spec["graph"], spec["program"])
+        run = dict(spec["run"])
+        run["hosts"] = tuple(tuple(h) for h in run["hosts"])
+        ctl = RunControl(**spec["control"])
+        ctl.progress = lambda ev: say({"event": vars(ev)})
+        config = session_config()
+        if spec.get("config"):
+            config = text_format.Parse(spec["config"], tf.compat.v1.ConfigProto())
+        result = run_host(program, spec["target"], RunSpec(**run), control=ctl, config=config)
+    except (TagError, RunError) as e:
+        say({"error": str(e), "kind": "RunError" if isinstance(e, RunError) else "TagError"})
+        return 2
+    say({"result": {"step_times": result.step_times, "losses": result.losses, "start_step": result.start_step,
+                    "checkpoints": result.checkpoints}})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="run one host's program of a tag run (started by run_in_processes)")
+    p.add_argument("--spec", required=True, help="the JSON spec run_in_processes wrote")
+    return _child(p.parse_args(argv).spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
