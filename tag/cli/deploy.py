@@ -300,7 +300,7 @@ def _body(argv: Sequence[str]) -> int:
     if report_text is not None:
         write_atomic(args.report, report_text)
     if args.tensorboard:
-        write_tensorboard_dir(args, analysis, strategy, plan.graph_def, run_metadata)
+        write_tensorboard_dir(args, analysis, strategy, plan.rewritten.graph_def, run_metadata)
     print(format_table(report, args.model))
     for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace),
                        ("tensorboard", args.tensorboard)):

@@ -51,17 +51,16 @@ def load_dataset_fn(spec: str) -> Callable[[Any], Any]:
 def train_on_input(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, cluster: Any,
                    control: Any, checkpoint_dir: str | None, meta: dict) -> dict[str, Any]:
     """Rewrite STRATEGY and train it for ``--steps`` on ``--input``'s data sets; the report's keys."""
-    from tag.backend.runtime.training import train_graph
+    from tag.backend.runtime.training import train_programs
     dataset_fn = load_dataset_fn(args.input)
     res = analysis.rewrite(strategy)
 
     show_bar = sys.stderr.isatty()
-    result = train_graph(res.graph_def, cluster.target, dataset_fn, inputs=res.inputs, batch_size=analysis.batch,
-                         steps=args.steps, train_op=res.train_op, loss=res.loss, init=res.init,
-                         checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
-                         resume=bool(args.resume), logdir=args.tensorboard,
-                         progress=True if show_bar else _every_step_line(name), control=control,
-                         checkpoint_meta=meta)
+    result = train_programs(res.programs(), cluster, dataset_fn, fingerprint=res.fingerprint, inputs=res.inputs,
+                            batch_size=analysis.batch, steps=args.steps, checkpoint_dir=checkpoint_dir,
+                            checkpoint_every=args.checkpoint_every or 0, resume=bool(args.resume),
+                            logdir=args.tensorboard, progress=True if show_bar else _every_step_line(name),
+                            control=control, checkpoint_meta=meta)
     losses = result.losses
     print(f"{PROG}: {name}: trained to step {result.steps_done}" +
           (" (the data set ended first)" if result.ended_early else "") +

@@ -98,7 +98,9 @@ class HostProgram:
     primary: dict[str, tuple[str, str, int, bytes]] = field(default_factory=dict)
     sends: int = 0
     receives: int = 0
-    cpu: str = ""             # the host's CPU device, where its queues and its NoOps live
+    cpu: str = ""             # the host's CPU device, where its exchanges and its NoOps live
+    input_init: str | None = None   # with an input pipeline attached: the op that starts it (run after init_op)
+    pull: str | None = None         # ... and the tensor that reads the next batch (0 once some data set ended)
 
     @property
     def nodes(self) -> int:
@@ -117,7 +119,8 @@ class HostProgram:
         meta = {"host": self.host, "task": self.task, "step_op": self.step_op, "init_op": self.init_op,
                 "loss": self.loss, "inputs": [vars(i) for i in self.inputs], "variables": self.variables,
                 "primary": {v: [c, d, t, base64.b64encode(n).decode()] for v, (c, d, t, n) in self.primary.items()},
-                "sends": self.sends, "receives": self.receives, "cpu": self.cpu}
+                "sends": self.sends, "receives": self.receives, "cpu": self.cpu, "input_init": self.input_init,
+                "pull": self.pull}
         with open(meta_path, "w") as f:
             json.dump(meta, f)
         return graph_path, meta_path
@@ -135,7 +138,7 @@ class HostProgram:
         return cls(meta["host"], int(meta["task"]), gd, meta["step_op"], meta["init_op"], meta["loss"],
                    [HostInput(**i) for i in meta["inputs"]], {k: list(v) for k, v in meta["variables"].items()},
                    {v: (c, d, int(t), base64.b64decode(n)) for v, (c, d, t, n) in meta["primary"].items()},
-                   int(meta["sends"]), int(meta["receives"]), meta["cpu"])
+                   int(meta["sends"]), int(meta["receives"]), meta["cpu"], meta.get("input_init"), meta.get("pull"))
 
 
 def _digest(text: str) -> str:
@@ -237,12 +240,19 @@ class _Splitter:
         for n in self.gd.node:
             for i in n.input:
                 self.consumers.setdefault(split_tensor(i.lstrip("^"))[0], []).append(n.name)
-        roots_step = [result.train_op] + ([split_tensor(result.loss)[0]] if result.loss else [])
-        self.step_set = self._ancestors(roots_step)
-        self.init_set = self._ancestors([result.init]) if result.init else set()
+        self.data_consumers: dict[str, list[str]] = {}   # node -> nodes reading one of its outputs
+        for n in self.gd.node:
+            for i in n.input:
+                if not i.startswith("^"):
+                    self.data_consumers.setdefault(split_tensor(i)[0], []).append(n.name)
+        self.roots_step = [result.train_op] + ([split_tensor(result.loss)[0]] if result.loss else [])
+        self.roots_init = [result.init] if result.init else []
+        self.step_set = self._ancestors(self.roots_step)
+        self.init_set = self._ancestors(self.roots_init)
         self.terminal = self._terminal_noops({result.train_op} | ({result.init} if result.init else set()))
         self.dtypes, self.shapes = self._tensor_types()
         self.frame = self._frames()
+        self.moved: dict[str, str] = {}                 # batch input moved to its first one's host -> its device
 
     def _frames(self) -> dict[str, str]:
         """Node -> the TF1 while-loop frame it runs in ("" outside loops): an ``Enter`` opens its frame_name
@@ -278,7 +288,8 @@ class _Splitter:
         return f.rsplit("/", 1)[0] if self.nodes[n].op in ("Enter", "RefEnter") else f
 
     # -------------------------------------------------------------------------------- analysis
-    def _ancestors(self, roots: Iterable[str]) -> set[str]:
+    def _ancestors(self, roots: Iterable[str], stop: set[str] = frozenset()) -> set[str]:
+        """ROOTS and every node they depend on (data or control), not looking past the nodes of STOP."""
         seen: set[str] = set()
         stack = [r for r in roots if r in self.nodes]
         while stack:
@@ -286,6 +297,8 @@ class _Splitter:
             if n in seen:
                 continue
             seen.add(n)
+            if n in stop:
+                continue
             for i in self.nodes[n].input:
                 p = split_tensor(i.lstrip("^"))[0]
                 if p not in seen:
@@ -346,35 +359,51 @@ class _Splitter:
         return ok
 
     # -------------------------------------------------------------------------------- inputs
-    def _input_slices(self) -> tuple[dict[str, list[HostInput]], dict[str, set[int]]]:
-        """(host task -> its HostInputs, replaced node -> tasks that read it as an input of their own).
+    def _input_slices(self) -> tuple[dict[int, list[HostInput]], set[str]]:
+        """(host task -> its HostInputs, the nodes they replace).
 
-        Every ``tag/slice/`` of a batch input read on a host becomes that host's placeholder; a batch input
-        read whole on a host becomes a placeholder there too."""
+        Every ``tag/slice/`` of a batch input read on a host becomes that host's placeholder, and a batch input
+        read whole on a host a placeholder there, when the hosts read apart examples (each host's range of the
+        batch overlaps no other's): then each host reads, synthesises or is fed its own examples. Otherwise
+        (a host that also reads another's examples) the batch inputs stay whole on their own host, which sends
+        the others their examples, as one graph would."""
         inputs = [n for n in self.result.inputs if n in self.nodes and self.nodes[n].op in ("Placeholder",
                                                                                             "PlaceholderV2")]
-        per_task: dict[int, list[HostInput]] = {}
-        replaced: dict[str, set[int]] = {}
+        needed = self.step_set | self.init_set
+        reads: list[tuple[int, HostInput]] = []            # (task, what it reads)
         for src in inputs:
-            for c in self.consumers.get(src, []):
+            whole = set()
+            for c in self.data_consumers.get(src, []):
                 node = self.nodes[c]
-                if node.op == "StridedSlice" and c.startswith(_SLICE_PREFIX) and node.input[0] == src:
-                    bounds = self._slice_bounds(node)
-                    if bounds is None:
-                        continue
-                    readers = {self.task[r] for r in self.consumers.get(c, [])
-                               if r in self.step_set or r in self.init_set}
-                    ax, lo, hi = bounds
-                    for t in readers:
-                        per_task.setdefault(t, []).append(HostInput(c, src, lo, hi, ax))
-                    replaced[c] = readers
-            direct = {self.task[c] for c in self.consumers.get(src, [])
-                      if not (self.nodes[c].op == "StridedSlice" and c in replaced)
-                      and (c in self.step_set or c in self.init_set)}
-            for t in direct:
-                per_task.setdefault(t, []).append(HostInput(src, src, 0, self.result.batch_size, 0))
-            replaced[src] = direct
-        return per_task, replaced
+                bounds = self._slice_bounds(node) if node.op == "StridedSlice" and c.startswith(_SLICE_PREFIX) \
+                    and node.input[0] == src else None
+                if bounds is None:
+                    if c in needed:
+                        whole.add(self.task[c])
+                    continue
+                ax, lo, hi = bounds
+                for t in {self.task[r] for r in self.data_consumers.get(c, []) if r in needed}:
+                    reads.append((t, HostInput(c, src, lo, hi, ax)))
+            reads += [(t, HostInput(src, src, 0, self.result.batch_size, 0)) for t in whole]
+        hull: dict[int, tuple[int, int]] = {}
+        for t, r in reads:
+            lo, hi = hull.get(t, (r.lo, r.hi))
+            hull[t] = (min(lo, r.lo), max(hi, r.hi))
+        spans = sorted(hull.values())
+        apart = all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(r.axis == 0 for _, r in reads)
+        if not apart or len(hull) < 2:      # every batch input on the first one's host: one pipeline feeds them all
+            home = self.task[inputs[0]] if inputs else min(self.hosts)
+            for src in inputs:
+                if self.task[src] != home:
+                    self.task[src] = home
+                    self.moved[src] = host_cpu(home)
+            return {home: [HostInput(src, src, 0, self.result.batch_size, 0) for src in inputs]} if inputs else {}, \
+                set()
+        per_task: dict[int, list[HostInput]] = {}
+        for t, r in reads:
+            if r not in per_task.setdefault(t, []):
+                per_task[t].append(r)
+        return per_task, {r.name for _, r in reads}
 
     def _slice_bounds(self, node: node_def_pb2.NodeDef) -> tuple[int, int, int] | None:
         """(axis, begin, end) of a batch slice with Const bounds, else None."""
@@ -388,6 +417,9 @@ class _Splitter:
     # -------------------------------------------------------------------------------- build
     def run(self) -> dict[str, HostProgram]:
         host_inputs, replaced = self._input_slices()
+        if replaced:        # what only the replaced slices read (their bounds, a whole batch) is no longer needed
+            self.step_set = self._ancestors(self.roots_step, stop=replaced)
+            self.init_set = self._ancestors(self.roots_init, stop=replaced)
         needed = self.step_set | self.init_set
         own: dict[int, list[str]] = {t: [] for t in self.hosts}
         for n in self.gd.node:                                 # graph order kept
@@ -396,15 +428,15 @@ class _Splitter:
         builders = {t: _ProgramBuilder(self, t) for t in self.hosts}
         for t, inputs in host_inputs.items():
             for hi in inputs:
-                builders[t].add_input(hi)
+                if hi.name in replaced:
+                    builders[t].add_input(hi)
+                else:
+                    builders[t].inputs.append(hi)      # the original placeholder, kept on its own host
         clone_memo: dict[str, bool] = {}
         for t, names in own.items():
             for n in names:
                 builders[t].add_own(n, replaced, clone_memo, builders)
-        programs = {}
-        for t, b in builders.items():
-            programs[self.hosts[t]] = b.finish()
-        return programs
+        return {self.hosts[t]: b.finish() for t, b in builders.items()}
 
 
 class _ProgramBuilder:
@@ -437,7 +469,7 @@ class _ProgramBuilder:
         if hi.name in self.out:
             return
         s = self.s
-        readers = [r for r in s.consumers.get(hi.name, []) if s.task[r] == self.task]
+        readers = [r for r in s.data_consumers.get(hi.name, []) if s.task[r] == self.task]
         device = s.nodes[readers[0]].device if readers else self.cpu
         shape = s.shapes.get(tensor_name(hi.name, 0))
         node = node_def_pb2.NodeDef(name=hi.name, op="Placeholder", device=device)
@@ -451,7 +483,7 @@ class _ProgramBuilder:
         self._put(node, step or not init, init)
         self.inputs.append(hi)
 
-    def add_own(self, n: str, replaced: dict[str, set[int]], clone_memo: dict[str, bool],
+    def add_own(self, n: str, replaced: set[str], clone_memo: dict[str, bool],
                 builders: dict[int, "_ProgramBuilder"]) -> None:
         """Node N of this host, its inputs from other hosts resolved (received, cloned or reached by name)."""
         s = self.s
@@ -459,15 +491,14 @@ class _ProgramBuilder:
         step, init = n in s.step_set, n in s.init_set
         node = node_def_pb2.NodeDef()
         node.CopyFrom(orig)
+        node.device = s.moved.get(n, node.device)
         del node.input[:]
         for i in orig.input:
             control = i.startswith("^")
             p = split_tensor(i.lstrip("^"))[0]
             if p in replaced:
-                if control or self.task not in replaced[p]:
-                    if control:
-                        continue              # an ordering edge to a batch slice another host now reads itself
-                    raise RewriteError(f"op {n!r} reads batch input {p!r} on task {self.task}, which was cut away")
+                if control:
+                    continue                  # an ordering edge to a batch slice another host now reads itself
                 node.input.append(i)          # this host's own placeholder of that slice
                 continue
             if s.task[p] == self.task:

@@ -33,7 +33,8 @@ Watchdog = Callable[[], "str | None"]
 @dataclass
 class RunEvent:
     """One progress event of a run: ``kind`` is "phase" (TEXT says what starts), "step" (STEP of STEPS
-    done in STEP_TIME_S with LOSS) or "checkpoint" (TEXT is the path written at STEP)."""
+    done in STEP_TIME_S with LOSS), "checkpoint" (TEXT is the path written at STEP) or "weights" (TEXT is the
+    checkpoint of the weights at STEP written for an evaluation)."""
 
     kind: str
     text: str = ""

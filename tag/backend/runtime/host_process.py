@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 START_ALLOWANCE_S = 120.0   # a child's Python and TensorFlow start before its first event
 NO_DEADLINE_S = 3600.0      # the longest wait for the next event when the control sets no deadline
 CONTROL_FIELDS = ("step_timeout_s", "setup_timeout_s", "checkpoint_every", "checkpoint_path", "checkpoint_meta",
-                  "resume_from")   # what a child's RunControl carries over (plain data)
+                  "resume_from", "trace_step")   # what a child's RunControl carries over (plain data)
 
 
 @dataclass(frozen=True)
@@ -57,17 +57,24 @@ class HostLaunch:
 
 
 def run_in_processes(programs: Mapping[str, "HostProgram"], launches: Mapping[str, HostLaunch], spec: RunSpec, *,
-                     control: RunControl | None = None, config: Any = None) -> dict[str, HostResult]:
+                     control: RunControl | None = None, config: Any = None,
+                     constants: Mapping[str, Any] | None = None, eval_every: int = 0,
+                     eval_dir: str | None = None) -> dict[str, HostResult]:
     """``run_host`` of each program of PROGRAMS (host name -> program) in a child process started per
-    LAUNCHES[host] (module docstring); {host: HostResult}. CONFIG: the children's session ConfigProto (its
-    thread counts), as text-format protobuf; None: ``session_config()``."""
+    LAUNCHES[host] (module docstring); {host: HostResult}. CONFIG: the children's session ConfigProto (None:
+    ``session_config()``). CONSTANTS, EVAL_EVERY, EVAL_DIR: as ``run_host`` takes them."""
     ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
     with tempfile.TemporaryDirectory(prefix="tag-hosts-") as tmp:
         children: dict[str, subprocess.Popen] = {}
         errs: dict[str, Any] = {}
+        extra = {"eval_every": int(eval_every), "eval_dir": eval_dir, "constants": None}
+        if constants:
+            import numpy as np
+            extra["constants"] = os.path.join(tmp, "constants.npz")
+            np.savez(extra["constants"], **{k.split(":")[0]: np.asarray(v) for k, v in constants.items()})
         try:
             for name, program in programs.items():
-                children[name], errs[name] = _start(name, program, launches[name], spec, ctl, config, tmp)
+                children[name], errs[name] = _start(name, program, launches[name], spec, ctl, config, tmp, extra)
             return _follow(children, errs, spec, ctl)
         finally:
             for proc in children.values():
@@ -77,13 +84,13 @@ def run_in_processes(programs: Mapping[str, "HostProgram"], launches: Mapping[st
 
 
 def _start(name: str, program: "HostProgram", launch: HostLaunch, spec: RunSpec, ctl: RunControl, config: Any,
-           tmp: str) -> tuple[subprocess.Popen, Any]:
+           tmp: str, extra: dict) -> tuple[subprocess.Popen, Any]:
     """Start NAME's child; (its process, its stderr file)."""
     from google.protobuf import text_format
     graph_path, meta_path = program.to_files(tmp)
     child_spec = {"graph": graph_path, "program": meta_path, "target": launch.target, "run": dataclasses.asdict(spec),
                   "control": {k: getattr(ctl, k) for k in CONTROL_FIELDS},
-                  "config": text_format.MessageToString(config) if config is not None else None}
+                  "config": text_format.MessageToString(config) if config is not None else None, **extra}
     spec_path = os.path.join(tmp, f"{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(child_spec, f)
@@ -97,7 +104,7 @@ def _start(name: str, program: "HostProgram", launch: HostLaunch, spec: RunSpec,
     return proc, err
 
 
-class _Merge:
+class EventMerge:
     """Per-host step events merged into one stream: step K once every host did it."""
 
     def __init__(self, hosts: Sequence[str], spec: RunSpec, ctl: RunControl):
@@ -137,7 +144,7 @@ def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: R
 
     for name, proc in children.items():
         threading.Thread(target=read, args=(name, proc), daemon=True, name=f"tag-host-reader-{name}").start()
-    merge = _Merge(list(children), spec, ctl)
+    merge = EventMerge(list(children), spec, ctl)
     results: dict[str, HostResult] = {}
     wait_s = max(ctl.setup_timeout_s or NO_DEADLINE_S, START_ALLOWANCE_S, spec.join_timeout_s)
     poll_s = max(ctl.poll_s, 0.2)
@@ -175,11 +182,51 @@ def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: R
             wait_s = (ctl.step_timeout_s if event.kind == "step" else ctl.setup_timeout_s) or NO_DEADLINE_S
             wait_s = max(wait_s, spec.join_timeout_s if event.kind == "phase" else 0.0)
         elif "error" in msg:
-            raise (TagError if msg.get("kind") == "TagError" else RunError)(msg["error"])
+            errors = {name: msg}
+            _collect_errors(lines, errors, children)
+            kind, text = root_cause([(n, m["kind"], m["error"]) for n, m in errors.items()])
+            raise (TagError if kind == "TagError" else RunError)(text)
         elif "result" in msg:
             r = msg["result"]
-            results[name] = HostResult(name, r["step_times"], r["losses"], r["start_step"], r["checkpoints"])
+            traced = None
+            if r.get("run_metadata"):
+                with open(r["run_metadata"], "rb") as f:
+                    traced = f.read()
+            results[name] = HostResult(name, r["step_times"], r["losses"], r["start_step"], r["checkpoints"],
+                                       steps_done=r["steps_done"], ended_early=r["ended_early"], run_metadata=traced)
     return results
+
+
+ERROR_GRACE_S = 3.0     # after one host's error, how long to wait for the others' (to name the one that started it)
+_ECHOES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcast", "aborted", "Cancelled", "cancelled",
+           "failed (during", "RecvBuf")
+
+
+def _collect_errors(lines: queue.Queue, errors: dict, children: Mapping[str, subprocess.Popen]) -> None:
+    """More hosts' error messages from LINES for up to ERROR_GRACE_S (host name -> message), into ERRORS."""
+    import time
+    deadline = time.monotonic() + ERROR_GRACE_S
+    while len(errors) < len(children) and time.monotonic() < deadline:
+        try:
+            name, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            return
+        if line and line.startswith("{"):
+            msg = json.loads(line)
+            if "error" in msg:
+                errors.setdefault(name, msg)
+
+
+def root_cause(errors: Sequence[tuple[str, str, str]]) -> tuple[str, str]:
+    """(kind, message) of the error that started a failed run, from every host's (host, kind, message): a bad
+    input (TagError) first, then one that is not another host's collective or exchange giving up."""
+    for host, kind, text in errors:
+        if kind == "TagError":
+            return kind, text
+    for host, kind, text in errors:
+        if not any(e in text for e in _ECHOES):
+            return kind, text
+    return errors[0][1], errors[0][2]
 
 
 def _tail(err: Any) -> str:
@@ -203,11 +250,25 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the child
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process (in a daemon thread's poll) once PARENT is no longer its parent: a host program never
+    outlives the run that started it."""
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="tag-parent-watch").start()
+
+
 def _child(spec_path: str) -> int:
     """Run one host's program as the spec says, printing its events and result as JSON lines."""
     def say(msg: dict) -> None:
         print(json.dumps(msg), flush=True)
 
+    _exit_with_parent(os.getppid())
     try:
         with open(spec_path) as f:
             spec = json.load(f)
@@ -225,12 +286,24 @@ def _child(spec_path: str) -> int:
         config = session_config()
         if spec.get("config"):
             config = text_format.Parse(spec["config"], tf.compat.v1.ConfigProto())
-        result = run_host(program, spec["target"], RunSpec(**run), control=ctl, config=config)
+        constants = None
+        if spec.get("constants"):
+            import numpy as np
+            with np.load(spec["constants"], allow_pickle=False) as z:
+                constants = {k: z[k] for k in z.files}
+        result = run_host(program, spec["target"], RunSpec(**run), control=ctl, config=config, constants=constants,
+                          eval_every=spec.get("eval_every", 0), eval_dir=spec.get("eval_dir"))
     except (TagError, RunError) as e:
         say({"error": str(e), "kind": "RunError" if isinstance(e, RunError) else "TagError"})
         return 2
+    traced = None
+    if result.run_metadata is not None:
+        traced = spec_path + ".run_metadata.pb"
+        with open(traced, "wb") as f:
+            f.write(result.run_metadata)
     say({"result": {"step_times": result.step_times, "losses": result.losses, "start_step": result.start_step,
-                    "checkpoints": result.checkpoints}})
+                    "checkpoints": result.checkpoints, "steps_done": result.steps_done,
+                    "ended_early": result.ended_early, "run_metadata": traced}})
     return 0
 
 

@@ -97,6 +97,9 @@ class HostResult:
     start_step: int = 0
     checkpoints: list[str] = field(default_factory=list)
     values: list[dict[str, list[np.ndarray]]] = field(default_factory=list)
+    steps_done: int = 0
+    ended_early: bool = False
+    run_metadata: bytes | None = None     # the step ``RunControl.trace_step`` names, traced (a RunMetadata)
 
 
 def program_for_run(program: "HostProgram", spec: RunSpec) -> Any:
@@ -133,24 +136,39 @@ def _collectives(tf: Any, spec: RunSpec, my_cpu: str) -> tuple[Any, Any, Any]:
     return words, gather, barrier
 
 
-def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: RunControl | None = None,
-             feeds: FeedFn | None = None, config: Any = None, read_values: bool = False) -> HostResult:
-    """Run PROGRAM (this host's part of the plan) for SPEC's steps in a session on TARGET, this host's server
-    (module docstring). FEEDS(step) gives global batches by original input name (each host takes its own
-    examples); without it every input is a synthetic batch made on its device at start-up. CONTROL: deadlines,
-    watchdog, progress, checkpoints (the chief writes them; every host restores its own copies). READ_VALUES:
-    after every step, read every copy of this host's variables (``HostResult.values``, one dict a step)."""
-    tf = import_tf()
-    ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
-    chief = program.task == spec.chief
+@dataclass
+class _HostGraph:
+    """One host's program imported for a run, with the ops the run adds (handshake, barrier, checkpoints)."""
+
+    graph: Any
+    step_op: Any
+    init_op: Any
+    loss: Any                     # the global loss tensor (the host holding it) or None
+    words: Any                    # fingerprint placeholder, and the handshake that gathers every host's
+    gather: Any
+    barrier: Any
+    pull: Any                     # with an input pipeline: next batch, 0 once some host's data set ended
+    input_init: Any
+    synthetic_init: list
+    placeholders: dict            # HostInput name -> its placeholder (fed runs)
+    constants: dict               # placeholder tensor -> value fed every step
+    own: Any                      # Checkpointer of this host's copies (restore, values), or None
+    saver: Any                    # the chief's writer of checkpoints (original names), or None
+
+
+def _build(tf: Any, program: "HostProgram", spec: RunSpec, ctl: RunControl, *, fed: bool,
+           constants: Mapping[str, Any] | None, read_values: bool, chief_writes: bool) -> _HostGraph:
+    """Import PROGRAM for the run: synthetic batches for its placeholders unless FED or it has a pipeline (a
+    constant of CONSTANTS for those named there), the handshake and barrier, the chief's checkpoint reads."""
     graph = tf.Graph()
     gd = program_for_run(program, spec)
+    constants = dict(constants or {})
     input_map, synthetic_init = {}, []
-    if feeds is None:
+    if not fed and program.pull is None:
         with graph.as_default():
             tf.compat.v1.set_random_seed(spec.seed + program.task)
             for node in gd.node:
-                if node.op == "Placeholder" and any(i.name == node.name for i in program.inputs):
+                if node.op == "Placeholder" and node.name not in constants:
                     init, value = synthetic_input(node)
                     input_map[f"{node.name}:0"] = value
                     synthetic_init.append(init)
@@ -161,19 +179,49 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
             raise TagError(f"host {program.host}: its program does not import: "
                            f"{' '.join(str(err).split())[:300]}") from None
         words, gather, barrier = _collectives(tf, spec, program.cpu)
-        step_op = graph.get_operation_by_name(program.step_op)
-        init_op = graph.get_operation_by_name(program.init_op)
-        loss_t = graph.get_tensor_by_name(_tensor(program.loss)) if program.loss else None
         own = Checkpointer(graph, copies=program.variables) if (ctl.resume_from or read_values) else None
-        saver = _chief_reads(tf, graph, program, spec, ctl) if chief and ctl.checkpoint_every > 0 else None
-    placeholders = {i.name: graph.get_tensor_by_name(f"{i.name}:0") for i in program.inputs} if feeds else {}
+        saver = _chief_reads(tf, graph, program, spec) if chief_writes else None
+    names = {n.name for n in gd.node}
+    return _HostGraph(
+        graph, graph.get_operation_by_name(program.step_op), graph.get_operation_by_name(program.init_op),
+        graph.get_tensor_by_name(_tensor(program.loss)) if program.loss else None, words, gather, barrier,
+        graph.get_tensor_by_name(program.pull) if program.pull else None,
+        graph.get_operation_by_name(program.input_init) if program.input_init else None, synthetic_init,
+        {i.name: graph.get_tensor_by_name(f"{i.name}:0") for i in program.inputs} if fed else {},
+        {graph.get_tensor_by_name(_tensor(k)): v for k, v in constants.items() if k.split(":")[0] in names},
+        own, saver)
 
+
+def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: RunControl | None = None,
+             feeds: FeedFn | None = None, constants: Mapping[str, Any] | None = None, config: Any = None,
+             read_values: bool = False, eval_every: int = 0, eval_dir: str | None = None) -> HostResult:
+    """Run PROGRAM (this host's part of the plan) for SPEC's steps in a session on TARGET, this host's server
+    (module docstring).
+
+    Inputs: FEEDS(step) gives global batches by original input name (each host takes its own examples); a
+    program with an input pipeline (``attach_pipeline``) reads its own, and every host stops at the step where
+    one data set ended (``HostResult.ended_early``); otherwise every placeholder is a synthetic batch made on its
+    device at start-up. CONSTANTS: values of other placeholders, fed every step. CONTROL: deadlines, watchdog,
+    progress, checkpoints (the chief writes them; every host restores its own copies). EVAL_EVERY K > 0: every K
+    steps and after the last, the chief writes the weights under EVAL_DIR and says so in a "weights" event.
+    READ_VALUES: after every step, read every copy of this host's variables (``HostResult.values``)."""
+    tf = import_tf()
+    ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
+    chief = program.task == spec.chief
+    writes = (ctl.checkpoint_every > 0 and bool(ctl.checkpoint_path)) or (eval_every > 0 and bool(eval_dir))
+    g = _build(tf, program, spec, ctl, fed=feeds is not None, constants=constants, read_values=read_values,
+               chief_writes=chief and writes)
     cfg = config if config is not None else session_config()
     if ctl.step_timeout_s:
         cfg.operation_timeout_in_ms = int(ctl.step_timeout_s * 1000)
+    # Runs with collectives carry the run's collective graph key, which numbers each host's runs alike: the n-th
+    # such run of every host gets the same step id, and only then do their collectives meet. So every host makes
+    # the same keyed runs in the same order (handshake, init, barriers, pulls, steps); runs without collectives
+    # (input batches, restores) are unkeyed.
     run_options = _run_options(tf, spec, ctl.step_timeout_s)          # a step
-    setup_options = _run_options(tf, spec, ctl.setup_timeout_s)       # initialisation, barriers, checkpoints
+    setup_options = _run_options(tf, spec, ctl.setup_timeout_s)       # initialisation, barriers
     join_options = _run_options(tf, spec, spec.join_timeout_s)        # the handshake: hosts may start apart
+    local_options = _run_options(tf, spec, ctl.setup_timeout_s, keyed=False)   # nothing another host takes part in
 
     def guard(fn, what: str, setup: bool = False):
         return guarded(fn, what=f"{what} on {program.host}",
@@ -181,53 +229,87 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
                        watchdog=ctl.watchdog, poll_s=ctl.poll_s)
 
     def sync(what: str) -> None:
-        guard(lambda: sess.run(barrier, options=setup_options), f"waiting for every host ({what})", setup=True)
+        guard(lambda: sess.run(g.barrier, options=setup_options), f"waiting for every host ({what})", setup=True)
+
+    def write(done: int, final: bool) -> None:
+        """At a checkpoint or evaluation step: every host waits while the chief writes."""
+        ckpt = ctl.checkpoint_every > 0 and ctl.checkpoint_path and (done % ctl.checkpoint_every == 0 or final)
+        weights = eval_every > 0 and eval_dir and (done % eval_every == 0 or final)
+        if not (ckpt or weights):
+            return
+        sync(f"writing at step {done}")
+        if g.saver is not None:
+            if ckpt:
+                prefix = guard(lambda: g.saver(sess, ctl.checkpoint_path, done, result.losses, ctl.checkpoint_meta),
+                               "saving a checkpoint", setup=True)
+                result.checkpoints.append(prefix)
+                ctl.emit(RunEvent("checkpoint", prefix, step=done, steps=spec.steps))
+            if weights:
+                prefix = guard(lambda: g.saver(sess, eval_dir, done, result.losses, {}), "saving the weights",
+                               setup=True)
+                ctl.emit(RunEvent("weights", prefix, step=done, steps=spec.steps))
+        sync(f"written at step {done}")
 
     ctl.emit(RunEvent("phase", f"{program.host}: connecting to {target}"))
-    sess = guard(lambda: tf.compat.v1.Session(target, graph=graph, config=cfg), "opening a session", setup=True)
+    sess = guard(lambda: tf.compat.v1.Session(target, graph=g.graph, config=cfg), "opening a session", setup=True)
     result = HostResult(program.host, [], [])
     try:
         ctl.emit(RunEvent("phase", f"{program.host}: waiting for the other hosts"))
-        seen = guarded(lambda: sess.run(gather, {words: _fingerprint_words(spec.fingerprint)}, options=join_options),
+        seen = guarded(lambda: sess.run(g.gather, {g.words: _fingerprint_words(spec.fingerprint)},
+                                        options=join_options),
                        what=f"the hosts' handshake on {program.host}", timeout_s=spec.join_timeout_s + 30,
                        watchdog=ctl.watchdog, poll_s=ctl.poll_s)
         _check_same_plan(seen, spec)
         ctl.emit(RunEvent("phase", f"{program.host}: initialising"))
-        if synthetic_init:
-            guard(lambda: sess.run(synthetic_init, options=setup_options), "making the input batches", setup=True)
-        guard(lambda: sess.run(init_op, options=setup_options), "initialising the variables", setup=True)
+        if g.synthetic_init:
+            guard(lambda: sess.run(g.synthetic_init, options=local_options), "making the input batches", setup=True)
+        guard(lambda: sess.run(g.init_op, options=setup_options), "initialising the variables", setup=True)
+        if g.input_init is not None:
+            guard(lambda: sess.run(g.input_init, options=local_options), "starting the input pipeline", setup=True)
         start, losses = 0, []
         if ctl.resume_from:
-            start, losses = guard(lambda: own.restore(sess, ctl.resume_from), "restoring the checkpoint", setup=True)
+            start, losses = guard(lambda: g.own.restore(sess, ctl.resume_from), "restoring the checkpoint",
+                                  setup=True)
             if start >= spec.steps:
                 raise TagError(f"{ctl.resume_from}: the checkpoint is at step {start}, --steps is {spec.steps}: "
                                f"nothing left to run (raise --steps)")
             ctl.emit(RunEvent("phase", f"resumed at step {start} from {ctl.resume_from}", step=start,
                               steps=spec.steps))
-        result.start_step = start
-        result.losses = list(losses) if loss_t is not None else []
+        result.start_step = result.steps_done = start
+        result.losses = list(losses) if g.loss is not None else []
         sync("initialised")
-        fetches = [step_op] + ([loss_t] if loss_t is not None else [])
+        fetches = [g.step_op] + ([g.loss] if g.loss is not None else [])
         for step in range(start, spec.steps):
-            fd = _feed(feeds, step, program, placeholders) if feeds else None
+            if g.pull is not None and not int(np.min(guard(lambda: sess.run(g.pull, options=run_options),
+                                                           f"reading batch {step + 1}"))):
+                result.ended_early = True
+                ctl.emit(RunEvent("phase", f"the data set ended after step {step} of {spec.steps}", step=step,
+                                  steps=spec.steps))
+                break
+            fd = _feed(feeds, step, program, g.placeholders) if feeds else {}
+            fd.update(g.constants)
+            options, meta = run_options, None
+            if ctl.trace_step == step + 1:
+                options = _run_options(tf, spec, ctl.step_timeout_s)
+                options.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
+                meta = tf.compat.v1.RunMetadata()
             t0 = time.perf_counter()
-            out = guard(lambda: sess.run(fetches, feed_dict=fd, options=run_options), f"step {step + 1}")
+            out = guard(lambda: sess.run(fetches, feed_dict=fd or None, options=options, run_metadata=meta),
+                        f"step {step + 1}")
             result.step_times.append(time.perf_counter() - t0)
-            loss = float(np.mean(out[1])) if loss_t is not None else None
+            if meta is not None:
+                result.run_metadata = meta.SerializeToString()
+            loss = float(np.mean(out[1])) if g.loss is not None else None
             if loss is not None:
                 result.losses.append(loss)
+            result.steps_done = step + 1
             ctl.emit(RunEvent("step", step=step + 1, steps=spec.steps, step_time_s=result.step_times[-1], loss=loss))
-            if read_values and own is not None:
-                result.values.append(guard(lambda: own.all_copies(sess), "reading the variables", setup=True))
-            done = step + 1
-            if ctl.checkpoint_every > 0 and ctl.checkpoint_path and (done % ctl.checkpoint_every == 0
-                                                                     or done == spec.steps):
-                sync(f"checkpoint at step {done}")
-                if saver is not None:
-                    prefix = guard(lambda: saver(sess, done, result.losses), "saving a checkpoint", setup=True)
-                    result.checkpoints.append(prefix)
-                    ctl.emit(RunEvent("checkpoint", prefix, step=done, steps=spec.steps))
-                sync(f"checkpoint at step {done} written")
+            if read_values and g.own is not None:
+                result.values.append(guard(lambda: g.own.all_copies(sess), "reading the variables", setup=True))
+            if step + 1 < spec.steps:
+                write(step + 1, final=False)
+        if result.steps_done > start:
+            write(result.steps_done, final=True)
         sync("done")
     finally:
         close_quietly(sess)
@@ -238,11 +320,13 @@ def _tensor(name: str) -> str:
     return name if ":" in name else name + ":0"
 
 
-def _run_options(tf: Any, spec: RunSpec, timeout_s: float | None) -> Any:
-    """RunOptions of a run of this host's program: the run's collective graph key (every host's sessions then
-    number their steps alike, so their collectives meet) and a deadline of TIMEOUT_S (None: none)."""
+def _run_options(tf: Any, spec: RunSpec, timeout_s: float | None, *, keyed: bool = True) -> Any:
+    """RunOptions of a run of this host's program: the run's collective graph key when KEYED (every host's
+    sessions then number their keyed runs alike, so their collectives meet) and a deadline of TIMEOUT_S (None:
+    none)."""
     options = tf.compat.v1.RunOptions()
-    options.experimental.collective_graph_key = _graph_key(spec)
+    if keyed:
+        options.experimental.collective_graph_key = _graph_key(spec)
     if timeout_s:
         options.timeout_in_ms = int(timeout_s * 1000)
     return options
@@ -279,10 +363,11 @@ def _feed(feeds: FeedFn, step: int, program: "HostProgram", placeholders: Mappin
     return fd
 
 
-def _chief_reads(tf: Any, graph: Any, program: "HostProgram", spec: RunSpec,
-                 ctl: RunControl) -> Callable[[Any, int, list], str]:
-    """The chief's checkpoint writer: a read of every variable's first copy (reached by name in the run's
-    container, wherever it lives), written under the original names."""
+def _chief_reads(tf: Any, graph: Any, program: "HostProgram", spec: RunSpec) -> Callable[..., str]:
+    """The chief's writer of checkpoints: a read of every variable's first copy (reached by name in the run's
+    container, wherever it lives), written under the original names: ``save(sess, directory, step, losses,
+    meta) -> prefix``. Run without the run's collective graph key, so its reads of other hosts' variables do not
+    share a step id with their own steps."""
     from tensorflow.core.framework import node_def_pb2
     reads, names = [], []
     with graph.as_default(), tf.name_scope("tag_checkpoint_read/"):
@@ -304,10 +389,10 @@ def _chief_reads(tf: Any, graph: Any, program: "HostProgram", spec: RunSpec,
                     reads.append(tf.identity(handle))
             names.append(original)
 
-    def save(sess: Any, step: int, losses: list) -> str:
+    def save(sess: Any, directory: str, step: int, losses: list, meta: dict) -> str:
         values = sess.run(reads)
-        return save_weights_checkpoint(dict(zip(names, (np.asarray(v) for v in values))), ctl.checkpoint_path,
-                                       step=step, losses=losses, meta=ctl.checkpoint_meta)
+        return save_weights_checkpoint(dict(zip(names, (np.asarray(v) for v in values))), directory, step=step,
+                                       losses=losses, meta=meta)
     return save
 
 

@@ -21,6 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tag.backend.runtime.guard import RunControl
+from tag.backend.runtime.host_process import EventMerge
 from tag.backend.runtime.host_run import FeedFn, HostResult, RunSpec, run_host
 from tag.errors import RunError
 
@@ -32,10 +33,13 @@ JOIN_GRACE_S = 30.0   # how long the other hosts' threads get to stop once one h
 
 def run_in_threads(programs: Mapping[str, "HostProgram"], targets: Mapping[str, str], spec: RunSpec, *,
                    control: RunControl | None = None, feeds: FeedFn | None = None, config: Any = None,
-                   read_values: bool = False) -> dict[str, HostResult]:
+                   read_values: bool = False, constants: Mapping[str, Any] | None = None, eval_every: int = 0,
+                   eval_dir: str | None = None) -> dict[str, HostResult]:
     """``run_host`` of every program of PROGRAMS (host name -> program) at TARGETS[host], one thread each; the
     first failure is raised (a RunError or TagError naming the host) once every thread has stopped or
-    ``JOIN_GRACE_S`` passed. CONTROL's progress hears every host's events; its watchdog is asked too."""
+    ``JOIN_GRACE_S`` passed. CONTROL's progress hears every host's events (the chief's phases, every host's
+    steps: ``run_in_processes`` merges them, this does not); its watchdog is asked too. The other keywords:
+    as ``run_host`` takes them."""
     ctl = control or RunControl(step_timeout_s=None, setup_timeout_s=None)
     failed: list[tuple[str, BaseException]] = []
     lock = threading.Lock()
@@ -48,11 +52,20 @@ def run_in_threads(programs: Mapping[str, "HostProgram"], targets: Mapping[str, 
 
     results: dict[str, HostResult] = {}
 
+    merge = EventMerge(list(programs), spec, ctl)
+
+    def progress(name: str):
+        def hear(ev) -> None:
+            with lock:
+                merge.event(name, ev)
+        return hear
+
     def go(name: str) -> None:
-        host_ctl = dataclasses.replace(ctl, watchdog=watchdog)
+        host_ctl = dataclasses.replace(ctl, watchdog=watchdog, progress=progress(name))
         try:
             results[name] = run_host(programs[name], targets[name], spec, control=host_ctl, feeds=feeds,
-                                     config=_copy(config), read_values=read_values)
+                                     config=_copy(config), read_values=read_values, constants=constants,
+                                     eval_every=eval_every, eval_dir=eval_dir)
         except BaseException as err:  # noqa: BLE001 - reported below, after the other threads stop
             with lock:
                 failed.append((name, err))

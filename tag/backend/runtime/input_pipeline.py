@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -357,3 +357,96 @@ def _input_map(graph: Any, graph_def: Any, inputs: Sequence[str], batch_size: in
             input_map[f"{r.node}:0"] = src
             replaced.add(r.node)
     return input_map, replaced
+
+
+# ------------------------------------------------------------------------------------------------ per-host programs
+PULL_INSTANCE = 3          # the collective instance of the hosts' "every pipeline has a batch" agreement
+
+
+def host_pipeline_specs(programs: Mapping[str, Any]) -> dict[str, PipelineSpec]:
+    """Host name -> its pipeline (the examples its program's batch inputs hold: one contiguous range per host),
+    for every host of PROGRAMS (name -> ``HostProgram``) that reads examples. GraphError when a host's inputs
+    are not one contiguous range of the batch, along axis 0."""
+    out = {}
+    for name, program in programs.items():
+        if not program.inputs:
+            continue
+        if any(i.axis != 0 for i in program.inputs):
+            bad = next(i for i in program.inputs if i.axis != 0)
+            raise GraphError(f"batch input {bad.source!r} is split along axis {bad.axis}; input pipelines batch "
+                             f"along axis 0 (feed it instead)")
+        lo, hi = min(i.lo for i in program.inputs), max(i.hi for i in program.inputs)
+        out[name] = PipelineSpec(program.task, lo, hi, program.cpu)
+    return out
+
+
+def attach_pipeline(program: Any, dataset_fn: Callable[[Any], Any], *, spec: PipelineSpec | None,
+                    pipeline_id: int, pipelines: int, global_batch: int, inputs: Sequence[str],
+                    host_cpus: Sequence[str], group_key: int, start_step: int = 0, seed: int = 0,
+                    prefetch: int = PREFETCH) -> Any:
+    """PROGRAM (a ``HostProgram``) with its own input pipeline: DATASET_FN's data set for SPEC's examples (None:
+    a host that reads none) on the host's CPU, read into batch variables by a ``pull`` op that also agrees with
+    every host (a collective over HOST_CPUS, group GROUP_KEY) that each pipeline still has a batch, so every host
+    stops at the same step when one data set ends. Returns a new HostProgram whose ``input_init`` and ``pull``
+    name those ops and whose batch inputs are filled."""
+    import dataclasses
+    tf = import_tf()
+    graph = tf.Graph()
+    input_map: dict[str, Any] = {}
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed + program.task)
+        with tf.device(program.cpu), tf.name_scope("tag_input/"):
+            inits, has = [], tf.constant(1, tf.int32)
+            if spec is not None:
+                nodes = {n.name: n for n in program.graph_def.node}
+                by_source = {}
+                for hi in program.inputs:
+                    by_source.setdefault(hi.source, nodes[hi.name])
+                placeholders = {}
+                for source in inputs:
+                    node = by_source.get(source)
+                    if node is None:
+                        continue
+                    dims = tf.TensorShape(node.attr["shape"].shape)
+                    shape = dims if dims.rank is None else tf.TensorShape([global_batch]).concatenate(dims[1:])
+                    placeholders[source] = tf.TensorSpec(shape, tf.as_dtype(node.attr["dtype"].type), source)
+                order = [s for s in inputs if s in placeholders]
+                ctx = _context_class()(spec, pipeline_id, pipelines, global_batch, start_step)
+                ds = dataset_fn(ctx)
+                if not isinstance(ds, tf.data.Dataset):
+                    raise TagError(f"the data set function returned {type(ds).__name__}, not a tf.data.Dataset")
+                matched = _match_elements(ds.element_spec, placeholders, order)
+                ds = _batched(ds, placeholders, matched, spec.hi - spec.lo).prefetch(prefetch)
+                it = tf.compat.v1.data.make_initializable_iterator(ds)
+                optional = it.get_next_as_optional()
+                present = optional.has_value()
+                batches, assigns = {}, []
+                for source, key in matched:
+                    ph = placeholders[source]
+                    var = tf.compat.v1.Variable(tf.zeros([spec.hi - spec.lo] + ph.shape.as_list()[1:], ph.dtype),
+                                                trainable=False, use_resource=True, collections=[],
+                                                name=f"batch_{len(batches)}")
+                    batches[source] = var
+                    inits.append(var.initializer)
+                    assigns.append((var, key))
+                with tf.control_dependencies([tf.cond(present, lambda: tf.group(*[
+                        v.assign(optional.get_value() if k is None else optional.get_value()[k])
+                        for v, k in assigns]), tf.no_op)]):
+                    has = tf.cast(present, tf.int32)
+                inits.append(it.initializer)
+                for hi in program.inputs:
+                    with tf.control_dependencies(None):
+                        read = batches[hi.source].read_value()
+                        input_map[f"{hi.name}:0"] = read[hi.lo - spec.lo: hi.hi - spec.lo]
+            agreed = tf.raw_ops.CollectiveReduceV2(input=tf.reshape(has, [1]), group_size=len(host_cpus),
+                                                   group_key=group_key, instance_key=PULL_INSTANCE, ordering_token=[],
+                                                   merge_op="Min", final_op="Id", communication_hint="ring",
+                                                   name="pull")
+            input_init = tf.group(*inits, name="init") if inits else tf.no_op(name="init")
+        try:
+            tf.compat.v1.import_graph_def(program.graph_def, input_map=input_map or None, name="")
+        except (ValueError, TypeError) as err:
+            raise GraphError(f"the data set's batches do not fit the graph: {' '.join(str(err).split())[:300]}") \
+                from None
+    return dataclasses.replace(program, graph_def=graph.as_graph_def(), inputs=[], input_init=input_init.name,
+                               pull=agreed.name if agreed.name.endswith(":0") else agreed.name + ":0")

@@ -101,7 +101,23 @@ def merged_result(results: Mapping[str, Any], spec: Any) -> RunResult:
     times = [max(r.step_times[k] for r in results.values()) for k in range(count)]
     skip = min(spec.warmup, max(0, count - 1))
     mean = float(np.mean(times[skip:])) if times else float("nan")
-    return RunResult(mean, times, list(results[chief].losses), skip, start_step=results[chief].start_step)
+    return RunResult(mean, times, list(results[chief].losses), skip, start_step=results[chief].start_step,
+                     run_metadata=_merged_trace([r.run_metadata for r in results.values()]))
+
+
+def _merged_trace(traces: list) -> Any:
+    """One RunMetadata holding every host's traced step (their devices' statistics side by side), or None."""
+    traces = [t for t in traces if t]
+    if not traces:
+        return None
+    from tag.backend.runtime.cluster_spec import import_tf
+    tf = import_tf()
+    merged = tf.compat.v1.RunMetadata()
+    for data in traces:
+        one = tf.compat.v1.RunMetadata()
+        one.ParseFromString(data)
+        merged.step_stats.dev_stats.extend(one.step_stats.dev_stats)
+    return merged
 
 
 def host_launcher(cluster: Any) -> Callable[[str], Any] | None:

@@ -265,3 +265,110 @@ def _loop(sess: Any, tf: Any, guard: Callable, train: Any, loss_t: Any, fixed: d
             evaluate(done)
         if done > start:
             checkpoint(done)
+
+
+# ------------------------------------------------------------------------------------------------ per-host programs
+def train_programs(programs: Mapping[str, Any], cluster: Any, dataset_fn: Callable[[Any], Any], *,
+                   fingerprint: str, inputs: Sequence[str], batch_size: int, steps: int,
+                   checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                   eval_fn: EvalFn | None = None, eval_every: int = 0, logdir: str | None = None,
+                   progress: Any = True, feeds: Mapping[str, Any] | None = None, control: RunControl | None = None,
+                   checkpoint_meta: dict | None = None, seed: int = 0) -> TrainResult:
+    """Train a plan's host programs (PROGRAMS: host name -> ``HostProgram``) on CLUSTER for STEPS steps (the
+    total, counting resumed ones), each host reading its own examples from DATASET_FN's pipeline on that host
+    (``attach_pipeline``); arguments as for ``train_graph``. The chief host writes the checkpoints (every
+    CHECKPOINT_EVERY steps and at the end) and, every EVAL_EVERY steps and at the end, the weights EVAL_FN
+    gets; every host restores its own copies when RESUME. FINGERPRINT: the plan's (``Plan.fingerprint``)."""
+    import tempfile
+
+    from tag.backend.runtime.checkpoint import read_weights
+    from tag.backend.runtime.host_process import run_in_processes
+    from tag.backend.runtime.host_run import RunSpec
+    from tag.backend.runtime.host_threads import run_in_threads
+    from tag.backend.runtime.input_pipeline import attach_pipeline, host_pipeline_specs
+    from tag.backend.runtime.measure import cluster_targets, host_launcher
+    if steps < 1:
+        raise TagError(f"steps must be >= 1, got {steps}")
+    for what, k in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+        if k < 0:
+            raise TagError(f"{what} must be >= 0, got {k}")
+    if resume and not checkpoint_dir:
+        raise TagError("resume needs checkpoint_dir (where the checkpoints are)")
+    start = 0
+    if resume:
+        meta = read_checkpoint_meta(checkpoint_dir)
+        start = int(meta["step"])
+        if start >= steps:
+            raise TagError(f"{meta['prefix']}: the checkpoint is at step {start}, steps is {steps}: nothing left "
+                           f"to run (steps is the total; raise it)")
+    base = control or RunControl()
+    spec = RunSpec.new(programs, fingerprint=fingerprint, steps=steps, seed=seed,
+                       **({"join_timeout_s": base.setup_timeout_s} if base.setup_timeout_s else {}))
+    specs = host_pipeline_specs(programs)
+    if not specs:
+        raise GraphError("the plan has no batch inputs (placeholders of the batch) for a data set to fill")
+    order = sorted(specs, key=lambda h: specs[h].lo)
+    from tag.backend.rewrite.collectives import collective_group_key
+    group = collective_group_key(spec.host_cpus()) ^ 0x3C3C3C
+    attached = {name: attach_pipeline(p, dataset_fn, spec=specs.get(name), pipeline_id=order.index(name)
+                                      if name in specs else -1, pipelines=len(order), global_batch=batch_size,
+                                      inputs=list(inputs), host_cpus=spec.host_cpus(), group_key=group,
+                                      start_step=start, seed=seed)
+                for name, p in programs.items()}
+    curves = ScalarWriter(logdir or checkpoint_dir) if (logdir or checkpoint_dir) else None
+    bar = _Progress(progress, steps, start)
+    result = TrainResult(start, start, [], [], 0.0, pipelines=[specs[h] for h in order],
+                         client_bytes={"graph": sum(p.graph_def.ByteSize() for p in attached.values()), "feeds": 0})
+    bar.event(RunEvent("phase", f"{len(order)} input pipeline(s): " + ", ".join(
+        f"{h} examples {specs[h].lo}..{specs[h].hi - 1}" for h in order)))
+
+    def hear(ev: RunEvent) -> None:
+        if ev.kind == "step":
+            rate = batch_size / ev.step_time_s if ev.step_time_s > 0 else 0.0
+            bar.step(ev, rate)
+            if curves is not None:
+                values = {"train/step_time_s": ev.step_time_s, "train/examples_per_s": rate}
+                if ev.loss is not None:
+                    values["train/loss"] = ev.loss
+                curves.add(ev.step, values)
+        elif ev.kind == "weights" and eval_fn is not None:
+            metrics = {str(k): float(v) for k, v in dict(eval_fn(read_weights(ev.text), ev.step) or {}).items()}
+            result.evals.append((ev.step, metrics))
+            if curves is not None and metrics:
+                curves.add(ev.step, {f"eval/{k}": v for k, v in metrics.items()})
+            bar.event(RunEvent("phase", f"step {ev.step}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
+                               step=ev.step, steps=steps))
+        else:
+            if ev.kind == "checkpoint":
+                result.checkpoint = ev.text
+            bar.event(ev)
+
+    ctl = RunControl(progress=hear, watchdog=base.watchdog, step_timeout_s=base.step_timeout_s,
+                     setup_timeout_s=base.setup_timeout_s, poll_s=base.poll_s,
+                     checkpoint_every=(checkpoint_every or steps) if checkpoint_dir else 0,
+                     checkpoint_path=checkpoint_dir, checkpoint_meta=dict(checkpoint_meta or {}),
+                     resume_from=checkpoint_dir if resume else None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tag-eval-") as eval_dir:
+            evals = {"eval_every": (eval_every or steps) if eval_fn is not None else 0,
+                     "eval_dir": eval_dir if eval_fn is not None else None, "constants": feeds}
+            launch = host_launcher(cluster)
+            if launch is not None:
+                runs = run_in_processes(attached, {n: launch(n) for n in attached}, spec, control=ctl, **evals)
+            else:
+                runs = run_in_threads(attached, cluster_targets(cluster), spec, control=ctl, **evals)
+    finally:
+        bar.close()
+        if curves is not None:
+            curves.close()
+    chief = next(name for task, name in spec.hosts if task == spec.chief)
+    count = min(len(r.step_times) for r in runs.values())
+    result.step_times = [max(r.step_times[k] for r in runs.values()) for k in range(count)]
+    result.losses = list(runs[chief].losses)
+    result.steps_done = runs[chief].steps_done
+    result.ended_early = any(r.ended_early for r in runs.values())
+    times = result.step_times[1:] or result.step_times
+    result.examples_per_s = float(batch_size / np.median(times)) if times else 0.0
+    if result.checkpoint is None and checkpoint_dir and runs[chief].checkpoints:
+        result.checkpoint = runs[chief].checkpoints[-1]
+    return result
