@@ -478,7 +478,8 @@ def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence
                 sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
                 variables.append(sink)
                 outs.append(sink.assign_add(tf.reduce_sum(x)))
-        for i, (dev, depth) in enumerate(zip(devices, chains, strict=True)):
+        chained = zip(devices, chains, strict=True) if chains else ()      # no chains, or one per device
+        for i, (dev, depth) in enumerate(chained):
             with tf.device(dev):
                 m = tf.Variable(tf.random.normal([SYNC_CHAIN_SIDE] * 2, stddev=SYNC_CHAIN_SIDE ** -0.5),
                                 name=f"chain_{i}")
