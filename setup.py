@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def generate_protos(out_dir: str = os.path.join(ROOT, "tag", "_proto")) -> list:
     """Compile every proto/*.proto into OUT_DIR/*_pb2.py; returns the generated paths."""
-    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
 
     proto_dir = os.path.join(ROOT, "proto")
     os.makedirs(out_dir, exist_ok=True)
@@ -64,7 +64,9 @@ setup(
         "networkx>=3.0",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis", "grpcio-tools==1.85.1"],
+    # ruff and pylint (the linters .ci/run runs) are pinned: a new release's rules would fail CI unasked
+    extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis", "grpcio-tools==1.85.1",
+                             "ruff==0.17.6", "pylint==4.1.5"],
                     # examples/train_digits.py and its README figures: scikit-learn ships the real digits
                     # data set as a file in its package (no download at run time), which the example's
                     # workers read; tag itself does not import it, so it is not an install requirement.

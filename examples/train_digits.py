@@ -81,7 +81,8 @@ def held_out() -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_graph(seed: int = SEED):
-    """The training GraphDef: x [128, 64] float32, y [128] int64, an MLP (64-512-512-10) and Adam (op names train_op/loss/init)."""
+    """The training GraphDef: x [128, 64] float32, y [128] int64, an MLP (64-512-512-10) and Adam
+    (op names train_op/loss/init)."""
     import tensorflow as tf
     tf1 = tf.compat.v1
     g = tf.Graph()
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         from tag.backend.runtime import free_ports
         ports = free_ports(3)
         text = TOPOLOGY
-        for old, new in zip((23461, 23462, 23463), ports):
+        for old, new in zip((23461, 23462, 23463), ports, strict=True):
             text = text.replace(f"port: {old}", f"port: {new}")
         plan, results["tag"] = run_tag(parse_topology(text, path="<digits-3>"), None)
     # the same graph on one device: one pipeline, the same steps, seed and evaluation
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
     print(f"\nheld-out accuracy (297 digits), {plan.method} plan on 3 hosts vs one device, batch {BATCH}:")
     print(f"{'step':>6} {'tag':>8} {'single':>8}")
     for step in sorted(tag_acc):
-        print(f"{step:>6} {tag_acc[step]['accuracy'] * 100:>7.1f}% {one_acc.get(step, {}).get('accuracy', float('nan')) * 100:>7.1f}%")
+        single = one_acc.get(step, {}).get("accuracy", float("nan"))
+        print(f"{step:>6} {tag_acc[step]['accuracy'] * 100:>7.1f}% {single * 100:>7.1f}%")
     last = max(tag_acc)
     diff = (tag_acc[last]["accuracy"] - one_acc[last]["accuracy"]) * 100
     print(f"final: tag {tag_acc[last]['accuracy'] * 100:.1f}%, single device {one_acc[last]['accuracy'] * 100:.1f}% "

@@ -34,8 +34,7 @@ from tag.backend.runtime import run_steps  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
 from tag.strategy.types import batch_shares  # noqa: E402
-from tag_bench.cases import (E2E_CASES, GPU_CONFIG, GPU_QUOTAS, config_recipe, load_recipe,  # noqa: E402
-                             testbed_topology)
+from tag_bench.cases import E2E_CASES, GPU_CONFIG, GPU_QUOTAS, config_recipe, load_recipe, testbed_topology  # noqa: E402
 from tag_bench.machine import load_text  # noqa: E402
 from tag_bench.mwms import tf1_graph  # noqa: E402
 from tag_bench.records import Run, write_json  # noqa: E402

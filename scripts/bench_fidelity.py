@@ -40,7 +40,8 @@ per group.
 Usage::
 
     python scripts/bench_fidelity.py                       # 15 groups, about 107 cases; 26 min at load 1-7
-    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random; ~6 min (5 the calibration)
+    python scripts/bench_fidelity.py --quick               # A: mlp-512 and the held-out vgg, one random;
+                                                           # ~6 min (5 of them the calibration)
     python scripts/bench_fidelity.py --runs 3 --json F     # three runs in a row; F's figures are the worst
                                                            # run's, F.run1.profile.json ... their profiles
     python scripts/bench_fidelity.py --configs A,H --models cnn,vgg   # every named model on every named config
@@ -66,10 +67,30 @@ from tag.api import prepare, search_plan  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 from tag.strategy.baselines import BUILTIN_STRATEGIES, one_device_placement  # noqa: E402
 from tag.tune import strategy_key, tune_plan  # noqa: E402
-from tag_bench.cases import (calibrate_testbed, calibration_graph, heldout, load_recipe,  # noqa: E402
-                             measure_interleaved, measure_on_testbed, runtime_levels, testbed_topology)
-from tag_bench.fidelity import (HELDOUT_GAP, MODELS, TARGETS, case_class, check_targets, class_table,  # noqa: E402
-                                random_mixes, rows_to_confirm, split_heldout, summary, targets_text, worst_of)
+from tag_bench.cases import (  # noqa: E402
+    calibrate_testbed,
+    calibration_graph,
+    heldout,
+    load_recipe,
+    measure_interleaved,
+    measure_on_testbed,
+    runtime_levels,
+    testbed_topology,
+)
+from tag_bench.fidelity import (  # noqa: E402
+    HELDOUT_GAP,
+    MODELS,
+    TARGETS,
+    case_class,
+    check_targets,
+    class_table,
+    random_mixes,
+    rows_to_confirm,
+    split_heldout,
+    summary,
+    targets_text,
+    worst_of,
+)
 from tag_bench.machine import load1, load_text  # noqa: E402
 from tag_bench.records import Run, write_json  # noqa: E402
 from tag_bench.testbed import Testbed, testbed_missing  # noqa: E402
@@ -153,11 +174,11 @@ def measure_group(tb, config: str, label: str, source: str, batch: int, held: bo
     cases, plan = group_cases(analysis, args.budget, args.randoms, args.seed)
     # every distinct program once, all of them side by side in interleaved rounds
     programs = {}
-    for name, strategy, runnable, predicted in cases:
+    for _name, strategy, runnable, predicted in cases:
         programs.setdefault(program_id(strategy, analysis.topology), (runnable, predicted))
     measured = measure_interleaved(tb, programs, args.case_seconds)
     row_keys: dict[int, str] = {}
-    for name, strategy, runnable, predicted in cases:
+    for name, strategy, _runnable, predicted in cases:
         key = program_id(strategy, analysis.topology)
         row = record(name, predicted, measured[key])
         row_keys[id(row)] = key

@@ -179,7 +179,8 @@ def summarise(rows: list[dict], keys: list[str]) -> dict:
     if len(timed) >= 2:           # headroom: what the default prior gains from the longest budget over the shortest
         short, long_ = timed[0], timed[-1]
         gains = [r[long_]["default"]["speedup"] / r[short]["default"]["speedup"] for r in rows
-                 if short in r and long_ in r and r[short]["default"]["speedup"] > 0 and r[long_]["default"]["speedup"] > 0]
+                 if short in r and long_ in r
+                 and r[short]["default"]["speedup"] > 0 and r[long_]["default"]["speedup"] > 0]
         out[f"default_{long_}_over_default_{short}"] = geomean(gains)
         out[f"cases_default_{long_}_beats_{short}"] = sum(g > 1 + 1e-9 for g in gains)
     return out
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return figure_text(v, ".4f")
     for key, _, _ in budget_keys(args):
         print(f"gnn/default at {key}: geomean {fmt(out[f'gnn_over_default_{key}'])} over the "
-              f"{out[f'cases_differing_{key}']} case(s) where they differ, {fmt(out[f'gnn_over_default_{key}_all_cases'])} "
+              f"{out[f'cases_differing_{key}']} case(s) where they differ, "
+              f"{fmt(out[f'gnn_over_default_{key}_all_cases'])} "
               f"over all {out[f'cases_{key}']} (target >= 1.03)")
     print(f"worst case ratio {fmt(out['worst_case_ratio'])} (target >= 0.99); ms per node: lab "
           f"{fmt(out.get('ms_per_node_lab'))} (target <= 5), 512-GPU {fmt(out.get('ms_per_node_512'))} (target <= 20); "

@@ -51,8 +51,8 @@ def _real_graphs() -> dict:
 
 def bench(name: str, batch_size: int) -> dict:
     from tag import zoo
-    from tag.frontend.analyze import analyze
     from tag.frontend import real_graphs as rg
+    from tag.frontend.analyze import analyze
 
     real = _real_graphs()
     t0 = time.perf_counter()

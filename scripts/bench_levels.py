@@ -33,8 +33,17 @@ from tag.cost.model import CostModel, Profile  # noqa: E402
 from tag.cost.op_classes import FAMILIES  # noqa: E402
 from tag.sim import Simulator  # noqa: E402
 from tag.strategy.baselines import on_one_device  # noqa: E402
-from tag_bench.cases import (calibrate_testbed, calibration_graph, first_group_per_type, levelled,  # noqa: E402
-                             load_recipe, measure_on_testbed, one_host_split, runtime_levels, testbed_topology)
+from tag_bench.cases import (  # noqa: E402
+    calibrate_testbed,
+    calibration_graph,
+    first_group_per_type,
+    levelled,
+    load_recipe,
+    measure_on_testbed,
+    one_host_split,
+    runtime_levels,
+    testbed_topology,
+)
 from tag_bench.machine import load1  # noqa: E402
 from tag_bench.records import Run, write_json  # noqa: E402
 from tag_bench.testbed import Testbed  # noqa: E402
@@ -65,7 +74,7 @@ def check(tb, profiles: dict, budget_s: float) -> list[dict]:
         sims = {k: Simulator(an.graph, an.topology, an.grouping, CostModel(an.graph, an.topology, p))
                 for k, p in profiles.items()}
         splits = one_host_split(an, profiles["unlevelled"], batch, [g.devices[0] for g in first.values()])
-        for (dtype, g), (_, ops, parts) in zip(first.items(), splits):
+        for (dtype, g), (_, ops, parts) in zip(first.items(), splits, strict=True):
             whole = on_one_device(an.grouping, an.topology, len(an.graph.ops), g.devices[0])
             preds = {k: sim.evaluate(whole, batch_size=batch).step_time for k, sim in sims.items()}
             measured = measure_on_testbed(tb, an.rewrite(whole), preds["per_family"], budget_s)
@@ -155,7 +164,8 @@ def main(argv=None) -> int:
         print(f"  {t['grouping']:38s} {ins:32s} {t['out_of_sample_median']:6.1%} / {t['out_of_sample_max']:6.1%}{flag}")
     print(f"total {time.time() - t0:.0f} s, load {load1():.1f}")
     write_json(args.json, {"config": args.config, "levels": record, "check": rows, "groupings": table,
-                           "check_errors": {k: dict(zip(("median", "max"), errors(rows, k))) for k in profiles},
+                           "check_errors": {k: dict(zip(("median", "max"), errors(rows, k), strict=True))
+                                            for k in profiles},
                            "load1_end": load1()}, this_run)
     return 0
 

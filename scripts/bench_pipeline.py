@@ -86,6 +86,7 @@ import os
 import sys
 import tempfile
 import time
+from itertools import pairwise
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -99,10 +100,18 @@ from tag.search.pipeline_dp import pipeline_alternatives, pipeline_dp  # noqa: E
 from tag.strategy.pipeline import DEFERRED_W, Pipeline  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, candidate_runner, choose, distinct_candidates, tune  # noqa: E402
-from tag_bench.cases import (GPU_FLOPS, calibrate_testbed, device_type, gpu_ratio_link_gbps,  # noqa: E402
-                             load_recipe, measure_interleaved, runtime_levels, testbed_topology)
-from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
+from tag_bench.cases import (  # noqa: E402
+    GPU_FLOPS,
+    calibrate_testbed,
+    device_type,
+    gpu_ratio_link_gbps,
+    load_recipe,
+    measure_interleaved,
+    runtime_levels,
+    testbed_topology,
+)
 from tag_bench.exactness import exactness_float64, micro_batch_rounding, weight_diff  # noqa: E402
+from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
 from tag_bench.mwms import model_options, run_mwms, tf1_graph  # noqa: E402
 from tag_bench.records import Run, write_json  # noqa: E402
 from tag_bench.stats import geomean  # noqa: E402
@@ -155,8 +164,8 @@ def hand_pipeline(env: SearchEnv, micro_batches: int, quotas: list[float], sched
     """A hand-made pipeline, as a check of what the runtime does apart from the search: one stage per host
     (fastest first), the op groups in forward dependency order cut where each stage's share of the forward
     and backward FLOPs is closest to its host's share of the quotas."""
-    from tag_bench.exactness import forward_group_order
     from tag.strategy.pipeline import Pipeline, PipelineStage
+    from tag_bench.exactness import forward_group_order
     order, rest = forward_group_order(env.graph, env.grouping)
     flops = np.zeros(env.grouping.num_groups)
     for i, op in enumerate(env.graph.ops):
@@ -168,7 +177,7 @@ def hand_pipeline(env: SearchEnv, micro_batches: int, quotas: list[float], sched
     for t in targets:
         cuts.append(max(cuts[-1] + 1, int(np.argmin(np.abs(cum - t))) + 1))
     cuts.append(len(order))
-    stages = [list(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    stages = [list(order[a:b]) for a, b in pairwise(cuts)]
     stages[-1] += rest
     hosts = [g.index for g in env.topology.groups]
     pipe = Pipeline(tuple(PipelineStage(tuple(st), (hosts[s],)) for s, st in enumerate(stages)), micro_batches,

@@ -20,9 +20,9 @@ the published one (``scaling``, ``max_abs_scaling_error_8gpu_validation``).
 One IR is built per model (10-60 s each; the simulator takes the batch); ``--cache DIR`` keeps them as
 plain JSON between runs (``tag.ir.serialize``; never pickles). ``vgg16`` is not a zoo model:
 ``tag_bench.published`` builds it with ``tf_keras.applications.VGG16`` under the zoo's conventions (placeholders,
-mean cross-entropy, Momentum 0.9). ResNet-50 is built there too, as the sources' code builds it: no bias on the convolutions that batch
-norm follows (Keras' ResNet50, the zoo's, has them), v1 for tf_cnn_benchmarks' ``resnet50`` and v1.5
-(``resnet50_v1.5``, the stride in the 3x3 convolution) for NVIDIA's.
+mean cross-entropy, Momentum 0.9). ResNet-50 is built there too, as the sources' code builds it: no bias on
+the convolutions that batch norm follows (Keras' ResNet50, the zoo's, has them), v1 for tf_cnn_benchmarks'
+``resnet50`` and v1.5 (``resnet50_v1.5``, the stride in the 3x3 convolution) for NVIDIA's.
 
 Usage::
 
@@ -111,13 +111,16 @@ def format_table(summary: dict[str, Any]) -> str:
                      f"max {100 * s['max_abs_rel_error_fit']:.1f}%")
     if s["validation_rows"]:
         lines.append(f"validation rows: {s['validation_rows']}, median |error| "
-                     f"{100 * s['median_abs_rel_error_validation']:.1f}%, max {100 * s['max_abs_rel_error_validation']:.1f}%")
+                     f"{100 * s['median_abs_rel_error_validation']:.1f}%, "
+                     f"max {100 * s['max_abs_rel_error_validation']:.1f}%")
     if s["fit_rows_mixed"]:
         lines.append(f"mixed/TF32 fit rows: {s['fit_rows_mixed']}, median |error| "
-                     f"{100 * s['median_abs_rel_error_fit_mixed']:.1f}%, max {100 * s['max_abs_rel_error_fit_mixed']:.1f}%")
+                     f"{100 * s['median_abs_rel_error_fit_mixed']:.1f}%, "
+                     f"max {100 * s['max_abs_rel_error_fit_mixed']:.1f}%")
     if s["validation_rows_mixed"]:
-        lines.append(f"mixed/TF32 validation rows: {s['validation_rows_mixed']} on {len(s['validation_gpu_types_mixed'])} "
-                     f"GPU types, median |error| {100 * s['median_abs_rel_error_validation_mixed']:.1f}%, "
+        lines.append(f"mixed/TF32 validation rows: {s['validation_rows_mixed']} on "
+                     f"{len(s['validation_gpu_types_mixed'])} GPU types, "
+                     f"median |error| {100 * s['median_abs_rel_error_validation_mixed']:.1f}%, "
                      f"max {100 * s['max_abs_rel_error_validation_mixed']:.1f}%")
     for x in s["scaling"]:
         lines.append(f"scaling 1->8 {x['id']:24} published {x['published']:.2f}x predicted {x['predicted']:.2f}x "

@@ -103,7 +103,7 @@ def run_case(tg, grouping, topo, batch: int, playouts: int, budget_s: float | No
            "reference": env.reference_name, "method": found.method,
            **{f"{n}_s": base[n] for n in base}, "random_s": rnd.outcome.step_time,
            "mcts_alone_s": tree.outcome.step_time, "search_s": found.step_time, "feasible": found.outcome.feasible,
-           "speedup_vs_dp": base["dp_allreduce"] / found.step_time if feas["dp_allreduce"] else ref_time / found.step_time,
+           "speedup_vs_dp": (base["dp_allreduce"] if feas["dp_allreduce"] else ref_time) / found.step_time,
            "speedup_vs_best_uniform": base["best_uniform"] / found.step_time,
            "below_a_baseline": bool(simple) and found.step_time > min(simple) * (1 + 1e-9),
            "search_seconds": search_s, "evaluations": evals, "mcts_alone_evaluations": tree_env.evaluations,
@@ -133,7 +133,7 @@ def op_actions(tg, strategy) -> dict[str, tuple]:
     part = strategy.partition or {}
     acts = strategy.actions
     return {op.name: (acts[int(g)].placement, acts[int(g)].mode, acts[int(g)].ps_device, part.get(i))
-            for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op))}
+            for i, (op, g) in enumerate(zip(tg.ops, strategy.grouping.group_of_op, strict=True))}
 
 
 def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args, seed: int | None = None) -> float:
@@ -145,6 +145,17 @@ def plan_changed(tg, strategy, tg_mixed, grouping_mixed, topo, batch: int, args,
     mixed = op_actions(tg_mixed, found.strategy)
     fp32 = op_actions(tg, strategy)
     return sum(mixed.get(name, action) != action for name, action in fp32.items()) / max(len(fp32), 1)
+
+
+def row_text(model: str, name: str, row: dict) -> str:
+    """One printed line of the table: step times in ms, speedups, search seconds, load, the method."""
+    def ms(key: str) -> str:
+        return f"{row[key] * 1e3:9.1f}"
+    return (f"{model:<13} {name:<20} {row['batch']:>6} {ms('dp_allreduce_s')} {ms('ps_s')} "
+            f"{ms('single_s')} {ms('partition_s')} {ms('best_uniform_s')} {ms('pase_dp_s')} {ms('pipeline_s')} "
+            f"{ms('random_s')} {ms('mcts_alone_s')} {ms('search_s')} {row['speedup_vs_dp']:6.2f} "
+            f"{row['speedup_vs_best_uniform']:6.2f} {row['search_seconds']:6.1f} "
+            f"{row['load_average']:5.1f}  {row['method']}{'' if row['feasible'] else ' (OOM)'}")
 
 
 def main(argv=None) -> int:
@@ -165,8 +176,8 @@ def main(argv=None) -> int:
     topologies = args.topologies or (QUICK_TOPOLOGIES if args.quick else TOPOLOGIES)
     rows = []
     header = (f"{'model':<13} {'topology':<20} {'batch':>6} {'dp':>9} {'ps':>9} {'single':>9} {'partition':>9} "
-              f"{'uniform':>9} {'pase':>9} {'pipe':>9} {'random':>9} {'mcts':>9} {'search':>9} {'x dp':>6} {'x unif':>6} "
-              f"{'secs':>6} {'load':>5}  method")
+              f"{'uniform':>9} {'pase':>9} {'pipe':>9} {'random':>9} {'mcts':>9} {'search':>9} {'x dp':>6} "
+              f"{'x unif':>6} {'secs':>6} {'load':>5}  method")
     print(header)
     for model in models:
         t0 = time.perf_counter()
@@ -188,15 +199,7 @@ def main(argv=None) -> int:
                     row["plan_changed_seed"] = plan_changed(tg, strategy, tg, grouping, topo, row["batch"], args,
                                                             seed=args.seed + 1)
                 rows.append(row)
-
-                def ms(key: str) -> str:
-                    return f"{row[key] * 1e3:9.1f}"
-                print(f"{model:<13} {name:<20} {row['batch']:>6} {ms('dp_allreduce_s')} {ms('ps_s')} "
-                      f"{ms('single_s')} {ms('partition_s')} {ms('best_uniform_s')} {ms('pase_dp_s')} {ms('pipeline_s')} "
-                      f"{ms('random_s')} {ms('mcts_alone_s')} {ms('search_s')} {row['speedup_vs_dp']:6.2f} "
-                      f"{row['speedup_vs_best_uniform']:6.2f} {row['search_seconds']:6.1f} "
-                      f"{row['load_average']:5.1f}  {row['method']}{'' if row['feasible'] else ' (OOM)'}",
-                      flush=True)
+                print(row_text(model, name, row), flush=True)
     het = [r for r in rows if r["heterogeneous"]]
     large_het = [r for r in het if "speedup_vs_best_uniform_without_pipeline" in r]
     summary = {"rows": rows,

@@ -96,7 +96,8 @@ def _dense_head(batch: int = 8):
         y = tf1.placeholder(tf.int32, [batch], name="labels")
         h = x
         for i, width in enumerate((24, 24, 5)):
-            w = tf1.get_variable(f"fc{i}/kernel", [h.shape[1], width], initializer=tf1.glorot_uniform_initializer(seed=i))
+            w = tf1.get_variable(f"fc{i}/kernel", [h.shape[1], width],
+                                 initializer=tf1.glorot_uniform_initializer(seed=i))
             h = tf.matmul(h, w) + tf1.get_variable(f"fc{i}/bias", [width], initializer=tf1.zeros_initializer())
             h = tf.nn.relu(h) if i < 2 else h
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
@@ -127,7 +128,7 @@ def exactness_rows() -> list[dict]:
     ports, servers = in_process_servers(3)
     hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                       f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
-                      for i, (p, f) in enumerate(zip(ports, (0.1, 0.05, 0.05))))
+                      for i, (p, f) in enumerate(zip(ports, (0.1, 0.05, 0.05), strict=True)))
     topo = parse_topology(f'name: "exact"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 50 }}\n')
     models = {"mlp": zoo.training_graph("mlp", batch_size=8, hidden=(16, 16)), "vgg19_head": _dense_head(),
               "ffn_block": _ffn_block()}
@@ -146,7 +147,7 @@ def exactness_rows() -> list[dict]:
         want = train_copies(rewrite(gd, ir, dp, topo), ir, batches)
         got = train_copies(rewrite(gd, ir, dataclasses.replace(dp, sfb=sfb), topo), ir, batches)
         worst = max(float(np.max(np.abs(c - w[v][0]))) / (float(np.max(np.abs(w[v][0]))) or 1.0)
-                    for w, s in zip(want, got) for v in w for c in s[v])
+                    for w, s in zip(want, got, strict=True) for v in w for c in s[v])
         rows.append({"part": "exactness", "model": name, "sfb_gradients": sfb, "max_rel_weight_diff": worst})
         print(f"{name:<12} {len(sfb)} gradients by SFB, 3 steps: max relative weight difference {worst:.2e}",
               flush=True)

@@ -152,7 +152,7 @@ def reusable_prefix(sim, dp, strategies) -> dict:
     tasks = sim.tasks
     T = max(tasks.num_tasks, 1)
     earliest = list(range(tasks.num_tasks))          # task -> first producer of data into it (or itself)
-    for src, dst in zip(tasks.bundle_src, tasks.bundle_dst):
+    for src, dst in zip(tasks.bundle_src, tasks.bundle_dst, strict=True):
         earliest[dst] = min(earliest[dst], src)
     first = []                                       # op group -> first task an edit of it can affect
     for g in range(sim.num_groups):
@@ -162,7 +162,7 @@ def reusable_prefix(sim, dp, strategies) -> dict:
         first.append(min(anchors, default=T))
     ignoring_lanes, same_lanes = [], []
     for s in strategies:
-        edited = [g for g, (a, b) in enumerate(zip(s.actions, dp.actions)) if a != b]
+        edited = [g for g, (a, b) in enumerate(zip(s.actions, dp.actions, strict=True)) if a != b]
         p = min((first[g] for g in edited), default=T) / T
         ignoring_lanes.append(p)
         same_lanes.append(0.0 if any(s.actions[g].mode != "allreduce" for g in edited) else p)
@@ -208,9 +208,9 @@ def profile(sim, strategies, seconds: float) -> dict:
 
 def bench_model(name: str, topo, seconds: float, groups: int, with_profile: bool = False) -> dict:
     import tag
+    from tag.sim.simulator import Simulator
     from tag.strategy.baselines import BUILTIN_STRATEGIES, builtin_strategy
     from tag.strategy.grouping import group_ops
-    from tag.sim.simulator import Simulator
 
     t0 = time.perf_counter()
     gd = tag.zoo.training_graph(name, **MODELS[name])

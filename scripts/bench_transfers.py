@@ -204,7 +204,8 @@ def measure_transfers(tb, topo, args, network) -> list[dict]:
                        "measured_s": remote - local, "model_s": model, "local_step_s": local,
                        "wire_s": count * nbytes * 8 / (args.link_gbps * 1e9), "load": load_averages()}
                 rows.append(row)
-                print(f"  {count:4d} x {nbytes / 1024:8.0f} KB  waves {waves:3d}: measured {row['measured_s'] * 1e3:9.2f} ms"
+                print(f"  {count:4d} x {nbytes / 1024:8.0f} KB  waves {waves:3d}: "
+                      f"measured {row['measured_s'] * 1e3:9.2f} ms"
                       f"  model {model * 1e3:9.2f} ms  wire {row['wire_s'] * 1e3:9.2f} ms"
                       f"  (local step {local * 1e3:.2f} ms)  load {row['load'][0]}", flush=True)
     return rows
@@ -257,12 +258,12 @@ def measure_sync_overlap(tb, topo, quotas, args) -> list[dict]:
 def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
     """Each model's one-host step at fractions of its batch, on every host, measured and predicted."""
     import tag
-    from tag_bench.cases import calibration_graph
     from tag.backend.rewrite import rewrite
     from tag.cost.model import CostModel
     from tag.sim import Simulator
     from tag.strategy.grouping import group_ops
     from tag.strategy.types import Action, Strategy
+    from tag_bench.cases import calibration_graph
     rows = []
     shares = SHARES[::2] if args.quick else SHARES
     hosts = sorted(set(range(len(quotas))), key=lambda i: -quotas[i])
@@ -304,6 +305,7 @@ def measure_batch_share(tb, topo, quotas, args, profile) -> list[dict]:
 def measure_contention(tb, topo, quotas, args) -> list[dict]:
     """Each kernel class's chain on each host, alone and while every other host runs its own copy."""
     from contextlib import ExitStack
+
     from tag_bench.cases import BackgroundSteps
     rows = []
     hosts = range(len(quotas))
@@ -353,6 +355,7 @@ def main(argv=None) -> int:
     topo = parse_topology(topology_text(quotas, args.link_gbps, args.latency_us), path="<bench_transfers>")
     if args.calibrate and profile is None:
         import tempfile
+
         from tag_bench.cases import calibrate_testbed, load_recipe, runtime_levels
         recipe = load_recipe()
         recipe["configs"] = {"T": {"quotas": quotas, "links_gbps": [args.link_gbps] * 3}}

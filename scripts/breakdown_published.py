@@ -28,6 +28,7 @@ from tag_bench.records import Run, write_json
 def breakdown(row: dict[str, Any], graph, step: bool = False) -> dict[str, Any]:
     """Per-key predicted seconds of one device's step for ROW (see the module docstring)."""
     import numpy as np
+
     import tag
     from tag.cost.model import CostModel
     from tag.cost.occupancy import occupancy

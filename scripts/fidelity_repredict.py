@@ -96,8 +96,10 @@ def main(argv=None) -> int:
         f = result[part]
         if f:
             print(f"{part}: {f['cases']} cases, median error {f['median_abs_rel_error'] * 100:.1f}% (uniform "
-                  f"{f['median_abs_rel_error_uniform'] * 100:.1f}%, random {f['median_abs_rel_error_random'] * 100:.1f}%), "
-                  f"max random {f['max_abs_rel_error_random'] * 100:.1f}%, mean Kendall tau {f['mean_kendall_tau']:.2f}")
+                  f"{f['median_abs_rel_error_uniform'] * 100:.1f}%, "
+                  f"random {f['median_abs_rel_error_random'] * 100:.1f}%), "
+                  f"max random {f['max_abs_rel_error_random'] * 100:.1f}%, "
+                  f"mean Kendall tau {f['mean_kendall_tau']:.2f}")
     write_json(args.json, result, this_run)
     return 0
 

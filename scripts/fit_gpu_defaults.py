@@ -185,7 +185,7 @@ def op_arrays(graph, batch: int, xla: bool = False, sms: int = 0):
     else:
         mem, fused = a.mem_bytes(batch), np.zeros(len(graph.ops), dtype=bool)
     tensor = np.array([TENSOR.index(c) if c in TENSOR and p in ("fp16", "bf16") else -1
-                       for c, p in zip(cls, op_precisions(graph))], dtype=np.int64)
+                       for c, p in zip(cls, op_precisions(graph), strict=True)], dtype=np.int64)
     occ = occupancy(gemm_extents(graph), batch, sms, tensor >= 0)     # tensor cores: tile padding too
     return a.flops(batch), mem, idx, charged, fused, tensor, occ
 
@@ -193,7 +193,7 @@ def op_arrays(graph, batch: int, xla: bool = False, sms: int = 0):
 def unpack(x: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
     e = np.exp(x[:len(SHARED)])
     mem, launch = math.exp(x[len(SHARED)]), math.exp(x[len(SHARED) + 1])
-    scales = {g: math.exp(v) for g, v in zip(FITTED_GPUS, x[len(SHARED) + 2:])}
+    scales = {g: math.exp(v) for g, v in zip(FITTED_GPUS, x[len(SHARED) + 2:], strict=True)}
     return e, mem, launch, scales
 
 
@@ -254,7 +254,8 @@ def fit_tensor(rows, graphs, e, mem, launch) -> np.ndarray:
         return np.concatenate([res, PRIOR_WEIGHT * (x - prior) / sd])
 
     sol = least_squares(residuals, prior, method="trf", bounds=(np.log(1e-3), 0.0))
-    print("  mixed fit rows:", {r["id"]: round(float(v), 3) for (r, _, _), v in zip(data, residuals(sol.x))})
+    fitted = residuals(sol.x)[:len(data)]           # one per row; the prior's terms follow
+    print("  mixed fit rows:", {r["id"]: round(float(v), 3) for (r, _, _), v in zip(data, fitted, strict=True)})
     return np.exp(sol.x)
 
 
@@ -263,7 +264,7 @@ def class_table(e, mem, launch, scales, tensor_e=None) -> dict:
     source class's x the derived factor). Tensor-core efficiencies: the V100-fitted ones x the class's
     tensor scale, the part of its compute scale that tensor cores share (sustained clock against the boost
     clock the spec-sheet peaks assume, fitted on the class's FP32 rows), capped at 1."""
-    shared = {k: float(v) for k, v in zip(SHARED, e)}
+    shared = {k: float(v) for k, v in zip(SHARED, e, strict=True)}
     shared["conv:depthwise"] = 0.2           # no rows: memory-bound in practice; the built-in value
     out = {}
     for name, (patterns, spec) in CLASSES.items():
@@ -280,7 +281,7 @@ def class_table(e, mem, launch, scales, tensor_e=None) -> dict:
                for k, v in shared.items()}
         tensor = {}
         if tensor_e is not None:
-            table = {k: round(float(min(v * tensor_scale, 1.0)), 4) for k, v in zip(TENSOR, tensor_e)}
+            table = {k: round(float(min(v * tensor_scale, 1.0)), 4) for k, v in zip(TENSOR, tensor_e, strict=True)}
             tensor = {p: dict(table) for p in ("tf32", "fp16", "bf16") if p in PEAKS[name]
                       and name not in NO_TENSOR_CORES}
         out[name] = {"patterns": patterns, "spec": spec, "peaks": PEAKS[name],
@@ -321,6 +322,7 @@ def fit_lockstep(path, rows, graphs, classes, pcie_eff: float) -> float:
     backward pass runs, so the step is compute-bound); the slowdown multiplies compute by
     ``1 + s log2(n)``, so s minimises sum (e - log(1 + s log2 n))^2."""
     from scipy.optimize import minimize_scalar
+
     import tag.cost.gpu_defaults as gd
     multi = [r for r in rows if r["split"] == "fit" and r["gpu_count"] > 1 and r["precision"] == "fp32"
              and published.SYSTEMS[r["system"]]["link"] == "NVLINK"]
@@ -329,7 +331,8 @@ def fit_lockstep(path, rows, graphs, classes, pcie_eff: float) -> float:
     errs = np.array([math.log(published.predict(r, graphs[published.model_key(r)])["predicted"] / r["throughput"])
                      for r in multi])
     doublings = np.array([math.log2(r["gpu_count"]) for r in multi])
-    print("  multi-GPU fit rows without lockstep slowdown:", {r["id"]: round(float(e), 3) for r, e in zip(multi, errs)})
+    print("  multi-GPU fit rows without lockstep slowdown:",
+          {r["id"]: round(float(e), 3) for r, e in zip(multi, errs, strict=True)})
     res = minimize_scalar(lambda x: float(np.sum((errs - np.log1p(x * doublings)) ** 2)), bounds=(0.0, 0.2),
                           method="bounded")
     return round(float(res.x), 4)
@@ -376,10 +379,10 @@ def main(argv=None) -> int:
         if graphs[published.model_key(r)] is None:
             graphs[published.model_key(r)] = published.build_ir(r, args.cache)
     e, mem, launch, scales = fit_compute(rows, graphs)
-    print("shared:", {k: round(float(v), 3) for k, v in zip(SHARED, e)}, "memory", round(mem, 3),
+    print("shared:", {k: round(float(v), 3) for k, v in zip(SHARED, e, strict=True)}, "memory", round(mem, 3),
           "launch", f"{launch:.2e}", "scales", {k: round(v, 3) for k, v in scales.items()})
     tensor_e = fit_tensor(rows, graphs, e, mem, launch)
-    print("tensor-core efficiencies:", {k: round(float(v), 3) for k, v in zip(TENSOR, tensor_e)})
+    print("tensor-core efficiencies:", {k: round(float(v), 3) for k, v in zip(TENSOR, tensor_e, strict=True)})
     classes = class_table(e, mem, launch, scales, tensor_e)
     # the lockstep and PCIe fits simulate with the candidate file: point tag's profile loader at --out
     import tag.cost.gpu_defaults as gd

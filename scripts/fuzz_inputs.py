@@ -92,12 +92,14 @@ def topology_cases() -> list[Case]:
         "memory-negative": ("memory_gib: 2", "memory_gib: -2"), "memory-zero": ("memory_gib: 2", "memory_gib: 0"),
         "memory-nan": ("memory_gib: 2", "memory_gib: nan"), "memory-inf": ("memory_gib: 2", "memory_gib: inf"),
         "memory-string": ("memory_gib: 2", 'memory_gib: "two"'), "memory-1e308": ("memory_gib: 2", "memory_gib: 1e308"),
-        "tflops-zero": ("peak_tflops: 0.05", "peak_tflops: 0"), "tflops-negative": ("peak_tflops: 0.05", "peak_tflops: -1"),
+        "tflops-zero": ("peak_tflops: 0.05", "peak_tflops: 0"),
+        "tflops-negative": ("peak_tflops: 0.05", "peak_tflops: -1"),
         "bandwidth-zero": ("memory_bandwidth_gbs: 10", "memory_bandwidth_gbs: 0"),
         "count-zero": ("count: 1", "count: 0"), "count-negative": ("count: 1", "count: -3"),
         "count-absurd": ("count: 1", "count: 2000000000"), "kind-unknown": ("kind: CPU", "kind: QPU"),
         "kind-number": ("kind: CPU", "kind: 42"), "type-empty": ('type: "CPU"', 'type: ""'),
-        "fabric-zero": ("bandwidth_gbps: 10", "bandwidth_gbps: 0"), "fabric-negative": ("latency_us: 50", "latency_us: -5"),
+        "fabric-zero": ("bandwidth_gbps: 10", "bandwidth_gbps: 0"),
+        "fabric-negative": ("latency_us: 50", "latency_us: -5"),
         "unknown-field": ('name: "localhost"', 'name: "localhost"\nfrobnicate: 3'),
         "unknown-block": ('name: "localhost"', 'name: "localhost"\nwormhole { a: "x" }'),
         "unbalanced-open": ("fabric {", "fabric { {"), "unbalanced-close": ("latency_us: 50 }", "latency_us: 50 } }"),
@@ -193,7 +195,8 @@ def _graph_edits() -> dict[str, Callable]:
         "attr-wrong-kind": lambda gd: node(gd, "MatMul").attr["transpose_a"].CopyFrom(
             type(node(gd, "MatMul").attr["transpose_a"])(s=b"yes")),
         "attr-missing": lambda gd: node(gd, "MatMul").attr.pop("T"),
-        "input-port-absurd": lambda gd: node(gd, "MatMul").input.__setitem__(0, node(gd, "MatMul").input[0].split(":")[0] + ":99"),
+        "input-port-absurd": lambda gd: node(gd, "MatMul").input.__setitem__(
+            0, node(gd, "MatMul").input[0].split(":")[0] + ":99"),
         "device-garbage": lambda gd: [setattr(n, "device", "/job:x/task:zz/device:QPU:9") for n in gd.node],
         "no-optimizer-updates": no_updates,
         "control-input-cycle": lambda gd: node(gd, "Placeholder").input.append(
@@ -212,7 +215,7 @@ def graph_cases() -> list[Case]:
              Case("graph/topology-as-model", _text(LOCALHOST).encode(), "deploy-model"),
              Case("graph/json", b'{"node": []}', "deploy-model", suffix=".json"),
              Case("graph/huge-sparse", None, "deploy-model", suffix=".pb", sparse_size=3 << 30)]
-    for i, frac in enumerate([0.01, 0.03, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]):
+    for frac in (0.01, 0.03, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99):
         cases.append(Case(f"graph/truncated-binary-{frac}", binary[:int(len(binary) * frac)], "deploy-model",
                           suffix=".pb"))
         cases.append(Case(f"graph/truncated-text-{frac}", text[:int(len(text) * frac)], "deploy-model",

@@ -30,8 +30,16 @@ import numpy as np  # noqa: E402
 from tag.api import prepare  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from tag_bench.cases import (calibration_graph, first_group_per_type, fit_alone_and_loaded, heldout,  # noqa: E402
-                             levels_batches, load_recipe, one_host_rooflines, one_host_split)
+from tag_bench.cases import (  # noqa: E402
+    calibration_graph,
+    first_group_per_type,
+    fit_alone_and_loaded,
+    heldout,
+    levels_batches,
+    load_recipe,
+    one_host_rooflines,
+    one_host_split,
+)
 from tag_bench.fidelity import MODELS, repredict_group  # noqa: E402
 from tag_bench.records import Run, write_json  # noqa: E402
 
@@ -70,7 +78,7 @@ def refitted_profile(recipe: dict, base: Profile, topology, ratios: dict) -> Pro
             firsts = [g.devices[0] for g in first.values()]
             splits = one_host_split(an, base, b, firsts)
             rooflines = one_host_rooflines(an, base, b, firsts)
-            for t, (predicted, ops, parts), roof in zip(first, splits, rooflines):
+            for t, (predicted, ops, parts), roof in zip(first, splits, rooflines, strict=True):
                 for label in points:
                     if (t, label) in ratios:
                         points[label][t].append((predicted, ops, parts, predicted * ratios[(t, label)][i], roof))

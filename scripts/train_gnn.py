@@ -28,10 +28,10 @@ import numpy as np
 from tag.cluster.topology import parse_topology
 from tag.gnn.cases import TRAIN_ZOO, random_layered_graph, random_topology_text, zoo_graph
 from tag.gnn.model import PolicyNet
-from tag.gnn.policy import GNNPolicy, WEIGHTS_PATH, reference_log_probs
+from tag.gnn.policy import WEIGHTS_PATH, GNNPolicy, reference_log_probs
 from tag.gnn.selfplay import Trainer, self_play
-from tag.search.env import SearchEnv
 from tag.search.driver import best_uniform
+from tag.search.env import SearchEnv
 from tag.search.mcts import mcts
 from tag.strategy.grouping import group_ops
 from tag_bench.machine import load1

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from tag.errors import (GraphError, MemoryBudgetError, OptionError, RewriteError, StrategyError, TagError,
-                        TopologyError)
+from tag.errors import GraphError, MemoryBudgetError, OptionError, RewriteError, StrategyError, TagError, TopologyError
 
 __version__ = "0.1.0"
 

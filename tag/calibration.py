@@ -388,7 +388,7 @@ def profile_graph(graph_def, graph: "TrainingGraph", steps: int = 10, device_typ
     fit = fit_profile([g for _, g, _ in items], ms, peak, bw, matmul_table=table)
     steps_text = "; ".join(f"{name} at batch {g.batch_size}: step {m.wall_s * 1e3:.2f} ms ops one at a time, "
                            f"{m.wall_parallel_s * 1e3:.2f} ms with default settings"
-                           for (_, g, name), m in zip(items, ms))
+                           for (_, g, name), m in zip(items, ms, strict=True))
     source = (f"tag.profile: {steps} traced steps on {_cpu_name()} ({os.cpu_count()} cores, TensorFlow "
               f"{tf.__version__}); {steps_text}; kernel floor {fit.kernel_floor_s * 1e6:.1f} us")
     source += f"; memory-bound ops at {fit.memory_bandwidth / 1e9:.1f} GB/s (streaming {bw / 1e9:.1f} GB/s)"
@@ -478,7 +478,8 @@ def _sync_graph(nbytes: int, devices: Sequence[str], kind: str, chains: Sequence
                 sink = tf.Variable(0.0, name=f"sink_{i}")      # used: see _read_graph
                 variables.append(sink)
                 outs.append(sink.assign_add(tf.reduce_sum(x)))
-        for i, (dev, depth) in enumerate(zip(devices, chains)):
+        chained = zip(devices, chains, strict=True) if chains else ()      # no chains, or one per device
+        for i, (dev, depth) in enumerate(chained):
             with tf.device(dev):
                 m = tf.Variable(tf.random.normal([SYNC_CHAIN_SIDE] * 2, stddev=SYNC_CHAIN_SIDE ** -0.5),
                                 name=f"chain_{i}")
@@ -620,8 +621,9 @@ def process_cpu_s(pid: int) -> float:
     return total * 1e-9
 
 
-def measure_network(target: str, near: str, far: str, *, sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20),
-                    steps: int = 12, pids: Sequence[int] | None = None) -> "NetworkProfile":
+def measure_network(target: str, near: str, far: str, *,
+                    sizes_bytes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20, 16 << 20), steps: int = 12,
+                    pids: Sequence[int] | None = None) -> "NetworkProfile":
     """Measure TensorFlow's runtime costs between two tasks of a running cluster (TARGET, "grpc://...").
 
     NEAR and FAR are device strings of two tasks. Transfers: for each size, a variable on FAR (remote)

@@ -103,6 +103,7 @@ def measure_on_testbed(tb, runnable, predicted_s: float, budget_s: float) -> flo
     """Median step of RUNNABLE (a ``tag.rewrite`` result) on the running testbed TB, as many steps as
     ``steps_for`` gives."""
     import numpy as np
+
     from tag.backend.runtime.measure import run_on
     timed, warmup = steps_for(predicted_s, budget_s)
     r = run_on(tb, runnable, steps=warmup + timed, warmup=warmup)
@@ -174,6 +175,7 @@ def measure_interleaved(tb, cases: dict, budget_s: float, rounds: int = INTERLEA
     50 ms (bench_fidelity run 5, B/cnn), more than the gaps between the cases being ranked; interleaving puts
     the drift on every case alike."""
     import numpy as np
+
     from tag.backend.runtime.measure import run_on
     samples: dict = {k: [] for k in cases}
     keys = list(cases)
@@ -207,6 +209,7 @@ def one_host_split(analysis, profile, batch: int, devices) -> list[tuple[float, 
     by doubling that scale; ``ops``: the ops that pay a launch overhead, found by adding a probe overhead. The
     rest of the step (launch overheads, the runtime's step overhead) is ``predicted - sum(parts)``."""
     import dataclasses
+
     from tag.cost.model import CostModel, Profile
     from tag.cost.op_classes import FAMILIES
     from tag.sim import Simulator
@@ -337,7 +340,8 @@ def runtime_levels(tb, recipe: dict, profile, budget_s: float = 2.0, verbose: bo
             whole = {g.name: analysis.rewrite(on_one_device(analysis.grouping, analysis.topology,
                                                             len(analysis.graph.ops), g.devices[0]))
                      for g in (tb.topology.groups if under_load else first_group.values())}
-            for (dtype, group), (predicted, ops, parts), roof in zip(first_group.items(), splits, rooflines):
+            for (dtype, group), (predicted, ops, parts), roof in zip(first_group.items(), splits, rooflines,
+                                                                     strict=True):
                 if not under_load:
                     measured = measure_on_testbed(tb, whole[group.name], predicted, budget_s)
                     points[dtype].append((predicted, ops, parts, measured, roof))
@@ -379,6 +383,7 @@ def sync_on_testbed(tb, profile, record: dict | None = None, verbose: bool = Tru
     calibrated FLOP/s): how much a gradient all-reduce or push and the hosts' compute lose to each other there.
     RECORD's key ``sync_serial`` receives the rows. Unchanged when PROFILE has no network costs or TB one host."""
     import dataclasses
+
     from tag.calibration import measure_sync_serial
     topo = tb.topology
     if profile.network is None or len(topo.hosts) < 2:
@@ -441,6 +446,7 @@ def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, 
     and fits into RECORD; the printed note per type. With FADES and REFIT_FADE, each type's fade length is
     fitted and put into FADES; without REFIT_FADE, FADES' length for the type is used."""
     import numpy as np
+
     from tag.cost.fitting import fit_faded_level, fit_levels
     from tag.cost.op_classes import FAMILIES
     notes = []
@@ -471,7 +477,7 @@ def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, 
                 record[dtype]["faded"] = {"scale": faded.scales[FAMILIES[0]], "fade_s": faded.fade_s,
                                           "overhead_s": faded.overhead_s, "ratio": faded.ratio.tolist(),
                                           "max_error": faded.max_error}
-        shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_))
+        shares = "/".join(":".join(f"{100 * x / p:.0f}" for x in row) for row, p in zip(parts_, p_, strict=True))
         fading = (f"one fading scale: {faded.describe()}, residuals "
                   f"{'/'.join(f'{x - 1:+.2f}' for x in faded.ratio)}; " if faded is not None else "")
         notes.append(f"{dtype} ({label}) {fading}{fit.describe()}{f' [{fit.note}]' if fit.note else ''}; one scale: "
@@ -484,6 +490,7 @@ def _fit_levels_per_type(points: dict, base: dict, out: dict, per_family: bool, 
 def _no_faster(loaded, alone):
     """LOADED (a DeviceProfile) with each family scale and the launch overhead at least ALONE's."""
     import dataclasses
+
     from tag.cost.op_classes import FAMILIES
     return dataclasses.replace(
         loaded, family_scale={f: max(loaded.family_scale.get(f, 1.0), alone.family_scale.get(f, 1.0))
@@ -536,10 +543,11 @@ def calibrate_testbed(recipe: dict, workdir: str, configs=None, verbose: bool = 
     median (``rounds_disagree``), more rounds run, up to ``share_rounds_max`` in all: bench_pipeline run 26's two
     rounds put the full core at 0.93 and 1.26 of its traced step, and the median of two is their mean."""
     import numpy as np
-    from tag_bench.testbed import Testbed
-    from tag.cluster.topology import parse_topology
+
     from tag.calibration import profile_network
+    from tag.cluster.topology import parse_topology
     from tag.cost.model import Profile
+    from tag_bench.testbed import Testbed
     cal = recipe["calibration"]
     quotas = all_quotas(recipe, configs)
     rounds = int(cal.get("share_rounds", 2))
@@ -597,9 +605,10 @@ def testbed_topology(recipe: dict, name: str, profile):
         d = profile.devices[device_type(q)]
         lines.append(f'host {{ name: "h{i}" address: "127.0.0.1" port: {24461 + i}\n'
                      f'  device {{ type: "{device_type(q)}" kind: CPU count: 1 memory_gib: 4 '
-                     f'peak_tflops: {d.peak_flops / 1e12:.6g} memory_bandwidth_gbs: {d.memory_bandwidth / 1e9:.4g} }} }}')
+                     f'peak_tflops: {d.peak_flops / 1e12:.6g} '
+                     f'memory_bandwidth_gbs: {d.memory_bandwidth / 1e9:.4g} }} }}')
     latency = recipe.get("link_latency_us", 50)
-    for (a, b), bw in zip(HOST_PAIRS, cfg["links_gbps"]):
+    for (a, b), bw in zip(HOST_PAIRS, cfg["links_gbps"], strict=True):
         lines.append(f'link {{ a: "{a}" b: "{b}" bandwidth_gbps: {bw} latency_us: {latency} }}')
     text = "\n".join(lines) + "\n"
     return text, parse_topology(text, path=f"<testbed {name}>")
@@ -620,8 +629,8 @@ def gpu_ratio_link_gbps(profile, quota: float, gpu_gbps: float = 25.0, gpu_flops
 # they were sized: so that using every host must pay); at batch 192 the simulator predicted the VGG's best
 # mixed plan 1.01x faster than one host, at 384 1.49x; the deep MLP at 384 x 4 = 1536 since bench_pipeline run 27
 # (at 96 x 4 = 384 an 8-micro-batch pipeline's 48-row micro-batches ran below the MatMuls' full rate); the
-# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on the G calibration
-# docs/measured/issue22-e2e/e2e_g_scale4_xeon_buckets.profile.json the simulator predicted one host best at 192,
+# 2-layer transformer at 96 x 4 = 384 since bench_e2e's G run of November 29 (on that run's G calibration,
+# e2e_g_scale4_xeon_buckets.profile.json, in git history before c5e4afc, the simulator predicted one host best at 192,
 # 408 ms against 424 ms for dp over the three hosts: a case where using every host cannot pay; at 384 it
 # predicted a mixed plan 1.26x faster than one host); the deep transformer at 24 x 4 = 96 since the G run of
 # December 1 (at 48 its pipeline measured 1.15x over one host in one run and 0.97x in the next, within the noise

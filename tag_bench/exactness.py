@@ -141,7 +141,7 @@ def zero_gradient_variables(names, grads) -> set[str]:
     names, grads = list(names), [np.asarray(g) for g in grads]
     largest = [float(np.max(np.abs(g))) if g.size else 0.0 for g in grads]
     gmax = max(largest, default=0.0)
-    return {n for n, m in zip(names, largest) if m <= ROUNDING_NOISE * gmax}
+    return {n for n, m in zip(names, largest, strict=True) if m <= ROUNDING_NOISE * gmax}
 
 
 def random_feed(ir, gd, seed: int = 0) -> dict:
@@ -179,6 +179,7 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
     Adam's first step moves a weight by about lr * g / (|g| + eps) whatever g's size, so where |g| is near
     eps (1e-7; many elements of a deep ReLU network) rounding of g changes the step visibly."""
     import tensorflow as tf
+
     from tag.backend.rewrite.graph_edit import canonical
     tf1 = tf.compat.v1
     feed = {k + ":0": v for k, v in random_feed(analysis.graph, analysis.graph_def).items()}
@@ -198,7 +199,8 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
         grad_vars.append(v)
     from tag.backend.runtime.containers import in_container, new_container
     g = tf.Graph()
-    with g.as_default():   # the whole step in one client graph (its inner gradients are fetched), in a container of its own
+    # the whole step in one client graph (its inner gradients are fetched), in a container of its own
+    with g.as_default():
         tf.graph_util.import_graph_def(in_container(res.graph_def, new_container()), name="")
     cfg = tf1.ConfigProto()
     cfg.graph_options.rewrite_options.disable_meta_optimizer = True
@@ -220,12 +222,12 @@ def weight_diff(analysis, res, target: str) -> tuple[float, float, list[str]]:
         s.run(analysis.entry.train_op, feed)
         ref = s.run(reads)
     noise = zero_gradient_variables([v.name for v in vs], all_grads)
-    ref_grads = dict(zip([v.name for v in vs], all_grads))
+    ref_grads = dict(zip([v.name for v in vs], all_grads, strict=True))
 
-    weights = max((relative_diff(c, r) for v, r in zip(vs, ref) if v.name not in noise for c in got[v.name]),
-                  default=0.0)
-    grads = max((relative_diff(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads) if v.name not in noise),
-                default=0.0)
+    weights = max((relative_diff(c, r) for v, r in zip(vs, ref, strict=True) if v.name not in noise
+                   for c in got[v.name]), default=0.0)
+    grads = max((relative_diff(a, ref_grads[v.name]) for v, a in zip(grad_vars, got_grads, strict=True)
+                 if v.name not in noise), default=0.0)
     return weights, grads, sorted(noise)
 
 
@@ -243,6 +245,7 @@ def micro_batch_rounding(model: str, batch: int, width: int | None, depth: int |
         return 0.0
     import tensorflow as tf
     import tf_keras
+
     from tag_bench.mwms import input_spec, keras_model
     tf.random.set_seed(seed)
     net = keras_model(model, tf_keras, width=width, depth=depth)
@@ -261,10 +264,11 @@ def micro_batch_rounding(model: str, batch: int, width: int | None, depth: int |
     whole = grads(0, batch, 1.0)
     step = batch // micro_batches
     summed = [sum(gs) for gs in zip(*(grads(m * step, (m + 1) * step, 1.0 / micro_batches)
-                                      for m in range(micro_batches)))]
+                                      for m in range(micro_batches)), strict=True)]
     names = [v.name for v in net.trainable_variables]
     noise = zero_gradient_variables(names, whole)
-    return max((relative_diff(a, b) for n, a, b in zip(names, summed, whole) if n not in noise), default=0.0)
+    return max((relative_diff(a, b) for n, a, b in zip(names, summed, whole, strict=True) if n not in noise),
+               default=0.0)
 
 
 def same_groups(graph, analysis):
@@ -273,7 +277,7 @@ def same_groups(graph, analysis):
     hyperparameters, ``train_op/update_dense/kernel/Cast_2``) in the group of the float32 ops under the longest
     name scope it shares with them (that variable's update)."""
     from tag.strategy.types import Grouping
-    group_of = {op.name: int(g) for op, g in zip(analysis.graph.ops, analysis.grouping.group_of_op)}
+    group_of = {op.name: int(g) for op, g in zip(analysis.graph.ops, analysis.grouping.group_of_op, strict=True)}
     groups = []
     for op in graph.ops:
         scope = op.name

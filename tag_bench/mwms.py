@@ -273,7 +273,7 @@ def worker_main(argv: list[str] | None = None) -> int:
             per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
             loss = tf.reduce_sum(per_example) / args.batch
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     @tf.function

@@ -109,6 +109,7 @@ def _resnet_graph_def(batch_size: int, stride_in_3x3: bool, stages: tuple[int, .
     conventions otherwise (placeholders, mean cross-entropy, Momentum 0.9)."""
     import tensorflow as tf
     import tf_keras
+
     from tag.frontend.zoo import _finish, _xent
     v1 = tf.compat.v1
     layers = tf_keras.layers
@@ -129,7 +130,7 @@ def _resnet_graph_def(batch_size: int, stride_in_3x3: bool, stages: tuple[int, .
         y = conv_bn(x, 64, 7, 2)
         y = layers.MaxPooling2D(3, 2, padding="same")(y)
         channels = 64
-        for width, blocks, stride in zip((64, 128, 256, 512), stages, (1, 2, 2, 2)):
+        for width, blocks, stride in zip((64, 128, 256, 512), stages, (1, 2, 2, 2), strict=True):
             for b in range(blocks):
                 s = stride if b == 0 else 1
                 short = conv_bn(y, 4 * width, 1, s, relu=False) if channels != 4 * width else y
@@ -184,7 +185,8 @@ def build_ir(row: dict[str, Any], cache: str | None = None):
 def topology_text(system: str, n: int) -> str:
     """A one-host topology of N GPUs of SYSTEM (protobuf text)."""
     s = SYSTEMS[system]
-    link = (f'interconnect {{ kind: {s["link"]} bandwidth_gbs: {s["link_gbs"]} latency_us: {2 if s["link"] == "NVLINK" else 5} }}'
+    latency_us = 2 if s["link"] == "NVLINK" else 5
+    link = (f'interconnect {{ kind: {s["link"]} bandwidth_gbs: {s["link_gbs"]} latency_us: {latency_us} }}'
             if n > 1 else "")
     peaks = " ".join(f"peak_{p}_tflops: {v}" for p, v in s.get("peaks", {}).items())
     return (f'name: "{system}-x{n}"\nhost {{ name: "node" address: "10.0.0.1" port: 2222\n'

@@ -36,7 +36,7 @@ def _per_host(option: str, given, hosts: Sequence["Host"], default) -> dict:
     values = list(given)
     if len(values) != len(names):
         raise TestbedError(f"{option} has {len(values)} entries for {len(names)} hosts")
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
 
 
 def parse_shares(cpu_shares, hosts: Sequence["Host"]) -> dict[str, int] | None:

@@ -9,7 +9,8 @@
         stop(proc)                                    # SIGKILL its process group, wait at most 15 s
 
 A reader thread moves the stream's lines into a queue, so that a read can time out (a plain
-``readline`` on a pipe cannot). At end of stream ``next`` returns None. ``bounded(config)`` bounds a cluster session's runs.
+``readline`` on a pipe cannot). At end of stream ``next`` returns None. ``bounded(config)`` bounds a
+cluster session's runs.
 """
 from __future__ import annotations
 

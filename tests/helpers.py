@@ -12,9 +12,14 @@ import os
 import sys
 from types import ModuleType
 
-from tag_bench.exactness import (forward_group_order, in_process_servers, train_copies,  # noqa: F401 (re-exported)
-                                 train_host_programs,
-                                 trained_variables, zero_gradient_variables)
+from tag_bench.exactness import (  # noqa: F401 (re-exported)
+    forward_group_order,
+    in_process_servers,
+    train_copies,
+    train_host_programs,
+    trained_variables,
+    zero_gradient_variables,
+)
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 

@@ -15,10 +15,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from helpers import trained_variables  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.frontend.analyze import analyze  # noqa: E402
 from tag.ir.types import Linear, TrainingGraph  # noqa: E402
-from helpers import trained_variables  # noqa: E402
 from tiny import TINY_ZOO_OPTIONS  # noqa: E402
 
 v1 = tf.compat.v1
@@ -53,7 +53,7 @@ def mlp_graph(batch: int | None = 8, optimizer: str = "adam", grad_scope: str | 
             opt = v1.train.GradientDescentOptimizer(0.1)
         if grad_scope:
             grads = tf.gradients(loss, params, name=grad_scope)
-            opt.apply_gradients(list(zip(grads, params)), name="train_op")
+            opt.apply_gradients(list(zip(grads, params, strict=True)), name="train_op")
         else:
             opt.minimize(loss, name="train_op")
         v1.variables_initializer(v1.global_variables(), name="init")
@@ -211,9 +211,9 @@ def test_mlp_reanalysed_at_another_batch():
     assert _tensor(b, "x:0").shape == (16, IN) and _tensor(b, "hidden:0").shape == (16, HID)
     assert _tensor(b, "gradients/hidden_grad/ReluGrad:0").shape == (16, HID)
     assert [o.name for o in a.ops] == [o.name for o in b.ops]
-    for oa, ob in zip(a.ops, b.ops):
+    for oa, ob in zip(a.ops, b.ops, strict=True):
         assert oa.flops == ob.flops, oa.name
-        for ta, tb in zip(oa.outputs, ob.outputs):
+        for ta, tb in zip(oa.outputs, ob.outputs, strict=True):
             assert ta.batch_axis == tb.batch_axis and ta.nbytes == tb.nbytes, ta.name
     assert b.total_flops() == pytest.approx(2 * a.total_flops() - a.total_flops(batch=0))
 

@@ -1,4 +1,4 @@
-"""Built-in strategies (tag.baselines) and the strategy protobuf round trip."""
+"""Built-in strategies (tag.strategy.baselines) and the strategy protobuf round trip."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +10,18 @@ import sys
 import numpy as np
 import pytest
 
-from tag.strategy.baselines import (BUILTIN_STRATEGIES, best_connected_device, builtin_strategy, fastest_device,
-                           group_order, topological_op_order)
+from tag.cluster.topology import Device, DeviceGroup, Host, Topology
 from tag.errors import StrategyError
 from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
+from tag.strategy.baselines import (
+    BUILTIN_STRATEGIES,
+    best_connected_device,
+    builtin_strategy,
+    fastest_device,
+    group_order,
+    topological_op_order,
+)
 from tag.strategy.types import Action, Grouping, Strategy
-from tag.cluster.topology import Device, DeviceGroup, Host, Topology
 
 GB = 1e9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,6 +225,7 @@ def test_proto_rejects_unspecified_mode_and_garbage():
 def test_generated_strategy_module_matches_the_proto(tmp_path):
     # protoc runs in its own process: in a process that has loaded TensorFlow it crashes
     import grpc_tools
+
     from tag._proto import strategy_pb2
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     result = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"-I{include}",
@@ -244,8 +251,8 @@ def zoo_case(request):
 
 @pytest.mark.parametrize("topo_file", ["lab-v100-1080ti.pbtxt", "fabric-64x8.pbtxt"])
 def test_builtins_on_zoo_graphs(zoo_case, topo_file):
-    from tag.cost.model import CostModel
     from tag.cluster.topology import load_topology
+    from tag.cost.model import CostModel
     tg, grouping = zoo_case
     topo = load_topology(os.path.join(ROOT, "topologies", topo_file))
     cm = CostModel(tg, topo)

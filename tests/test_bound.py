@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import tag
-from tiny import TINY_ZOO_OPTIONS
 from tag.search.env import SearchEnv
 from tag.search.local import refine
 from tag.sim.bound import StepBound
 from tag.strategy.baselines import BUILTIN_STRATEGIES
 from tag.strategy.grouping import group_ops
+from tiny import TINY_ZOO_OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAB = os.path.join(ROOT, "topologies", "lab-v100-1080ti.pbtxt")
@@ -85,7 +85,7 @@ def test_screened_refinement_makes_the_same_moves(name):
         starts = edit_sequence(env, 3, seed=7)
         runs[screen] = [refine(env, s, max_evaluations=150, screen=screen) for s in starts], env
     plain, screened = runs[False][0], runs[True][0]
-    for a, b in zip(plain, screened):
+    for a, b in zip(plain, screened, strict=True):
         assert a.choice == b.choice and a.outcome == b.outcome and a.moves == b.moves and a.sweeps == b.sweeps
     env = runs[True][1]
     assert env.screened > 0 and env.evaluations < runs[False][1].evaluations

@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from tiny import DeviceSpec, make_topology, mlp_graph
 from tag.search.buckets import BUCKET_CHOICES, choose_bucket_bytes, fusable
 from tag.sim.simulator import Simulator
 from tag.strategy.fusion import FUSION_BUCKET_BYTES
 from tag.strategy.grouping import group_ops
 from tag.strategy.pipeline import Pipeline, PipelineStage
 from tag.strategy.types import Action, Strategy
+from tiny import DeviceSpec, make_topology, mlp_graph
 
 
 def data_parallel(tg, topo, groups: int = 8):

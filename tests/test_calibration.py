@@ -11,15 +11,15 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from tag.calibration import profile_graph  # noqa: E402
+from tag.cli.profile import main  # noqa: E402
+from tag.cluster.topology import load_topology  # noqa: E402
+from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
 from tag.cost.model import CostModel, Profile  # noqa: E402
+from tag.cost.op_classes import cpu_fused_bias_adds  # noqa: E402
+from tag.cost.profile_store import default_profile_path, load_default_profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph  # noqa: E402
-from tag.cli.profile import main  # noqa: E402
-from tag.calibration import profile_graph  # noqa: E402
-from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
-from tag.cost.op_classes import cpu_fused_bias_adds  # noqa: E402
-from tag.cluster.topology import load_topology  # noqa: E402
-from tag.cost.profile_store import default_profile_path, load_default_profile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCALHOST = os.path.join(ROOT, "topologies", "localhost.pbtxt")
@@ -234,8 +234,9 @@ def test_cli_bad_model_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_profile_of_a_users_raw_tf_graph():
     """Ref variables, no ``init`` op, a None batch dimension: the initialisers are found and the step runs."""
     import tensorflow as tf
-    from tag.frontend.analyze import analyze
+
     from tag.calibration import _init_ops
+    from tag.frontend.analyze import analyze
     v1 = tf.compat.v1
     g = tf.Graph()
     with g.as_default():
@@ -277,9 +278,10 @@ def test_network_chain_crosses_tasks_at_every_hop():
     chain of unary ops onto one device, so a remote chain ran as fast as a local one. With 4 MB at each of 8
     hops the remote chain is several times slower than the same chain on one task."""
     import numpy as np
+
     from tag.backend.runtime import LocalCluster, free_ports, run_steps
-    from tag.cluster.topology import parse_topology
     from tag.calibration import _chain_graph
+    from tag.cluster.topology import parse_topology
     text = "\n".join(f'host {{ name: "c{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -300,9 +302,10 @@ def test_collective_chain_waits_for_every_all_reduce():
     one's result: over two real servers the sum doubles at every hop (each task adds the other's equal tensor),
     and 8 hops take longer than the same chain without them by at least 8 x 0.1 ms."""
     import numpy as np
+
     from tag.backend.runtime import LocalCluster, free_ports, run_steps
-    from tag.cluster.topology import parse_topology
     from tag.calibration import _collective_chain_graph
+    from tag.cluster.topology import parse_topology
     text = "\n".join(f'host {{ name: "r{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(2))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -326,8 +329,8 @@ def test_sync_serial_times_synchronisation_beside_compute_on_real_servers():
     and each figure a median of 5 steps: with 1 MiB and 3 steps, a loaded machine once timed a synchronisation
     within the empty step's noise (a difference of medians at or below zero)."""
     from tag.backend.runtime import LocalCluster, free_ports
-    from tag.cluster.topology import parse_topology
     from tag.calibration import measure_sync_serial
+    from tag.cluster.topology import parse_topology
     text = "\n".join(f'host {{ name: "s{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: 1 '
                      f'memory_gib: 1 peak_tflops: 0.01 memory_bandwidth_gbs: 1 }} }}'
                      for i, p in enumerate(free_ports(3))) + "\nfabric { bandwidth_gbps: 10 latency_us: 10 }\n"
@@ -353,6 +356,7 @@ def test_sustained_step_is_recorded_and_round_trips(mlp, tmp_path):
 def test_profile_like_scales_the_base_entry_by_the_ratio_of_sustained_steps(mlp):
     """A base whose recorded sustained step is twice this machine's: the new device is twice as fast."""
     import dataclasses
+
     from tag.calibration import measure_sustained_step, profile_like
     from tag.cost.model import DeviceProfile
     gd, tg = mlp

@@ -6,7 +6,6 @@ import pytest
 
 from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.errors import TagError
-
 from tiny import DeviceSpec, GraphBuilder, make_topology
 
 
@@ -274,8 +273,8 @@ def test_runtime_transfer_costs_are_the_same_from_a_slower_cpu_host():
     """The network calibration adds the runtime's measured per-transfer latency and per-byte cost to every
     inter-host link alike: a quarter-speed CPU host pays no more (measured on the 3-host testbed, charging
     it at the slower host's speed predicted data parallelism of MLPs 15-40% too slow)."""
-    from tiny import DeviceSpec, make_topology, mlp_graph
     from tag.cost.model import NetworkProfile, Profile
+    from tiny import DeviceSpec, make_topology, mlp_graph
     net = NetworkProfile(transfer_latency_s=1e-3, transfer_bytes_per_s=1e9)
     specs = {"FAST": DeviceSpec(tf_device_type="CPU", peak_flops=40e9, memory_bandwidth=10e9),
              "SLOW": DeviceSpec(tf_device_type="CPU", peak_flops=10e9, memory_bandwidth=10e9)}

@@ -40,8 +40,8 @@ def test_searched_mixed_plan_trains_like_one_device_on_three_servers():
     gives the single-device loss and updated weights over 3 steps (within float32 rounding)."""
     import tag
     from helpers import in_process_servers
-    from test_rewrite import assert_same_training, feeds_for, reference, run_rewritten
     from tag.strategy.baselines import BUILTIN_STRATEGIES
+    from test_rewrite import assert_same_training, feeds_for, reference, run_rewritten
 
     ports, servers = in_process_servers(3)
     gd = mixing_cnn(48)

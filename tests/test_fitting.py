@@ -115,7 +115,8 @@ def test_fit_faded_level_recovers_a_scale_that_fades_for_long_kernels():
     roof = _rooflines(rng)
     ops = np.array([len(r) for r in roof], dtype=float)
     fixed = ops * 10e-6
-    measured = np.array([f + t.sum() + 0.6 * faded_part(t, 1e-3) + 5e-6 * len(t) for f, t in zip(fixed, roof)])
+    measured = np.array([f + t.sum() + 0.6 * faded_part(t, 1e-3) + 5e-6 * len(t)
+                         for f, t in zip(fixed, roof, strict=True)])
     fit = fit_faded_level(roof, fixed, ops, measured, FAMILIES)
     assert fit.fade_s == 1e-3 and fit.max_error < 1e-6
     assert fit.scales == pytest.approx({f: 1.6 for f in FAMILIES}, rel=1e-4)

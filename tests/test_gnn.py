@@ -10,15 +10,23 @@ import pytest
 os.environ.setdefault("DGLBACKEND", "tensorflow")    # before the first import of dgl (else it looks for torch)
 import dgl  # noqa: E402,F401  -- a pinned dependency (setup.py): a failed import fails these tests, never skips them
 
-from tiny import make_topology, mlp_graph  # noqa: E402
-
-from tag.gnn.features import (F_CAND, F_DEV, F_GLOBAL, F_OP, EncoderInput, batch_encoders, batch_nodes,  # noqa: E402
-                              encoder_input, node_input)
+from tag.gnn.features import (  # noqa: E402
+    F_CAND,
+    F_DEV,
+    F_GLOBAL,
+    F_OP,
+    EncoderInput,
+    batch_encoders,
+    batch_nodes,
+    encoder_input,
+    node_input,
+)
 from tag.gnn.model import PolicyNet, homogeneous_view, state_heterograph  # noqa: E402
 from tag.search.env import SearchEnv  # noqa: E402
 from tag.search.mcts import complete, mcts, uniform_value_prior  # noqa: E402
 from tag.search.orders import decision_order  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
+from tiny import make_topology, mlp_graph  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,7 @@ def test_homogeneous_view_matches_dgl(env):
     b = batch_encoders([encoder_input(env), encoder_input(env)])
     ours, _, _ = homogeneous_view(b)
     theirs = dgl.to_homogeneous(state_heterograph(b))
-    for a, c in zip(ours.edges(), theirs.edges()):
+    for a, c in zip(ours.edges(), theirs.edges(), strict=True):
         assert np.array_equal(a.numpy(), c.numpy())
 
 

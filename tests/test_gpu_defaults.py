@@ -7,12 +7,18 @@ import numpy as np
 import pytest
 
 from tag.cluster.topology import parse_topology
-from tag.cost.gpu_defaults import (DATA_PATH, HALF_RATE_CAP, describe_device_type, gpu_profiles, load_gpu_profiles,
-                                   normalise, resolve)
+from tag.cost.gpu_defaults import (
+    DATA_PATH,
+    HALF_RATE_CAP,
+    describe_device_type,
+    gpu_profiles,
+    load_gpu_profiles,
+    normalise,
+    resolve,
+)
 from tag.cost.model import CostModel, DeviceProfile, Profile, device_profiles
 from tag.cost.op_classes import op_classes
 from tag.errors import TagError
-
 from tiny import GraphBuilder
 
 REQUIRED = ("V100", "A100", "H100", "P100", "T4", "GTX1080Ti", "RTX2080Ti", "RTX3090")
@@ -83,7 +89,8 @@ def test_gpu_without_own_profile_gets_nearest_class_scaled_by_its_spec_sheet():
     assert rt.memory_bandwidth / 652e9 == pytest.approx(rv.memory_bandwidth / 900e9)
     c1 = g.op_index["c1"]
     assert titan.op_times(0, 8)[c1] > v100.op_times(0, 8)[c1]           # slower peak, slower op
-    assert "nearest class for Titan V" in titan.profile_source(0) and "scaled by its spec sheet" in titan.profile_source(0)
+    assert "nearest class for Titan V" in titan.profile_source(0)
+    assert "scaled by its spec sheet" in titan.profile_source(0)
     assert v100.profile_source(0) == "shipped GPU profile V100"
 
 
@@ -135,11 +142,12 @@ def test_tensor_core_efficiencies_share_the_class_clock_scale_not_the_fp32_dual_
     assert raw["RTX3090"]["compute_scale"] < 0.8 * ti_scale
     # dense spec-sheet peaks over FP32: GA102 GeForce runs FP16 / BF16 with FP32 accumulation at 2x its FP32
     # peak and TF32 at 1x (whitepaper), Turing GeForce FP16 at 4x, A100 TF32 8x / FP16 16x
-    assert rtx3090.peak_ratio("fp16") == pytest.approx(2.0, rel=0.01) and rtx3090.peak_ratio("tf32") == pytest.approx(1.0)
+    assert rtx3090.peak_ratio("fp16") == pytest.approx(2.0, rel=0.01)
+    assert rtx3090.peak_ratio("tf32") == pytest.approx(1.0)
     assert ti.peak_ratio("fp16") == pytest.approx(4.0, rel=0.01) and ti.peak_ratio("tf32") is None
     assert a100.peak_ratio("tf32") == pytest.approx(8.0) and a100.peak_ratio("fp16") == pytest.approx(16.0)
     for cls, scale in ((ti, ti_scale), (rtx3090, ti_scale), (a100, 1.0)):
-        for prec, table in cls.tensor_efficiency.items():
+        for table in cls.tensor_efficiency.values():
             for k, v in table.items():
                 assert v == pytest.approx(min(v100.tensor_efficiency["fp16"][k] * scale, 1.0), abs=2e-4), (cls.name, k)
 
@@ -206,9 +214,10 @@ def test_lockstep_slows_replicated_gpus():
 
 
 def test_topo_show_and_report_name_the_profile_per_device_type():
+    import os
+
     from tag.cli.topo import format_topology
     from tag.cluster.topology import load_topology
-    import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     topo = load_topology(os.path.join(root, "topologies", "lab-v100-1080ti.pbtxt"))
     text = format_topology(topo)

@@ -6,7 +6,6 @@ import pytest
 from tag.errors import TagError
 from tag.ir.algorithms import op_levels, op_stages, topological_order
 from tag.strategy.grouping import group_ops
-
 from tiny import GraphBuilder, mlp_graph
 
 

@@ -9,7 +9,6 @@ from tag.sim.host_cpu import cpu_extra, cpu_speed
 from tag.sim.simulator import Simulator
 from tag.strategy.grouping import group_ops
 from tag.strategy.types import Action, Strategy
-
 from tiny import DeviceSpec, make_topology, mlp_graph
 
 CPU_FLOPS = 1e11
@@ -184,6 +183,7 @@ def test_pipelines_on_cpu_hosts_cost_the_same_in_both_kernels_with_sync_fraction
     """Random pipelines over the three CPU hosts (stages all-reduced or on a parameter server): the stages'
     gradient synchronisation is charged beside compute alike on both paths, and never makes a step faster."""
     import random
+
     from tag.errors import StrategyError
     from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage
     topo = _three_cpu_hosts()

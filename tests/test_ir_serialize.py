@@ -12,8 +12,13 @@ import pytest  # noqa: E402
 
 import tag  # noqa: E402
 from tag.cost.model import CostModel  # noqa: E402
-from tag.ir.serialize import (FORMAT_VERSION, load_training_graph, save_training_graph,  # noqa: E402
-                              training_graph_from_dict, training_graph_to_dict)
+from tag.ir.serialize import (  # noqa: E402
+    FORMAT_VERSION,
+    load_training_graph,
+    save_training_graph,
+    training_graph_from_dict,
+    training_graph_to_dict,
+)
 from tiny import TINY_ZOO_OPTIONS, make_topology  # noqa: E402
 
 

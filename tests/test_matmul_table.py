@@ -13,8 +13,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tag  # noqa: E402
 from tag.cluster.topology import load_topology  # noqa: E402
 from tag.cost.fitting import StepMeasurement, fit_profile  # noqa: E402
-from tag.cost.matmul_table import (VARIANTS, MatmulTable, einsum_as_matmul, grid_shapes, matmul_dims,  # noqa: E402
-                                   table_from_rates, variant_of)
+from tag.cost.matmul_table import (  # noqa: E402
+    VARIANTS,
+    MatmulTable,
+    einsum_as_matmul,
+    grid_shapes,
+    matmul_dims,
+    table_from_rates,
+    variant_of,
+)
 from tag.cost.model import CostModel, DeviceProfile, Profile  # noqa: E402
 from tag.errors import TagError  # noqa: E402
 
@@ -24,7 +31,7 @@ SIDES = (16, 64, 256)
 
 
 def _table(nn=0.5, nt=0.1, tn=0.4) -> MatmulTable:
-    return MatmulTable(SIDES, {"nn": np.full((3, 3, 3), nn), "nt": np.full((3, 3, 3), nt), "tn": np.full((3, 3, 3), tn)})
+    return MatmulTable(SIDES, {v: np.full((3, 3, 3), e) for v, e in (("nn", nn), ("nt", nt), ("tn", tn))})
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +63,16 @@ def test_matmul_dims_of_a_real_mlp(mlp):
     dims = matmul_dims(mlp)
     names = [mlp.ops[i].name for i in dims.ops]
     assert len(names) == sum(op.type == "MatMul" for op in mlp.ops) > 0
-    by_name = dict(zip(names, range(len(names))))
+    by_name = {name: i for i, name in enumerate(names)}
     fwd = next(n for n in names if n.endswith("dense_1/MatMul"))
     dx = next(n for n in names if "dense_1/MatMul_grad/MatMul" in n and not n.endswith("_1"))
     dw = next(n for n in names if n.endswith("dense_1/MatMul_grad/MatMul_1"))
     for batch in (8.0, 32.0):
         m, k, n = dims.at(batch)
-        i, j, l = by_name[fwd], by_name[dx], by_name[dw]
-        assert VARIANTS[dims.variant[i]] == "nn" and (m[i], k[i], n[i]) == (batch, 128, 256)
-        assert VARIANTS[dims.variant[j]] == "nt" and (m[j], k[j], n[j]) == (batch, 256, 128)
-        assert VARIANTS[dims.variant[l]] == "tn" and (m[l], k[l], n[l]) == (128, batch, 256)
+        f, x, w = by_name[fwd], by_name[dx], by_name[dw]
+        assert VARIANTS[dims.variant[f]] == "nn" and (m[f], k[f], n[f]) == (batch, 128, 256)
+        assert VARIANTS[dims.variant[x]] == "nt" and (m[x], k[x], n[x]) == (batch, 256, 128)
+        assert VARIANTS[dims.variant[w]] == "tn" and (m[w], k[w], n[w]) == (128, batch, 256)
 
 
 def test_einsum_as_matmul_places_one_product_and_leaves_batches_of_products():
@@ -152,7 +159,7 @@ def test_cost_model_costs_each_matmul_at_its_shape(mlp):
     dims = matmul_dims(mlp)
     before = CostModel(mlp, topo, plain).op_times(0, 32.0)[dims.ops]
     after = CostModel(mlp, topo, tabled).op_times(0, 32.0)[dims.ops]
-    ratio = dict(zip((VARIANTS[v] for v in dims.variant), after / before))
+    ratio = dict(zip((VARIANTS[v] for v in dims.variant), after / before, strict=True))
     assert ratio["nn"] == pytest.approx(1.0, rel=1e-6)
     assert ratio["nt"] == pytest.approx(5.0, rel=1e-6)
     assert ratio["tn"] == pytest.approx(2.0, rel=1e-6)

@@ -6,7 +6,6 @@ from tag.cluster.topology import parse_topology
 from tag.cost.gpu_defaults import resolve
 from tag.cost.model import CostModel
 from tag.cost.occupancy import gemm_extents, occupancy, tile_fill, wave_fill
-
 from tiny import GraphBuilder
 
 

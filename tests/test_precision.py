@@ -10,7 +10,6 @@ import pytest
 from tag.cost.model import CostModel
 from tag.cost.precision import fusion_bytes, gradient_bytes_factor, op_precisions
 from tag.errors import TagError
-
 from tiny import DeviceSpec, GraphBuilder, make_topology, mlp_graph
 
 
@@ -61,7 +60,8 @@ def test_half_matmuls_run_at_the_tensor_core_peak_and_tf32_only_where_enabled():
     assert (t32[3] - r.launch_overhead_s) == pytest.approx(2 * (t16[3] - r.launch_overhead_s))
     # a GPU with no TF32 (V100) keeps its FP32 time with tf32=True
     v100 = _topo("V100", 15.7e12)
-    assert CostModel(fp32, v100, tf32=True).op_times(0, 256)[1] == pytest.approx(CostModel(fp32, v100).op_times(0, 256)[1])
+    with_tf32 = CostModel(fp32, v100, tf32=True).op_times(0, 256)[1]
+    assert with_tf32 == pytest.approx(CostModel(fp32, v100).op_times(0, 256)[1])
 
 
 def test_gradients_cast_to_16_bits_halve_the_allreduce_bytes_of_float32_weights():
@@ -70,7 +70,8 @@ def test_gradients_cast_to_16_bits_halve_the_allreduce_bytes_of_float32_weights(
     g = mlp_graph(batch=8, widths=(64, 128, 10))
     assert gradient_bytes_factor(g, None) == 1.0 and gradient_bytes_factor(g, "fp32") == 1.0
     assert gradient_bytes_factor(g, "fp16") == pytest.approx(0.5)
-    topo = make_topology([("h0", [("V100", 4)])], specs={"V100": DeviceSpec(peak_flops=15.7e12, memory_bandwidth=900e9)})
+    topo = make_topology([("h0", [("V100", 4)])],
+                         specs={"V100": DeviceSpec(peak_flops=15.7e12, memory_bandwidth=900e9)})
     (a32, b32), (ha32, hb32) = CostModel(g, topo).allreduce_coeffs(range(4))
     (a16, b16), (ha16, hb16) = CostModel(g, topo, gradient_dtype="fp16").allreduce_coeffs(range(4))
     assert b32 > 0 and b16 == pytest.approx(b32 / 2) and a16 == pytest.approx(a32)
@@ -172,9 +173,10 @@ def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dt
     (half-precision tolerance: bfloat16 has an 8-bit mantissa, float16 10 bits, and the replicas' half-size
     batches round differently; measured 1.3% and 0.14%)."""
     import tensorflow as tf
+
     import tag
-    from tag.api import prepare
     from helpers import train_copies
+    from tag.api import prepare
     ports, servers, topo = _two_loopback_hosts()
     gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
     analysis = prepare(gd, topo, precision=precision)
@@ -213,8 +215,8 @@ def test_mixed_precision_plan_matches_the_single_device_mixed_step(precision, dt
             ref.append((float(loss), s.run(reads)))
     got = train_copies(rr, analysis.graph, batches)
     worst = 0.0
-    for step, (copies, (_, weights)) in enumerate(zip(got, ref)):
-        for v, w, w0 in zip(trained, weights, initial):
+    for copies, (_, weights) in zip(got, ref, strict=True):
+        for v, w, w0 in zip(trained, weights, initial, strict=True):
             moved = float(np.max(np.abs(w - w0)))       # the reference's update so far
             assert moved > 0
             for c in copies[v.name]:
@@ -229,8 +231,8 @@ def test_fp16_loss_scale_unscaling_is_a_backward_op_so_allreduces_overlap_the_ba
     gradient exists, not after the whole backward pass (update tasks run last)."""
     import tag
     from tag.frontend.precision import apply_precision
-    from tag.sim.task_graph import UPDATE_STAGE
     from tag.sim.simulator import Simulator
+    from tag.sim.task_graph import UPDATE_STAGE
     from tag.strategy.grouping import group_ops
     gd = apply_precision(tag.zoo.training_graph("mlp", batch_size=8, **MLP), "mixed_float16",
                          train_op="train_op", loss="loss")
@@ -254,6 +256,7 @@ def test_virtual_gpu_runs_tensorflows_cuda_pass_whatever_the_cpu():
     a GPU machine gets, with weight gradients and the ReLUs between half-precision MatMuls in half too
     (the CPU fallback keeps both float32), on any machine."""
     import tensorflow as tf
+
     import tag
     from tag.frontend.precision import apply_precision
     gd = apply_precision(tag.zoo.training_graph("mlp", batch_size=8, **MLP), "mixed_float16",
@@ -267,8 +270,8 @@ def test_virtual_gpu_runs_tensorflows_cuda_pass_whatever_the_cpu():
 
 def test_bad_precision_names_are_one_line_errors(capsys):
     from tag.cli.deploy import main
-    from tag.errors import TagError
     from tag.cost.precision import check_plan_precision
+    from tag.errors import TagError
     with pytest.raises(TagError, match="unknown precision 'fp8': choose one of fp32, tf32, mixed_float16"):
         check_plan_precision("fp8")
     topo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "topologies", "localhost.pbtxt")
@@ -283,6 +286,7 @@ def test_a_keras_mixed_policy_graph_is_costed_as_it_is(policy, prec):
     costed at the tensor-core peak); variables and the gradients their updates receive (what tag
     all-reduces) stay float32."""
     import tf_keras
+
     import tag
     from tag.frontend.keras import training_graph_def
 
@@ -298,7 +302,7 @@ def test_a_keras_mixed_policy_graph_is_costed_as_it_is(policy, prec):
         tf_keras.mixed_precision.set_global_policy(old)
     tg = tag.analyze(gd)
     precs = op_precisions(tg)
-    matmuls = [p for op, p in zip(tg.ops, precs) if op.type == "MatMul"]
+    matmuls = [p for op, p in zip(tg.ops, precs, strict=True) if op.type == "MatMul"]
     assert prec in matmuls and "fp32" in matmuls            # the float32 output layer stays FP32
     dtype_of = {t.name: t.dtype for op in tg.ops for t in op.outputs}
     trained = [v for v in tg.variables if v.kind == "trainable"]
@@ -326,10 +330,11 @@ def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
     """With xla=True the rewritten graph's element-wise ops carry XLA's clustering attributes (one scope per
     device) and TensorFlow compiles them: 3 steps match the same plan without XLA to float rounding."""
     import tensorflow as tf
+
     import tag
+    from helpers import train_copies
     from tag.api import prepare
     from tag.strategy.baselines import builtin_strategy
-    from helpers import train_copies
     ports, servers, topo = _two_loopback_hosts()
     gd = tag.zoo.training_graph("mlp", batch_size=8, **MLP)
     rng = np.random.RandomState(1)
@@ -346,8 +351,8 @@ def test_xla_plan_marks_fused_ops_and_trains_like_the_plain_plan():
             assert {n.attr["_XlaScope"].s.decode() for n in marked} == {f"tag_xla:{n.device}" for n in marked}
             assert len({n.device for n in marked}) == 2
         runs.append(train_copies(rr, analysis.graph, batches))
-    for plain, fused in zip(*runs):
+    for plain, fused in zip(*runs, strict=True):
         for name, copies in plain.items():
-            for a, b in zip(copies, fused[name]):
+            for a, b in zip(copies, fused[name], strict=True):
                 assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(a))))
     del tf

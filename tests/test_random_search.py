@@ -41,7 +41,7 @@ def test_returns_best_evaluated_and_spends_the_budget():
     assert found.outcome.value == best
     assert (found.choice, found.outcome) in seen
     for i in range(8, 15):                          # the second half mutates an earlier (the best) choice
-        assert any(sum(a != b for a, b in zip(seen[i][0], earlier)) <= 4 for earlier, _ in seen[:i])
+        assert any(sum(a != b for a, b in zip(seen[i][0], earlier, strict=True)) <= 4 for earlier, _ in seen[:i])
 
 
 def test_needs_a_budget():

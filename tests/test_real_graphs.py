@@ -17,10 +17,10 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
+from bounded import bounded  # noqa: E402
+from helpers import in_process_servers  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.backend.runtime import session_config  # noqa: E402
-from helpers import in_process_servers  # noqa: E402
-from bounded import bounded  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.errors import GraphError, RewriteError  # noqa: E402
 from tag.frontend import real_graphs as rg  # noqa: E402
@@ -47,7 +47,7 @@ def _id(case) -> str:
 def topology(ports, tflops):
     hosts = "\n".join(
         f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
-        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}' for i, (p, f) in enumerate(zip(ports, tflops)))
+        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}' for i, (p, f) in enumerate(zip(ports, tflops, strict=True)))
     return parse_topology(f'name: "rg"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 50 }}\n')
 
 
@@ -316,7 +316,7 @@ def check_same_training(name, cluster_fixture, modes=MODES, expect_note: str | N
             assert any(expect_note in n for n in res.notes), (mode, res.notes)
         g = _import(res.graph_def)
         copies = [c for v in weights for c in res.variables[v]]
-        reads = dict(zip(copies, _value_tensors(g, copies)))
+        reads = dict(zip(copies, _value_tensors(g, copies), strict=True))
         with tf1.Session(target, graph=g, config=bounded(_config(session_config()))) as s:
             s.run(res.init)
             for step, fd in enumerate(feeds(gd, ir)):
@@ -324,7 +324,7 @@ def check_same_training(name, cluster_fixture, modes=MODES, expect_note: str | N
                 ref_loss, ref_weights = ref[step]
                 assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (mode, step, loss, ref_loss)
                 got = s.run(reads)
-                for v, r in zip(weights, ref_weights):
+                for v, r in zip(weights, ref_weights, strict=True):
                     scale = float(np.max(np.abs(r))) or 1.0
                     for c in res.variables[v]:
                         err = float(np.max(np.abs(got[c] - r)))

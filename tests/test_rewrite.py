@@ -18,17 +18,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import tag  # noqa: E402
+from bounded import bounded  # noqa: E402
+from helpers import in_process_servers, train_host_programs, zero_gradient_variables  # noqa: E402
 from tag import zoo  # noqa: E402
-from tag.strategy.baselines import builtin_strategy  # noqa: E402
-from tag.errors import RewriteError, StrategyError  # noqa: E402
-from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.backend.rewrite import RewriteResult, collective_group_key, rewrite  # noqa: E402
 from tag.backend.runtime import free_ports, session_config  # noqa: E402
-from helpers import in_process_servers, train_host_programs, zero_gradient_variables  # noqa: E402
-from bounded import bounded  # noqa: E402
-from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
 from tag.compress import eligible_gradients  # noqa: E402
+from tag.errors import RewriteError, StrategyError  # noqa: E402
+from tag.strategy.baselines import builtin_strategy  # noqa: E402
+from tag.strategy.grouping import group_ops  # noqa: E402
+from tag.strategy.types import Action, Grouping, Strategy, batch_shares  # noqa: E402
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -55,7 +55,7 @@ def topology(ports, tflops):
     """A loopback topology: one CPU host per port, peak TFLOP/s as given (shares follow them)."""
     hosts = "\n".join(
         f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
-        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}' for i, (p, f) in enumerate(zip(ports, tflops)))
+        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}' for i, (p, f) in enumerate(zip(ports, tflops, strict=True)))
     return parse_topology(f'name: "rw"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 50 }}\n')
 
 
@@ -180,7 +180,7 @@ def per_replica_reference(name, ir, batches, shares):
         with g.as_default():
             phs = [tf1.placeholder(g.get_operation_by_name(v.name).get_attr("dtype")) for v in vs]
             assign = tf.group(*[tf.raw_ops.AssignVariableOp(resource=g.get_tensor_by_name(v.name + ":0"), value=p)
-                                for v, p in zip(vs, phs)])
+                                for v, p in zip(vs, phs, strict=True)])
         sess = tf1.Session(graph=g, config=local_config())
         sess.run("init")
         sessions[s_d] = (sess, phs, assign)
@@ -193,15 +193,15 @@ def per_replica_reference(name, ir, batches, shares):
             loss, lo = 0.0, 0
             for s_d in shares:
                 sess, phs, assign = sessions[s_d]
-                sess.run(assign, dict(zip(phs, weights)))
+                sess.run(assign, dict(zip(phs, weights, strict=True)))
                 part = {k + ":0": v[lo:lo + s_d] for k, v in fd.items()}
                 l_d, g_d = sess.run(["loss:0", [v.gradient for v in vs]], part)
                 loss += s_d / B * float(l_d)
-                total = [t + s_d / B * gg for t, gg in zip(total, g_d)]
+                total = [t + s_d / B * gg for t, gg in zip(total, g_d, strict=True)]
                 lo += s_d
             grads0 = total if grads0 is None else grads0
             feed = _named(fd)
-            feed.update({v.gradient: t for v, t in zip(vs, total)})
+            feed.update({v.gradient: t for v, t in zip(vs, total, strict=True)})
             full.run("train_op", feed)
             out.append((loss, full.run(full_reads)))
     for sess, _, _ in sessions.values():
@@ -238,11 +238,11 @@ def assert_same_training(got, ref, grads0, ir, learning_rate, rtol=RTOL, adaptiv
     """
     vs = trainables(ir)
     noise = zero_gradient_variables([v.name for v in vs], grads0)
-    g0 = dict(zip([v.name for v in vs], grads0))
+    g0 = dict(zip([v.name for v in vs], grads0, strict=True))
     assert len(noise) < len(vs) / 3, f"too many zero-gradient parameters: {sorted(noise)}"
-    for step, ((loss, weights), (ref_loss, ref_weights)) in enumerate(zip(got, ref)):
+    for step, ((loss, weights), (ref_loss, ref_weights)) in enumerate(zip(got, ref, strict=True)):
         assert abs(loss - ref_loss) <= rtol * abs(ref_loss), f"step {step}: loss {loss} vs {ref_loss}"
-        for v, r in zip(vs, ref_weights):
+        for v, r in zip(vs, ref_weights, strict=True):
             copies = weights[v.name]
             scale = float(np.max(np.abs(r))) or 1.0
             for c in copies[1:]:   # replicas' copies stay identical
@@ -546,12 +546,13 @@ def test_function_library_batchnorm_unknown_batch(cluster, mode):
             for s_d in shares:
                 part = {k + ":0": v[lo:lo + s_d] for k, v in fd.items()}
                 l_d, g_d = s.run(["loss:0", [v.gradient for v in vs]], part)
-                total = [s_d / B * x for x in g_d] if total is None else [t + s_d / B * x for t, x in zip(total, g_d)]
+                total = ([s_d / B * x for x in g_d] if total is None
+                         else [t + s_d / B * x for t, x in zip(total, g_d, strict=True)])
                 loss += s_d / B * float(l_d)
                 lo += s_d
             grads0 = total if grads0 is None else grads0
             feed = _named(fd)
-            feed.update({v.gradient: t for v, t in zip(vs, total)})
+            feed.update({v.gradient: t for v, t in zip(vs, total, strict=True)})
             s.run("train_op", feed)
             ref.append((loss, s.run(reads)))
     got = run_rewritten(res, ir, batches)
@@ -615,7 +616,7 @@ def test_sparse_gradients_and_ref_variables(cluster, mode, use_resource):
         for step, fd in enumerate(batches):
             loss = s.run([res.loss + ":0", res.train_op], fd)[0]
             assert abs(loss - ref[step][0]) <= RTOL * abs(ref[step][0])
-            for name, r in zip(names, ref[step][1]):
+            for name, r in zip(names, ref[step][1], strict=True):
                 for copy in values(s, g, res.variables[name]):
                     assert np.max(np.abs(copy - r)) <= RTOL * np.max(np.abs(r)), (step, name)
 
@@ -823,7 +824,7 @@ def test_small_fusion_buckets_train_exactly(cluster, name):
 
 @pytest.mark.slow
 def test_runtime_worker_processes():
-    """End to end on separate tag-worker processes (tag.runtime.LocalCluster + run_steps): the built-in
+    """End to end on separate tag-worker processes (tag.backend.runtime.LocalCluster + run_steps): the built-in
     strategies of an MLP, with uneven shares, train like the original graph, one after another on
     the same cluster."""
     from tag.backend.runtime import LocalCluster, run_steps
@@ -840,9 +841,9 @@ def test_runtime_worker_processes():
             copies = [c for v in weights for c in res.variables[v]]
             run = run_steps(res.graph_def, cluster.target, train_op=res.train_op, loss=res.loss, init=res.init,
                             steps=STEPS, warmup=0, input_fn=lambda step: _named(batches[step]), fetch_after=copies)
-            for loss, (ref_loss, _) in zip(run.losses, ref):
+            for loss, (ref_loss, _) in zip(run.losses, ref, strict=True):
                 assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), name
-            for v, r in zip(weights, ref[-1][1]):
+            for v, r in zip(weights, ref[-1][1], strict=True):
                 for c in res.variables[v]:
                     assert np.max(np.abs(run.values[c] - r)) <= RTOL * np.max(np.abs(r)), (name, c)
 
@@ -873,8 +874,8 @@ def test_input_slices_for_remote_replicas_come_before_the_local_replica():
               and any(r.device != n.device for r in readers.get(n.name, ()))]
     assert remote, "a 3-way data-parallel rewrite slices the batch for the other replicas"
     for sl in remote:
-        local = [r for src in [sl.input[0].split(":")[0]] + [o.name for o in nodes.values() if o.op == "StridedSlice"
-                                                             and o.device == sl.device and o.name.startswith("tag/slice/")
-                                                             and o.input[0] == sl.input[0] and o not in remote]
+        siblings = [o.name for o in nodes.values() if o.op == "StridedSlice" and o.device == sl.device
+                    and o.name.startswith("tag/slice/") and o.input[0] == sl.input[0] and o not in remote]
+        local = [r for src in [sl.input[0].split(":")[0], *siblings]
                  for r in readers.get(src, ()) if r.device == sl.device and not r.name.startswith("tag/slice/")]
         assert local and all(f"^{sl.name}" in r.input for r in local), sl.name

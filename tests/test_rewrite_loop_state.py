@@ -66,7 +66,7 @@ def test_static_batch_lstm_trains_exactly_under_every_strategy(servers, mode):
     ports = servers
     hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                       f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
-                      for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05])))
+                      for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05], strict=True)))
     topo = parse_topology(f'name: "lstm"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 20 }}\n')
     gd = lstm_graph()
     ir = tag.analyze(gd)

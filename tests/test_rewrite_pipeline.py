@@ -99,7 +99,7 @@ def pipelined(ir, placements, micro_batches: int, schedule: str = "1f1b", groups
     stages[-1] += rest
     modes = modes or ["allreduce"] * len(placements)
     pipe = Pipeline(tuple(PipelineStage(tuple(st), p, m, p[-1] if m == "ps" else None)
-                          for st, p, m in zip(stages, placements, modes)), micro_batches, schedule)
+                          for st, p, m in zip(stages, placements, modes, strict=True)), micro_batches, schedule)
     return Strategy.pipelined(grouping, pipe)
 
 
@@ -142,7 +142,8 @@ def test_micro_batch_instances_accumulation_and_schedule():
     # each device adds its micro-batches' partial sums before the stage's all-reduce
     collectives = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2"]
     assert collectives and {n.device for n in collectives} == {THREE.tf_device(1), THREE.tf_device(2)}
-    accum = [n for n in res.graph_def.node if n.op == "AddV2" and n.name.startswith("tag/accumulate/gradients/dense_3/")]
+    accum = [n for n in res.graph_def.node
+             if n.op == "AddV2" and n.name.startswith("tag/accumulate/gradients/dense_3/")]
     assert accum and {n.device for n in accum} == {THREE.tf_device(1), THREE.tf_device(2)}
     # a running sum in the order of the backward steps (fill-drain: micro-batch 1 first)
     assert all("micro_1" in n.input[0] and "micro_0" in n.input[1] for n in accum)
@@ -517,9 +518,10 @@ SWEEP = random_pipeline_cases(int(os.environ.get("TAG_PIPELINE_SWEEP", "9")))
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"{c[0]}-{c[1]}-S{c[2]}-M{c[3]}-{c[4]}-{c[5]}")
 def test_random_stage_splits_train_exactly(cluster, case):
-    """Random contiguous stage splits (TAG_PIPELINE_SWEEP=N cases; 9 by default: every model with every optimizer): loss and every updated
-    weight equal the single-device step within 1e-5 over three steps. Batch 24 leaves every device a
-    share of at least 8 examples; a split the rewriter refuses (StrategyError) is drawn again."""
+    """Random contiguous stage splits (TAG_PIPELINE_SWEEP=N cases; 9 by default: every model with every
+    optimizer): loss and every updated weight equal the single-device step within 1e-5 over three steps. Batch 24
+    leaves every device a share of at least 8 examples; a split the rewriter refuses (StrategyError) is drawn
+    again."""
     model, optimizer, stages, micro, schedule, seed = case
     ports, target = cluster
     topo = tr.topology(ports, [0.1, 0.05, 0.05])
@@ -559,9 +561,9 @@ def test_float64_build_takes_the_float32_graphs_op_groups():
     an64 = prepare(tf1_graph("mlp", 12, width=64, depth=4, floatx="float64"), topo, batch_size=12)
     grouping = same_groups(an64.graph, an32)
     assert grouping.names == an32.grouping.names
-    group32 = {op.name: g for op, g in zip(an32.graph.ops, an32.grouping.group_of_op)}
+    group32 = {op.name: g for op, g in zip(an32.graph.ops, an32.grouping.group_of_op, strict=True)}
     casts = 0
-    for op, g in zip(an64.graph.ops, grouping.group_of_op):
+    for op, g in zip(an64.graph.ops, grouping.group_of_op, strict=True):
         if op.name in group32:
             assert g == group32[op.name], op.name
         else:
@@ -574,6 +576,7 @@ def test_float64_build_takes_the_float32_graphs_op_groups():
 @pytest.mark.slow
 def test_float64_exactness_check_of_a_pipeline_is_at_float64_rounding(cluster):
     import types
+
     from tag.api import prepare
     from tag_bench.mwms import tf1_graph
     ports, target = cluster

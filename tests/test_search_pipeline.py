@@ -5,11 +5,17 @@ import pytest
 from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.search import SearchEnv, search
 from tag.search.driver import best_uniform, stage_choice
-from tag.search.pipeline_dp import _has_empty_stage, _Tables, balance, group_chain, pipeline_alternatives, \
-    pipeline_dp, stage_device_sets
+from tag.search.pipeline_dp import (
+    _has_empty_stage,
+    _Tables,
+    balance,
+    group_chain,
+    pipeline_alternatives,
+    pipeline_dp,
+    stage_device_sets,
+)
 from tag.strategy.grouping import group_ops
 from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage
-
 from tiny import DeviceSpec, make_topology, mlp_graph
 
 PROFILE = Profile({t: DeviceProfile(peak_flops=f, memory_bandwidth=1e30, launch_overhead_s=0.0,

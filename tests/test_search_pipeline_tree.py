@@ -8,13 +8,13 @@ from tag.search.mcts import mcts
 from tag.search.pipeline_dp import pipeline_dp
 from tag.search.pipeline_tree import PipelineRoots
 from tag.strategy.pipeline import Pipeline, PipelineStage
-
 from test_search_pipeline import _env
 
 
 def _root_visits(tree, roots):
     allowed, visits = tree.visits[()]
-    return sum(int(n) for k, n in zip(allowed, visits) if k < 0), sum(int(n) for k, n in zip(allowed, visits) if k >= 0)
+    pairs = list(zip(allowed, visits, strict=True))
+    return sum(int(n) for k, n in pairs if k < 0), sum(int(n) for k, n in pairs if k >= 0)
 
 
 def test_tree_chooses_a_pipeline_when_it_is_fastest():
@@ -81,6 +81,7 @@ def test_a_pipeline_on_one_placement_competes_through_its_stages_actions_alone(m
     13-14 with one micro-batch; bench_e2e G's transformer with four): the same actions fit in memory, so the
     search never returns it, or any pipeline on one placement, as a pipeline."""
     import dataclasses
+
     import tag.search.driver as driver
     env = _env()
     real = pipeline_dp(env)
@@ -101,10 +102,10 @@ def test_a_pipeline_on_one_placement_competes_through_its_stages_actions_alone(m
 def test_a_pipeline_on_one_placement_is_admitted_only_when_its_actions_do_not_fit_without_it():
     """Eight micro-batches through stages that all sit on the fast host: a pipeline answer only where the
     same actions without micro-batches run out of memory (the activations of the whole batch at once)."""
-    from test_search_pipeline import PROFILE
     from tag.cost.model import CostModel
     from tag.search import SearchEnv
     from tag.strategy.types import Strategy
+    from test_search_pipeline import PROFILE
     from tiny import DeviceSpec, make_topology
 
     env = _env()

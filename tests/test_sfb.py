@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import tag  # noqa: E402
+from helpers import in_process_servers, train_copies  # noqa: E402
 from tag import zoo  # noqa: E402
 from tag.backend.rewrite import rewrite  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
@@ -29,7 +30,6 @@ from tag.sim.simulator import Simulator  # noqa: E402
 from tag.strategy.baselines import builtin_strategy  # noqa: E402
 from tag.strategy.grouping import group_ops  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
-from helpers import in_process_servers, train_copies  # noqa: E402
 
 tf1 = tf.compat.v1
 RTOL = 1e-5
@@ -90,7 +90,7 @@ def cpu_topology_text(ports, tflops, per_host: int = 1, bandwidth_gbps: float = 
     hosts = "\n".join(
         f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU count: {per_host} '
         f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} {inter} }}'
-        for i, (p, f) in enumerate(zip(ports, tflops)))
+        for i, (p, f) in enumerate(zip(ports, tflops, strict=True)))
     return f'name: "sfb"\n{hosts}\nfabric {{ bandwidth_gbps: {bandwidth_gbps} latency_us: 50 }}\n'
 
 
@@ -311,7 +311,7 @@ def test_same_weights_with_and_without_sfb(cluster, name):
     batches = feeds(gd, ir)
     want, got = train_copies(plain, ir, batches), train_copies(factored, ir, batches)
     worst = 0.0
-    for step_want, step_got in zip(want, got):
+    for step_want, step_got in zip(want, got, strict=True):
         for v in step_want:
             ref = step_want[v][0]
             scale = float(np.max(np.abs(ref))) or 1.0

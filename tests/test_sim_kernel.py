@@ -2,8 +2,9 @@
 
 Several zoo models (the small versions other tests build, so the zoo's cache serves them), two topologies,
 random strategies over the search's candidate actions and random edit sequences (1-10 op groups changed
-from the strategy before), the built-ins, and random pipelines: both paths must give the same step time (bit for bit, so a
-search makes the same decisions on either), feasibility, memory and bytes on the wire (to 1e-9 relative).
+from the strategy before), the built-ins, and random pipelines: both paths must give the same step time
+(bit for bit, so a search makes the same decisions on either), feasibility, memory and bytes on the wire
+(to 1e-9 relative).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import numpy as np
 import pytest
 
 import tag
-from tiny import TINY_ZOO_OPTIONS
 from tag.errors import StrategyError
 from tag.search.env import SearchEnv
 from tag.sim import kernel as sim_kernel
@@ -23,6 +23,7 @@ from tag.sim.simulator import Simulator
 from tag.strategy.grouping import group_ops
 from tag.strategy.pipeline import SCHEDULES, Pipeline, PipelineStage
 from tag.strategy.types import Action, Strategy
+from tiny import TINY_ZOO_OPTIONS
 
 pytestmark = pytest.mark.skipif(not sim_kernel.available(), reason="numba is not installed")
 

@@ -1,5 +1,7 @@
 """Pipelines in the simulator (tag/sim/pipeline.py): micro-batch timelines, bubbles, memory by schedule,
 transfers between stages, the trace, bad input. Tiny hand-made graphs; no TensorFlow."""
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,6 @@ from tag.sim.simulator import Simulator
 from tag.strategy.grouping import group_ops
 from tag.strategy.pipeline import Pipeline, PipelineStage
 from tag.strategy.types import Action, Strategy
-
 from tiny import DeviceSpec, make_topology, mlp_graph
 
 EXACT = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e30, launch_overhead_s=0.0,
@@ -51,7 +52,7 @@ def test_bubble_shrinks_as_micro_batches_grow_and_1f1b_holds_less():
         r = sim.evaluate(_two_stages(grouping, m, "fill_drain"))
         bubbles.append(r.bubble_fraction)
         memory[m] = r.activation_memory[0]
-    assert all(a > b for a, b in zip(bubbles, bubbles[1:])), bubbles
+    assert all(a > b for a, b in pairwise(bubbles)), bubbles
     assert bubbles[0] == pytest.approx(0.5, abs=0.02)           # two stages, one micro-batch: half idle
     one_f = sim.evaluate(_two_stages(grouping, 8, "1f1b"))
     assert one_f.activation_memory[0] < memory[8]               # 1F1B: 2 micro-batches in flight on stage 0, not 8
@@ -145,7 +146,8 @@ def test_gradient_accumulation_is_charged_per_micro_batch_after_the_first():
     weights = float(sim.memory.weight_bytes.sum())
     pt = sim.pipeline_tasks(_two_stages(grouping, 4).pipeline)
     assert pt.accumulate_bytes.sum() == pytest.approx(3 * weights)       # micro-batches 1, 2, 3
-    assert (pt.accumulate_bytes[pt.micro_batch == 0] == 0).all() and (pt.accumulate_bytes[pt.task_stage == 0] == 0).all()
+    assert (pt.accumulate_bytes[pt.micro_batch == 0] == 0).all()
+    assert (pt.accumulate_bytes[pt.task_stage == 0] == 0).all()
     slow_memory = Profile({"GPU-A": DeviceProfile(peak_flops=1e12, memory_bandwidth=1e9, launch_overhead_s=0.0,
                                                   efficiency={"MatMul": 1.0, "default": 1.0})})
     slow = Simulator(tg, topo, grouping, CostModel(tg, topo, slow_memory))

@@ -7,10 +7,9 @@ import pytest
 
 from tag.cost.model import CostModel, DeviceProfile, Profile
 from tag.errors import StrategyError
-from tag.strategy.grouping import group_ops
 from tag.sim.simulator import SimResult, Simulator
+from tag.strategy.grouping import group_ops
 from tag.strategy.types import Action, Grouping, Strategy
-
 from tiny import DeviceSpec, GraphBuilder, chain_graph, make_topology, mlp_graph
 
 # An ideal device for hand computation: ops cost flops / 1 TFLOP/s exactly, memory traffic is free,
@@ -400,6 +399,7 @@ def resnet50():
 @pytest.mark.slow
 def test_zoo_resnet50_grouping(resnet50):
     import networkx as nx
+
     from tag.strategy.grouping import nominal_op_cost, op_stages
     graph, gr = resnet50
     assert 80 <= gr.num_groups <= 100
@@ -519,9 +519,9 @@ def test_sparse_embedding_gradients_move_as_rows():
     """An embedding's IndexedSlices gradient is not all-reduced or pushed as its whole table: allreduce
     charges an all-gather of the batch's rows (half their bytes in the ring formula), ps each worker's share;
     the compiled kernel and the Python reference agree."""
-    from tag_bench.mwms import SEQ_LEN, tf1_graph
     from tag.frontend import analyze
     from tag.sim.memory import sparse_gradient_bytes
+    from tag_bench.mwms import SEQ_LEN, tf1_graph
     batch, width, vocab = 8, 16, 4096
     tg = analyze(tf1_graph("transformer", batch, width=width, depth=1, vocab=vocab))
     table = next(v for v in tg.variables if v.kind == "trainable" and len(v.shape) == 2 and v.shape[0] == vocab)
@@ -546,9 +546,9 @@ def test_sparse_gradients_outweighing_their_table_are_all_reduced_as_the_table()
     """A small vocabulary: the batch's embedding rows outweigh twice the table, so an allreduce group over
     several devices is charged the dense table plus the gathered indices (as the rewriter deploys it,
     ``tag.strategy.sparse``); ps still moves rows; both kernels agree."""
-    from tag_bench.mwms import SEQ_LEN, tf1_graph
     from tag.frontend import analyze
     from tag.strategy.sparse import dense_sum_pays, sparse_dedups
+    from tag_bench.mwms import SEQ_LEN, tf1_graph
     batch, width, vocab = 8, 16, 64
     tg = analyze(tf1_graph("transformer", batch, width=width, depth=1, vocab=vocab))
     table = next(v for v in tg.variables if v.kind == "trainable" and len(v.shape) == 2 and v.shape[0] == vocab)

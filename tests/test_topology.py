@@ -1,4 +1,4 @@
-"""tag.topology: schema build, loading, validation messages, matrices, ready cluster files."""
+"""tag.cluster.topology: schema build, loading, validation messages, matrices, ready cluster files."""
 from __future__ import annotations
 
 import filecmp
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tag
-from tag.errors import TopologyError
 from tag.cluster.topology import MAX_FILE_BYTES, Topology, load_topology, parse_topology
+from tag.errors import TopologyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGIES = os.path.join(ROOT, "topologies")
@@ -45,7 +45,8 @@ MALFORMED = [
     ("only-comments", b"# nothing here\n", ": no hosts: a cluster needs at least one host { ... } with a device"),
     ("binary", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
      ":1: not UTF-8 text (byte 0x89 at offset 0); is this a binary file?"),
-    ("latin1", "# ok\n# café\n".encode("latin-1"), ":2: not UTF-8 text (byte 0xe9 at offset 10); is this a binary file?"),
+    ("latin1", "# ok\n# café\n".encode("latin-1"),
+     ":2: not UTF-8 text (byte 0xe9 at offset 10); is this a binary file?"),
     ("nul", b'name: "x"\n\x00\n', ":2: contains a NUL character; is this a binary file?"),
     ("json", b'{"host": [{"name": "a"}]}',
      ':1: Expected identifier or number, got {. -- this looks like JSON, but topology files are protobuf text format: '
@@ -60,7 +61,8 @@ MALFORMED = [
     ("bad-enum", host(body=gpu(kind="TPU")).encode(),
      ":5: unknown DeviceGroup.Kind value 'TPU' (expected one of: GPU, CPU)"),
     ("kind-number", host(body=gpu(kind=3)).encode(), ":5: host 'a' device 'V100': unknown kind 3 (GPU or CPU)"),
-    ("interconnect-kind-number", host(body=GPU2 + "\n  interconnect {\n    kind: 9\n    bandwidth_gbs: 1\n  }").encode(),
+    ("interconnect-kind-number",
+     host(body=GPU2 + "\n  interconnect {\n    kind: 9\n    bandwidth_gbs: 1\n  }").encode(),
      ":7: host 'a' interconnect: unknown kind 9 (NVLINK, PCIE, SHARED_MEMORY, OTHER)"),
     ("unclosed", b'host {\n  name: "a"\n', ':2: Expected "}".'),
     ("double-name", b'host {\n  name: "a"\n  name: "b"\n}\n',

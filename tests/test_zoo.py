@@ -2,12 +2,13 @@
 steps run in a real Session, and user GraphDef files load or fail with one-line PATH: errors.
 
 Parameters are counted straight from the GraphDef (sizes of the variables that ResourceApply* ops
-update), so these tests do not depend on tag.graph.
+update), so these tests do not depend on the graph analysis (tag.frontend).
 """
 from __future__ import annotations
 
 import functools
 import os
+from itertools import pairwise
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -15,10 +16,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from helpers import trained_variables
 from tag import zoo  # noqa: E402
 from tag.errors import GraphError  # noqa: E402
-
-from helpers import trained_variables
 from tiny import TINY_ZOO_OPTIONS
 
 BATCH = 2
@@ -41,7 +41,7 @@ def num_params(gd) -> int:
 # Analytic counts, checked against the graphs at tiny sizes and used to cross-check the defaults.
 def mlp_params(input_dim=784, hidden=(2048, 2048), num_classes=10) -> int:
     dims = [input_dim, *hidden, num_classes]
-    return sum(a * b + b for a, b in zip(dims, dims[1:]))
+    return sum(a * b + b for a, b in pairwise(dims))
 
 
 def vgg19_params(image_size=224, num_classes=1000) -> int:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
 from tag.cluster.topology import Device, DeviceGroup, Host, Topology
+from tag.ir.types import Edge, Linear, OpInfo, TensorInfo, TrainingGraph, VariableInfo
 
 
 @dataclass

@@ -11,7 +11,7 @@ Example::
     chosen = select_sfb(simulator, strategy)      # strategy with .sfb set where it pays
     chosen.chosen, chosen.step_time, chosen.bytes_saved
 """
-from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.compress.selection import SfbSelection, select_sfb
+from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 
 __all__ = ["SfbSelection", "SufficientFactors", "eligible_gradients", "select_sfb"]

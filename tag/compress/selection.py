@@ -67,7 +67,8 @@ class SfbProblem:
     def value(self, chosen: np.ndarray) -> float:
         """Objective of the item choice CHOSEN (0/1 per item; every group whose items are all chosen counts)."""
         chosen = np.asarray(chosen, dtype=bool)
-        groups = sum(float(e) for e, items in zip(self.group_saving, self.group_items) if chosen[items].all())
+        groups = sum(float(e) for e, items in zip(self.group_saving, self.group_items, strict=True)
+                     if chosen[items].all())
         return float(self.item_saving[chosen].sum()) + groups
 
     def fits(self, chosen: np.ndarray) -> bool:
@@ -176,7 +177,7 @@ def select_sfb(sim: "Simulator", strategy: Strategy, batch_size: int | None = No
     base = sim.evaluate(plain, batch_size=batch)
     problem = build_problem(sim, plain, batch, base)
     chosen = solve(problem)
-    picked = [v for v, c in zip(problem.variables, chosen) if c]
+    picked = [v for v, c in zip(problem.variables, chosen, strict=True) if c]
     if picked:
         with_sfb = dataclasses.replace(plain, sfb=picked)
         r = sim.evaluate(with_sfb, batch_size=batch)

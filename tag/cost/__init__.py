@@ -8,8 +8,16 @@ Example::
     from tag.cost import CostModel
     cm = CostModel(training_graph, topology)     # built-in defaults, or profile=Profile.load(path)
 """
-from tag.cost.model import (BUILTIN_DEFAULTS, ZERO_COST_TYPES, CostModel, DeviceProfile, DeviceRates,
-                            NetworkProfile, Profile)
+from tag.cost.model import (
+    BUILTIN_DEFAULTS,
+    ZERO_COST_TYPES,
+    CostModel,
+    DeviceProfile,
+    DeviceRates,
+    NetworkProfile,
+    Profile,
+)
 
-__all__ = ["BUILTIN_DEFAULTS", "ZERO_COST_TYPES", "CostModel", "DeviceProfile", "DeviceRates", "NetworkProfile",
-           "Profile"]
+__all__ = [
+    "BUILTIN_DEFAULTS", "ZERO_COST_TYPES", "CostModel", "DeviceProfile", "DeviceRates", "NetworkProfile", "Profile",
+]

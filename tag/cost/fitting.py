@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tag.cost.matmul_table import matmul_dims
-from tag.cost.op_classes import cpu_fused_bias_adds
 from tag.cost.model import ZERO_COST_TYPES
+from tag.cost.op_classes import cpu_fused_bias_adds
 from tag.errors import GraphError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -143,7 +143,7 @@ def fit_profile(graph: "TrainingGraph | Sequence[TrainingGraph]", m: "StepMeasur
     wall_parallel = float(sum(x.wall_parallel_s for x in measurements))
     costed = np.array([t not in ZERO_COST_TYPES for t in types], dtype=bool)
     tabled = np.full(len(types), np.nan)               # per op: its MatMul table efficiency (NaN: none)
-    for g, start in zip(graphs, np.cumsum([0, *(len(g.ops) for g in graphs[:-1])])):
+    for g, start in zip(graphs, np.cumsum([0, *(len(g.ops) for g in graphs[:-1])]), strict=True):
         if matmul_table is not None:
             dims = matmul_dims(g)
             tabled[start + dims.ops] = matmul_table.lookup(dims.variant, *dims.at(float(g.batch_size)))

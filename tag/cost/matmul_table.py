@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -109,7 +110,7 @@ class MatmulTable:
         sides = data["sides"]
         if (not isinstance(sides, list) or len(sides) < 2
                 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sides)
-                or any(a >= b for a, b in zip(sides, sides[1:]))):
+                or any(a >= b for a, b in pairwise(sides))):
             raise TagError(f"{where}.sides: expected at least two increasing positive integers")
         eff = data["efficiency"]
         if not isinstance(eff, dict) or set(eff) != set(VARIANTS):
@@ -224,13 +225,13 @@ def _einsum_dims(op, tensors) -> tuple[int, list[tuple[float, bool]]] | None:
     m, k, n, variant = placed
     extent: dict[str, int] = {}
     batch_label = None
-    for term, name in zip(equation.split("->")[0].split(","), op.inputs):
+    for term, name in zip(equation.split("->")[0].split(","), op.inputs, strict=True):
         t = tensors.get(name)
         if t is None or t.shape is None or len(t.shape) != len(term):
             return None
         if not all(isinstance(d, int) and d > 0 for d in t.shape):
             return None
-        extent.update(zip(term, t.shape))
+        extent.update(zip(term, t.shape, strict=True))
         if t.batch_axis is not None and batch_label is None:
             batch_label = term[t.batch_axis]
     sides = [(float(np.prod([extent[c] for c in labels], dtype=np.float64)) if labels else 1.0,
@@ -265,14 +266,14 @@ def table_from_rates(rates: dict[tuple[str, int, int, int], float], peak: float,
     eff = {}
     for v in VARIANTS:
         a = np.zeros((len(sides),) * 3)
-        for j, k in enumerate(sides):
-            for l, n in enumerate(sides):
+        for ki, k in enumerate(sides):
+            for ni, n in enumerate(sides):
                 last = None
-                for i, m in enumerate(sides):
+                for mi, m in enumerate(sides):
                     r = rates.get((v, m, k, n))
                     last = r if r is not None else last
                     if last is None:
                         raise TagError(f"MatMul table: no timing for {v} m={m} k={k} n={n}")
-                    a[i, j, l] = last
+                    a[mi, ki, ni] = last
         eff[v] = np.clip(a / peak, 1e-6, 1.0)
     return MatmulTable(tuple(sides), eff)

@@ -1,22 +1,23 @@
 """Cost model: how long ops take on a device type, and how long bytes take to move between devices.
 
 Compute follows a roofline per op: ``max(flops / (peak * efficiency[op type]), mem_bytes / memory_bandwidth)
-+ launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag.profile`` on a real
-device and stored as JSON) or from built-in defaults; a profile entry with a ``matmul_table``
-(``tag.cost.matmul_table``) gives each MatMul op, and each Einsum that is one 2-D product (a dense layer on
-a 3-D input and its gradients), the efficiency measured at its own shape instead.
++ launch overhead``. Efficiencies per op type come from a ``Profile`` (measured by ``tag-profile``, i.e.
+``tag.calibration``, on a real device and stored as JSON) or from built-in defaults; a profile entry with a
+``matmul_table`` (``tag.cost.matmul_table``) gives each MatMul op, and each Einsum that is one 2-D product (a dense
+layer on a 3-D input and its gradients), the efficiency measured at its own shape instead.
 A profile entry's ``family_scale`` multiplies the roofline time (not the launch overhead) of every op of
 one family (``tag.cost.op_classes.op_family``: ``conv``, ``matmul``, ``other``) on that device type: how
 a runtime's convolutions or MatMuls run relative to what the traced kernels predicted (fitted by
 ``tag_bench.cases.runtime_levels``); peaks and efficiencies stay as measured, so every
 efficiency stays <= 1. With ``level_fade_s`` (tau) the scales fade for long kernels: an op of roofline time
 ``t`` is charged ``t * (1 + (scale - 1) * tau / (t + tau))``, so what a runtime adds or saves per kernel is at
-most ``(scale - 1) * tau`` and a kernel much longer than tau runs as traced. MatMuls and convolutions use the peak of the precision the graph computes them in
-(FP16 / BF16 tensor cores for half-precision ops, TF32 with ``tf32=True``; ``tag.cost.precision``), and
-``xla=True`` costs element-wise chains as XLA fuses them (one pass over memory). Gradients are all-reduced
-in their variables' dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of float32 gradients
-instead, for runtimes that cast them before the collective (tf_cnn_benchmarks' ``compact_gradient_transfer``
-with ``--use_fp16``, Horovod's ``Compression.fp16``; ``tag.cost.precision.gradient_bytes_factor``).
+most ``(scale - 1) * tau`` and a kernel much longer than tau runs as traced. MatMuls and convolutions use
+the peak of the precision the graph computes them in (FP16 / BF16 tensor cores for half-precision ops, TF32 with
+``tf32=True``; ``tag.cost.precision``), and ``xla=True`` costs element-wise chains as XLA fuses them (one pass over
+memory). Gradients are all-reduced in their variables' dtype; ``gradient_dtype="fp16"`` charges 16-bit all-reduces of
+float32 gradients instead, for runtimes that cast them before the collective (tf_cnn_benchmarks'
+``compact_gradient_transfer`` with ``--use_fp16``, Horovod's ``Compression.fp16``;
+``tag.cost.precision.gradient_bytes_factor``).
 On a GPU served by a shipped class, a MatMul's or convolution's compute time is divided by its SM
 occupancy (``tag.cost.occupancy``: how full its waves of thread-block tiles are at the op's batch on the
 device's SM count), so small per-device batches and GPUs with many SMs cost what they leave idle; on
@@ -47,16 +48,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from tag.ir.types import TrainingGraph
 from tag.cluster.topology import Topology
 from tag.cost.gpu_defaults import describe_device_type, gpu_profiles, resolve
 from tag.cost.matmul_table import MatmulDims, MatmulTable, matmul_dims
-from tag.cost.op_classes import FAMILIES, cpu_fused_bias_adds, op_classes, op_family
 from tag.cost.occupancy import GemmExtents, gemm_extents, occupancy
+from tag.cost.op_classes import FAMILIES, cpu_fused_bias_adds, op_classes, op_family
 from tag.cost.precision import PRECISIONS, device_peak, fusion_bytes, gradient_bytes_factor, op_precisions
+
 # the profile dataclasses live in tag.cost.profile; imported here for the cost model and for older imports
 from tag.cost.profile import PROFILE_VERSION, DeviceProfile, NetworkProfile, Profile  # noqa: F401
-
+from tag.ir.types import TrainingGraph
 
 # Ops that move no data and do no arithmetic at run time (aliases, metadata, graph plumbing).
 ZERO_COST_TYPES = frozenset({
@@ -142,11 +143,11 @@ class CostModel:
         # tensor cores in the dtype the graph has them in, everything else on the FP32 units
         classes = op_classes(graph)
         precs = [p if c is not None and c != "conv:depthwise" and p is not None else "fp32"
-                 for c, p in zip(classes, op_precisions(graph))]
+                 for c, p in zip(classes, op_precisions(graph), strict=True)]
         if self.tf32:
             precs = ["tf32" if p == "fp32" and c is not None and c != "conv:depthwise" else p
-                     for c, p in zip(classes, precs)]
-        keys = list(zip(types, classes, precs))
+                     for c, p in zip(classes, precs, strict=True)]
+        keys = list(zip(types, classes, precs, strict=True))
         self._keys = sorted(set(keys), key=lambda k: (k[0], k[1] or "", k[2]))
         key_id = {k: i for i, k in enumerate(self._keys)}
         self._op_key_id = np.array([key_id[k] for k in keys], dtype=np.int64)
@@ -388,7 +389,7 @@ class CostModel:
             return ring, ring
         # inside hosts: (k-1)/k of the bytes twice (reduce-scatter + all-gather), slowest host dominates
         intra_fixed, intra_per_byte = 0.0, 0.0
-        for h, devs in hosts.items():
+        for devs in hosts.values():
             k = len(devs)
             if k > 1:
                 bw_h, lat_h, _ = self._ring_coeffs(devs)

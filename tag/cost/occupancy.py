@@ -102,7 +102,7 @@ def gemm_extents(graph: "TrainingGraph") -> GemmExtents:
             lead = ax is not None and ax < len(shape) - 2
             over_batch = ax is None and op.flops.per_example > 0        # a weight gradient: K = the batch
             rows.append((i, shape[-2], shape[-1], count, ax == len(shape) - 2, lead, over_batch))
-    cols = list(zip(*rows)) if rows else [()] * 7
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 7
     return GemmExtents(len(graph.ops), np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.float64),
                        np.array(cols[2], dtype=np.float64), np.array(cols[3], dtype=np.float64),
                        np.array(cols[4], dtype=bool), np.array(cols[5], dtype=bool), np.array(cols[6], dtype=bool),

@@ -13,9 +13,10 @@ How the IR is derived (the rules later stages rely on):
 
 * **Step ops.** The optimizer's apply ops (types ``Apply*``, ``ResourceApply*``, ``SparseApply*``,
   ``ResourceSparseApply*``) and the variable writes (assign/scatter ops) downstream of gradient ops
-  (TF1 SGD and Adam update a weight with a sparse gradient that way, with no apply op), every op they reach (the ops grouping them, e.g. ``train_op``, and the
-  optimizer's bookkeeping such as Adam's beta-power updates), and all data and control ancestors of
-  those. Initializers, savers and summaries are left out. ``ops`` is in topological order.
+  (TF1 SGD and Adam update a weight with a sparse gradient that way, with no apply op), every op they
+  reach (the ops grouping them, e.g. ``train_op``, and the optimizer's bookkeeping such as Adam's beta-power updates),
+  and all data and control ancestors of those. Initializers, savers and summaries are left out. ``ops`` is in
+  topological order.
 * **Shapes** come from TensorFlow's own shape inference: the step is imported into a fresh
   ``tf.Graph``. Inputs with an unknown batch are declared at ``batch_size`` first. A graph built at
   another batch than ``batch_size`` is analysed at its own batch and every size is rescaled to

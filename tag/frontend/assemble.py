@@ -51,7 +51,7 @@ def tensor_infos(sg: StepGraph, inferred: InferredShapes, axes: dict[str, list[i
     tensors: dict[str, list[TensorInfo]] = {}
     for nm in sg.order:
         infos = []
-        for k, (s, dt) in enumerate(zip(inferred.shapes[nm], inferred.dtypes[nm])):
+        for k, (s, dt) in enumerate(zip(inferred.shapes[nm], inferred.dtypes[nm], strict=True)):
             ax = axes[nm][k]
             size = dtype_size(dt)
             n_el = numel(s)
@@ -133,7 +133,9 @@ def _op_flops(n: Node, sg: StepGraph, inferred: InferredShapes, in_infos: list[T
             c = const_ints(sg.nodes[n.data_in[0][0]].nd) if n.data_in else None
             const_cond = c[0] if c else None
         specs = handle_specs(inferred.tf_ops[n.name]) if n.name in inferred.tf_ops else []
-        in_shapes = [spec if spec is not None else s for s, spec in zip(in_shapes, specs + [None] * len(in_shapes))]
+        # SPECS (one per TF input) may be fewer than IN_SHAPES: padded with None, IN_SHAPES sets the length
+        padded = specs + [None] * len(in_shapes)
+        in_shapes = [spec if spec is not None else s for s, spec in zip(in_shapes, padded, strict=False)]
         if n.type in WHILE_TYPES:
             in_shapes = [_batch_for_unknown_rows(s, batch.ref_batch) for s in in_shapes]
         f, unk = coster.cost_functional(n.type, n.nd.attr, in_shapes, const_cond=const_cond)

@@ -185,7 +185,7 @@ def _fused_batch_norm_axes(op_type: str, ins: ShapedInputs, outs: list) -> list:
 
 def _matmul_axes(attrs: Any, ins: ShapedInputs) -> list:
     """The batch stays only where it is a row of a or a column of b (a weight gradient reduces it away)."""
-    (sa, aa), (sb, ab) = ins[0], ins[1]
+    (_, aa), (_, ab) = ins[0], ins[1]
     ta, tb = attrs["transpose_a"].b, attrs["transpose_b"].b
     if aa is not None and aa == (1 if ta else 0):
         return [0]
@@ -245,7 +245,7 @@ def _einsum_axes(attrs: Any, ins: ShapedInputs, outs: list) -> list | None:
     terms = lhs.split(",")
     if len(terms) != len(ins):
         return None
-    for term, (s, ax) in zip(terms, ins):
+    for term, (s, ax) in zip(terms, ins, strict=True):
         if ax is not None and s is not None and len(term) == len(s) and ax < len(term):
             label = term[ax]
             return [out.index(label) if label in out else None]
@@ -254,7 +254,7 @@ def _einsum_axes(attrs: Any, ins: ShapedInputs, outs: list) -> list | None:
 
 def _gather_axes(op_type: str, ins: ShapedInputs, const_input: Callable[[int], Any]) -> list | None:
     """Gathering batch-carrying indices from a parameter: the batch lands at the gather axis."""
-    (sp, ap), (si, ai) = ins[0], ins[1]
+    (_, ap), (_, ai) = ins[0], ins[1]
     if ai is not None and ap is None:
         axis = 0
         if op_type == "GatherV2":
@@ -274,9 +274,9 @@ def _mirror_axes(name: str, outs: list, out_dtypes: list, nodes: dict[str, Node]
     n = nodes[fwd]
     cands = [(shapes[s][i], axes[s][i]) for s, i in n.data_in
              if s in shapes and i < len(shapes[s]) and s in axes and i < len(axes[s])]
-    cands += list(zip(shapes.get(fwd, []), axes.get(fwd, [])))
+    cands += list(zip(shapes.get(fwd, []), axes.get(fwd, []), strict=True))
     res = []
-    for o, dt in zip(outs, out_dtypes):
+    for o, dt in zip(outs, out_dtypes, strict=True):
         hit = None
         if o and dt in _FLOAT_DTYPES:
             same = [ax for s, ax in cands if s == o]
@@ -405,7 +405,7 @@ def _op_axes(nm: str, sg: StepGraph, inferred: InferredShapes, axes: dict[str, l
         rule = _mirror_axes(nm, ss, inferred.dtypes[nm], nodes, shapes, axes)
     else:
         rule = [None] * len(ss)
-    return [a if a is not None else r for a, r in zip(res, rule)]
+    return [a if a is not None else r for a, r in zip(res, rule, strict=True)]
 
 
 # TensorList reads -> (input index of the element shape, output axis of the element's first entry)

@@ -21,7 +21,6 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 import numpy as np
-
 import tensorflow as tf
 
 from tag.frontend.graph_import import Node, first_line
@@ -143,7 +142,7 @@ class FunctionCoster:
         shapes = [tf.TensorShape([]) if isinstance(s, HandleSpec) else tf.TensorShape(None if s is None else list(s))
                   for s in in_shapes]
         body, _ = f2g.function_def_to_graph_def(fdef, input_shapes=shapes)
-        args = {a.name: (a, s) for a, s in zip(fdef.signature.input_arg, in_shapes)}
+        args = {a.name: (a, s) for a, s in zip(fdef.signature.input_arg, in_shapes, strict=True)}
         extra = []
         for nd in body.node:
             arg, spec = args.get(nd.name, (None, None))
@@ -231,7 +230,7 @@ def trip_count(nodes: dict[str, Node], name: str, shapes: dict[str, list], tf_op
         trips = _trips_from_condition(tf_ops[name], library.get(n.nd.attr["cond"].func.name))
         if trips is not None:
             return trips
-    for s, i in ins:
+    for s, _ in ins:
         src = nodes[s]
         if src.type == "TensorListFromTensor" and src.data_in:
             t, k = src.data_in[0]

@@ -134,7 +134,8 @@ def _loss_function(loss: Any, tf_keras: Any) -> Callable:
             raise GraphError(f"training_graph_def: unknown Keras loss {loss!r}") from None
     if callable(loss):
         return loss
-    raise GraphError(f"training_graph_def: loss must be a Keras loss, its name or a function, got {type(loss).__name__}")
+    raise GraphError("training_graph_def: loss must be a Keras loss, its name or a function, "
+                     f"got {type(loss).__name__}")
 
 
 def _is_sparse_loss(loss: Any) -> bool:

@@ -27,8 +27,8 @@ import numpy as np
 
 from tag.ir.op_types import FUNCTION_CALL_TYPES, TENSOR_LIST_TYPES
 
-__all__ = ["ELEMENTWISE_TYPES", "FLOP_RULE_TYPES", "REDUCTION_TYPES", "ZERO_FLOP_TYPES", "Shape", "fallback_flops", "flops_of",
-           "grad_arg_index", "is_apply_op", "numel", "prod"]
+__all__ = ["ELEMENTWISE_TYPES", "FLOP_RULE_TYPES", "REDUCTION_TYPES", "ZERO_FLOP_TYPES", "Shape", "fallback_flops",
+           "flops_of", "grad_arg_index", "is_apply_op", "numel", "prod"]
 
 Shape = tuple  # tuple[int | None, ...]: a tensor's dims, None where unknown
 
@@ -209,7 +209,7 @@ def _r_einsum(a, ins, outs, ex):
     if len(terms) != len(ins):
         return None
     sizes: dict[str, int] = {}
-    for term, shape in zip(terms, ins):
+    for term, shape in zip(terms, ins, strict=True):
         if shape is None:
             return None
         if "..." in term:
@@ -221,7 +221,7 @@ def _r_einsum(a, ins, outs, ex):
             labels = list(term)
         if len(labels) != len(shape):
             return None
-        for lab, d in zip(labels, shape):
+        for lab, d in zip(labels, shape, strict=True):
             if d is None:
                 return None
             sizes[lab] = max(sizes.get(lab, 1), int(d))
@@ -326,7 +326,7 @@ def flops_of(op_type: str, attrs: Any, ins: list, outs: list, out_dtypes: list,
 def fallback_flops(outs: list, out_dtypes: list) -> float:
     """One FLOP per element of the numeric outputs whose shape is known (the rule for unknown op types)."""
     total = 0.0
-    for s, dt in zip(outs, out_dtypes):
+    for s, dt in zip(outs, out_dtypes, strict=True):
         if dt in ("resource", "variant", "string"):
             continue
         n = numel(s)

@@ -233,6 +233,7 @@ def _scale_loss(graph_def: Any, loss: str, scale: float) -> None:
     import numpy as np
     import tensorflow as tf
     from tensorflow.python.framework import op_def_registry
+
     from tag.frontend.op_rules import grad_arg_index, is_apply_op
     nodes = {n.name: n for n in graph_def.node}
 

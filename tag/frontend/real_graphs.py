@@ -159,7 +159,8 @@ def lstm_lm_model(*, seq_len: int = 6, vocab_size: int = 12, embed: int = 8, uni
 
     init = tf_keras.initializers
     inp = tf_keras.Input(shape=(seq_len,), dtype="int32")
-    h = tf_keras.layers.Embedding(vocab_size, embed, embeddings_initializer=init.RandomUniform(-0.1, 0.1, seed=seed))(inp)
+    h = tf_keras.layers.Embedding(vocab_size, embed,
+                                  embeddings_initializer=init.RandomUniform(-0.1, 0.1, seed=seed))(inp)
     for i in range(layers):
         h = tf_keras.layers.LSTM(units, return_sequences=True, kernel_initializer=init.GlorotUniform(seed=seed + 1 + i),
                                  recurrent_initializer=init.Orthogonal(seed=seed + 11 + i))(h)

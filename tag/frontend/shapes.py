@@ -212,7 +212,7 @@ def infer_shapes(base: Any, batch: BatchSpec) -> InferredShapes:
         probe = probe_ops.get(nm)
         if probe is not None and len(probe.outputs) == len(outs):
             probe_shapes = [to_shape(t.shape) for t in probe.outputs]
-            for k, (s1, s2) in enumerate(zip(concrete_shapes, probe_shapes)):
+            for k, (s1, s2) in enumerate(zip(concrete_shapes, probe_shapes, strict=True)):
                 if s1 is None or s2 is None or len(s2) != len(s1):
                     continue
                 for j, d in enumerate(s1):

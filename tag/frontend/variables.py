@@ -155,7 +155,7 @@ def _variable_roles(sg: StepGraph, inferred: InferredShapes, var_names: list[str
             if _variable_shape(sv, nodes, shapes) == vshape:
                 roles.slots[v].append(sv)
     _writer_updated_roles(sg, inferred, roles)
-    for v, slots in roles.slots.items():
+    for slots in roles.slots.values():
         for sv in slots:
             if roles.kind.get(sv) != "trainable":
                 roles.kind[sv] = "slot"

@@ -131,9 +131,11 @@ def random_layered_graph(rng: np.random.Generator, batch: int = 32, name: str = 
     reads, kinds = [], []
     for i, kind in enumerate(kind_of):
         if kind == "embedding":
-            params, flops_pe = np.exp(rng.uniform(np.log(1e6), np.log(4e8))), np.exp(rng.uniform(np.log(1e4), np.log(1e6)))
+            params = np.exp(rng.uniform(np.log(1e6), np.log(4e8)))
+            flops_pe = np.exp(rng.uniform(np.log(1e4), np.log(1e6)))
         elif kind == "conv":
-            params, flops_pe = np.exp(rng.uniform(np.log(1e4), np.log(1e7))), np.exp(rng.uniform(np.log(1e7), np.log(5e9)))
+            params = np.exp(rng.uniform(np.log(1e4), np.log(1e7)))
+            flops_pe = np.exp(rng.uniform(np.log(1e7), np.log(5e9)))
         else:
             params = np.exp(rng.uniform(np.log(1e5), np.log(1e8)))
             flops_pe = params / 2.0                       # 2 FLOPs per multiply-add of a float32 weight

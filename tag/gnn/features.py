@@ -261,7 +261,7 @@ class StaticFeatures:
             members_w += (counts / len(devices)).tolist()
             cand_mem[k] = mem[dgs].min()
             compute[:, k], sync[:, k], mem_need[:, k] = self._estimate(cm, cand, devices, dgs, speeds)
-        keys = [(int(m), p) for m, p in zip(self.cand_mode, self.cand_placement)]
+        keys = [(int(m), p) for m, p in zip(self.cand_mode, self.cand_placement, strict=True)]
         self.cand_key = np.array([sorted(set(keys)).index(k) for k in keys], dtype=np.int64)   # same mode and place
         self.cand_dev_groups = [np.unique(dev_group[d], return_counts=True) for d in self.cand_devices]
         self.member_cand = np.array(members_c, dtype=np.int64)
@@ -317,7 +317,7 @@ class StaticFeatures:
         shares = B * dev_speed / dev_speed.sum()
         compute = np.zeros(self.num_groups)
         seen: set[tuple[int, float]] = set()
-        for d, b in zip(self.dev_group[devices].tolist(), shares.tolist()):
+        for d, b in zip(self.dev_group[devices].tolist(), shares.tolist(), strict=True):
             if (d, b) not in seen:                    # devices of one group and speed: one column
                 seen.add((d, b))
                 compute = np.maximum(compute, self.group_column(max(1.0, b), d))
@@ -464,7 +464,7 @@ def batch_nodes(nodes: Sequence[NodeInput], env_index: Sequence[int], op_offset:
     env_index = np.asarray(env_index, dtype=np.int64)
     return {
         "targets": np.array([x.target for x in nodes], dtype=np.int64) + op_offset[env_index],
-        "cands": np.concatenate([x.allowed + cand_offset[e] for x, e in zip(nodes, env_index)]),
+        "cands": np.concatenate([x.allowed + cand_offset[e] for x, e in zip(nodes, env_index, strict=True)]),
         "cand_x": np.concatenate([x.cand_x for x in nodes]),
         "global_x": np.stack([x.global_x for x in nodes]),
         "prior_logit": np.concatenate([x.prior_logit for x in nodes]).astype(np.float32),

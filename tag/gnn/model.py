@@ -42,12 +42,12 @@ import os
 
 os.environ.setdefault("DGLBACKEND", "tensorflow")
 
+from typing import TYPE_CHECKING  # noqa: E402
+
 import dgl  # noqa: E402
 import dgl.function as fn  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-from typing import TYPE_CHECKING  # noqa: E402
 
 from tag.gnn.features import F_CAND, F_DEV, F_FLOW, F_GLOBAL, F_LINK, F_OP  # noqa: E402
 

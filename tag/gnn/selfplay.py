@@ -123,7 +123,7 @@ class Trainer:
         self.steps += 1
         t = self.steps
         scale = self.lr * np.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
-        for var, g, m, v in zip(self.variables, grads, self.m, self.v):
+        for var, g, m, v in zip(self.variables, grads, self.m, self.v, strict=True):
             if g is None:
                 continue
             g = tf.convert_to_tensor(g) + self.weight_decay * var

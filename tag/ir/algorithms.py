@@ -31,7 +31,7 @@ def predecessors(graph: TrainingGraph) -> list[list[int]]:
     """Per op, the ops it depends on (data and control), in edge order."""
     src, dst = dependency_arrays(graph)
     preds: list[list[int]] = [[] for _ in range(len(graph.ops))]
-    for s, d in zip(src.tolist(), dst.tolist()):
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         preds[d].append(s)
     return preds
 
@@ -42,7 +42,7 @@ def topological_order(graph: TrainingGraph) -> np.ndarray:
     src, dst = dependency_arrays(graph)
     indeg = np.bincount(dst, minlength=n).astype(np.int64)
     succ: list[list[int]] = [[] for _ in range(n)]
-    for s, d in zip(src.tolist(), dst.tolist()):
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         succ[s].append(d)
     heap = [i for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)

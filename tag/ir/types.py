@@ -1,6 +1,6 @@
 """The training-graph IR: plain data describing one training step, no TensorFlow needed to read it.
 
-``tag.graph.analyze`` builds it from a GraphDef; every later stage (grouping, cost model, simulator,
+``tag.frontend.analyze`` builds it from a GraphDef; every later stage (grouping, cost model, simulator,
 search, rewriter) reads only this. Sizes that grow with the batch are kept symbolic as
 ``fixed + per_example * batch`` so costs can be re-evaluated at any per-replica batch size.
 

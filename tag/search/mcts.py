@@ -117,7 +117,7 @@ def complete(env: SearchEnv, order: Sequence[int], prefix: Sequence[int]) -> Cho
     """The full choice of a partial one: undecided groups follow the first decision."""
     first = prefix[0]
     choice = list(env.uniform_choice(first))
-    for g, k in zip(order, prefix):
+    for g, k in zip(order, prefix, strict=False):      # the prefix decides ORDER's first len(PREFIX) groups
         choice[g] = k
     return tuple(choice)
 

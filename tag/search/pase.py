@@ -132,7 +132,7 @@ def _replicated_cost(env: SearchEnv, cache: dict, group: int, candidate: int, gr
     if env.batch_size < len(devices):
         return float("inf")
     shares = batch_shares([env.topology.devices[d].peak_flops for d in devices], env.batch_size)
-    share_of = dict(zip(devices, shares))
+    share_of = dict(zip(devices, shares, strict=True))
     compute = 0.0
     for dg in action.placement:
         batch = max(share_of[d] for d in env.topology.groups[dg].devices)
@@ -228,7 +228,7 @@ def _cross_edges(env: SearchEnv) -> dict[tuple[int, int], tuple[np.ndarray, ...]
         if u != v and nbytes > 0:
             t = tensor_id.setdefault(e.tensor, len(tensor_id))
             lists.setdefault((u, v), []).append((int(e.src), int(e.dst), t, nbytes))
-    return {k: tuple(np.array(col) for col in zip(*rows)) for k, rows in lists.items()}
+    return {k: tuple(np.array(col) for col in zip(*rows, strict=True)) for k, rows in lists.items()}
 
 
 def _edge_layouts(env: SearchEnv, layouts: _Layouts, group: int, ops: np.ndarray) -> np.ndarray:

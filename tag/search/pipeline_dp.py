@@ -83,7 +83,7 @@ def group_chain(tasks: TaskGraph) -> list[int]:
             continue
         mine = tasks.tasks_of_group[g]
         target = None
-        for a, b in zip(tasks.bundle_src, tasks.bundle_dst):
+        for a, b in zip(tasks.bundle_src, tasks.bundle_dst, strict=True):
             if a in mine and tasks.task_group_list[b] in first_forward:
                 target = first_forward[tasks.task_group_list[b]]
                 break
@@ -167,7 +167,7 @@ class _Tables:
         # bytes crossing the cut before chain position j per micro-batch, forward and backward:
         # (per example, fixed); a tensor read by several tasks counted once per reader (an upper bound)
         fwd, bwd = np.zeros((2, G + 1)), np.zeros((2, G + 1))
-        for b, (a, c) in enumerate(zip(tasks.bundle_src, tasks.bundle_dst)):
+        for b, (a, c) in enumerate(zip(tasks.bundle_src, tasks.bundle_dst, strict=True)):
             if not (self._work[a] and self._work[c]):
                 continue
             pa, pc = position[tasks.task_group_list[a]], position[tasks.task_group_list[c]]
@@ -206,7 +206,7 @@ def _stage_costs(tables: _Tables, placement: tuple[int, ...], micro: int, in_fli
     """T[i, j]: seconds of a stage holding chain[i:j] on PLACEMENT per micro-batch (inf: does not fit)."""
     topo, speeds = tables.env.topology, tables.env.device_speeds
     devices = [d for g in placement for d in topo.groups[g].devices]
-    shares = dict(zip(devices, batch_shares([speeds[d] for d in devices], micro)))
+    shares = dict(zip(devices, batch_shares([speeds[d] for d in devices], micro), strict=True))
     G = len(tables.chain)
     cost = np.zeros((G + 1, G + 1))
     largest = 0

@@ -91,7 +91,7 @@ class StepBound:
         self._group_tasks = [np.asarray(ts, dtype=np.int64) for ts in tasks.tasks_of_group]
         # producers each task waits for (bundles point forward in task order)
         preds: list[list[int]] = [[] for _ in range(self.num_tasks)]
-        for a, b in zip(tasks.bundle_src, tasks.bundle_dst):
+        for a, b in zip(tasks.bundle_src, tasks.bundle_dst, strict=True):
             preds[b].append(a)
         self._preds = [tuple(sorted(set(p))) for p in preds]
         self._device_group = np.array([d.group for d in simulator.topology.devices], dtype=np.int64)
@@ -177,7 +177,7 @@ class StepBound:
         replicated = ~on_ps
         places[replicated] = self.place_id(("r", a.placement))
         weights[:] = np.inf
-        share_of = dict(zip(devs, shares))
+        share_of = dict(zip(devs, shares, strict=True))
         shortest_of: dict[tuple, tuple[np.ndarray, float]] = {}    # (same costs, shares) -> (times, busy)
         for dg in a.placement:
             group_devs = sim.topology.groups[dg].devices

@@ -1,7 +1,7 @@
 """The compiled simulation kernel: one step's flows, collectives, list schedule and memory in one numba call.
 
 ``Simulator.evaluate`` spends its time in thousands of small Python steps per strategy (the list schedule,
-transfers between layouts, collectives, activation memory; see docs/measured/issue26-kernel). This module
+transfers between layouts, collectives, activation memory; see docs/results/simulator.md). This module
 moves all of them into one compiled function over flat arrays. What depends only on the graph, grouping
 and topology is flattened once per ``Simulator`` (``tag.sim.kernel_state.KernelState``); what depends on
 a strategy's actions (layouts, the routes between two layouts, collective coefficients) is still worked out

@@ -49,7 +49,7 @@ class _IntMap:
 
     def __setitem__(self, key: int, value: int) -> None:
         if 2 * (self.size + 1) > len(self.keys):            # keep it at most half full
-            old = [(int(k), int(v)) for k, v in zip(self.keys, self.vals) if v != -1]
+            old = [(int(k), int(v)) for k, v in zip(self.keys, self.vals, strict=True) if v != -1]
             self.keys = np.zeros(2 * len(self.keys), dtype=np.int64)
             self.vals = np.full(2 * len(self.vals), -1, dtype=np.int64)
             self.size = 0
@@ -164,8 +164,10 @@ class KernelState:
         self.m_dep_start.extend([0])
         self.m_rt_start.extend([0])
         self.d_dl, self.d_sl = _Rows(np.int64), _Rows(np.int64)
-        self.r_lane = _Rows(np.int64, width=5)            # (src lane, dst lane, resource 1, resource 2 or -1, link or -1)
-        self.r_f = _Rows(np.float64, width=6)             # (latency, s/byte, examples, whole copies, send s/byte, receive s/byte)
+        # per route: (src lane, dst lane, resource 1, resource 2 or -1, link or -1)
+        self.r_lane = _Rows(np.int64, width=5)
+        # per route: (latency, s/byte, examples, whole copies, send s/byte, receive s/byte)
+        self.r_f = _Rows(np.float64, width=6)
         self.num_moves = 0
         # actions: dense index -> mode, ps device, devices, collective coefficients and resources
         self.action_index: dict = {}                       # Action -> dense index
@@ -326,8 +328,8 @@ class KernelState:
             if self._args is None:
                 self._args = self._arguments()
             out = simulate(group_local, local_ai, local_rep, local_upd, task_override, num_lanes, lane_of_device,
-                           static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, lane_start, resource_start,
-                           self.no_serial if serial is None else serial, *self._args)
+                           static0, float(fuse_cap), self.w_bytes if w_coll is None else w_coll, lane_start,
+                           resource_start, self.no_serial if serial is None else serial, *self._args)
             missing = out[0]
             if not len(missing):
                 return out[1:]
@@ -348,5 +350,5 @@ class KernelState:
                 self.a_place.buf,
                 self.l_start.buf, self.i_lane.buf, self.i_batch.buf, self.i_row.buf, self.dur.buf,
                 self.i_seconds.buf, self.l_split.buf, self.l_int_start.buf, self.int_lane.buf, self.int_f.buf,
-                self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf, self.m_rt_start.buf,
-                self.r_lane.buf, self.r_f.buf)
+                self.pair_index.keys, self.pair_index.vals, self.m_dep_start.buf, self.d_dl.buf, self.d_sl.buf,
+                self.m_rt_start.buf, self.r_lane.buf, self.r_f.buf)

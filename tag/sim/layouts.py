@@ -188,9 +188,9 @@ class LayoutCache:
             return lay
         devs = self.devices_of(placement)
         shares = self.shares_of(placement, batch)
-        share_of = dict(zip(devs, shares))
+        share_of = dict(zip(devs, shares, strict=True))
         holdings, lo = [], 0
-        for d, s in zip(devs, shares):
+        for d, s in zip(devs, shares, strict=True):
             holdings.append((d, lo, lo + s, int(lanes.lane_of_device[d])))
             lo += s
         insts = []
@@ -280,7 +280,7 @@ class PartitionPlans:
                 raise StrategyError(f"op {self.graph.ops[i].name!r} of op group {g} is partitioned onto device "
                                     f"{int(devs[np.flatnonzero(bad)[0]])}, outside the group's placement "
                                     f"{list(action.placement)}")
-            dev_of = dict(zip(members, devs.tolist()))
+            dev_of = dict(zip(members, devs.tolist(), strict=True))
             plan_tasks = {}
             position = self.tasks.op_position
             for t in self.tasks.tasks_of_group[g]:

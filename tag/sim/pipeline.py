@@ -152,7 +152,7 @@ class PipelineTasks:
         self.task_by_group_starts = np.searchsorted(self.task_group[self.task_by_group], np.arange(self.num_groups))
         self.labels = [f"{'FB'[st]}{m} {group_names[g]}" if m >= 0 else
                        f"W {group_names[g]}" if m == WEIGHT_STEP else f"update {group_names[g]}"
-                       for st, m, g in zip(self.task_stage_list, micro, self.task_group_list)]
+                       for st, m, g in zip(self.task_stage_list, micro, self.task_group_list, strict=True)]
         self._expand_bundles(base, M)
         self._expand_anchors(base, M)
         self._accumulation(base)
@@ -171,7 +171,7 @@ class PipelineTasks:
         layer that is 48 MB of memory traffic per micro-batch, which no per-op time of the base graph holds."""
         grad_bytes = np.zeros(base.num_tasks)
         grad_tensors = np.zeros(base.num_tasks)
-        for b, (src, dst) in enumerate(zip(base.bundle_src, base.bundle_dst)):
+        for b, (src, dst) in enumerate(zip(base.bundle_src, base.bundle_dst, strict=True)):
             if base.task_stage[dst] == UPDATE_STAGE and base.task_stage[src] == 1:
                 grad_bytes[src] += base.bundle_own[b][1] + sum(fx for _, _, fx in base.bundle_shared[b])
                 grad_tensors[src] += base.bundle_own_tensors[b] + len(base.bundle_shared[b])
@@ -211,7 +211,7 @@ class PipelineTasks:
             ks, kd = kinds[src], kinds[dst]
             keep = (ks >= 0) & (kd >= 0)
             pairs = set(zip(ks[keep].tolist(), stage_of_task[src][keep].tolist(),
-                            kd[keep].tolist(), stage_of_task[dst][keep].tolist()))
+                            kd[keep].tolist(), stage_of_task[dst][keep].tolist(), strict=True))
             for a_kind, a_stage, b_kind, b_stage in pairs:
                 if (a_kind, a_stage) != (b_kind, b_stage):
                     waits.setdefault(("FB"[b_kind], b_stage), set()).add(("FB"[a_kind], a_stage))
@@ -253,13 +253,13 @@ class PipelineTasks:
         # (expanded src, expanded dst) -> base bundle, or (edges, (per-example, fixed), tensors) of a part of one
         keys: dict[tuple[int, int], object] = {}
         ops = self._weight_ops
-        for b, (a, c) in enumerate(zip(base.bundle_src, base.bundle_dst)):
+        for b, (a, c) in enumerate(zip(base.bundle_src, base.bundle_dst, strict=True)):
             to_update = base.task_stage[c] == UPDATE_STAGE
             if weight_task[a] >= 0 and (to_update or weight_task[c] >= 0):
                 edges = base.bundle_edges[b]
                 sent_by_w = [bool(ops[e[0]] and (to_update or ops[e[1]])) for e in edges]
-                mine = [e for e, w in zip(edges, sent_by_w) if w]
-                rest = [e for e, w in zip(edges, sent_by_w) if not w]
+                mine = [e for e, w in zip(edges, sent_by_w, strict=True) if w]
+                rest = [e for e, w in zip(edges, sent_by_w, strict=True) if not w]
                 xc = int(index[c, 0]) if to_update else int(weight_task[c])
                 if mine and int(weight_task[a]) < xc:
                     keys.setdefault((int(weight_task[a]), xc), _part(mine))
@@ -287,13 +287,13 @@ class PipelineTasks:
         group = self.task_group_list
         self.bundle_edges = [base.bundle_edges[b] if isinstance(b, int) else b[0] for b in base_of]
         self.bundle_same_group = [base.bundle_same_group[b] if isinstance(b, int) else group[k[0]] == group[k[1]]
-                                  for k, b in zip(ordered, base_of)]
+                                  for k, b in zip(ordered, base_of, strict=True)]
         self.bundle_own = [base.bundle_own[b] if isinstance(b, int) else b[1] for b in base_of]
         self.bundle_own_tensors = [base.bundle_own_tensors[b] if isinstance(b, int) else b[2] for b in base_of]
         # a shared tensor moves once per micro-batch and destination layout: one tensor id per micro-batch
         micro = self.micro_batch
         self.bundle_shared = [[(tid * M + max(int(micro[k[0]]), 0), pe, fx) for tid, pe, fx in base.bundle_shared[b]]
-                              if isinstance(b, int) else [] for k, b in zip(ordered, base_of)]
+                              if isinstance(b, int) else [] for k, b in zip(ordered, base_of, strict=True)]
 
     def _expand_anchors(self, base: TaskGraph, M: int) -> None:
         index, stage = self.index, self.task_stage_list
@@ -315,7 +315,7 @@ class PipelineTasks:
         index, weight_task = self.index, self.weight_task
         src_rows, last_rows, pe_rows, fixed_rows = [], [], [], []
         for s, last, pe, fx in zip(memory.live_src_task.tolist(), memory.live_last_task.tolist(),
-                                   memory.live_per_example.tolist(), memory.live_fixed.tolist()):
+                                   memory.live_per_example.tolist(), memory.live_fixed.tolist(), strict=True):
             # a buffer a deferred task reads lives until its W task (which may read it)
             pairs = {(int(index[s, m]), int(weight_task[last]) if weight_task[last] >= 0 else int(index[last, m]))
                      for m in range(M)}
@@ -345,9 +345,9 @@ def _part(edges: list) -> tuple[list, tuple[float, float], int]:
 def bubble_fraction(pipeline_stage: np.ndarray, task_stage: np.ndarray, start: np.ndarray,
                     finish: np.ndarray) -> float:
     """Predicted bubble: 1 - mean over stages with forward/backward tasks of (the forward/backward seconds of
-    the stage's busiest lane) / (the span from the first forward start to the last backward end over all stages). Equal stages give
-    the ideal (S - 1) / (M + S - 1). START, FINISH: [lane, expanded task] (finish -1: not run);
-    PIPELINE_STAGE, TASK_STAGE: per expanded task."""
+    the stage's busiest lane) / (the span from the first forward start to the last backward end over all
+    stages). Equal stages give the ideal (S - 1) / (M + S - 1). START, FINISH: [lane, expanded task]
+    (finish -1: not run); PIPELINE_STAGE, TASK_STAGE: per expanded task."""
     ran = (finish >= 0) & (task_stage < UPDATE_STAGE)[None, :]
     if not ran.any():
         return 0.0

@@ -87,7 +87,8 @@ class Routing:
         usable = (host_bw > 0) & np.isfinite(host_bw) & ~np.eye(H, dtype=bool)
         link_s = np.divide(1.0, host_bw, out=np.zeros_like(host_bw), where=usable)
         slower = usable & (link_s > np.maximum(nic_s[:, None], nic_s[None, :]) * (1 + 1e-9))
-        for a, b in zip(*np.nonzero(slower)):        # row-major: (0, 1), (0, 2), ... as the names list them
+        # row-major: (0, 1), (0, 2), ... as the names list them
+        for a, b in zip(*np.nonzero(slower), strict=True):
             self._pair_resource[(int(a), int(b))] = len(self.resource_names)
             self.resource_names.append(f"{topology.hosts[a].name} -> {topology.hosts[b].name} link")
         # movement caches, keyed by layout ids (cleared with the layouts, see LayoutCache)
@@ -130,7 +131,7 @@ class Routing:
         src_dev = {h[0]: h for h in ls.holdings}
         src_list = [h[0] for h in ls.holdings]
         best_source = self._best_sources(src_list, [h[0] for h in ld.holdings if h[0] not in src_dev])
-        for (c, clo, chi, cl), overlapping in zip(ld.holdings, _overlaps(ls.holdings, ld.holdings)):
+        for (c, clo, chi, cl), overlapping in zip(ld.holdings, _overlaps(ls.holdings, ld.holdings), strict=True):
             dset = deps.setdefault(cl, set())
             for (p, plo, phi, pl) in overlapping:
                 ov = min(chi, phi) - max(clo, plo)
@@ -167,7 +168,7 @@ class Routing:
         bw = np.asarray(self._bandwidth, dtype=np.float64)[np.ix_(src, dst)]      # [source, destination]
         best = bw == bw.max(axis=0, keepdims=True)
         lowest = np.where(best, src[:, None], np.iinfo(np.int64).max).min(axis=0)
-        return dict(zip(destinations, lowest.tolist()))
+        return dict(zip(destinations, lowest.tolist(), strict=True))
 
     def compiled_moves(self, key: tuple, ls: Layout, ld: Layout) -> tuple:
         """``movement`` from LS to LD with its routes split by how many resources they hold:

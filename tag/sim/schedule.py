@@ -295,9 +295,8 @@ class StepSchedule:
         T = self.tasks.num_tasks
         layout_of_task, ts_l, update = self.layout_of_task, self.tasks.task_stage_list, UPDATE_STAGE
         post = self.collectives_after
-        task_finish, release, resource_free = self.task_finish, self.release, self.resource_free
-        collective_end, lane_free, arrival = self.collective_end, self.lane_free, self.arrival
-        start, finish, batch, record = self.start, self.finish, self.batch, self.record
+        task_finish, release, lane_free, arrival = self.task_finish, self.release, self.lane_free, self.arrival
+        start, finish, batch = self.start, self.finish, self.batch
         flows_into, flows_out_of = self.flows_into, self.flows_out_of
         receivers = sorted(flows_into)
         todo = sorted(set(flows_out_of) | set(post))      # tasks with transfers to issue or collectives to start
@@ -396,7 +395,7 @@ class StepSchedule:
         self.finish[rows_, t:e] = finish
         self.start[rows_, t:e] = finish - durations
         self.batch[rows_, t:e] = lay.batch[:, t:e]
-        for lane, x_ in zip(lay.lanes, finish[:, -1].tolist()):
+        for lane, x_ in zip(lay.lanes, finish[:, -1].tolist(), strict=True):
             lane_free[lane] = x_
         self.task_finish[t:e] = finish.max(axis=0).tolist()
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.cost.model import CostModel
 from tag.ir.types import TrainingGraph
 from tag.sim.layouts import LayoutCache
 from tag.sim.task_graph import TaskGraph
+from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.strategy.types import Action, Strategy
 
 
@@ -107,7 +107,7 @@ class SfbModel:
         block = max_share * f.factor_bytes_per_example
         recompute = 0.0
         for dg in action.placement:
-            local = max(s for d, s in zip(devices, shares) if topology.devices[d].group == dg)
+            local = max(s for d, s in zip(devices, shares, strict=True) if topology.devices[d].group == dg)
             full = float(self.cost.op_times(dg, n * max_share)[f.gradient_op])
             own = float(self.cost.op_times(dg, local)[f.gradient_op])
             recompute = max(recompute, full - own)

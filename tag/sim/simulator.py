@@ -102,7 +102,7 @@ from tag.ir.types import TrainingGraph
 from tag.sim.host_cpu import cpu_speed, step_offsets, sync_serial
 from tag.sim.kernel import choose_kernel
 from tag.sim.kernel_state import KernelState
-from tag.sim.layouts import Layout, LayoutCache, Lanes, PartitionPlans
+from tag.sim.layouts import Lanes, Layout, LayoutCache, PartitionPlans
 from tag.sim.memory import ALIAS_TYPES, MemoryModel, sparse_factor
 from tag.sim.pipeline import WEIGHT_STEP, DeferredWeights, PipelineTasks, bubble_fraction
 from tag.sim.result import SimResult, device_compute_time, schedule_features
@@ -360,7 +360,7 @@ class Simulator:
         actions = strategy.actions
         ids = list(map(id, actions))
         local = dict.fromkeys(ids)           # distinct actions (by object), in order of first use
-        objects = dict(zip(ids, actions))
+        objects = dict(zip(ids, actions, strict=True))
         special: set[int] = set()            # devices that need a lane of their own
         local_actions = []
         for i, key in enumerate(local):
@@ -516,7 +516,7 @@ class Simulator:
             return self._run_pipeline_compiled(pt, stage_actions, by_size, ps_layouts, whole, sizes, lanes, batch)
         update = UPDATE_STAGE
         layout_of_task = []
-        for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist()):
+        for s, st_kind, m in zip(pt.pipeline_stage.tolist(), pt.task_stage_list, pt.micro_batch.tolist(), strict=True):
             if st_kind == update:
                 layout_of_task.append(ps_layouts[s] or by_size[s][sizes[0]])
             elif m == WEIGHT_STEP:
@@ -619,8 +619,9 @@ class Simulator:
         if not memory.has_sparse:
             return weights
         replicas = [len(self.layouts.devices_of(a.placement)) for a in actions]
-        factors = np.array([sparse_factor(a.mode, n) for a, n in zip(actions, replicas)])
-        dense_ok = np.array([not pipeline and a.mode == "allreduce" and n > 1 for a, n in zip(actions, replicas)])
+        factors = np.array([sparse_factor(a.mode, n) for a, n in zip(actions, replicas, strict=True)])
+        dense_ok = np.array([not pipeline and a.mode == "allreduce" and n > 1
+                             for a, n in zip(actions, replicas, strict=True)])
         if group_of is not None:
             factors, dense_ok = factors[group_of], dense_ok[group_of]
         out = memory.collective_bytes(memory.weight_bytes if weights is None else weights, factors, batch,

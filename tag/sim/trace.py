@@ -64,7 +64,7 @@ def chrome_trace(recording: Recording, topology: Topology, group_names: list[str
     for r, name in enumerate(resource_names):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": r, "args": {"name": name}})
     start, finish, batch = recording.matrices
-    for t, lane in zip(*np.nonzero(finish >= 0)):
+    for t, lane in zip(*np.nonzero(finish >= 0), strict=True):
         t, lane = int(t), int(lane)
         g, st = task_group[t], task_stage[t]
         name = task_labels[t] if task_labels is not None else f"{group_names[g]} [{STAGE_NAMES[st]}]"

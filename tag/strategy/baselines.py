@@ -45,8 +45,8 @@ from tag.ir.algorithms import op_levels, op_stages, topological_order
 from tag.strategy.types import Action, Grouping, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tag.ir.types import TrainingGraph
     from tag.cluster.topology import Topology
+    from tag.ir.types import TrainingGraph
     from tag.strategy.pipeline import PipelineStage
 
 BUILTIN_STRATEGIES: tuple[str, ...] = ("dp_allreduce", "ps", "single", "partition")
@@ -173,7 +173,7 @@ def fastest_device(topology: "Topology") -> int:
 
 
 def topological_op_order(graph: "TrainingGraph") -> np.ndarray:
-    """Position of each op in ``tag.grouping.topological_order`` (deterministic; data and control edges)."""
+    """Position of each op in ``tag.ir.algorithms.topological_order`` (deterministic; data and control edges)."""
     order = topological_order(graph)
     pos = np.empty(len(order), dtype=np.int64)
     pos[order] = np.arange(len(order))

@@ -88,7 +88,7 @@ def group_ops(graph: TrainingGraph, target_groups: int = 64) -> Grouping:
     src, dst = dependency_arrays(graph)
     succ: list[list[int]] = [[] for _ in range(n)]
     pred: list[list[int]] = [[] for _ in range(n)]
-    for s_, d_ in zip(src.tolist(), dst.tolist()):
+    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
         succ[s_].append(d_)
         pred[d_].append(s_)
     pos = np.empty(n, dtype=np.int64)
@@ -270,7 +270,7 @@ def _attach_idle_sets(cyc: "_Cycles", roots: np.ndarray, uf: UnionFind, succ: li
     first consumer, else of their first producer, where that keeps the group graph acyclic."""
     set_ids, inv = np.unique(roots, return_inverse=True)
     set_cost = np.bincount(inv, weights=cost, minlength=len(set_ids))
-    idle = [int(r) for r, c in zip(set_ids.tolist(), set_cost.tolist()) if c == 0]
+    idle = [int(r) for r, c in zip(set_ids.tolist(), set_cost.tolist(), strict=True) if c == 0]
     if len(set_ids) <= 1:
         return roots
     members_of: dict[int, list[int]] = {}      # set id -> its ops

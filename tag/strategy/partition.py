@@ -1,7 +1,7 @@
 """Per-group model parallelism: split ONE op group's ops over the devices of a placement.
 
-``GroupPartitioner.split(group, devices)`` returns the op -> device map that ``Strategy.partition`` needs for a group whose
-action is ``mode="partition"``. How the split is made:
+``GroupPartitioner.split(group, devices)`` returns the op -> device map that ``Strategy.partition`` needs
+for a group whose action is ``mode="partition"``. How the split is made:
 
 1. Every op of the group is *anchored* to a forward op of the group: a forward op to itself, a gradient op
    (``gradients/<fwd>_grad/...``) to the forward op it differentiates, anything else (optimizer updates,

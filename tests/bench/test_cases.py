@@ -66,10 +66,10 @@ def test_one_host_split_adds_up_to_the_prediction_and_levelled_applies_a_fit():
     """runtime_levels' split of a predicted one-host step: the family parts plus the launch overheads of the
     charged ops plus the runtime's step overhead are the simulated step; a fit applied with ``levelled``
     moves the prediction exactly as the fitted line says."""
-    from tag_bench.cases import calibration_graph, levelled, one_host_split
     from tag.api import prepare
     from tag.cluster.topology import parse_topology
     from tag.cost.model import DeviceProfile, NetworkProfile, Profile
+    from tag_bench.cases import calibration_graph, levelled, one_host_split
     topo = parse_topology('host { name: "h0" address: "127.0.0.1" port: 1 device { type: "CPU" kind: CPU '
                           'count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 } }\n', path="<t>")
     prof = Profile({"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3}, family_scale={"conv": 0.5})},
@@ -89,14 +89,14 @@ def test_one_host_split_adds_up_to_the_prediction_and_levelled_applies_a_fit():
 def test_levels_under_load_are_fitted_per_type_and_never_faster_than_alone():
     """runtime_levels(under_load=True)'s second fit: points timed with the other hosts busy, fitted as the alone
     points are; a family scale or overhead that came out below the alone fit's is raised to it."""
-    from tag_bench.cases import _fit_levels_per_type, _no_faster
     from tag.cost.model import DeviceProfile
+    from tag_bench.cases import _fit_levels_per_type, _no_faster
     base = {"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3})}
     # three predicted steps (conv, matmul, other parts; charged ops), measured at 1.5x the parts + 10 us/op more
     parts = [[2e-3, 3e-3, 1e-3], [8e-3, 12e-3, 4e-3], [1e-3, 1e-3, 1e-3]]
     ops = [100.0, 400.0, 900.0]
     fixed = [2e-5 * n + 1e-3 for n in ops]                       # launch overheads and the step overhead
-    pts = {"CPU": [(sum(p) + f, n, p, 1.5 * sum(p) + f + 1e-5 * n) for p, n, f in zip(parts, ops, fixed)]}
+    pts = {"CPU": [(sum(p) + f, n, p, 1.5 * sum(p) + f + 1e-5 * n) for p, n, f in zip(parts, ops, fixed, strict=True)]}
     out, record = {}, {}
     notes = _fit_levels_per_type(pts, base, out, False, record, "under load")
     assert "CPU (under load)" in notes[0] and record["CPU"]["measured_s"] == [x[3] for x in pts["CPU"]]
@@ -111,11 +111,11 @@ def test_levels_under_load_are_fitted_per_type_and_never_faster_than_alone():
 def test_fading_levels_are_fitted_alone_and_applied_under_load_at_the_same_length():
     """fit_alone_and_loaded(fade=True): one scale that fades for long kernels, its length fitted on the alone
     points (from each step's per-op rooflines, ``one_host_rooflines``) and reused for the loaded points."""
-    from tag_bench.cases import calibration_graph, fit_alone_and_loaded, one_host_rooflines, one_host_split
     from tag.api import prepare
     from tag.cluster.topology import parse_topology
     from tag.cost.fitting import faded_part
     from tag.cost.model import DeviceProfile, NetworkProfile, Profile
+    from tag_bench.cases import calibration_graph, fit_alone_and_loaded, one_host_rooflines, one_host_split
     topo = parse_topology('host { name: "h0" address: "127.0.0.1" port: 1 device { type: "CPU" kind: CPU '
                           'count: 1 memory_gib: 4 peak_tflops: 0.05 memory_bandwidth_gbs: 10 } }\n', path="<t>")
     prof = Profile({"CPU": DeviceProfile(5e10, 1e10, 2e-5, {"default": 0.3})},

@@ -2,8 +2,7 @@
 with and without the tuning step, targets. No testbed."""
 import pytest
 
-from tag_bench.fidelity import (case_class, check_targets, class_table, group_figures, split_heldout, summary,
-                                worst_of)
+from tag_bench.fidelity import case_class, check_targets, class_table, group_figures, split_heldout, summary, worst_of
 
 
 def row(config, model, strategy, predicted_ms, measured_ms, heldout=False, **kw):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
-    from tag_bench.mwms import tf1_graph
     from tag.frontend.analyze import analyze
+    from tag_bench.mwms import tf1_graph
     gd = tf1_graph("mlp", 96)
     names = {n.name for n in gd.node}
     assert {"input", "labels", "loss", "train_op", "init"} <= names
@@ -14,8 +14,8 @@ def test_mlp_graph_has_the_entry_points_and_about_8m_parameters():
 
 
 def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolutions():
-    from tag_bench.mwms import tf1_graph
     from tag.frontend.analyze import analyze
+    from tag_bench.mwms import tf1_graph
     tg = analyze(tf1_graph("vgg", 6), batch_size=6)
     weights = {v.name: v.nbytes // 4 for v in tg.variables if v.kind == "trainable"}
     head = sum(n for name, n in weights.items() if "dense" in name)
@@ -28,6 +28,7 @@ def test_vgg_graph_keeps_most_weights_in_the_head_and_most_flops_in_the_convolut
 def test_float64_build_has_float64_weights_and_inputs_and_leaves_keras_in_float32():
     import tensorflow as tf
     import tf_keras
+
     from tag_bench.mwms import tf1_graph
     # even under a global policy pinned to float32 (as a test that restores the policy leaves it)
     old = tf_keras.mixed_precision.global_policy()

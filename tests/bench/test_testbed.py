@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from bounded import bounded
 from tag.cluster.topology import parse_topology
 from tag_bench.testbed import GSO_MAX_BYTES, Testbed, TestbedError, cleanup_stale, testbed_available, testbed_missing
 from tag_bench.testbed_hosts import pack_quotas
-from bounded import bounded
 
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
 AVAILABLE, WHY = testbed_available()
@@ -83,15 +83,18 @@ def _testbed_child(how: str) -> subprocess.Popen:
             "from tag_bench.testbed import Testbed\n"
             f"with Testbed(parse_topology({topo_text_for_child()!r}), cpu_quota=[1.0, 0.5]) as tb:\n"
             "    import subprocess\n"
-            f"    inside = [subprocess.Popen(tb.launch_prefix(i) + ['sleep', '600']) for i in range(2 if {how == 'processes'!r} else 0)]\n"
+            f"    inside = [subprocess.Popen(tb.launch_prefix(i) + ['sleep', '600'])\n"
+            f"              for i in range(2 if {how == 'processes'!r} else 0)]\n"
             "    def entered(i, p):  # the process runs inside host i's namespace (not still on its way in)\n"
-            "        out = subprocess.run(['ip', 'netns', 'pids', tb.namespace(i)], capture_output=True, text=True, timeout=30)\n"
+            "        out = subprocess.run(['ip', 'netns', 'pids', tb.namespace(i)], capture_output=True, text=True,\n"
+            "                             timeout=30)\n"
             "        return str(p.pid) in out.stdout.split()\n"
             "    for _ in range(600):\n"
             "        if all(entered(i, p) for i, p in enumerate(inside)):\n"
             "            break\n"
             "        time.sleep(0.05)\n"
-            "    names = {'netns': [tb.namespace(i) for i in range(2)], 'links': [tb.bridge, tb._veth(0), tb._veth(1)],\n"
+            "    names = {'netns': [tb.namespace(i) for i in range(2)],\n"
+            "             'links': [tb.bridge, tb._veth(0), tb._veth(1)],\n"
             "             'cgroup': tb._cgroup(), 'pids': [p.pid for p in inside]}\n"
             "    print(json.dumps(names), flush=True)\n"
             "    time.sleep(600)\n")
@@ -115,12 +118,14 @@ def _alive(pid: int) -> bool:
 
 @needs_netns
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, how, code", [(signal.SIGTERM, "processes", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
+@pytest.mark.parametrize("signum, how, code",
+                         [(signal.SIGTERM, "processes", 143), (signal.SIGINT, "bare", -signal.SIGINT)])
 def test_a_stopped_process_takes_its_testbed_down(signum, how, code):
     """SIGTERM (a time limit, kill) or SIGINT (Ctrl-C) to a process with a testbed up: namespaces, bridge,
     veths, cgroups and the processes in the namespaces are gone, and the process ends as the signal
     says (SIGTERM: exit status 143; SIGINT: an uncaught KeyboardInterrupt, which Python ends by SIGINT)."""
     import json
+
     from bounded import LineReader, stop
     proc = _testbed_child(how)
     try:
@@ -143,6 +148,7 @@ def test_a_new_testbed_clears_what_a_killed_run_left():
     """A process killed with SIGKILL cannot clean up; the next Testbed start (cleanup_stale) removes its
     namespaces, bridge, veths and cgroups."""
     import json
+
     from bounded import LineReader, stop
     proc = _testbed_child("bare")
     try:

@@ -11,7 +11,8 @@ from helpers import load_script
 def _saved_row(case: str, plan_s: float) -> dict:
     """One bench_e2e row as --json saves it (the keys summary() and markdown_table() read)."""
     return {"config": "G", "case": case, "batch": 48, "mwms_s": {"1": 0.1, "2": 0.2, "3": 0.3}, "mwms_best_s": 0.1,
-            "mwms_best_hosts": 1, "uniform_s": 0.1, "uniform": "one device on h0", "dp_same_s": 0.1, "dp_same_over_mwms": 1.0, "plan_s": plan_s,
+            "mwms_best_hosts": 1, "uniform_s": 0.1, "uniform": "one device on h0", "dp_same_s": 0.1,
+            "dp_same_over_mwms": 1.0, "plan_s": plan_s,
             "plan_method": "pipeline", "plan_is_uniform": False, "plan": "[h0 | h1] M=4", "tuned_s": plan_s,
             "tuned_method": "pipeline", "tuned_is_uniform": False, "tuned": "[h0 | h1] M=4",
             "speedup_vs_best_mwms": 0.1 / plan_s, "speedup_vs_mwms": 0.3 / plan_s, "dp_over_mwms": 1.0,

@@ -12,8 +12,9 @@ Tensors crossing between instances whose ranges differ:
 * with a batch axis (IR ``TensorInfo.batch_axis``): sliced where they are produced, concatenated where
   they are consumed -- only the examples that change device move;
 * gradient partial sums (batch-reduced, no batch axis): summed -- by ``CollectiveReduceV2`` among the
-  replicas of an ``allreduce`` group (one fused collective per fusion bucket of ``tag.strategy.fusion``: gradients flattened,
-  concatenated, all-reduced, split; group key per device set, instance key per collective), by
+  replicas of an ``allreduce`` group (one fused collective per fusion bucket of ``tag.strategy.fusion``:
+  gradients flattened, concatenated, all-reduced, split; group key per device set, instance key per
+  collective), by
   ``AddN`` on the parameter server of a ``ps`` group, by ``AddN`` wherever else a whole-batch value is
   needed;
 * anything else that depends on the batch (shapes, statistics): recomputed for the consumer's range.

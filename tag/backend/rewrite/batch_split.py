@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -75,21 +76,22 @@ class BatchSplitMixin(RewriteContext):
             return
         for n in outside:
             node = self.nodes[n]
+            data_inputs = [i for i in node.input if not i.startswith("^")]
             ins = []
-            for i in node.input:
-                if i.startswith("^"):
-                    continue
+            for i in data_inputs:
                 info = self.tensor_info.get(canonical(i))
                 ins.append((None if info is None or info.shape is None else tuple(info.shape),
                             None if info is None else info.batch_axis))
             op = self.tfg.get_operation_by_name(n)
             outs = [None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.outputs]
-            axes = rule_axes(node.op, node.attr, ins, outs,
-                             lambda k: self.nodes[split_tensor([i for i in node.input if not i.startswith("^")][k])[0]]
-                             if k < len(ins) else None)
-            for k, (t, ax) in enumerate(zip(op.outputs, axes)):
+            axes = rule_axes(node.op, node.attr, ins, outs, functools.partial(self._input_node, data_inputs))
+            for k, (t, ax) in enumerate(zip(op.outputs, axes, strict=True)):
                 self.tensor_info[tensor_name(n, k)] = TensorInfo(tensor_name(n, k), t.dtype.base_dtype.name,
                                                                  outs[k], ax, Linear())
+
+    def _input_node(self, data_inputs: list[str], k: int) -> node_def_pb2.NodeDef | None:
+        """The NodeDef feeding data input K of DATA_INPUTS (None past the last): ``rule_axes``'s const_input."""
+        return self.nodes[split_tensor(data_inputs[k])[0]] if k < len(data_inputs) else None
 
     def _const_rules(self) -> None:
         """For each batch-dependent constant: the flat positions that scale with the batch."""
@@ -184,7 +186,7 @@ class BatchSplitMixin(RewriteContext):
         a kernel it reads: ``[input_dim, 4 * units]`` elements whose first entry may equal the batch). Found
         in the body of the loop the list enters: what is pushed into it is a ``ReadVariableOp``."""
         fdefs = {f.signature.name: f for f in self.graph_def.library.function}
-        for c, k, slot in self.consumers.get(list_op, []):
+        for c, _k, slot in self.consumers.get(list_op, []):
             node = self.nodes[c]
             body = fdefs.get(node.attr["body"].func.name) if "body" in node.attr else None
             if body is None or slot >= len(body.signature.input_arg):

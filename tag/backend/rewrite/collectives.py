@@ -54,7 +54,7 @@ class CollectivesMixin(RewriteContext):
         if memo_key in self.allreduce_memo:
             return self.allreduce_memo[memo_key]
         p, k = split_tensor(t)
-        partials = {d: self._replica_partial(t, r, d) for d, r in zip(devs, ranges)}
+        partials = {d: self._replica_partial(t, r, d) for d, r in zip(devs, ranges, strict=True)}
         out = {d: self._collective(f"tag/allreduce/{p}_{k}/{d}", partials[d], d, devs, self._dtype(t), t)
                for d in devs}
         self.counts["allreduces"] += 1
@@ -138,7 +138,7 @@ class CollectivesMixin(RewriteContext):
             return self.memo[memo_key]
         dtype = self._dtype(d.values)
         out = {}
-        for dev, r in zip(devs, ranges):
+        for dev, r in zip(devs, ranges, strict=True):
             base = f"tag/dense_sum/{d.variable}/{dev}"
             rows = self._const(f"{base}/rows", np.array(d.rows, np.int32), dev)
             node = node_def_pb2.NodeDef(name=self._fresh(base), op="UnsortedSegmentSum",
@@ -240,7 +240,7 @@ class CollectivesMixin(RewriteContext):
             sizes = [int(np.prod(self._ref_shape(t))) for t in ts]
             offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
             base = self.bucket_out[key][ts[0]][devs[0]].rsplit("/", 2)[0]
-            for d, r in zip(devs, ranges):
+            for d, r in zip(devs, ranges, strict=True):
                 self._emit_fused_on(key, base, d, r, devs, sizes, offsets)
             self.counts["fused allreduces"] += 1
             self.notes.append(f"op group {g}: {len(ts)} gradients all-reduced as one {dtype.name} buffer "

@@ -17,15 +17,13 @@ Example::
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2, tensor_pb2, tensor_shape_pb2
 from tensorflow.python.client import pywrap_tf_session as c_api
-from tensorflow.python.framework import c_api_util
-from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import c_api_util, op_def_registry
 
 from tag.errors import RewriteError
 

@@ -60,7 +60,7 @@ class InstancesMixin(RewriteContext):
             placements = self.placements[n]
             names = self._instance_names(n, placements)
             self.instances[n] = []
-            for (rng, asked_dev), name in zip(placements, names):
+            for (rng, asked_dev), name in zip(placements, names, strict=True):
                 self._emit(n, rng, asked_dev, name, primary=True)
         self._emit_fusions()
         for k, v in self.counts.items():

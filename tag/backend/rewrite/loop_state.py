@@ -26,7 +26,6 @@ from tensorflow.core.framework import function_pb2, node_def_pb2
 from .batch_split import _ELEMENT_SHAPE_OPERAND
 from .context import RewriteContext
 
-
 # TensorList op type -> input index of the item it stores
 _LIST_ITEM_OPERAND = {"TensorListSetItem": 2, "TensorListPushBack": 1}
 
@@ -78,7 +77,8 @@ class LoopStateMixin(RewriteContext):
                                     or self._list_item_const(n, consumers.get(n.name, []), size)):
                 changed = True
             for value in n.attr.values():
-                funcs = [value.func] if value.HasField("func") else list(value.list.func) if value.HasField("list") else []
+                funcs = ([value.func] if value.HasField("func")
+                         else list(value.list.func) if value.HasField("list") else [])
                 for f in funcs:
                     new = self._function_for(f.name, size)
                     if new != f.name:

@@ -13,9 +13,9 @@ rules:
   concatenated where needed and sent by TensorFlow's runtime between devices;
 * each instance's gradient seed is ``s / B`` for its ``s`` examples of the global batch ``B``, so every
   weight gradient of an instance is an exact partial sum; a device first adds its micro-batches' partial
-  sums one by one, in the order its backward steps run (gradient accumulation: a running sum), then the stage sums its devices' accumulations (one all-reduce or a push
-  to the parameter server) and applies the original optimizer ops once per step: the step equals the
-  single-device step;
+  sums one by one, in the order its backward steps run (gradient accumulation: a running sum), then the
+  stage sums its devices' accumulations (one all-reduce or a push to the parameter server) and applies the
+  original optimizer ops once per step: the step equals the single-device step;
 * the loss is the share-weighted sum of the micro-batches' losses.
 
 Under the ``deferred_w`` schedule, a stage on one device runs its weight-gradient ops
@@ -113,7 +113,7 @@ class PipelineMixin(RewriteContext):
                     raise StrategyError(f"pipeline stage {s}: a micro-batch of {hi - lo} examples cannot be "
                                         f"split over the stage's {len(devs)} devices")
                 at = lo
-                for d, share in zip(devs, batch_shares(speeds, hi - lo)):
+                for d, share in zip(devs, batch_shares(speeds, hi - lo), strict=True):
                     insts.append(((at, at + share), d))
                     at += share
             self._stage_instances[s] = insts
@@ -172,7 +172,7 @@ class PipelineMixin(RewriteContext):
         does not depend on the batch (a variable read) runs once per device."""
         if not self._pipelined(g):
             devs, ranges = self._replicas(g)
-            return list(zip(ranges, devs))
+            return list(zip(ranges, devs, strict=True))
         insts = self._stage_instances[int(self.stage_of_group[g])]
         if op in self.deferred_ops:
             return [(self.full_batch, insts[0][1])]

@@ -34,8 +34,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 from tag.errors import StrategyError
+from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 
 from .collectives import collective_group_key
 from .context import RewriteContext
@@ -106,7 +106,7 @@ class SfbMixin(RewriteContext):
         m = self._ref_shape(tensor_name(p, 0))[0]
         out = {}
         base = f"tag/sfb/{p}"
-        for d, r in zip(devs, ranges):
+        for d, r in zip(devs, ranges, strict=True):
             block = self._factor_block(f, p, d, r, max_rows, dtype, base)
             consts = [self._const(f"{base}/{key}_{d}", np.array(v, np.int32), d)
                       for key, v in (("group_size", len(devs)), ("group_key", collective_group_key(dstrs)),
@@ -137,7 +137,7 @@ class SfbMixin(RewriteContext):
         """Replica D's factors of examples R as one [max_rows, m + n] block: batch rows first, side by
         side, zero rows appended up to MAX_ROWS."""
         parts = []
-        for j, (factor, ax) in enumerate(zip(f.factors, f.batch_axes)):
+        for j, (factor, ax) in enumerate(zip(f.factors, f.batch_axes, strict=True)):
             x = self._resolve(factor, r, d, p, d)
             if ax == 1:
                 perm = self._const(f"{base}/perm_{j}_{d}", np.array([1, 0], np.int32), d)
