@@ -44,16 +44,25 @@ def test_a_child_that_dies_without_a_result_is_a_run_error():
         run_one_device(mlp_graph(tasks=(0, 0)), steps=2, warmup=1, control=RunControl(trace_step=1))
 
 
+class _OnOne:
+    """A hand-made graph on one device as ``run_on`` takes a rewritten step (its graph and entry points)."""
+
+    def __init__(self, graph_def):
+        self.graph_def, self.train_op, self.loss, self.init = graph_def, "train_op", "loss", "init"
+
+
 @pytest.mark.slow
 def test_one_device_run_matches_the_server_path_and_checkpoints(tmp_path):
+    import tag
     gd = mlp_graph(tasks=(1, 1))
-    with LocalCluster(loopback_topology(2), threads_per_worker=1) as cluster:
+    topo = loopback_topology(2)
+    with LocalCluster(topo, threads_per_worker=1) as cluster:
         through_server = run_steps(gd, cluster.target, steps=6, warmup=1, synthetic=True)
         events = []
         path = str(tmp_path / "ckpt")
         ctl = RunControl(progress=events.append, step_timeout_s=120, setup_timeout_s=120, checkpoint_every=3,
                          checkpoint_path=path, checkpoint_meta={"plan": "one"})
-        alone = run_on(cluster, gd, steps=6, warmup=1, control=ctl)
+        alone = run_on(cluster, _OnOne(gd), steps=6, warmup=1, control=ctl)
         # the same synthetic batch and initial weights: the same losses as through the server
         np.testing.assert_allclose(alone.losses, through_server.losses, rtol=1e-5)
         assert len(alone.step_times) == 6 and alone.warmup == 1
@@ -64,10 +73,11 @@ def test_one_device_run_matches_the_server_path_and_checkpoints(tmp_path):
         # resuming carries on in the child, its losses the whole curve
         resumed = cluster.run_one_device(gd, steps=8, warmup=1, control=RunControl(resume_from=path))
         assert resumed.start_step == 6 and resumed.losses[:6] == pytest.approx(alone.losses, rel=1e-6)
-        # a graph on two devices goes through the servers; a bad entry point is the child's one-line error
+        # a plan on two devices runs as host programs beside the servers; a bad entry point is the child's
+        # one-line error
         split = []
-        run_on(cluster, mlp_graph(tasks=(0, 1)), steps=2, warmup=1,
-               control=RunControl(progress=split.append))
+        two = tag.rewrite(tag.zoo.training_graph("mlp", batch_size=8, hidden=(8,)), topo, "dp_allreduce")
+        run_on(cluster, two, steps=2, warmup=1, control=RunControl(progress=split.append))
         assert any("grpc://" in e.text for e in split if e.kind == "phase")
         with pytest.raises(TagError, match="no op named 'nope'"):
             cluster.run_one_device(gd, train_op="nope", steps=2, warmup=1)

@@ -71,7 +71,7 @@ class RunControl:
             self.progress(event)
 
 
-def _diagnose(watchdog: Watchdog | None, wait_s: float = 2.0) -> str | None:
+def diagnose(watchdog: Watchdog | None, wait_s: float = 2.0) -> str | None:
     """The watchdog's message, waiting up to WAIT_S for a death to become visible (exit codes lag)."""
     if watchdog is None:
         return None
@@ -133,7 +133,7 @@ def guarded(fn: Callable[[], Any], *, what: str, timeout_s: float | None, watchd
     if isinstance(err, (TagError, RunError, KeyboardInterrupt)):
         raise err
     if type(err).__module__.startswith("tensorflow"):
-        msg = _diagnose(watchdog)
+        msg = diagnose(watchdog)
         if msg:
             raise RunError(f"{msg} (during {what})") from None
         name = type(err).__name__

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from tag.backend.runtime.guard import RunControl, RunEvent
+from tag.backend.runtime.guard import RunControl, RunEvent, diagnose
 from tag.backend.runtime.host_run import HostResult, RunSpec
 from tag.errors import RunError, TagError
 
@@ -170,7 +170,7 @@ def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: R
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
-            msg = ctl.watchdog() if ctl.watchdog is not None else None
+            msg = diagnose(ctl.watchdog)
             raise RunError(msg or f"host {name}'s program exited (rc {proc.returncode}) without a result: "
                                   f"{_tail(errs[name])}")
         if not line.startswith("{"):
@@ -182,6 +182,9 @@ def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: R
             wait_s = (ctl.step_timeout_s if event.kind == "step" else ctl.setup_timeout_s) or NO_DEADLINE_S
             wait_s = max(wait_s, spec.join_timeout_s if event.kind == "phase" else 0.0)
         elif "error" in msg:
+            dead = diagnose(ctl.watchdog)          # a worker that died is what the hosts' errors are about
+            if dead:
+                raise RunError(dead)
             errors = {name: msg}
             _collect_errors(lines, errors, children)
             kind, text = root_cause([(n, m["kind"], m["error"]) for n, m in errors.items()])
