@@ -125,7 +125,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         from tag.cli.deploy_input import load_dataset_fn
         dataset_fn = load_dataset_fn(args.input)
     programs = {h: plan.program(h) for h in plan.hosts}
-    spec = RunSpec.new(programs, fingerprint=plan.fingerprint, steps=args.steps, run_id=plan.fingerprint[:12],
+    # one run id on every host whatever plan it was given (its servers are this process's own, fresh): hosts
+    # given different plans still meet in the handshake, and learn it there
+    spec = RunSpec.new(programs, fingerprint=plan.fingerprint, steps=args.steps, run_id="worker",
                        join_timeout_s=args.join_timeout)
     if dataset_fn is not None:
         program = _with_pipeline(plan, programs, program, dataset_fn, spec, args)
@@ -143,7 +145,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     probe = HostProbe(others) if others else None
     printer = ProgressPrinter(prog=PROG)
     chief = program.task == spec.chief
-    control = RunControl(progress=lambda ev: printer(host.name, ev) if chief or ev.kind == "phase" else None,
+    control = RunControl(progress=lambda ev: printer(host.name, _own(ev, host.name)) if chief or ev.kind == "phase"
+                         else None,
                          watchdog=probe.dead_host if probe else None, step_timeout_s=args.step_timeout,
                          setup_timeout_s=max(args.step_timeout, 120.0),
                          checkpoint_every=args.checkpoint_every or (args.steps if args.checkpoint_dir else 0),
@@ -157,6 +160,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     last = f", loss {result.losses[-1]:.4g}" if result.losses else ""
     print(f"{PROG}: {host.name}: done, {result.steps_done} steps{last}", file=sys.stderr, flush=True)
     return 0
+
+
+def _own(ev, host: str):
+    """EV with its text's leading "HOST: " dropped (the printer names the host already)."""
+    import dataclasses
+    prefix = f"{host}: "
+    return dataclasses.replace(ev, text=ev.text[len(prefix):]) if ev.text.startswith(prefix) else ev
 
 
 def _with_pipeline(plan, programs, program, dataset_fn, spec, args):

@@ -214,10 +214,9 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
     cfg = config if config is not None else session_config()
     if ctl.step_timeout_s:
         cfg.operation_timeout_in_ms = int(ctl.step_timeout_s * 1000)
-    # Runs with collectives carry the run's collective graph key, which numbers each host's runs alike: the n-th
-    # such run of every host gets the same step id, and only then do their collectives meet. So every host makes
-    # the same keyed runs in the same order (handshake, init, barriers, pulls, steps); runs without collectives
-    # (input batches, restores) are unkeyed.
+    # Runs with collectives carry the run's collective graph key (``_run_options``): every host makes the same
+    # keyed runs in the same order (handshake, init, barriers, pulls, steps); runs without collectives (input
+    # batches, restores, the chief's checkpoint reads) are unkeyed.
     run_options = _run_options(tf, spec, ctl.step_timeout_s)          # a step
     setup_options = _run_options(tf, spec, ctl.setup_timeout_s)       # initialisation, barriers
     join_options = _run_options(tf, spec, spec.join_timeout_s)        # the handshake: hosts may start apart
@@ -321,9 +320,14 @@ def _tensor(name: str) -> str:
 
 
 def _run_options(tf: Any, spec: RunSpec, timeout_s: float | None, *, keyed: bool = True) -> Any:
-    """RunOptions of a run of this host's program: the run's collective graph key when KEYED (every host's
-    sessions then number their keyed runs alike, so their collectives meet) and a deadline of TIMEOUT_S (None:
-    none)."""
+    """RunOptions of a run of this host's program: the run's collective graph key when KEYED and a deadline of
+    TIMEOUT_S (None: none).
+
+    TensorFlow numbers the runs of one graph key alike on every host, so their collectives meet: a host fetches
+    the number from the collective leader at its first run of the key, then counts on by itself. So the key is
+    the run id's alone (hosts given different plans still meet in the handshake and learn it there), the
+    handshake is every host's first keyed run (no host can count on before all have fetched), and every host
+    makes the same keyed runs in the same order after it."""
     options = tf.compat.v1.RunOptions()
     if keyed:
         options.experimental.collective_graph_key = _graph_key(spec)
@@ -333,8 +337,7 @@ def _run_options(tf: Any, spec: RunSpec, timeout_s: float | None, *, keyed: bool
 
 
 def _graph_key(spec: RunSpec) -> int:
-    return 1 + int.from_bytes(hashlib.sha1(f"{spec.run_id}|{spec.fingerprint}".encode()).digest()[:4], "big") \
-        % (2 ** 31 - 2)
+    return 1 + int.from_bytes(hashlib.sha1(f"tag-run|{spec.run_id}".encode()).digest()[:4], "big") % (2 ** 31 - 2)
 
 
 def _check_same_plan(seen: np.ndarray, spec: RunSpec) -> None:
