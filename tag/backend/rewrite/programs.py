@@ -99,6 +99,7 @@ class HostProgram:
     sends: int = 0
     receives: int = 0
     cpu: str = ""             # the host's CPU device, where its exchanges and its NoOps live
+    batch_size: int = 0             # the global batch (what the inputs' example ranges are ranges of)
     input_init: str | None = None   # with an input pipeline attached: the op that starts it (run after init_op)
     pull: str | None = None         # ... and the tensor that reads the next batch (0 once some data set ended)
 
@@ -119,8 +120,8 @@ class HostProgram:
         meta = {"host": self.host, "task": self.task, "step_op": self.step_op, "init_op": self.init_op,
                 "loss": self.loss, "inputs": [vars(i) for i in self.inputs], "variables": self.variables,
                 "primary": {v: [c, d, t, base64.b64encode(n).decode()] for v, (c, d, t, n) in self.primary.items()},
-                "sends": self.sends, "receives": self.receives, "cpu": self.cpu, "input_init": self.input_init,
-                "pull": self.pull}
+                "sends": self.sends, "receives": self.receives, "cpu": self.cpu, "batch_size": self.batch_size,
+                "input_init": self.input_init, "pull": self.pull}
         with open(meta_path, "w") as f:
             json.dump(meta, f)
         return graph_path, meta_path
@@ -138,7 +139,8 @@ class HostProgram:
         return cls(meta["host"], int(meta["task"]), gd, meta["step_op"], meta["init_op"], meta["loss"],
                    [HostInput(**i) for i in meta["inputs"]], {k: list(v) for k, v in meta["variables"].items()},
                    {v: (c, d, int(t), base64.b64decode(n)) for v, (c, d, t, n) in meta["primary"].items()},
-                   int(meta["sends"]), int(meta["receives"]), meta["cpu"], meta.get("input_init"), meta.get("pull"))
+                   int(meta["sends"]), int(meta["receives"]), meta["cpu"], int(meta.get("batch_size", 0)),
+                   meta.get("input_init"), meta.get("pull"))
 
 
 def _digest(text: str) -> str:
@@ -744,4 +746,4 @@ class _ProgramBuilder:
                               s.nodes[c].SerializeToString(deterministic=True))
         return HostProgram(s.hosts[self.task], self.task, gd, STEP_OP, INIT_OP, loss, sorted(
             self.inputs, key=lambda h: (h.source, h.lo, h.name)), variables, primary, self.sends, self.receives,
-            self.cpu)
+            self.cpu, int(s.result.batch_size))

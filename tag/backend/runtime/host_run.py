@@ -42,7 +42,7 @@ from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import mask_collective_keys
 from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
-from tag.backend.runtime.inputs import synthetic_input
+from tag.backend.runtime.inputs import synthetic_input, synthetic_share
 from tag.errors import RunError, TagError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,11 +165,14 @@ def _build(tf: Any, program: "HostProgram", spec: RunSpec, ctl: RunControl, *, f
     constants = dict(constants or {})
     input_map, synthetic_init = {}, []
     if not fed and program.pull is None:
+        shares = {i.name: i for i in program.inputs}
         with graph.as_default():
             tf.compat.v1.set_random_seed(spec.seed + program.task)
             for node in gd.node:
                 if node.op == "Placeholder" and node.name not in constants:
-                    init, value = synthetic_input(node)
+                    share = shares.get(node.name)
+                    init, value = synthetic_input(node) if share is None or not program.batch_size else \
+                        synthetic_share(node, share.source, share.lo, share.hi, program.batch_size, spec.seed)
                     input_map[f"{node.name}:0"] = value
                     synthetic_init.append(init)
     with graph.as_default():

@@ -74,6 +74,45 @@ def synthetic_input(node: Any, initial: Callable[[], Any] | None = None) -> tupl
         return var.initializer, var.value()
 
 
+SYNTHETIC_BLOCK = 16     # examples drawn together (from the same seed) in a synthetic batch
+
+
+def synthetic_share(node: Any, source: str, lo: int, hi: int, batch: int, seed: int) -> tuple[Any, Any]:
+    """(initializer, per-step value) of an on-device variable standing in for placeholder NODE, which holds
+    examples LO..HI-1 (axis 0) of the global batch (BATCH examples) of batch input SOURCE. The examples are drawn
+    in blocks of ``SYNTHETIC_BLOCK``, each from SEED, SOURCE and its position alone (stateless): every host that
+    holds some of SOURCE's examples holds the same values for them, whichever strategy split the batch, and
+    draws only the blocks its own examples are in."""
+    import zlib
+    tf = import_tf()
+    dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
+    shape = tf.TensorShape(node.attr["shape"].shape)
+    dims = shape.as_list() if shape.rank is not None else None
+    if dims is None or any(d is None for d in dims[1:]) or not dims:
+        raise GraphError(f"placeholder {node.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
+                         "pass feeds= for it")
+    if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+        raise GraphError(f"placeholder {node.name!r} has dtype {dtype.name}, which tag cannot fill with random "
+                         "data; pass feeds= for it")
+    first, end = lo // SYNTHETIC_BLOCK, -(-hi // SYNTHETIC_BLOCK)
+    source_seed = zlib.crc32(source.encode()) & 0x7FFFFFFF
+    with tf.device(node.device), tf.name_scope(f"tag_synthetic/{node.name}/"):
+        blocks = []
+        for k in range(first, end):
+            rows = min(SYNTHETIC_BLOCK, batch - k * SYNTHETIC_BLOCK)
+            seed_k = [int(seed) * 1_000_003 + k, source_seed]
+            if dtype.is_floating:
+                blocks.append(tf.random.stateless_normal([rows] + dims[1:], seed=seed_k, dtype=dtype))
+            else:
+                block = tf.random.stateless_uniform([rows] + dims[1:], seed=seed_k, minval=0, maxval=2, dtype=tf.int32)
+                blocks.append(tf.cast(block, dtype) if dtype != tf.int32 else block)
+        value = blocks[0] if len(blocks) == 1 else tf.concat(blocks, axis=0)
+        start = lo - first * SYNTHETIC_BLOCK
+        var = tf.compat.v1.Variable(value[start:start + hi - lo], trainable=False, use_resource=True, collections=[],
+                                    name="batch")
+        return var.initializer, var.value()
+
+
 SLICE_PREFIX = "tag/slice/"     # the rewrite's batch slices (tag.backend.rewrite.batch_split)
 
 
