@@ -95,8 +95,18 @@ from tag.cost.model import Profile  # noqa: E402
 from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
-from tag_bench.cases import (E2E_CASES, GPU_CONFIG, GPU_QUOTAS, calibrate_testbed, config_recipe,  # noqa: E402
-                             load_recipe, main_configs, runtime_levels, split_steps, testbed_topology)
+from tag_bench.cases import (  # noqa: E402
+    E2E_CASES,
+    GPU_CONFIG,
+    GPU_QUOTAS,
+    calibrate_testbed,
+    config_recipe,
+    load_recipe,
+    main_configs,
+    runtime_levels,
+    split_steps,
+    testbed_topology,
+)
 from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
 from tag_bench.mwms import model_options, run_mwms, tf1_graph  # noqa: E402
 from tag_bench.records import Run, commit_of, write_json  # noqa: E402
@@ -466,7 +476,7 @@ def combined_results(paths: list[str]) -> dict:
     if len(results) == 1:
         return results[0]
     rows, seen = [], {}
-    for path, result in zip(paths, results):
+    for path, result in zip(paths, results, strict=True):
         for row in result["rows"]:
             key = (row["config"], row["case"], row["batch"])
             if key in seen:
@@ -476,7 +486,7 @@ def combined_results(paths: list[str]) -> dict:
             rows.append({**row, "run_commit": commit_of(result), "run_file": os.path.basename(path)})
     runs = [{"file": os.path.basename(p), "commit": commit_of(r), "provenance": r.get("provenance"),
              "seconds": r.get("seconds"),
-             "complete": r.get("complete"), "cases": len(r["rows"])} for p, r in zip(paths, results)]
+             "complete": r.get("complete"), "cases": len(r["rows"])} for p, r in zip(paths, results, strict=True)]
     return {**{k: v for k, v in results[0].items() if k not in ("rows", "commit", "provenance", "seconds", "complete")},
             "runs": runs, "rows": rows}
 

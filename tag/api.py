@@ -53,8 +53,19 @@ import numpy as np
 from tag.compress import select_sfb
 from tag.errors import MemoryBudgetError, StrategyError
 from tag.options import PRIORS, SearchOptions
-from tag.plan import (DEFAULT_GROUPS, PLAN_FORMAT, PLAN_VERSION, Analysis, Plan, load_strategy,  # noqa: F401
-                      make_plan, plan_for, plan_report, prepare, strategy_report)  # (re-exported: tag.api.Plan ...)
+from tag.plan import (  # noqa: F401  (re-exported: tag.api.Plan ...)
+    DEFAULT_GROUPS,
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    Analysis,
+    Plan,
+    load_strategy,
+    make_plan,
+    plan_for,
+    plan_report,
+    prepare,
+    strategy_report,
+)
 from tag.report import format_bytes, pipeline_fields
 from tag.search import SearchEnv, search
 from tag.search.buckets import choose_bucket_bytes, size_text

@@ -295,9 +295,9 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
     and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``tag.optimize``."""
     from tag.frontend.analyze import analyze
-    from tag.frontend.precision import apply_precision
     from tag.frontend.entry_points import find_entry_points
     from tag.frontend.graph_import import coerce_graph_def
+    from tag.frontend.precision import apply_precision
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise TagError(f"groups must be a positive integer, got {groups!r}")
     precision = check_plan_precision(precision)

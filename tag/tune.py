@@ -139,7 +139,7 @@ class Measured:
         if len(self.rounds) != len(self.step_times):
             return {}
         by_round: dict[int, list[float]] = {}
-        for r, t in zip(self.rounds, self.step_times):
+        for r, t in zip(self.rounds, self.step_times, strict=True):
             by_round.setdefault(r, []).append(t)
         return {r: float(statistics.median(ts)) for r, ts in by_round.items()}
 

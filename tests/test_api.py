@@ -30,7 +30,7 @@ CPU = 'device {{ type: "CPU" kind: CPU memory_gib: {mem} peak_tflops: {tflops} m
 def topology_text(ports, tflops=None, mem=2, name="loop"):
     tflops = tflops or [0.05] * len(ports)
     hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} {CPU.format(mem=mem, tflops=f)} }}'
-                      for i, (p, f) in enumerate(zip(ports, tflops)))
+                      for i, (p, f) in enumerate(zip(ports, tflops, strict=True)))
     return f'name: "{name}"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 50 }}\n'
 
 
@@ -131,7 +131,7 @@ def test_a_host_not_in_the_plan_and_a_plan_of_several_hosts_have_one_line_errors
         plan.program(7)
     if len({p.task for p in plan.programs().values() if len(p.graph_def.node) > 2}) > 1:
         with pytest.raises(TagError, match="runs on 3 hosts, each its own program"):
-            plan.graph_def
+            _ = plan.graph_def
 
 
 def test_a_plan_on_one_host_is_one_graph():
@@ -294,6 +294,7 @@ def test_search_prior_names():
 
 def test_a_simpler_builtin_within_the_margin_passes_the_guarantee_check():
     from types import SimpleNamespace
+
     from tag.api import _check_not_slower
     found = SimpleNamespace(method="single", step_time=1.03, baselines={"single": 1.03, "partition": 1.0},
                             baselines_feasible={"single": True, "partition": True})

@@ -351,7 +351,7 @@ def _two_host_topology(tmp_path) -> str:
     text = open(LOCALHOST).read()
     start = text.index('host {\n  name: "cpu2"')
     text = text[:start] + text[text.index("}\n}\n", start) + 4:]
-    for old, new in zip(("23451", "23452"), free_ports(2)):
+    for old, new in zip(("23451", "23452"), free_ports(2), strict=True):
         text = text.replace(f"port: {old}", f"port: {new}")
     path = tmp_path / "two.pbtxt"
     path.write_text(text)
@@ -392,7 +392,7 @@ def _run_tune(tmp_path, capsys, tune: list[str], steps: int, topo: str | None = 
 def _three_host_topology(tmp_path) -> str:
     from tag.backend.runtime import free_ports
     text = open(LOCALHOST).read()
-    for old, new in zip(("23451", "23452", "23453"), free_ports(3)):
+    for old, new in zip(("23451", "23452", "23453"), free_ports(3), strict=True):
         text = text.replace(f"port: {old}", f"port: {new}")
     path = tmp_path / "three.pbtxt"
     path.write_text(text)

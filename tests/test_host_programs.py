@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -24,14 +25,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tag  # noqa: E402
 import tag.api  # noqa: E402
+from bounded import stop  # noqa: E402
 from tag.backend.rewrite.programs import HostProgram, task_of  # noqa: E402
 from tag.backend.runtime import LocalCluster, free_ports  # noqa: E402
 from tag.backend.runtime.guard import RunControl  # noqa: E402
-from tag.backend.runtime.host_process import HostLaunch, root_cause, run_in_processes  # noqa: E402
+from tag.backend.runtime.host_process import root_cause, run_in_processes  # noqa: E402
 from tag.backend.runtime.host_run import RunSpec, run_host  # noqa: E402
 from tag.errors import RunError, TagError  # noqa: E402
-
-from bounded import LineReader, stop  # noqa: E402
 from test_runtime import topo_text  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +84,7 @@ def test_each_program_holds_its_own_hosts_nodes_and_every_send_has_its_receive(s
 def test_hosts_that_read_apart_examples_get_their_own_inputs_and_others_keep_the_batch_whole():
     dp = tag.rewrite(_mlp(), _topology(), "dp_allreduce").programs()
     ranges = sorted((i.lo, i.hi) for p in dp.values() for i in p.inputs if i.source == "input")
-    assert ranges[0][0] == 0 and ranges[-1][1] == 12 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert ranges[0][0] == 0 and ranges[-1][1] == 12 and all(a[1] == b[0] for a, b in pairwise(ranges))
     assert all(n.op != "Placeholder" or n.name.startswith("tag/slice/") for p in dp.values()
                for n in p.graph_def.node)                                     # no host holds the whole batch
     part = tag.rewrite(_mlp(), _topology(), "partition").programs()

@@ -11,10 +11,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from tag.backend.runtime import LocalCluster, RunControl, run_steps  # noqa: E402
 from tag.backend.runtime.checkpoint import read_checkpoint_meta  # noqa: E402
 from tag.backend.runtime.measure import run_on  # noqa: E402
-from tag.backend.runtime.one_device import (device_task, localized, run_one_device, runs_alone,  # noqa: E402
-                                            single_device)
+from tag.backend.runtime.one_device import device_task, localized, run_one_device, runs_alone, single_device  # noqa: E402
 from tag.errors import RunError, TagError  # noqa: E402
-
 from test_runtime import loopback_topology, mlp_graph  # noqa: E402  (pyproject's pytest pythonpath holds tests/)
 
 

@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
-from tag.errors import GraphError, TagError  # noqa: E402
+from bounded import LineReader, bounded, stop  # noqa: E402
 from tag.backend.runtime import (  # noqa: E402
     COLLECTIVE_LEADER,
     ClusterError,
@@ -28,7 +28,7 @@ from tag.backend.runtime import (  # noqa: E402
 )
 from tag.cli.worker import main as worker_main  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
-from bounded import LineReader, bounded, stop  # noqa: E402
+from tag.errors import GraphError, TagError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = 'device { type: "CPU" kind: CPU memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }'
@@ -382,7 +382,8 @@ def test_tag_worker_process_serves_and_stops_on_sigterm(tmp_path):
     f = tmp_path / "one.pbtxt"
     f.write_text(topo_text([port]))
     env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen([sys.executable, "-m", "tag.cli.worker", "--topo", str(f), "--host", "h0", "--threads", "1"],
+    command = [sys.executable, "-m", "tag.cli.worker", "--topo", str(f), "--host", "h0", "--threads", "1"]
+    proc = subprocess.Popen(command,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
     try:
@@ -643,10 +644,10 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     """A dp rewrite slices the batch on the first replica's host and sends the other slices; synthetic runs
     make those slices on the reading devices instead (each host its own share, as MWMS workers do)."""
     import tag
+    from helpers import in_process_servers
     from tag.backend.runtime.inputs import remote_input_slices
     from tag.strategy.baselines import builtin_strategy
     from tag.strategy.grouping import group_ops
-    from helpers import in_process_servers
     ports, servers = in_process_servers(2)
     topo = parse_topology(topo_text(ports))
     gd = tag.zoo.training_graph("mlp", batch_size=8)
@@ -656,7 +657,7 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     placeholders = {n.name: n for n in res.graph_def.node if n.op == "Placeholder"}
     stand_ins = remote_input_slices(res.graph_def, placeholders)
     assert stand_ins, "the second replica's input slices should be made on its own host"
-    for name, (node, source, _, _) in stand_ins.items():
+    for name, (node, _source, _, _) in stand_ins.items():
         src = placeholders[[n for n in res.graph_def.node if n.name == name][0].input[0].split(":")[0]]
         assert node.device.startswith("/job:worker/task:1") and "task:0" in src.device
         dims = [d.size for d in node.attr["shape"].shape.dim]
@@ -672,6 +673,6 @@ def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():
     # each remote share is the same rows of the same synthetic batch (two in-process TF servers)
     with tf.compat.v1.Session(servers[0].target, graph=graph, config=bounded(session_config())) as sess:
         sess.run(inits)
-        for name, (node, source, begin, end) in stand_ins.items():
+        for name, (_node, source, begin, end) in stand_ins.items():
             share, whole = sess.run([input_map[f"{name}:0"], input_map[f"{source}:0"]])
             assert share.shape[0] == end[0] - begin[0] and np.array_equal(share, whole[begin[0]:end[0]])

@@ -60,7 +60,8 @@ def topology(ports):
     """Three loopback CPU hosts of unequal speed: uneven batch shares (4:2:2 of 8)."""
     hosts = "\n".join(
         f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU memory_gib: 2 '
-        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}' for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05])))
+        f'peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
+        for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05], strict=True)))
     return parse_topology(f'name: "train"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 50 }}\n')
 
 
@@ -131,8 +132,12 @@ def test_mixed_strategy_checkpoint_restores_into_the_original_graph(mixed_plan, 
     specs = plan_pipelines(mixed_plan.graph_def, mixed_plan.inputs, BATCH)
     assert [(s.task, s.lo, s.hi) for s in specs] == [(0, 0, 4), (1, 4, 6), (2, 6, 8)]   # uneven shares
     evals = []
+    def eval_fn(w, step):
+        evals.append((step, sorted(w)))
+        return {"w1_norm": float(np.abs(w["w1"]).sum())}
+
     result = tag.train(mixed_plan, presliced(xs, ys), steps=5, checkpoint_dir=tmp_path / "ckpt", target=target,
-                       eval_fn=lambda w, step: evals.append((step, sorted(w))) or {"w1_norm": float(np.abs(w["w1"]).sum())},
+                       eval_fn=eval_fn,
                        progress=False)
     assert result.ended_early and result.steps_done == 3 and len(result.losses) == 3
     ref, ref_losses = single_device_training(xs, ys, 3)
@@ -144,7 +149,7 @@ def test_mixed_strategy_checkpoint_restores_into_the_original_graph(mixed_plan, 
         tf1.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path / "ckpt")))
         restored = {v.op.name: sess.run(v) for v in g.get_collection("variables")}
     for name, value in ref.items():
-        np.testing.assert_allclose(restored[name], value, rtol=1e-5, atol=2e-5, err_msg=name)   # Adam: float noise on ~0 gradients
+        np.testing.assert_allclose(restored[name], value, rtol=1e-5, atol=2e-5, err_msg=name)  # Adam: ~0 gradients
     assert read_checkpoint_meta(tmp_path / "ckpt")["step"] == 3
     assert evals == [(3, sorted(ref))] and result.evals[0][0] == 3
     assert glob.glob(str(tmp_path / "ckpt" / "events.out.tfevents.*"))      # TensorBoard scalars
@@ -193,7 +198,7 @@ def test_resume_continues_the_curve(cluster, mixed_plan, tmp_path):
     from tag.training import load_weights
     weights = load_weights(tmp_path)
     for name, value in ref.items():
-        np.testing.assert_allclose(weights[name], value, rtol=1e-5, atol=2e-5, err_msg=name)   # Adam: float noise on ~0 gradients
+        np.testing.assert_allclose(weights[name], value, rtol=1e-5, atol=2e-5, err_msg=name)  # Adam: ~0 gradients
     with pytest.raises(TagError, match="nothing left"):
         tag.train(mixed_plan, presliced(xs, ys), steps=3, checkpoint_dir=tmp_path, resume=True, target=target,
                   progress=False)
@@ -266,6 +271,7 @@ def test_deploy_run_input_trains_on_the_data_set_and_checkpoints(tmp_path):
     import json
     import subprocess
     import sys
+
     from tag.backend.runtime import free_ports
     hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
                       f'memory_gib: 2 peak_tflops: 0.05 memory_bandwidth_gbs: 10 }} }}'

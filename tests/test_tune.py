@@ -14,9 +14,25 @@ import pytest
 from tag.errors import TagError
 from tag.report import format_tune
 from tag.strategy.types import Action, Grouping, Strategy
-from tag.tune import (BEST_BUILTIN, BEST_PIPELINE_ROLE, BEST_UNIFORM_ROLE, ONE_DEVICE_ROLE, PLAN, Candidate, Measured, check_k, choose,
-                      default_k, distinct_candidates, keep, median_absolute_deviation, steps_per_candidate,
-                      strategy_key, tune, tune_fields)
+from tag.tune import (
+    BEST_BUILTIN,
+    BEST_PIPELINE_ROLE,
+    BEST_UNIFORM_ROLE,
+    ONE_DEVICE_ROLE,
+    PLAN,
+    Candidate,
+    Measured,
+    check_k,
+    choose,
+    default_k,
+    distinct_candidates,
+    keep,
+    median_absolute_deviation,
+    steps_per_candidate,
+    strategy_key,
+    tune,
+    tune_fields,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPING = Grouping(np.array([0, 0, 1, 1]), ["a", "b"])
@@ -62,7 +78,8 @@ def test_strategies_on_the_same_single_devices_are_one_candidate_with_the_topolo
                   "refine": MIXED}
     predicted = {"single": 0.2, "partition": 0.2, "mcts": 0.19, "refine": 0.15}
     assert strategy_key(part) != strategy_key(strategies["single"])
-    assert strategy_key(part, topo) == strategy_key(strategies["single"], topo) == strategy_key(strategies["mcts"], topo)
+    assert strategy_key(part, topo) == strategy_key(strategies["single"], topo)
+    assert strategy_key(part, topo) == strategy_key(strategies["mcts"], topo)
     assert strategy_key(MIXED, topo) != strategy_key(strategies["single"], topo)
     cands = distinct_candidates("refine", strategies, predicted, {}, topo)
     assert [c.name for c in cands] == ["refine", "single"]
@@ -72,12 +89,13 @@ def test_strategies_on_the_same_single_devices_are_one_candidate_with_the_topolo
 def test_a_pipeline_of_one_micro_batch_on_single_devices_is_that_placement():
     """One micro-batch through stages that each run on one device is the program of that per-group
     placement (``single`` when every stage is on the same device); more micro-batches are another program."""
-    from tiny import make_topology
     from tag.strategy.pipeline import Pipeline, PipelineStage
+    from tiny import make_topology
     topo = make_topology([("h0", [("GPU-A", 1)]), ("h1", [("GPU-A", 1)]), ("h2", [("GPU-A", 1)])])
 
     def pipe(m, first=0, second=0):
-        return Strategy.pipelined(GROUPING, Pipeline((PipelineStage((0,), (first,)), PipelineStage((1,), (second,))), m))
+        stages = (PipelineStage((0,), (first,)), PipelineStage((1,), (second,)))
+        return Strategy.pipelined(GROUPING, Pipeline(stages, m))
 
     single = strat(ONE, ONE)
     assert strategy_key(pipe(1), topo) == strategy_key(single, topo)
@@ -93,13 +111,14 @@ def test_the_best_pipeline_is_measured_when_predicted_within_reach():
     """The fastest real pipeline (stages on different devices) gets a role when predicted within
     TUNE_PIPELINE_WITHIN of the fastest prediction, and K=1 then still measures it; one predicted further off,
     or a pipeline whose stages share one placement (gradient accumulation), is not measured for its kind."""
-    from tiny import make_topology
     from tag.strategy.pipeline import Pipeline, PipelineStage
     from tag.tune import TUNE_PIPELINE_WITHIN
+    from tiny import make_topology
     topo = make_topology([("h0", [("GPU-A", 1)]), ("h1", [("GPU-A", 1)]), ("h2", [("GPU-A", 1)])])
 
     def pipe(m, first, second):
-        return Strategy.pipelined(GROUPING, Pipeline((PipelineStage((0,), (first,)), PipelineStage((1,), (second,))), m))
+        stages = (PipelineStage((0,), (first,)), PipelineStage((1,), (second,)))
+        return Strategy.pipelined(GROUPING, Pipeline(stages, m))
 
     strategies = {"single": strat(ONE, ONE), "pipeline": pipe(4, 1, 0), "pipeline_m8": pipe(8, 1, 0),
                   "accumulate": pipe(4, 0, 0)}
@@ -302,8 +321,8 @@ def test_within_noise_narrows_as_the_steps_grow():
 
 
 def test_candidates_know_how_many_hosts_they_use():
-    from tiny import make_topology, mlp_graph
     from tag.strategy.grouping import group_ops
+    from tiny import make_topology, mlp_graph
     tg = mlp_graph(batch=8, widths=(16, 16))
     topo = make_topology([("h0", [("GPU-A", 2)]), ("h1", [("GPU-A", 1)])])
     gr = group_ops(tg, target_groups=2)
@@ -321,15 +340,15 @@ def test_median_absolute_deviation():
 @pytest.mark.slow
 def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastest():
     """tag.optimize(..., tune_target=TARGET, tune_k=3) on three real TF servers (in this process, on
-    loopback): three or four distinct candidates measured (the plan, the best built-in, the best uniform action, one device
-    among them), every one in the report with predicted and measured times, and the returned plan is the
+    loopback): three or four distinct candidates measured (the plan, the best built-in, the best uniform action,
+    one device among them), every one in the report with predicted and measured times, and the returned plan is the
     one measured fastest."""
     import tag
     from helpers import in_process_servers, kept_within_noise
     from tag.cluster.topology import parse_topology
     ports, servers = in_process_servers(3)
     text = open(os.path.join(REPO, "topologies", "localhost.pbtxt")).read()
-    for old, new in zip(("23451", "23452", "23453"), ports):
+    for old, new in zip(("23451", "23452", "23453"), ports, strict=True):
         text = text.replace(f"port: {old}", f"port: {new}")
     topo = parse_topology(text)
     gd = tag.zoo.training_graph("mlp", 24, hidden=(64, 64))

@@ -57,9 +57,9 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tag.cli.common import ArgumentParser, add_verbose, run_cli
-from tag.files import write_atomic
 from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, tune_k, write_tensorboard_dir
 from tag.errors import OptionError, StrategyError, TagError
+from tag.files import write_atomic
 from tag.options import SearchOptions
 from tag.report import finite, format_table, report_json
 
@@ -236,8 +236,8 @@ def _body(argv: Sequence[str]) -> int:
     options = _check_args(args)
     if args.run and not RUN_AVAILABLE:      # refuse before anything heavy is built
         raise TagError("--run is not available yet")
-    from tag.plan import load_strategy, plan_for, strategy_report
     from tag.cluster.topology import load_topology
+    from tag.plan import load_strategy, plan_for, strategy_report
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
         raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "

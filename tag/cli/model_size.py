@@ -18,6 +18,7 @@ Example::
 """
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 from tag.errors import TagError
@@ -87,7 +88,7 @@ def estimate_zoo(name: str, batch: int, options: dict[str, Any]) -> dict[str, fl
     if name == "mlp":
         hidden = o["hidden"] if isinstance(o["hidden"], tuple) else (o["hidden"],)
         widths = [int(o["input_dim"]), *map(int, hidden), int(o["num_classes"])]
-        params = sum(a * b + b for a, b in zip(widths, widths[1:]))
+        params = sum(a * b + b for a, b in pairwise(widths))
         return {"constant_bytes": 0.0, "ops": 40.0 * len(widths) + 50, "parameter_bytes": float(params) * _F32,
                 "activation_bytes": float(batch) * max(widths) * _F32}
     layers, s = int(o["num_layers"]), int(o["seq_len"])

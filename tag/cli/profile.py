@@ -127,9 +127,9 @@ def _body(argv: Sequence[str]) -> int:
     if args.like is not None:
         from tag.cli.profiles import read_profile
         base = read_profile(args.like)
+    from tag.calibration import profile_graph, profile_network
     from tag.cli.model_size import check_model_spec
     from tag.frontend import zoo
-    from tag.calibration import profile_graph, profile_network
     from tag.frontend.analyze import analyze
     items = []
     for spec in args.model:

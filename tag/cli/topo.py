@@ -19,9 +19,9 @@ import sys
 from typing import Sequence
 
 from tag.cli.common import EXIT_BAD_INPUT, EXIT_OK, ArgumentParser, add_verbose, one_line, run_cli
-from tag.errors import TopologyError
-from tag.cost.model import device_profiles
 from tag.cluster.topology import GBITS_PER_S, GBYTES_PER_S, GIB, MICROSECOND, TFLOPS, Topology, load_topology
+from tag.cost.model import device_profiles
+from tag.errors import TopologyError
 
 PROG = "tag-topo"
 
@@ -83,7 +83,7 @@ def _num(value: float) -> str:
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     def line(cells):
-        return "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+        return "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
     return [line(headers)] + [line(r) for r in rows]
 
 
@@ -110,19 +110,20 @@ def format_topology(topo: Topology) -> str:
     rows = []
     for g in topo.groups:
         first = topo.devices[g.devices[0]]
+        last_index = first.tf_local_index + len(g.devices) - 1
+        span = (f"{topo.tf_device(first.index)} .. {first.tf_device_type}:{last_index}" if len(g.devices) > 1
+                else topo.tf_device(first.index))
         rows.append([str(g.index), g.name, g.tf_device_type, str(len(g.devices)),
                      f"{_num(g.memory_bytes / GIB)} GiB", _num(g.peak_flops / TFLOPS),
-                     f"{_num(g.memory_bandwidth / GBYTES_PER_S)} GB/s",
-                     f"{topo.tf_device(first.index)} .. {first.tf_device_type}:{first.tf_local_index + len(g.devices) - 1}"
-                     if len(g.devices) > 1 else topo.tf_device(first.index)])
+                     f"{_num(g.memory_bandwidth / GBYTES_PER_S)} GB/s", span])
     out += ["", "device groups"] + _table(
         ["#", "group", "kind", "count", "memory", "TFLOP/s", "mem BW", "TF devices"], rows)
     out += ["", "cost profiles (without a profile file)"] + _table(
         ["device type", "served by"], [[t, s] for t, s in device_profiles(topo).items()])
     links = topo.extra.get("links", [])
     if links:
-        rows = [[l["a"], l["b"], f"{_num(l['bandwidth'] / GBITS_PER_S)} Gbit/s",
-                 f"{_num(l['latency'] / MICROSECOND)} us"] for l in links]
+        rows = [[link["a"], link["b"], f"{_num(link['bandwidth'] / GBITS_PER_S)} Gbit/s",
+                 f"{_num(link['latency'] / MICROSECOND)} us"] for link in links]
         out += ["", "links"] + _table(["a", "b", "bandwidth", "latency"], rows)
     fabric = topo.extra.get("fabric")
     out.append("")

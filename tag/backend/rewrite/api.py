@@ -169,7 +169,7 @@ class Rewriter(PipelineMixin, LossMixin, SfbMixin, ParameterServerMixin, Collect
         for g, a in enumerate(self.strategy.actions):
             if a.mode != "partition":
                 devs, ranges = self._replicas(g)
-                replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges)]
+                replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges, strict=True)]
         replicas.update(self._pipeline_replicas())
         return RewriteResult(out, fetch_train, fetch_loss, fetch_init, list(self.inputs), self.batch,
                              variables, devices, self.notes, replicas, self.topo)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
@@ -82,9 +83,9 @@ class HostProgram:
 
     ``step_op`` / ``init_op``: the NoOps to run each step and once. ``loss``: the global loss tensor, on the
     one host that computes it (None elsewhere). ``variables``: original variable -> its copies in this program.
-    ``primary``: original variable -> (copy name, TF device, dtype enum, its serialised NodeDef) of the copy a
-    checkpoint reads, for every variable of the step (the same on every host). ``sends`` / ``receives``: tensors and tokens this
-    host puts to and takes from other hosts per step.
+    ``primary``: original variable -> (copy name, TF device, dtype enum, its serialised NodeDef) of the copy
+    a checkpoint reads, for every variable of the step (the same on every host). ``sends`` / ``receives``: tensors
+    and tokens this host puts to and takes from other hosts per step.
     """
 
     host: str
@@ -392,7 +393,7 @@ class _Splitter:
             lo, hi = hull.get(t, (r.lo, r.hi))
             hull[t] = (min(lo, r.lo), max(hi, r.hi))
         spans = sorted(hull.values())
-        apart = all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(r.axis == 0 for _, r in reads)
+        apart = all(a[1] <= b[0] for a, b in pairwise(spans)) and all(r.axis == 0 for _, r in reads)
         if not apart or len(hull) < 2:      # every batch input on the first one's host: one pipeline feeds them all
             home = self.task[inputs[0]] if inputs else min(self.hosts)
             for src in inputs:

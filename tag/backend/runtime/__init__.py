@@ -43,9 +43,17 @@ Note: TensorFlow's gRPC server listens on every interface of its network namespa
 cluster names for its task; the address in the topology is where the others reach it.
 TensorFlow itself loads on first use, not on import.
 """
-from tag.backend.runtime.cluster_spec import (COLLECTIVE_LEADER, JOB, ClusterError, cluster_dict, cluster_spec_from,
-                                              host_has_gpu, session_config, tf_config_task)
 from tag.backend.runtime.checkpoint import Checkpointer, read_checkpoint_meta
+from tag.backend.runtime.cluster_spec import (
+                                              COLLECTIVE_LEADER,
+                                              JOB,
+                                              ClusterError,
+                                              cluster_dict,
+                                              cluster_spec_from,
+                                              host_has_gpu,
+                                              session_config,
+                                              tf_config_task,
+)
 from tag.backend.runtime.collective_keys import fresh_collective_keys
 from tag.backend.runtime.guard import RunControl, RunEvent, guarded
 from tag.backend.runtime.health import HostProbe, wait_for_hosts

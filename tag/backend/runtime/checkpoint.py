@@ -110,13 +110,14 @@ def write_weights(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
         save = tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
                                  tensors=values)
     with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(save, feed_dict={v: np.asarray(weights[n]) for v, n in zip(values, names)})
+        sess.run(save, feed_dict={v: np.asarray(weights[n]) for v, n in zip(values, names, strict=True)})
 
 
 def export_npz(path: str | os.PathLike, out: str | os.PathLike) -> str:
     """Write the values of checkpoint PATH (directory or prefix) to OUT as a plain ``.npz`` (no pickle),
     one array per original variable name; returns OUT."""
     import io
+
     from tag.files import write_atomic
     weights = read_weights(path)
     buf = io.BytesIO()
@@ -205,12 +206,12 @@ class Checkpointer:
     def weights(self, sess: Any) -> dict[str, np.ndarray]:
         """One value per original variable, read from the running graph."""
         values = sess.run(self._reads) if self._reads else []
-        return {n: np.asarray(v) for n, v in zip(self.names, values)}
+        return {n: np.asarray(v) for n, v in zip(self.names, values, strict=True)}
 
     def all_copies(self, sess: Any) -> dict[str, list[np.ndarray]]:
         """Every copy's value, by original variable (copies in name order)."""
         values = sess.run(self._copy_reads) if self._copy_reads else []
-        return {n: [np.asarray(x) for x in v] for n, v in zip(self.names, values)}
+        return {n: [np.asarray(x) for x in v] for n, v in zip(self.names, values, strict=True)}
 
     def save(self, sess: Any, directory: str | os.PathLike, *, step: int, losses: Sequence[float],
              meta: dict[str, Any] | None = None, keep: int = KEEP) -> str:
@@ -231,7 +232,7 @@ class Checkpointer:
             raise TagError(f"{prefix}: saved for another graph (variables differ: missing {missing}, unknown "
                            f"{extra or '-'}); resume with the same model, or start without --resume")
         feed = {}
-        for name, ph, read in zip(self.names, self._feeds, self._reads):
+        for name, ph, read in zip(self.names, self._feeds, self._reads, strict=True):
             value = weights[name]
             want = read.shape
             if want.rank is not None and (want.rank != value.ndim or not want.is_compatible_with(value.shape)):

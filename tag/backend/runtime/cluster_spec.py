@@ -55,7 +55,8 @@ def _tf_config() -> dict:
         raise ClusterError(f"TF_CONFIG is not valid JSON: {err}") from None
     cluster = cfg.get("cluster") if isinstance(cfg, dict) else None
     if not isinstance(cluster, dict) or not cluster:
-        raise ClusterError('TF_CONFIG has no "cluster" entry (expected {"cluster": {"worker": ["host:port", ...]}, ...})')
+        raise ClusterError('TF_CONFIG has no "cluster" entry '
+                           '(expected {"cluster": {"worker": ["host:port", ...]}, ...})')
     return cfg
 
 

@@ -24,8 +24,8 @@ from tag.backend.runtime.cluster_spec import import_tf
 
 _V1_COLLECTIVES = {"CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastRecv"}
 _KEY_ALLOC_LOCK = threading.Lock()
-_NEXT_KEY = [0]
-MASKED_KEY_BASE = 1 << 30   # masked keys lie in [2**30, 2**31): never a rewriter's or a run's fixed key   # one-element list: the last key handed out in this process (0: none yet)
+_NEXT_KEY = [0]   # one-element list: the last key handed out in this process (0: none yet)
+MASKED_KEY_BASE = 1 << 30   # masked keys lie in [2**30, 2**31): never a rewriter's or a run's fixed key
 
 
 def _fresh_key() -> int:

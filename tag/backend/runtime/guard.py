@@ -53,7 +53,8 @@ class RunControl:
     deadline of session creation, initialisation and checkpoint I/O; ``checkpoint_every`` K > 0 saves the
     variables as a TensorFlow checkpoint in the directory ``checkpoint_path`` every K steps (and after the
     last), with ``checkpoint_meta`` in its description; ``resume_from``: a checkpoint (directory or prefix)
-    to restore before the first step (its step count and losses carry on); ``trace_step``: the step run with a full trace (``RunResult.run_metadata``)."""
+    to restore before the first step (its step count and losses carry on);
+    ``trace_step``: the step run with a full trace (``RunResult.run_metadata``)."""
 
     progress: Callable[[RunEvent], None] | None = None
     watchdog: Watchdog | None = None

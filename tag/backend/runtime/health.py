@@ -46,8 +46,8 @@ def wait_for_hosts(hosts: Sequence["Host"], *, timeout_s: float = HOST_TIMEOUT_S
         while pending:
             left = deadline - time.monotonic()
             connect_s = max(0.1, min(2.0, left))
-            answers = list(pool.map(lambda h: port_listening(h.address, h.port, connect_s), pending))
-            pending = [h for h, ok in zip(pending, answers) if not ok]
+            answers = list(pool.map(lambda h, t=connect_s: port_listening(h.address, h.port, t), pending))
+            pending = [h for h, ok in zip(pending, answers, strict=True) if not ok]
             if not pending:
                 return
             if time.monotonic() >= deadline:

@@ -156,10 +156,10 @@ def _follow(children: dict[str, subprocess.Popen], errs: dict[str, Any], spec: R
             waited += poll_s
             msg = ctl.watchdog() if ctl.watchdog is not None else None
             if msg:
-                raise RunError(msg)
+                raise RunError(msg) from None
             if waited > wait_s:
                 raise RunError(f"no host sent anything for {wait_s:.0f} s (a step or its set-up past its deadline); "
-                               f"stopped every host")
+                               f"stopped every host") from None
             continue
         waited = 0.0
         if line is None:
@@ -223,10 +223,10 @@ def _collect_errors(lines: queue.Queue, errors: dict, children: Mapping[str, sub
 def root_cause(errors: Sequence[tuple[str, str, str]]) -> tuple[str, str]:
     """(kind, message) of the error that started a failed run, from every host's (host, kind, message): a bad
     input (TagError) first, then one that is not another host's collective or exchange giving up."""
-    for host, kind, text in errors:
+    for _host, kind, text in errors:
         if kind == "TagError":
             return kind, text
-    for host, kind, text in errors:
+    for _host, kind, text in errors:
         if not any(e in text for e in _ECHOES):
             return kind, text
     return errors[0][1], errors[0][2]

@@ -43,7 +43,7 @@ from tag.backend.runtime.collective_keys import mask_collective_keys
 from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
 from tag.backend.runtime.inputs import synthetic_input, synthetic_share
-from tag.errors import RunError, TagError
+from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.backend.rewrite.programs import HostProgram
@@ -296,7 +296,8 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
                 options.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
                 meta = tf.compat.v1.RunMetadata()
             t0 = time.perf_counter()
-            out = guard(lambda: sess.run(fetches, feed_dict=fd or None, options=options, run_metadata=meta),
+            out = guard(lambda fd=fd, options=options, meta=meta:
+                        sess.run(fetches, feed_dict=fd or None, options=options, run_metadata=meta),
                         f"step {step + 1}")
             result.step_times.append(time.perf_counter() - t0)
             if meta is not None:
@@ -397,7 +398,8 @@ def _chief_reads(tf: Any, graph: Any, program: "HostProgram", spec: RunSpec) -> 
 
     def save(sess: Any, directory: str, step: int, losses: list, meta: dict) -> str:
         values = sess.run(reads)
-        return save_weights_checkpoint(dict(zip(names, (np.asarray(v) for v in values))), directory, step=step,
+        weights = {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+        return save_weights_checkpoint(weights, directory, step=step,
                                        losses=losses, meta=meta)
     return save
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -152,7 +153,7 @@ def plan_pipelines(graph_def: Any, inputs: Sequence[str], batch_size: int) -> li
         break
     merged.sort()
     tiles = bool(merged) and merged[0][0] == 0 and merged[-1][1] == batch_size and all(
-        a[1] == b[0] for a, b in zip(merged, merged[1:]))
+        a[1] == b[0] for a, b in pairwise(merged))
     if not tiles:
         home = _task_and_job(nodes[inputs[0]].device)
         task = home[1] if home else 0

@@ -36,13 +36,18 @@ def random_input(name: str, dims: Sequence[int], dtype: Any, rng: np.random.Gene
     raise GraphError(f"placeholder {name!r} has dtype {dtype.name}, which tag cannot fill with random data; {hint}")
 
 
+def _unknown_dimension(name: str, dims: Any, hint: str) -> GraphError:
+    """The error for placeholder NAME, whose shape DIMS (None: unknown rank) tag cannot fill; HINT: what to pass."""
+    shown = dims if dims is not None else "?"
+    return GraphError(f"placeholder {name!r} has an unknown dimension (shape {shown}); {hint}")
+
+
 def random_feed(op: Any, rng: np.random.Generator) -> np.ndarray:
     """A random batch for Placeholder OP (a tf.Operation of fully known shape), as ``random_input`` makes it."""
     shape = op.get_attr("shape")
     dims = None if shape.unknown_rank else [d.size for d in shape.dim]
     if dims is None or any(d < 0 for d in dims):
-        raise GraphError(f"placeholder {op.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
-                         "pass feeds= or input_fn= for it")
+        raise _unknown_dimension(op.name, dims, "pass feeds= or input_fn= for it")
     return random_input(op.name, dims, op.get_attr("dtype"), rng)
 
 
@@ -57,8 +62,7 @@ def synthetic_input(node: Any, initial: Callable[[], Any] | None = None) -> tupl
     shape = tf.TensorShape(node.attr["shape"].shape)
     dims = shape.as_list() if shape.rank is not None else None
     if dims is None or any(d is None for d in dims):
-        raise GraphError(f"placeholder {node.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
-                         "pass feeds= for it")
+        raise _unknown_dimension(node.name, dims, "pass feeds= for it")
     with tf.device(node.device), tf.name_scope(f"tag_synthetic/{node.name}/"):
         if initial is not None:
             value = initial()
@@ -89,8 +93,7 @@ def synthetic_share(node: Any, source: str, lo: int, hi: int, batch: int, seed: 
     shape = tf.TensorShape(node.attr["shape"].shape)
     dims = shape.as_list() if shape.rank is not None else None
     if dims is None or any(d is None for d in dims[1:]) or not dims:
-        raise GraphError(f"placeholder {node.name!r} has an unknown dimension (shape {dims if dims is not None else '?'}); "
-                         "pass feeds= for it")
+        raise _unknown_dimension(node.name, dims, "pass feeds= for it")
     if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
         raise GraphError(f"placeholder {node.name!r} has dtype {dtype.name}, which tag cannot fill with random "
                          "data; pass feeds= for it")
@@ -136,7 +139,8 @@ def remote_input_slices(graph_def: Any, placeholders: dict) -> dict:
                 readers.setdefault(i.split(":")[0], set()).add(n.device)
     out = {}
     for n in graph_def.node:
-        if n.op != "StridedSlice" or not n.name.startswith(SLICE_PREFIX) or n.input[0].split(":")[0] not in placeholders:
+        if (n.op != "StridedSlice" or not n.name.startswith(SLICE_PREFIX)
+                or n.input[0].split(":")[0] not in placeholders):
             continue
         devices = readers.get(n.name, set())
         if len(devices) != 1 or n.device in devices:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -208,7 +209,7 @@ def measure_strategies(graph_def: Any, graph: "TrainingGraph", topology: "Topolo
                            init=init)
             ctl = dataclasses.replace((controls or {}).get(name) or RunControl(), watchdog=on.watchdog)
             if progress is not None:
-                ctl.progress = (lambda n: (lambda ev: progress(n, ev)))(name)
+                ctl.progress = functools.partial(progress, name)
             n = int((steps_of or {}).get(name, steps))
             out[name] = run_on(on, plan, steps=n, warmup=min(warmup, n - 1), control=ctl)
         return out

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any, Mapping, Sequence
 
 from tag.backend.runtime.guard import RunControl, RunEvent

@@ -39,7 +39,8 @@ def serve(cluster: dict[str, list[str]], job: str, index: int, *, label: str, th
     THREADS, at least 2: with one inter-op thread the closures that answer other tasks' tensor requests
     queue behind the local compute chain, which TF runs inline, so remote replicas wait for their inputs
     until it yields -- measured on a 3-host CPU testbed, a small CNN's data-parallel step took 330 ms with
-    one inter-op thread and 205 ms with two). HAS_GPU=False hides GPUs from TensorFlow when it is not loaded yet (a CPU-only host).
+    one inter-op thread and 205 ms with two).
+    HAS_GPU=False hides GPUs from TensorFlow when it is not loaded yet (a CPU-only host).
     Returns 0; a port in use is a ClusterError.
     """
     if not has_gpu and "tensorflow" not in sys.modules:

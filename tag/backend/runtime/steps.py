@@ -210,8 +210,10 @@ def run_steps(graph_def: Any, target: str, *, train_op: str = "train_op", loss: 
         start, losses = _set_up(sess, ctl, ckpt, synthetic_init, init_op, steps)
         traced: dict[str, Any] = {}
         times = _step_loop(sess, ctl, ckpt, fetches, feed_for, start, steps, losses, loss_t is not None, traced)
-        values = dict(zip(fetch_after, _guard(ctl, lambda: sess.run(after), "reading values", setup=True))) \
-            if after else {}
+        values = {}
+        if after:
+            read = _guard(ctl, lambda: sess.run(after), "reading values", setup=True)
+            values = dict(zip(fetch_after, read, strict=True))
     finally:
         close_quietly(sess)
     skip = min(warmup, max(0, len(times) - 1))
@@ -258,8 +260,8 @@ def _step_loop(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", fetches:
                                            timeout_in_ms=options.timeout_in_ms if options is not None else 0)
             meta = traced["metadata"] = tf.compat.v1.RunMetadata()
         t0 = time.perf_counter()
-        out = _guard(ctl, lambda: sess.run(fetches, feed_dict=fd, options=opts, run_metadata=meta),
-                     f"step {step + 1}")
+        out = _guard(ctl, lambda fd=fd, opts=opts, meta=meta:
+                     sess.run(fetches, feed_dict=fd, options=opts, run_metadata=meta), f"step {step + 1}")
         times.append(time.perf_counter() - t0)
         loss_value = float(np.mean(out[1])) if has_loss else None
         if loss_value is not None:
@@ -268,7 +270,8 @@ def _step_loop(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", fetches:
         done = step + 1
         if ckpt is not None and ctl.checkpoint_every > 0 and ctl.checkpoint_path and (
                 done % ctl.checkpoint_every == 0 or done == steps):
-            prefix = _guard(ctl, lambda: ckpt.save(sess, ctl.checkpoint_path, step=done, losses=losses,
-                                                   meta=ctl.checkpoint_meta), "saving a checkpoint", setup=True)
+            prefix = _guard(ctl, lambda done=done: ckpt.save(sess, ctl.checkpoint_path, step=done, losses=losses,
+                                                             meta=ctl.checkpoint_meta),
+                            "saving a checkpoint", setup=True)
             ctl.emit(RunEvent("checkpoint", prefix, step=done, steps=steps))
     return times
