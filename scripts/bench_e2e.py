@@ -92,7 +92,6 @@ import numpy as np  # noqa: E402
 import tag  # noqa: E402
 from tag.backend.runtime.measure import run_on  # noqa: E402
 from tag.cost.model import Profile  # noqa: E402
-from tag.search.buckets import size_text  # noqa: E402
 from tag.strategy.types import Action, Strategy  # noqa: E402
 from tag.tune import BEST_UNIFORM, best_uniform_of, strategy_key, tune_plan  # noqa: E402
 from tag_bench.cases import (  # noqa: E402
@@ -107,6 +106,7 @@ from tag_bench.cases import (  # noqa: E402
     split_steps,
     testbed_topology,
 )
+from tag_bench.describe import describe, hosts_used  # noqa: E402
 from tag_bench.machine import cpu_times, load_text, steal_fraction, steal_text  # noqa: E402
 from tag_bench.mwms import model_options, run_mwms, tf1_graph  # noqa: E402
 from tag_bench.records import Run, commit_of, write_json  # noqa: E402
@@ -237,43 +237,6 @@ def action_key(strategy: Strategy) -> str:
     """``strategy_key`` of STRATEGY's actions, whatever its gradient buckets: data parallelism with 256 KB buckets
     is still one action for every op group (run 39 counted the CNN's bucketed ``dp_allreduce`` as a mixed plan)."""
     return strategy_key(dataclasses.replace(strategy, bucket_bytes=None))
-
-
-def describe(strategy: Strategy, topology) -> str:
-    """Devices, stages and modes of STRATEGY, in a few words (the README's "why")."""
-    if strategy.pipeline is not None:
-        p = strategy.pipeline
-        # a replicated stage's mode (all-reduce or parameter server) says how its devices share the stage
-        stages = " | ".join("+".join(topology.groups[g].host for g in s.placement)
-                            + (f" {s.mode}" if len(s.placement) > 1 else "") for s in p.stages)
-        return f"pipeline {len(p.stages)} stages [{stages}], M={p.micro_batches} {p.schedule}"
-    if len(hosts_used(strategy, topology)) == 1:
-        return f"one device on {hosts_used(strategy, topology).pop()}"
-    counts: dict[str, int] = {}
-    for g in range(len(strategy.actions)):
-        a = strategy.actions[g]
-        key = f"{a.mode}@{'+'.join(sorted(group_hosts(strategy, topology, g)))}"
-        counts[key] = counts.get(key, 0) + 1
-    text = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    if strategy.bucket_bytes is not None:
-        text += f" ({size_text(strategy.bucket_bytes)} buckets)"
-    return text
-
-
-def group_hosts(strategy: Strategy, topology, group: int) -> set[str]:
-    """The hosts op group GROUP runs on under STRATEGY (a partitioned group: where its ops are placed)."""
-    a = strategy.actions[group]
-    if a.mode == "partition":
-        ops = (int(i) for i in strategy.grouping.members(group))
-        return {topology.devices[strategy.partition[i]].host for i in ops if i in strategy.partition}
-    return {topology.groups[x].host for x in a.placement}
-
-
-def hosts_used(strategy: Strategy, topology) -> set[str]:
-    """Every host STRATEGY runs anything on."""
-    if strategy.pipeline is not None:
-        return {topology.groups[x].host for st in strategy.pipeline.stages for x in st.placement}
-    return set().union(*(group_hosts(strategy, topology, g) for g in range(len(strategy.actions))))
 
 
 def host_prefix_strategy(analysis, hosts: int) -> Strategy:
