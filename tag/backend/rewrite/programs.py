@@ -5,14 +5,17 @@ replication); a graph holding every device of the cluster does not. ``split_prog
 step into one ``HostProgram`` per host of the topology:
 
 * the host's own nodes (those placed on its devices) that the step, the loss or the initialiser needs;
-* its inputs: every slice of a batch input read on the host becomes a placeholder of the host's own
-  (``HostInput``: which examples of the global batch it holds), so no example crosses between hosts --
-  each host reads, synthesises or is fed its own share;
-* its side of every tensor that crosses to another host. The sender's program enqueues the tensor into a
-  ``FIFOQueueV2`` on the receiver's CPU (the queue shared by name in the run's resource container); the
-  receiver's program dequeues it where its consumers read it. Measured against a collective send/receive
-  pair on a two-host testbed at 1 Gbit/s, the queue moved 16 MB in the time one graph's send/receive did
-  (147 ms) where the pair took 167 ms (``scripts/bench_exchange.py``);
+* its inputs: when the hosts read apart examples of the global batch, every slice of a batch input read on
+  the host becomes a placeholder of the host's own (``HostInput``: which examples it holds), so no example
+  crosses between hosts -- each host reads, synthesises or is fed its own share; otherwise (hosts reading
+  overlapping examples, e.g. a pipeline's stages) every batch input stays whole on the first input's host and
+  travels as any other tensor;
+* its side of every tensor that crosses to another host: a ``CollectiveBcastSendV2`` on the sender's CPU and
+  a ``CollectiveBcastRecvV2`` on the receiver's, a group of the two hosts (its shape sent first when it is not
+  static). ``_Send``/``_Recv`` cannot cross client sessions, and a queue shared by name on the receiver,
+  though as fast (``scripts/bench_exchange.py``), cannot run beside collectives: both sessions then run
+  partitions on the receiver under the run's one collective graph key and the same step id, and TensorFlow's
+  per-step state of one is torn down under the other (ARCHITECTURE.md, "One program per host");
 * a control edge to another host becomes a token (a scalar sent the same way) unless it only closes a
   step or the initialiser (the train op's and init's NoOps), which every host now closes for itself;
 * constants and what is computed from constants alone are copied to every host that reads them instead of
