@@ -277,19 +277,19 @@ def _nodes(res):
 
 
 def test_package_layout_and_graph_edit_helpers():
-    """The rewriter is a package by concern; its public names and the tensor-name helpers."""
+    """The rewriter is a package by concern, run as passes; its public names and the tensor-name helpers."""
     import tag.backend.rewrite as pkg
-    from tag.backend.rewrite.api import Rewriter
     from tag.backend.rewrite.graph_edit import canonical, split_tensor, tensor_name, tensor_proto
+    from tag.backend.rewrite.passes import PASSES
 
     assert set(pkg.__all__) == {"RewriteResult", "rewrite", "collective_group_key"}
     assert split_tensor("a/b:2") == ("a/b", 2) and split_tensor("a/b") == ("a/b", 0)
     assert tensor_name("a", 0) == "a" and tensor_name("a", 3) == "a:3" and canonical("a:0") == "a"
     value = np.arange(6, dtype=np.int64).reshape(2, 3)
     assert np.array_equal(tf.make_ndarray(tensor_proto(value)), value)
-    concerns = {c.__module__.rsplit(".", 1)[-1] for c in Rewriter.__mro__ if c.__module__.startswith(pkg.__name__)}
-    assert {"loss", "sfb", "parameter_server", "collectives", "instances", "batch_split", "variables",
-            "placement", "context", "graph_edit"} <= concerns
+    concerns = {p.run.__module__.rsplit(".", 1)[-1] for p in PASSES if p.run.__module__.startswith(pkg.__name__)}
+    assert {"loss", "sfb", "collectives", "instances", "batch_split", "placement", "pipeline", "structure",
+            "result"} <= concerns
 
 
 def test_every_op_on_a_topology_device_and_names_kept():

@@ -71,12 +71,15 @@ Example::
     res.inputs                         # ['input', 'labels']: feed full batches under these names
     # sess.run(res.init); sess.run([res.train_op, res.loss], {"input:0": x, "labels:0": y})
 
-Where things are (one module per concern): ``api`` (``rewrite``, ``RewriteResult``, the passes),
-``context`` (shared state, graph order, dtypes/shapes), ``placement`` (instances per op), ``variables``,
-``batch_split`` (slices, concats, batch-following constants), ``instances`` (emission, input
-resolution, clones), ``collectives`` (all-reduce, fusion, group keys), ``parameter_server`` (whole-batch
-gradient sums, ps variables), ``sfb``, ``pipeline`` (micro-batched stages, gradient accumulation, the
-schedule's control dependencies), ``loss`` (seeds, loss kinds and weights, fetches) and
+Where things are (one module per concern): ``api`` (``rewrite``), ``passes`` (the ordered passes, each a
+function of a concern module with the state fields it reads and writes), ``context`` (``RewriteState``: the
+shared state, its lookups -- dtypes, shapes, replicas -- and node builders), ``structure`` (graph order,
+batch/gradient dependence), ``placement`` (variable copies and instances per op), ``variables``,
+``batch_split`` (slices, concats, batch-following constants), ``instances`` (emission, input resolution,
+clones), ``loop_state`` (per-batch loop bodies), ``collectives`` (all-reduce, fusion, group keys),
+``parameter_server`` (whole-batch gradient sums), ``sfb``, ``pipeline`` (micro-batched stages, gradient
+accumulation, the schedule's control dependencies), ``loss`` (seeds, loss kinds and weights, fetches),
+``result`` (``RewriteResult``, assembled by the last pass), ``programs`` (a host's part of the result) and
 ``graph_edit`` (NodeDef/tensor-name plumbing, the import check).
 """
 import os

@@ -1,12 +1,12 @@
 """The rewriter's entry point: ``rewrite`` runs the passes and returns a ``RewriteResult``.
 
-``Rewriter`` combines the concerns, each a mixin over ``RewriteContext`` in its own module:
-``placement`` (which instances each op gets), ``variables``, ``batch_split``, ``instances`` (emission
-and input resolution), ``loop_state`` (per-batch copies of loop bodies), ``collectives``, ``parameter_server``,
-``sfb``, ``pipeline`` and ``loss``. The passes run in this order: set up the pipeline's micro-batches (if
-any), prune and order the graph, find batch-following constants, flag batch/gradient-dependent ops, check
-the pipeline's stage order, place variables, place instances, emit, enforce the pipeline's schedule, fetch,
-check the result imports.
+``rewrite`` builds the shared state (``context.RewriteState``) and runs the passes of ``passes.PASSES`` on
+it, each a function of one concern module with the fields it reads and writes: set up the pipeline's
+micro-batches (if any), prune and order the graph, find batch-following constants, flag batch/gradient-
+dependent ops, check the pipeline's stage order, place variables, place instances, check the seeds, start
+the output graph, plan SFB, gradient fusion and dense sparse sums, emit the instances, the fused
+collectives and the counts, enforce the pipeline's schedule, send remote input slices first, fetch, and
+assemble the result (checking that it imports).
 
 Example::
 
@@ -24,90 +24,21 @@ Example::
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
 
-from tag.errors import RewriteError
 from tag.strategy.types import Strategy
 
-from .batch_split import BatchSplitMixin
-from .collectives import CollectivesMixin
-from .graph_edit import check_imports
-from .instances import InstancesMixin
-from .loop_state import LoopStateMixin
-from .loss import LossMixin
-from .parameter_server import ParameterServerMixin
-from .pipeline import PipelineMixin
-from .placement import PlacementMixin
-from .programs import split_programs
-from .sfb import SfbMixin
-from .variables import VariablesMixin
+from .context import RewriteState
+from .passes import run_passes
+from .result import RewriteResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from tag.cluster.topology import Topology
     from tag.ir.types import TrainingGraph
 
-    from .programs import HostProgram
-
-
-@dataclass
-class RewriteResult:
-    """A rewritten training step and the names to run it by.
-
-    ``inputs``: the original batch placeholders (full global batch; replicas slice them).
-    ``train_op`` / ``loss`` / ``init``: op names to run (the loss is the global-batch mean).
-    ``variables``: original variable name -> names of its copies in ``graph_def``.
-    ``devices``: TF device string of every device that runs something.
-    ``replicas``: replicated op group -> [(device index, first example, end example), ...].
-    """
-
-    graph_def: "tf.compat.v1.GraphDef"
-    train_op: str
-    loss: str | None
-    init: str | None
-    inputs: list[str]
-    batch_size: int
-    variables: dict[str, list[str]] = field(default_factory=dict)
-    devices: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    replicas: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
-    topology: "Topology | None" = field(default=None, repr=False)
-    _programs: dict = field(default_factory=dict, repr=False)      # cache: "programs", "fingerprint"
-
-    def copies(self, variable: str) -> list[str]:
-        """Names of the copies of VARIABLE (one per replica for allreduce groups)."""
-        return list(self.variables[variable])
-
-    @property
-    def fingerprint(self) -> str:
-        """A digest of the rewritten step: hosts running programs cut from different rewrites tell them apart."""
-        if "fingerprint" not in self._programs:
-            import hashlib
-            self._programs["fingerprint"] = hashlib.sha256(
-                self.graph_def.SerializeToString(deterministic=True)).hexdigest()
-        return self._programs["fingerprint"]
-
-    def programs(self) -> "dict[str, HostProgram]":
-        """Every host's program (``tag.backend.rewrite.programs``), host name -> HostProgram (cut on first use)."""
-        if "programs" not in self._programs:
-            if self.topology is None:
-                raise RewriteError("this rewrite result has no topology to cut host programs for")
-            self._programs["programs"] = split_programs(self, self.topology)
-        return dict(self._programs["programs"])
-
-    def program(self, host: "str | int") -> "HostProgram":
-        """The program of HOST (a host name or task index); RewriteError for a host the topology lacks."""
-        programs = self.programs()
-        if isinstance(host, str) and host in programs:
-            return programs[host]
-        if isinstance(host, int) and not isinstance(host, bool):
-            for p in programs.values():
-                if p.task == host:
-                    return p
-        raise RewriteError(f"host {host!r} is not in the plan (hosts: {', '.join(sorted(programs))})")
+__all__ = ["RewriteResult", "rewrite"]
 
 
 def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy: Strategy,
@@ -130,46 +61,10 @@ def rewrite(graph_def: "tf.compat.v1.GraphDef", graph: "TrainingGraph", strategy
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return Rewriter(graph_def, graph, strategy, topology, batch_size, train_op, loss, init,
-                        fuse_allreduce).run(validate)
+        st = RewriteState(graph_def, graph, strategy, topology, batch_size, train_op, loss, init, fuse_allreduce,
+                          validate)
+        run_passes(st)
+        return st.result
     finally:
         if was_enabled:
             gc.enable()
-
-
-class Rewriter(PipelineMixin, LossMixin, SfbMixin, ParameterServerMixin, CollectivesMixin, InstancesMixin,
-               LoopStateMixin,
-               BatchSplitMixin, VariablesMixin, PlacementMixin):
-    """One rewrite: the context (constructor arguments as for ``rewrite``) plus every concern."""
-
-    def run(self, validate: bool) -> RewriteResult:
-        """Run the passes; with VALIDATE, check that the result imports."""
-        self._setup_pipeline()
-        self._prune_and_order()
-        self._const_rules()
-        self._flags()
-        self._check_pipeline_order()
-        self._place_variables()
-        self._place_all()
-        self._check_seeds()
-        self._emit_all()
-        self._enforce_schedule()
-        self._send_remote_slices_first()
-        fetch_train, fetch_loss, fetch_init = self._fetches()
-        out = graph_pb2.GraphDef()
-        out.versions.CopyFrom(self.graph_def.versions)
-        out.library.CopyFrom(self.graph_def.library)    # the function library is copied unchanged,
-        out.library.function.extend(getattr(self, "added_functions", []))   # plus per-batch loop bodies
-        out.node.extend(self.out_nodes)
-        if validate:
-            check_imports(out)
-        devices = sorted({n.device for n in out.node if n.device})
-        variables = {v: [i.name for i in self.instances[v]] for v in self.var_copies}
-        replicas = {}
-        for g, a in enumerate(self.strategy.actions):
-            if a.mode != "partition":
-                devs, ranges = self._replicas(g)
-                replicas[g] = [(d, r[0], r[1]) for d, r in zip(devs, ranges, strict=True)]
-        replicas.update(self._pipeline_replicas())
-        return RewriteResult(out, fetch_train, fetch_loss, fetch_init, list(self.inputs), self.batch,
-                             variables, devices, self.notes, replicas, self.topo)

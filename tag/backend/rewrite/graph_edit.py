@@ -112,14 +112,26 @@ class Instance:
     primary: bool = True   # False for extra copies recomputed for one consumer (clones)
 
 
+def pick_instance(insts: list[Instance], dev: int, asked_dev: int | None = None) -> Instance:
+    """The instance on DEV, else the one asked on ASKED_DEV, else the first."""
+    for i in insts:
+        if i.dev == dev:
+            return i
+    if asked_dev is not None:
+        for i in insts:
+            if i.asked_dev == asked_dev:
+                return i
+    return insts[0]
+
+
 class NodeBuilder:
     """Fresh names and new nodes of the output graph (``out_nodes``), on topology devices.
 
     Needs ``self.used_names`` (set of taken node names), ``self.out_nodes`` (list of NodeDef, in output
-    order) and ``self.topo``; the rewriter's context provides them.
+    order) and ``self.topo``; the rewriter's state (``tag.backend.rewrite.context.RewriteState``) provides them.
     """
 
-    def _fresh(self, base: str) -> str:
+    def fresh(self, base: str) -> str:
         """BASE, or BASE_1, BASE_2, ... : the first name not yet taken (and now taken)."""
         name, i = base, 1
         while name in self.used_names:
@@ -128,16 +140,16 @@ class NodeBuilder:
         self.used_names.add(name)
         return name
 
-    def _const(self, name: str, value: np.ndarray, dev: int) -> str:
+    def const(self, name: str, value: np.ndarray, dev: int) -> str:
         """A Const node holding VALUE on DEV (named NAME or a fresh variant); returns its name."""
-        name = self._fresh(name)
+        name = self.fresh(name)
         node = node_def_pb2.NodeDef(name=name, op="Const", device=self.topo.tf_device(dev))
         node.attr["dtype"].CopyFrom(attr_type(tf.as_dtype(value.dtype)))
         node.attr["value"].tensor.CopyFrom(tensor_proto(value))
         self.out_nodes.append(node)
         return name
 
-    def _concat_node(self, name: str, parts: list[str], axis: str, dtype: "tf.DType", dev: int) -> str:
+    def concat_node(self, name: str, parts: list[str], axis: str, dtype: "tf.DType", dev: int) -> str:
         """A ConcatV2 node NAME on DEV joining PARTS along the int32 Const AXIS."""
         node = node_def_pb2.NodeDef(name=name, op="ConcatV2", device=self.topo.tf_device(dev))
         node.input.extend(parts + [axis])
@@ -147,14 +159,14 @@ class NodeBuilder:
         self.out_nodes.append(node)
         return name
 
-    def _reshape(self, name: str, tensor: str, shape, dtype: "tf.DType", dev: int, exact_name: bool = False) -> str:
+    def reshape(self, name: str, tensor: str, shape, dtype: "tf.DType", dev: int, exact_name: bool = False) -> str:
         """A Reshape of TENSOR to SHAPE on DEV, named NAME (a fresh variant unless EXACT_NAME)."""
         if not exact_name:
-            name = self._fresh(name)
-        sh = self._const(f"{name}/shape", np.array(list(shape), np.int32), dev)
-        return self._int32_indexed(name, "Reshape", [tensor, sh], dtype, "Tshape", dev)
+            name = self.fresh(name)
+        sh = self.const(f"{name}/shape", np.array(list(shape), np.int32), dev)
+        return self.int32_indexed(name, "Reshape", [tensor, sh], dtype, "Tshape", dev)
 
-    def _int32_indexed(self, name: str, op: str, inputs: list[str], dtype: "tf.DType", index_attr: str,
+    def int32_indexed(self, name: str, op: str, inputs: list[str], dtype: "tf.DType", index_attr: str,
                        dev: int) -> str:
         """A node NAME of OP on DEV over INPUTS: data of type DTYPE (attr ``T``), int32 indices (attr INDEX_ATTR)."""
         node = node_def_pb2.NodeDef(name=name, op=op, device=self.topo.tf_device(dev))

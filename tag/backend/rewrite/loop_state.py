@@ -23,99 +23,99 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, node_def_pb2
 
-from .batch_split import _ELEMENT_SHAPE_OPERAND
-from .context import RewriteContext
+from . import batch_split
+from .context import RewriteState
 
 # TensorList op type -> input index of the item it stores
 _LIST_ITEM_OPERAND = {"TensorListSetItem": 2, "TensorListPushBack": 1}
 
 
-class LoopStateMixin(RewriteContext):
-    """Per-batch copies of the functions an instance calls (``_rescale_function_attrs``)."""
+def begin_function_copies(st: RewriteState) -> None:
+    """The function library by name (``function_table``), no copies yet (``function_copies``,
+    ``added_functions``)."""
+    st.function_table = {f.signature.name: f for f in st.graph_def.library.function}
+    st.function_copies = {}
+    st.added_functions = []
 
-    def _function_table(self) -> dict[str, function_pb2.FunctionDef]:
-        table = getattr(self, "_fdefs", None)
-        if table is None:
-            table = self._fdefs = {f.signature.name: f for f in self.graph_def.library.function}
-            self._fcopies: dict[tuple[str, int], str] = {}
-            self.added_functions: list[function_pb2.FunctionDef] = []
-        return table
 
-    def _rescale_function_attrs(self, node: node_def_pb2.NodeDef, size: int) -> None:
-        """Point NODE's function attributes (loop bodies, conditions, calls) at copies for SIZE examples
-        where the functions hold batch-sized element shapes."""
-        if size == self.ref_batch or not self.graph_def.library.function:
-            return
-        for key in list(node.attr):
-            value = node.attr[key]
-            if value.HasField("func"):
-                value.func.name = self._function_for(value.func.name, size)
-            elif value.HasField("list") and value.list.func:
-                for f in value.list.func:
-                    f.name = self._function_for(f.name, size)
+def rescale_function_attrs(st: RewriteState, node: node_def_pb2.NodeDef, size: int) -> None:
+    """Point NODE's function attributes (loop bodies, conditions, calls) at copies for SIZE examples
+    where the functions hold batch-sized element shapes."""
+    if size == st.ref_batch or not st.graph_def.library.function:
+        return
+    for key in list(node.attr):
+        value = node.attr[key]
+        if value.HasField("func"):
+            value.func.name = _function_for(st, value.func.name, size)
+        elif value.HasField("list") and value.list.func:
+            for f in value.list.func:
+                f.name = _function_for(st, f.name, size)
 
-    def _function_for(self, name: str, size: int) -> str:
-        """NAME, or the name of its copy for SIZE examples when it (or a function it calls) holds a
-        TensorList element shape whose first entry is the graph's batch."""
-        table = self._function_table()
-        if name not in table:
-            return name
-        key = (name, size)
-        if key in self._fcopies:
-            return self._fcopies[key]
-        self._fcopies[key] = name          # recursion guard: a function calling itself stays as it is
-        copy = function_pb2.FunctionDef()
-        copy.CopyFrom(table[name])
-        changed = False
-        consumers: dict[str, list[tuple[str, int]]] = {}
-        for n in copy.node_def:
-            data = [i for i in n.input if not i.startswith("^")]
-            for slot, i in enumerate(data):
-                consumers.setdefault(i.split(":")[0], []).append((n.op, slot))
-        for n in copy.node_def:
-            if n.op == "Const" and (self._element_shape_const(n, consumers.get(n.name, []), size)
-                                    or self._list_item_const(n, consumers.get(n.name, []), size)):
-                changed = True
-            for value in n.attr.values():
-                funcs = ([value.func] if value.HasField("func")
-                         else list(value.list.func) if value.HasField("list") else [])
-                for f in funcs:
-                    new = self._function_for(f.name, size)
-                    if new != f.name:
-                        f.name = new
-                        changed = True
-        if not changed:
-            return name
-        new_name = f"{name}_tag_b{size}"
-        copy.signature.name = new_name
-        self.added_functions.append(copy)
-        self._fcopies[key] = new_name
-        return new_name
 
-    def _list_item_const(self, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
-        """Rescale Const N in place when it is an item set into a TensorList (a gradient's folded
-        ``zeros_like`` of a ``[batch, units]`` element) of the graph's batch, the same for every example."""
-        if not uses or not all(op.startswith("TensorList") and slot == _LIST_ITEM_OPERAND.get(op) for op, slot in uses):
-            return False
-        value = tf.make_ndarray(n.attr["value"].tensor)
-        if value.ndim == 0 or value.shape[0] != self.ref_batch or not np.all(value == value[:1]):
-            return False
-        n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.repeat(value[:1], size, axis=0)))
-        return True
+def _function_for(st: RewriteState, name: str, size: int) -> str:
+    """NAME, or the name of its copy for SIZE examples when it (or a function it calls) holds a
+    TensorList element shape whose first entry is the graph's batch."""
+    table = st.function_table
+    if name not in table:
+        return name
+    key = (name, size)
+    if key in st.function_copies:
+        return st.function_copies[key]
+    st.function_copies[key] = name          # recursion guard: a function calling itself stays as it is
+    copy = function_pb2.FunctionDef()
+    copy.CopyFrom(table[name])
+    changed = False
+    consumers: dict[str, list[tuple[str, int]]] = {}
+    for n in copy.node_def:
+        data = [i for i in n.input if not i.startswith("^")]
+        for slot, i in enumerate(data):
+            consumers.setdefault(i.split(":")[0], []).append((n.op, slot))
+    for n in copy.node_def:
+        if n.op == "Const" and (_element_shape_const(st, n, consumers.get(n.name, []), size)
+                                or _list_item_const(st, n, consumers.get(n.name, []), size)):
+            changed = True
+        for value in n.attr.values():
+            funcs = ([value.func] if value.HasField("func")
+                     else list(value.list.func) if value.HasField("list") else [])
+            for f in funcs:
+                new = _function_for(st, f.name, size)
+                if new != f.name:
+                    f.name = new
+                    changed = True
+    if not changed:
+        return name
+    new_name = f"{name}_tag_b{size}"
+    copy.signature.name = new_name
+    st.added_functions.append(copy)
+    st.function_copies[key] = new_name
+    return new_name
 
-    def _element_shape_const(self, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
-        """Rescale Const N in place when it is the element shape of a TensorList op and starts with the batch."""
-        if not uses or not all(_ELEMENT_SHAPE_OPERAND.get(op) == slot for op, slot in uses):
-            return False
-        dtype = tf.as_dtype(n.attr["dtype"].type)
-        if dtype not in (tf.int32, tf.int64):
-            return False
-        value = tf.make_ndarray(n.attr["value"].tensor)
-        if value.ndim != 1 or value.size == 0 or value[0] != self.ref_batch:
-            return False
-        if tuple(int(x) for x in value) in {tuple(v.shape) for v in self.ir.variables}:
-            return False       # a weight's shape (a kernel accumulated per step), not a batch of rows
-        flat = value.copy()
-        flat[0] = size
-        n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.astype(np.dtype(dtype.as_numpy_dtype))))
-        return True
+
+def _list_item_const(st: RewriteState, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
+    """Rescale Const N in place when it is an item set into a TensorList (a gradient's folded
+    ``zeros_like`` of a ``[batch, units]`` element) of the graph's batch, the same for every example."""
+    if not uses or not all(op.startswith("TensorList") and slot == _LIST_ITEM_OPERAND.get(op) for op, slot in uses):
+        return False
+    value = tf.make_ndarray(n.attr["value"].tensor)
+    if value.ndim == 0 or value.shape[0] != st.ref_batch or not np.all(value == value[:1]):
+        return False
+    n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.repeat(value[:1], size, axis=0)))
+    return True
+
+
+def _element_shape_const(st: RewriteState, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
+    """Rescale Const N in place when it is the element shape of a TensorList op and starts with the batch."""
+    if not uses or not all(batch_split.ELEMENT_SHAPE_OPERAND.get(op) == slot for op, slot in uses):
+        return False
+    dtype = tf.as_dtype(n.attr["dtype"].type)
+    if dtype not in (tf.int32, tf.int64):
+        return False
+    value = tf.make_ndarray(n.attr["value"].tensor)
+    if value.ndim != 1 or value.size == 0 or value[0] != st.ref_batch:
+        return False
+    if tuple(int(x) for x in value) in {tuple(v.shape) for v in st.ir.variables}:
+        return False       # a weight's shape (a kernel accumulated per step), not a batch of rows
+    flat = value.copy()
+    flat[0] = size
+    n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.astype(np.dtype(dtype.as_numpy_dtype))))
+    return True

@@ -37,124 +37,131 @@ from tensorflow.core.framework import node_def_pb2
 from tag.errors import StrategyError
 from tag.strategy.sfb_eligibility import SufficientFactors, eligible_gradients
 
-from .collectives import collective_group_key
-from .context import RewriteContext
+from . import collectives
+from .context import RewriteState
 from .graph_edit import attr_type, canonical, fill_defaults, split_tensor, tensor_name
 
 
-class SfbMixin(RewriteContext):
-    """Finds the SFB gradient tensors (``sfb_tensors``) and computes them from gathered factors."""
+def plan_sfb(st: RewriteState) -> None:
+    """``sfb_tensors``: the gradients sent by sufficient-factor broadcasting (``strategy.sfb``, where it
+    applies), with the Identity ops between them and the MatMul that computes them; ``sfb_factors``
+    (MatMul op -> its factors); ``sfb_gathers`` empty (filled as the MatMuls are emitted)."""
+    st.sfb_tensors = _find_sfb_tensors(st)
 
-    def _find_sfb_tensors(self) -> set[str]:
-        """Gradients sent by sufficient-factor broadcasting (``strategy.sfb``, where it applies), with the
-        Identity ops between them and the MatMul that computes them; fills ``sfb_factors`` (MatMul op ->
-        its factors)."""
-        out: set[str] = set()
-        self.sfb_factors: dict[str, SufficientFactors] = {}
-        self.sfb_gathers: dict[str, dict[int, str]] = {}      # MatMul op -> device -> its gradient there
-        if not self.strategy.sfb:
-            return out
-        info = {v.name: v for v in self.ir.variables}
-        eligible = {f.variable: f for f in eligible_gradients(self.ir)}
-        for name in dict.fromkeys(self.strategy.sfb):
-            v = info.get(name)
-            if v is None or v.kind != "trainable" or not v.gradient:
-                raise StrategyError(f"strategy.sfb names {name!r}, which is not a trainable variable with a gradient")
-            f = eligible.get(name)
-            g = self._group(v.apply_op) if v.apply_op else None
-            if f is None or g is None or self.strategy.actions[g].mode != "allreduce" or self._pipelined(g) \
-                    or len(self._replicas(g)[0]) < 2 or not self._attributes_match(f):
-                self.notes.append(f"sfb: {name} keeps its all-reduce (its gradient is not one batch-contracting "
-                                  f"MatMul in a replicated allreduce group)")
-                continue
-            t = canonical(v.gradient)
-            while True:
-                out.add(t)
-                node = self.nodes[split_tensor(t)[0]]
-                if node.op != "Identity":
-                    break
-                t = canonical(node.input[0])
-            self.sfb_factors[split_tensor(t)[0]] = f
+
+def _find_sfb_tensors(st: RewriteState) -> set[str]:
+    """The SFB gradient tensors (``plan_sfb``); fills ``sfb_factors`` and ``sfb_gathers``."""
+    out: set[str] = set()
+    st.sfb_factors = {}
+    st.sfb_gathers = {}
+    if not st.strategy.sfb:
         return out
+    info = {v.name: v for v in st.ir.variables}
+    eligible = {f.variable: f for f in eligible_gradients(st.ir)}
+    for name in dict.fromkeys(st.strategy.sfb):
+        v = info.get(name)
+        if v is None or v.kind != "trainable" or not v.gradient:
+            raise StrategyError(f"strategy.sfb names {name!r}, which is not a trainable variable with a gradient")
+        f = eligible.get(name)
+        g = st.group(v.apply_op) if v.apply_op else None
+        if f is None or g is None or st.strategy.actions[g].mode != "allreduce" or st.pipelined(g) \
+                or len(st.replicas(g)[0]) < 2 or not _attributes_match(st, f):
+            st.notes.append(f"sfb: {name} keeps its all-reduce (its gradient is not one batch-contracting "
+                              f"MatMul in a replicated allreduce group)")
+            continue
+        t = canonical(v.gradient)
+        while True:
+            out.add(t)
+            node = st.nodes[split_tensor(t)[0]]
+            if node.op != "Identity":
+                break
+            t = canonical(node.input[0])
+        st.sfb_factors[split_tensor(t)[0]] = f
+    return out
 
-    def _attributes_match(self, f: SufficientFactors) -> bool:
-        """The gradient MatMul's transpose attributes contract the factors' batch axes (as the IR implies)."""
-        node = self.nodes[self.ir.ops[f.gradient_op].name]
-        return bool(node.attr["transpose_a"].b) == (f.batch_axes[0] == 0) and \
-            bool(node.attr["transpose_b"].b) == (f.batch_axes[1] == 1)
 
-    def _sfb_gradient(self, t: str, dev: int, consumer: str) -> str:
-        """SFB gradient T for update op CONSUMER on DEV: the MatMul over gathered factors, or an Identity
-        between it and the gradient recomputed on DEV."""
-        p, k = split_tensor(t)
-        if p in self.sfb_factors:
-            gathered = self._sfb_gather(p, self._group(consumer))
-            if dev in gathered:
-                return gathered[dev]
-        return tensor_name(self._clone(p, self.full_batch, dev, consumer).name, k)
+def _attributes_match(st: RewriteState, f: SufficientFactors) -> bool:
+    """The gradient MatMul's transpose attributes contract the factors' batch axes (as the IR implies)."""
+    node = st.nodes[st.ir.ops[f.gradient_op].name]
+    return bool(node.attr["transpose_a"].b) == (f.batch_axes[0] == 0) and \
+        bool(node.attr["transpose_b"].b) == (f.batch_axes[1] == 1)
 
-    def _sfb_gather(self, p: str, g: int) -> dict[int, str]:
-        """Gradient MatMul P recomputed on every replica of op group G from all-gathered factors."""
-        if p in self.sfb_gathers:
-            return self.sfb_gathers[p]
-        f = self.sfb_factors[p]
-        devs, ranges = self._replicas(g)
-        max_rows = max(r[1] - r[0] for r in ranges) * f.rows_per_example[0]
-        dtype = self._dtype(f.factors[0])
-        dstrs = [self.topo.tf_device(d) for d in devs]
-        ikey = self._instance_key(f"sfb|{f.variable}", devs, dstrs)
-        m = self._ref_shape(tensor_name(p, 0))[0]
-        out = {}
-        base = f"tag/sfb/{p}"
-        for d, r in zip(devs, ranges, strict=True):
-            block = self._factor_block(f, p, d, r, max_rows, dtype, base)
-            consts = [self._const(f"{base}/{key}_{d}", np.array(v, np.int32), d)
-                      for key, v in (("group_size", len(devs)), ("group_key", collective_group_key(dstrs)),
-                                     ("instance_key", ikey))]
-            gather = self._fresh(f"{base}/gather_{d}")
-            node = node_def_pb2.NodeDef(name=gather, op="CollectiveGatherV2", device=self.topo.tf_device(d))
-            node.input.extend([block] + consts)
-            node.attr["T"].CopyFrom(attr_type(dtype))
-            cpu_only = all(self.topo.devices[x].tf_device_type == "CPU" for x in devs)
-            node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
-            self.out_nodes.append(fill_defaults(node))
-            a = self._column_slice(f"{base}/a_{d}", gather, 0, m, dtype, d)
-            b = self._column_slice(f"{base}/b_{d}", gather, m, -1, dtype, d)
-            mm = self._fresh(f"{base}/matmul_{d}")
-            node = node_def_pb2.NodeDef(name=mm, op="MatMul", device=self.topo.tf_device(d))
-            node.input.extend([a, b])
-            node.attr["T"].CopyFrom(attr_type(dtype))
-            node.attr["transpose_a"].b = True
-            node.attr["transpose_b"].b = False
-            self.out_nodes.append(fill_defaults(node))
-            out[d] = mm
-        self.counts["sfb gathers"] = self.counts.get("sfb gathers", 0) + 1
-        self.sfb_gathers[p] = out
-        return out
 
-    def _factor_block(self, f: SufficientFactors, p: str, d: int, r: tuple[int, int], max_rows: int,
-                      dtype: "tf.DType", base: str) -> str:
-        """Replica D's factors of examples R as one [max_rows, m + n] block: batch rows first, side by
-        side, zero rows appended up to MAX_ROWS."""
-        parts = []
-        for j, (factor, ax) in enumerate(zip(f.factors, f.batch_axes, strict=True)):
-            x = self._resolve(factor, r, d, p, d)
-            if ax == 1:
-                perm = self._const(f"{base}/perm_{j}_{d}", np.array([1, 0], np.int32), d)
-                x = self._int32_indexed(self._fresh(f"{base}/transpose_{j}_{d}"), "Transpose", [x, perm], dtype,
-                                        "Tperm", d)
-            parts.append(x)
-        axis = self._const(f"{base}/concat_{d}/axis", np.array(1, np.int32), d)
-        block = self._concat_node(self._fresh(f"{base}/concat_{d}"), parts, axis, dtype, d)
-        rows = (r[1] - r[0]) * f.rows_per_example[0]
-        if rows == max_rows:
-            return block
-        pads = self._const(f"{base}/pad_{d}/paddings", np.array([[0, max_rows - rows], [0, 0]], np.int32), d)
-        return self._int32_indexed(self._fresh(f"{base}/pad_{d}"), "Pad", [block, pads], dtype, "Tpaddings", d)
+def sfb_gradient(st: RewriteState, t: str, dev: int, consumer: str) -> str:
+    """SFB gradient T for update op CONSUMER on DEV: the MatMul over gathered factors, or an Identity
+    between it and the gradient recomputed on DEV."""
+    p, k = split_tensor(t)
+    if p in st.sfb_factors:
+        gathered = _sfb_gather(st, p, st.group(consumer))
+        if dev in gathered:
+            return gathered[dev]
+    return tensor_name(st.emission.clone(st, p, st.full_batch, dev, consumer).name, k)
 
-    def _column_slice(self, base: str, t: str, begin: int, size: int, dtype: "tf.DType", dev: int) -> str:
-        """Columns BEGIN..BEGIN+SIZE (SIZE -1: to the end) of the 2-D tensor T on DEV."""
-        name = self._fresh(base)
-        b = self._const(f"{name}/begin", np.array([0, begin], np.int32), dev)
-        s = self._const(f"{name}/size", np.array([-1, size], np.int32), dev)
-        return self._int32_indexed(name, "Slice", [t, b, s], dtype, "Index", dev)
+
+def _sfb_gather(st: RewriteState, p: str, g: int) -> dict[int, str]:
+    """Gradient MatMul P recomputed on every replica of op group G from all-gathered factors."""
+    if p in st.sfb_gathers:
+        return st.sfb_gathers[p]
+    f = st.sfb_factors[p]
+    devs, ranges = st.replicas(g)
+    max_rows = max(r[1] - r[0] for r in ranges) * f.rows_per_example[0]
+    dtype = st.dtype(f.factors[0])
+    dstrs = [st.topo.tf_device(d) for d in devs]
+    ikey = collectives.instance_key(st, f"sfb|{f.variable}", devs, dstrs)
+    m = st.ref_shape(tensor_name(p, 0))[0]
+    out = {}
+    base = f"tag/sfb/{p}"
+    for d, r in zip(devs, ranges, strict=True):
+        block = _factor_block(st, f, p, d, r, max_rows, dtype, base)
+        consts = [st.const(f"{base}/{key}_{d}", np.array(v, np.int32), d)
+                  for key, v in (("group_size", len(devs)), ("group_key", collectives.collective_group_key(dstrs)),
+                                 ("instance_key", ikey))]
+        gather = st.fresh(f"{base}/gather_{d}")
+        node = node_def_pb2.NodeDef(name=gather, op="CollectiveGatherV2", device=st.topo.tf_device(d))
+        node.input.extend([block] + consts)
+        node.attr["T"].CopyFrom(attr_type(dtype))
+        cpu_only = all(st.topo.devices[x].tf_device_type == "CPU" for x in devs)
+        node.attr["communication_hint"].s = b"ring" if cpu_only else b"auto"
+        st.out_nodes.append(fill_defaults(node))
+        a = _column_slice(st, f"{base}/a_{d}", gather, 0, m, dtype, d)
+        b = _column_slice(st, f"{base}/b_{d}", gather, m, -1, dtype, d)
+        mm = st.fresh(f"{base}/matmul_{d}")
+        node = node_def_pb2.NodeDef(name=mm, op="MatMul", device=st.topo.tf_device(d))
+        node.input.extend([a, b])
+        node.attr["T"].CopyFrom(attr_type(dtype))
+        node.attr["transpose_a"].b = True
+        node.attr["transpose_b"].b = False
+        st.out_nodes.append(fill_defaults(node))
+        out[d] = mm
+    st.counts["sfb gathers"] = st.counts.get("sfb gathers", 0) + 1
+    st.sfb_gathers[p] = out
+    return out
+
+
+def _factor_block(st: RewriteState, f: SufficientFactors, p: str, d: int, r: tuple[int, int], max_rows: int,
+                  dtype: "tf.DType", base: str) -> str:
+    """Replica D's factors of examples R as one [max_rows, m + n] block: batch rows first, side by
+    side, zero rows appended up to MAX_ROWS."""
+    parts = []
+    for j, (factor, ax) in enumerate(zip(f.factors, f.batch_axes, strict=True)):
+        x = st.emission.resolve(st, factor, r, d, p, d)
+        if ax == 1:
+            perm = st.const(f"{base}/perm_{j}_{d}", np.array([1, 0], np.int32), d)
+            x = st.int32_indexed(st.fresh(f"{base}/transpose_{j}_{d}"), "Transpose", [x, perm], dtype,
+                                    "Tperm", d)
+        parts.append(x)
+    axis = st.const(f"{base}/concat_{d}/axis", np.array(1, np.int32), d)
+    block = st.concat_node(st.fresh(f"{base}/concat_{d}"), parts, axis, dtype, d)
+    rows = (r[1] - r[0]) * f.rows_per_example[0]
+    if rows == max_rows:
+        return block
+    pads = st.const(f"{base}/pad_{d}/paddings", np.array([[0, max_rows - rows], [0, 0]], np.int32), d)
+    return st.int32_indexed(st.fresh(f"{base}/pad_{d}"), "Pad", [block, pads], dtype, "Tpaddings", d)
+
+
+def _column_slice(st: RewriteState, base: str, t: str, begin: int, size: int, dtype: "tf.DType", dev: int) -> str:
+    """Columns BEGIN..BEGIN+SIZE (SIZE -1: to the end) of the 2-D tensor T on DEV."""
+    name = st.fresh(base)
+    b = st.const(f"{name}/begin", np.array([0, begin], np.int32), dev)
+    s = st.const(f"{name}/size", np.array([-1, size], np.int32), dev)
+    return st.int32_indexed(name, "Slice", [t, b, s], dtype, "Index", dev)

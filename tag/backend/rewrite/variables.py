@@ -3,7 +3,8 @@
 The rules are the package's (see ``tag.backend.rewrite``): the owner of a variable is the op group of
 its optimizer apply op, else of the variable's own op; slots share their variable's copies. An
 ``allreduce`` owner keeps a copy per replica device, a ``ps`` owner one on ``ps_device`` (per-replica
-state aside, see ``parameter_server``), a ``partition`` owner one on the partition device. Readers and
+state aside), a ``partition`` owner one on the partition device (``placement.place_variables`` applies
+these rules; this module answers which variables an op takes and where it may run). Readers and
 updaters move to a device holding a copy of every variable they take (TF colocates resource ops with
 their resource), except function calls, which may take handles from another device; an updater gets
 one instance per copy.
@@ -28,7 +29,7 @@ import tensorflow as tf
 from tag.errors import RewriteError
 from tag.ir.op_types import FUNCTION_CALL_TYPES, VARIABLE_TYPES
 
-from .context import RewriteContext
+from .context import RewriteState
 from .graph_edit import Range, split_tensor
 
 # Ops that take a variable (resource or ref) without changing it.
@@ -38,127 +39,86 @@ VAR_READERS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "IsVariableInit
 CLONABLE_STATEFUL = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"})
 
 
-class VariablesMixin(RewriteContext):
-    """Fills ``var_copies`` / ``var_owner``; says which ops take, write and follow variables."""
-
-    def _var_of(self, t: str) -> str | None:
-        """The variable op behind a tensor that is a variable handle/ref (through Identity), else None."""
-        seen = 0
-        while seen < 64:
-            op, k = split_tensor(t)
-            node = self.nodes[op]
-            if node.op in VARIABLE_TYPES:
-                return op
-            if node.op == "Identity" and node.input and node.attr["T"].type == tf.resource.as_datatype_enum:
-                t = node.input[0]
-                seen += 1
-                continue
-            return None
+def var_of(st: RewriteState, t: str) -> str | None:
+    """The variable op behind a tensor that is a variable handle/ref (through Identity), else None."""
+    seen = 0
+    while seen < 64:
+        op, k = split_tensor(t)
+        node = st.nodes[op]
+        if node.op in VARIABLE_TYPES:
+            return op
+        if node.op == "Identity" and node.input and node.attr["T"].type == tf.resource.as_datatype_enum:
+            t = node.input[0]
+            seen += 1
+            continue
         return None
+    return None
 
-    def _vars_of_inputs(self, op: str) -> list[str]:
-        """The variables OP takes as data inputs, in input order (cached)."""
-        if op not in self._vars_cache:
-            out = []
-            for i in self.nodes[op].input:
-                if i.startswith("^"):
-                    continue
-                v = self._var_of(i)
-                if v is not None and v not in out:
-                    out.append(v)
-            self._vars_cache[op] = out
-        return self._vars_cache[op]
 
-    def _writes(self, op: str) -> bool:
-        """Does OP (not a function call) update a variable it takes?"""
-        node = self.nodes[op]
-        if node.op in VAR_READERS or node.op in VARIABLE_TYPES or node.op in FUNCTION_CALL_TYPES:
-            return False
-        return bool(self._vars_of_inputs(op))
-
-    def _may_write(self, op: str) -> bool:
-        """Like _writes, counting function calls that take variables (their bodies may assign)."""
-        return self._writes(op) or (self.nodes[op].op in FUNCTION_CALL_TYPES and bool(self._vars_of_inputs(op)))
-
-    def _place_variables(self) -> None:
-        """Owner op group and copy devices of every variable (``var_owner``, ``var_copies``)."""
-        info = {v.name: v for v in self.ir.variables}
-        slot_owner = {}      # slot variable -> the variable it belongs to
-        for v in self.ir.variables:
-            for s in v.slots:
-                slot_owner[s] = v.name
-        writers: dict[str, list[str]] = {}    # variable -> step ops that may update it
-        for n in self.order:
-            if n in self.ir_index and self._may_write(n):
-                for v in self._vars_of_inputs(n):
-                    writers.setdefault(v, []).append(n)
-        var_order = [n for n in self.order if self.nodes[n].op in VARIABLE_TYPES]
-        # trainable variables before slots: a slot lives where its variable lives
-        var_order.sort(key=lambda n: n in slot_owner and slot_owner[n] in self.nodes)
-        for n in var_order:
-            v = info.get(n)
-            parent = slot_owner.get(n)
-            if parent in self.var_copies:
-                self.var_owner[n] = self.var_owner[parent]
-                self.var_copies[n] = list(self.var_copies[parent])
+def vars_of_inputs(st: RewriteState, op: str) -> list[str]:
+    """The variables OP takes as data inputs, in input order (cached)."""
+    if op not in st.vars_cache:
+        out = []
+        for i in st.nodes[op].input:
+            if i.startswith("^"):
                 continue
-            owner = None
-            if v is not None and v.apply_op in self.ir_index:
-                owner = self._group(v.apply_op)
-            if owner is None:
-                owner = self._group(n)
-            self.var_owner[n] = owner
-            if owner is None:
-                self.var_copies[n] = [self._main_device()]
-                continue
-            a = self.strategy.actions[owner]
-            if a.mode == "allreduce":
-                copies = self._replicas(owner)[0]
-            elif a.mode == "ps":
-                copies = self._ps_variable_devices(n, v, owner, writers.get(n, []))
-            else:
-                i = self.ir_index.get(n)
-                d = self.strategy.partition.get(i) if i is not None else None
-                if d is None and v is not None and v.apply_op in self.ir_index:
-                    d = self.strategy.partition.get(self.ir_index[v.apply_op])
-                copies = [int(d) if d is not None else self._replicas(owner)[0][0]]
-            self.var_copies[n] = list(copies)
+            v = var_of(st, i)
+            if v is not None and v not in out:
+                out.append(v)
+        st.vars_cache[op] = out
+    return st.vars_cache[op]
 
-    def _device_for(self, op: str, asked_dev: int) -> int:
-        """Where an instance of OP asked on ASKED_DEV runs: a device holding a copy of every variable
-        it takes (ASKED_DEV if it does)."""
-        vs = self._vars_of_inputs(op)
-        if not vs or self.nodes[op].op in FUNCTION_CALL_TYPES:
-            return asked_dev
-        cand = [d for d in self.var_copies[vs[0]] if all(d in self.var_copies[v] for v in vs[1:])]
-        if not cand:
-            raise RewriteError(f"op {op!r} uses variables {', '.join(vs)} whose copies share no device")
-        return asked_dev if asked_dev in cand else cand[0]
 
-    def _shares_copy(self, op: str) -> bool:
-        """Do two instances of OP (same examples, asked on different devices) take the same copy of a
-        variable? Then they act on one shared state, such as Adam's beta powers, which live on one device
-        while the update ops of a stage run once per device of the stage: each such instance must come after
-        every replica's instance of what it waits for, not only its own replica's."""
-        if not self._vars_of_inputs(op) or self.nodes[op].op in FUNCTION_CALL_TYPES:
-            return False
-        seen = set()
-        for rng, asked in self.placements.get(op, []):
-            key = (rng, self._device_for(op, asked))
-            if key in seen:
-                return True
-            seen.add(key)
+def writes(st: RewriteState, op: str) -> bool:
+    """Does OP (not a function call) update a variable it takes?"""
+    node = st.nodes[op]
+    if node.op in VAR_READERS or node.op in VARIABLE_TYPES or node.op in FUNCTION_CALL_TYPES:
         return False
+    return bool(vars_of_inputs(st, op))
 
-    def _writer_placements(self, n: str, placements: list[tuple[Range, int]]) -> list[tuple[Range, int]]:
-        """Instances of N, which updates a variable: one per copy of the variable."""
-        copies = self.var_copies[self._vars_of_inputs(n)[0]]
-        devs = [self._device_for(n, k) for _, k in placements]
-        if sorted(devs) == sorted(copies) and len(set(devs)) == len(devs):
-            return placements
-        if self._pipelined(self._group(n)) and sorted(set(devs)) == sorted(copies) and not self._shares_copy(n):
-            return placements     # micro-batches update their device's copy in turn (BatchNorm statistics)
-        if all(r == self.full_batch for r, _ in placements):
-            return [(self.full_batch, c) for c in copies]
-        raise RewriteError(f"op {n!r} updates a variable whose copies ({copies}) do not match its replicas "
-                           f"({devs}); put it in the variable's op group")
+
+def may_write(st: RewriteState, op: str) -> bool:
+    """Like _writes, counting function calls that take variables (their bodies may assign)."""
+    return writes(st, op) or (st.nodes[op].op in FUNCTION_CALL_TYPES and bool(vars_of_inputs(st, op)))
+
+
+def device_for(st: RewriteState, op: str, asked_dev: int) -> int:
+    """Where an instance of OP asked on ASKED_DEV runs: a device holding a copy of every variable
+    it takes (ASKED_DEV if it does)."""
+    vs = vars_of_inputs(st, op)
+    if not vs or st.nodes[op].op in FUNCTION_CALL_TYPES:
+        return asked_dev
+    cand = [d for d in st.var_copies[vs[0]] if all(d in st.var_copies[v] for v in vs[1:])]
+    if not cand:
+        raise RewriteError(f"op {op!r} uses variables {', '.join(vs)} whose copies share no device")
+    return asked_dev if asked_dev in cand else cand[0]
+
+
+def shares_copy(st: RewriteState, op: str) -> bool:
+    """Do two instances of OP (same examples, asked on different devices) take the same copy of a
+    variable? Then they act on one shared state, such as Adam's beta powers, which live on one device
+    while the update ops of a stage run once per device of the stage: each such instance must come after
+    every replica's instance of what it waits for, not only its own replica's."""
+    if not vars_of_inputs(st, op) or st.nodes[op].op in FUNCTION_CALL_TYPES:
+        return False
+    seen = set()
+    for rng, asked in st.placements.get(op, []):
+        key = (rng, device_for(st, op, asked))
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
+
+
+def writer_placements(st: RewriteState, n: str, placements: list[tuple[Range, int]]) -> list[tuple[Range, int]]:
+    """Instances of N, which updates a variable: one per copy of the variable."""
+    copies = st.var_copies[vars_of_inputs(st, n)[0]]
+    devs = [device_for(st, n, k) for _, k in placements]
+    if sorted(devs) == sorted(copies) and len(set(devs)) == len(devs):
+        return placements
+    if st.pipelined(st.group(n)) and sorted(set(devs)) == sorted(copies) and not shares_copy(st, n):
+        return placements     # micro-batches update their device's copy in turn (BatchNorm statistics)
+    if all(r == st.full_batch for r, _ in placements):
+        return [(st.full_batch, c) for c in copies]
+    raise RewriteError(f"op {n!r} updates a variable whose copies ({copies}) do not match its replicas "
+                       f"({devs}); put it in the variable's op group")
