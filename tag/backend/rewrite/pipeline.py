@@ -303,7 +303,7 @@ def _defer_after(st: RewriteState, s: int, d: int, last: str, by_name: dict, rea
     simulator, which runs a stage's W task after its last step, put it within 3%."""
     if not st.deferred_ops:
         return 0
-    deferred = [by_name[i.name] for n in st.deferred_ops
+    deferred = [by_name[i.name] for n in sorted(st.deferred_ops)
                 if (g := st.group(n)) is not None and int(st.stage_of_group[g]) == s
                 for i in st.instances.get(n, ()) if i.asked_dev == d and i.name in by_name]
     if not deferred:
