@@ -107,7 +107,7 @@ def compare(*, steps: int, batch: int, optimizer: str, lr: float, strategy: str 
         result = tag.fit(tag_model, topology or loopback_topology(), dataset_fn, loss=loss,
                          optimizer=make_optimizer(), steps=steps, batch_size=batch, strategy=strategy,
                          progress=False, seed=seed, checkpoint_dir=ckpt)
-        plan = read_checkpoint_meta(ckpt).get("strategy")
+        plan = read_checkpoint_meta(ckpt).get("strategy") or strategy      # a given strategy's name
     tag_s = time.perf_counter() - t0
     keras_acc, tag_acc = accuracy(keras_model, x_test, y_test), accuracy(tag_model, x_test, y_test)
     return {"steps": steps, "batch": batch, "optimizer": OPTIMIZERS[optimizer], "learning_rate": lr,
