@@ -73,7 +73,7 @@ def fit(model: Any, topology: Any, dataset_fn: Callable[[Any], Any], *, loss: An
         raise TagError(f"tag.fit: batch_size must be a positive integer, got {batch_size!r}")
     input_names = ["input"] if len(model.inputs) == 1 else [f"input_{i}" for i in range(len(model.inputs))]
     label_shape, label_dtype = _labels(model, element_spec(dataset_fn, batch_size))
-    step = training_step(model, loss, _tf1_optimizer(optimizer), batch_size, label_shape=label_shape,
+    step = training_step(model, loss, _keras_optimizer(optimizer), batch_size, label_shape=label_shape,
                          label_dtype=label_dtype, seed=seed)
     if strategy is not None:
         plan = rewrite(step.graph_def, topology, strategy)
@@ -88,8 +88,8 @@ def fit(model: Any, topology: Any, dataset_fn: Callable[[Any], Any], *, loss: An
 
     result = train(plan, _keras_elements(dataset_fn, model, input_names), steps=steps,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, eval_fn=keep_weights,
-                   eval_every=eval_every, logdir=logdir, topology=topology, progress=progress,
-                   step_timeout_s=step_timeout_s, seed=seed)
+                   eval_every=eval_every if eval_fn is not None else 0, logdir=logdir, topology=topology,
+                   progress=progress, step_timeout_s=step_timeout_s, seed=seed)
     if eval_fn is None:
         result.evals = []
     missing = [n for n in step.weight_names if n not in final]
@@ -100,7 +100,7 @@ def fit(model: Any, topology: Any, dataset_fn: Callable[[Any], Any], *, loss: An
     return result
 
 
-def _tf1_optimizer(optimizer: Any) -> Any:
+def _keras_optimizer(optimizer: Any) -> Any:
     """OPTIMIZER as ``training_step`` takes it: a name becomes tf_keras's optimizer with Keras's defaults."""
     if not isinstance(optimizer, str):
         return optimizer
@@ -135,6 +135,8 @@ def _labels(model: Any, spec: Any) -> tuple[Any, Any]:
     if not isinstance(first, tf.TensorSpec) or first.shape.rank is None:
         raise GraphError("tag.fit: the data set's features must be dense tensors of known rank, "
                          f"matching the model's inputs {list(model.input_names)}")
+    if labels.shape.rank is None:
+        return None, labels.dtype
     batched = first.shape.rank == model.inputs[0].shape.rank
     shape = labels.shape.as_list()[1:] if batched else labels.shape.as_list()
     return (None if None in shape else shape), labels.dtype
