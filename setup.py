@@ -65,11 +65,11 @@ setup(
         "tqdm",
     ],
     # ruff and pylint (the linters .ci/run runs) are pinned: a new release's rules would fail CI unasked
+    # scikit-learn: examples/train_digits.py, scripts/bench_keras_fit.py and the test that runs a short version of
+    # it (tests/test_keras.py) train on its real digits data set, shipped as a file in its package (no download at
+    # run time); tag itself does not import it, so it is not an install requirement.
     extras_require={"test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis", "grpcio-tools==1.85.1",
-                             "ruff==0.17.6", "pylint==4.1.5"],
-                    # examples/train_digits.py and its README figures: scikit-learn ships the real digits
-                    # data set as a file in its package (no download at run time), which the example's
-                    # workers read; tag itself does not import it, so it is not an install requirement.
+                             "ruff==0.17.6", "pylint==4.1.5", "scikit-learn"],
                     "examples": ["scikit-learn"]},
     entry_points={
         "console_scripts": [

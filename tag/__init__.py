@@ -9,6 +9,8 @@ Example::
     topo = tag.load_topology("topologies/lab-v100-1080ti.pbtxt")
     tg = tag.analyze(tag.zoo.training_graph("resnet50", batch_size=64))
     print(tg.num_parameters, topo.num_devices)
+    tag.fit(keras_model, "topologies/localhost.pbtxt", dataset_fn, loss="mse", optimizer="adam", steps=100,
+            batch_size=32)                  # a tf_keras model trained from its weights, the result written back
 
 Heavy modules (TensorFlow, DGL) load on first use, so ``import tag`` stays cheap.
 """
@@ -35,6 +37,8 @@ _LAZY = {
     "rewrite": ("tag.api", "rewrite"),
     "find_entry_points": ("tag.frontend.entry_points", "find_entry_points"),
     "train": ("tag.training", "train"),
+    "fit": ("tag.keras", "fit"),
+    "keras": ("tag.keras", None),
 }
 
 __all__ = ["TagError", "TopologyError", "GraphError", "StrategyError", "RewriteError", "MemoryBudgetError",

@@ -40,6 +40,8 @@ ORDER: list[tuple[str, str]] = [
     ("tag.tune", "measures a plan's candidates through the runtime and keeps the fastest as a Plan"),
     ("tag.api", "tag.optimize, search_plan and tag.rewrite: prepare, search, SFB, buckets and tuning with one "
                 "SearchOptions, ending in a Plan"),
+    ("tag.keras", "tag.fit: a tf_keras model's step (tag.frontend.keras) planned by tag.api and trained by "
+                  "tag.training, the weights written back; a library call, so below the command lines"),
     ("tag.cli", "the command lines, on top of the library"),
     ("tag", "the package root names every layer's public entry points (loaded lazily by name on first use); "
             "its own imports are tag.errors only"),

@@ -195,6 +195,24 @@ def _context_class() -> type:
     return TagInputContext
 
 
+def element_spec(dataset_fn: Callable[[Any], Any], batch_size: int) -> Any:
+    """The element spec of DATASET_FN's data set, built once in a throwaway graph with the context of one pipeline
+    reading the whole global BATCH_SIZE: what a caller can check before planning (the labels' dtype and shape)."""
+    tf = import_tf()
+    ctx = _context_class()(PipelineSpec(0, 0, batch_size, "/device:CPU:0"), 0, 1, batch_size, 0)
+    with tf.Graph().as_default():
+        return _dataset(dataset_fn, ctx).element_spec
+
+
+def _dataset(dataset_fn: Callable[[Any], Any], ctx: Any) -> Any:
+    """DATASET_FN(CTX), checked to be a ``tf.data.Dataset``."""
+    tf = import_tf()
+    ds = dataset_fn(ctx)
+    if not isinstance(ds, tf.data.Dataset):
+        raise TagError(f"the data set function returned {type(ds).__name__}, not a tf.data.Dataset")
+    return ds
+
+
 def _spec_text(shape: Any, dtype: Any) -> str:
     dims = "?" if shape.rank is None else "[" + ", ".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
     return f"{dtype.name} {dims}"
@@ -307,9 +325,7 @@ def build_inputs(graph: Any, graph_def: Any, inputs: Sequence[str], batch_size: 
         for k, spec in enumerate(specs):
             ctx = ctx_class(spec, k, len(specs), batch_size, start_step)
             with tf.device(spec.device), tf.name_scope(f"tag_input/pipeline_{k}/"):
-                ds = dataset_fn(ctx)
-                if not isinstance(ds, tf.data.Dataset):
-                    raise TagError(f"the data set function returned {type(ds).__name__}, not a tf.data.Dataset")
+                ds = _dataset(dataset_fn, ctx)
                 matched = _match_elements(ds.element_spec, placeholders, list(inputs))
                 ds = _batched(ds, placeholders, matched, spec.hi - spec.lo).prefetch(prefetch)
                 it = tf.compat.v1.data.make_initializable_iterator(ds)
@@ -413,9 +429,7 @@ def attach_pipeline(program: Any, dataset_fn: Callable[[Any], Any], *, spec: Pip
                     placeholders[source] = tf.TensorSpec(shape, tf.as_dtype(node.attr["dtype"].type), source)
                 order = [s for s in inputs if s in placeholders]
                 ctx = _context_class()(spec, pipeline_id, pipelines, global_batch, start_step)
-                ds = dataset_fn(ctx)
-                if not isinstance(ds, tf.data.Dataset):
-                    raise TagError(f"the data set function returned {type(ds).__name__}, not a tf.data.Dataset")
+                ds = _dataset(dataset_fn, ctx)
                 matched = _match_elements(ds.element_spec, placeholders, order)
                 ds = _batched(ds, placeholders, matched, spec.hi - spec.lo).prefetch(prefetch)
                 it = tf.compat.v1.data.make_initializable_iterator(ds)
