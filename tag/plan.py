@@ -24,16 +24,18 @@ Example::
     plan.save("plan/")                               # graph.pb, strategy.pb, topology.pbtxt, report.json, plan.json
     plan = tag.Plan.load("plan/")
     plan.program("cpu1").graph_def                   # one host's program, built on first use
+    plan.run(steps=20)["measured_speedup_vs_dp"]     # timed beside data parallelism, as tag-deploy --run does
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -173,6 +175,62 @@ class Plan:
     def _meta_for_fingerprint(self) -> dict:
         return {"train_op": self.train_op, "loss": self.loss, "init": self.init, "batch_size": int(self.batch_size),
                 "precision": self.precision, "xla": bool(self.xla)}
+
+    # -- timing -----------------------------------------------------------------------------------
+    def run(self, steps: int = 20, warmup: int = 3, *, topology: "Topology | str | os.PathLike | None" = None,
+            target: str | None = None, step_timeout_s: float | None = 600.0,
+            progress: "Callable[[str, Any], None] | None" = None) -> dict[str, Any]:
+        """Time the plan beside tag's data parallelism on synthetic batches, as ``tag-deploy --run`` does, and
+        return the report's ``measured_*`` keys (``tag.report.measured_fields``): the mean step time after
+        WARMUP steps of STEPS, dp_allreduce's (timed for at most ``BASELINE_MAX_STEPS``), the speedup, the losses.
+
+        The cluster: TOPOLOGY (default: the one the plan was made for), whose loopback hosts are started here and
+        whose remote hosts must run ``tag-worker``; TARGET (a running cluster's ``grpc://host:port``) says its
+        servers run already. No step waits past STEP_TIMEOUT_S. PROGRESS(name, RunEvent) hears every phase and
+        step of both runs (name: the plan's method, then "dp_allreduce").
+
+        Example::
+
+            plan = tag.Plan.load("plan/")
+            fields = plan.run(steps=20, warmup=3)
+            print(fields["measured_step_time_s"], fields["measured_speedup_vs_dp"])
+        """
+        from tag.backend.runtime.guard import RunControl
+        from tag.backend.runtime.measure import reach_cluster, run_on
+        from tag.report import BASELINE_MAX_STEPS, measured_fields
+        for key, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise TagError(f"{key} must be an integer >= {low}, got {value!r}")
+        if warmup >= steps:
+            raise TagError(f"warmup must be below steps ({steps}), got {warmup}")
+        name = self.method or "plan"
+        runs = [(name, self.rewritten, int(steps))]
+        if name != "dp_allreduce":
+            baseline_steps = min(int(steps), BASELINE_MAX_STEPS)
+            runs.append(("dp_allreduce", self._baseline_rewrite(), baseline_steps))
+        setup_s = max(step_timeout_s or 0.0, 120.0) if step_timeout_s else None
+        results = []
+        with reach_cluster(_topology(topology) if topology is not None else self.cluster, target) as cluster:
+            for label, rewritten, n in runs:
+                control = RunControl(step_timeout_s=step_timeout_s, setup_timeout_s=setup_s,
+                                     watchdog=cluster.watchdog)
+                if progress is not None:
+                    control.progress = functools.partial(progress, label)
+                results.append(run_on(cluster, rewritten, steps=n, warmup=min(int(warmup), n - 1), control=control))
+        return measured_fields(results[0], results[-1])
+
+    def _baseline_rewrite(self) -> "RewriteResult":
+        """The plan's step rewritten for dp_allreduce on its cluster (batch shares by the built-in device speeds
+        where the plan was loaded: a saved plan keeps no cost profile)."""
+        if self.analysis is not None:
+            return self.analysis.rewrite(self.analysis.builtin("dp_allreduce"))
+        from tag.frontend.analyze import analyze
+        graph = analyze(self.step_graph, batch_size=self.batch_size)
+        cost_model = CostModel(graph, self.cluster, None, tf32=self.precision == "tf32", xla=self.xla)
+        dp = builtin_strategy("dp_allreduce", graph, self.cluster, self.strategy.grouping, cost_model,
+                              device_speeds(cost_model, self.batch_size))
+        return rewrite_step(self.step_graph, dp, self.cluster, batch_size=self.batch_size, train_op=self.train_op,
+                            loss=self.loss, init=self.init, xla=self.xla, graph=graph)
 
     # -- files ------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> str:

@@ -160,13 +160,19 @@ def _pipeline_lines(report: dict) -> list[str]:
     return lines
 
 
-def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup: int) -> dict[str, Any]:
-    """The report keys of a measured run: the plan (MINE) beside the dp_allreduce BASELINE on TensorFlow."""
+#: a measured run times the dp_allreduce baseline for at most this many steps (it is timed, not trained)
+BASELINE_MAX_STEPS = 20
+
+
+def measured_fields(mine: "RunResult", baseline: "RunResult") -> dict[str, Any]:
+    """The report keys of a measured run: the plan (MINE) beside the dp_allreduce BASELINE on TensorFlow
+    (``tag-deploy --run``, ``Plan.run``)."""
     return {"measured_step_time_s": mine.mean_step_time_s,
             "measured_baseline_step_time_s": baseline.mean_step_time_s,
             "measured_speedup_vs_dp": baseline.mean_step_time_s / mine.mean_step_time_s,
-            "measured_steps": steps, "measured_warmup_steps": warmup,
-            "measured_losses": [float(x) for x in mine.losses]}
+            "measured_steps": len(mine.step_times), "measured_warmup_steps": mine.warmup,
+            "measured_losses": [float(x) for x in mine.losses], "measured_start_step": mine.start_step,
+            "measured_baseline_steps": len(baseline.step_times)}
 
 
 def format_tune(fields: Mapping[str, Any]) -> list[str]:

@@ -173,6 +173,18 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
         probe.stop()
 
 
+@contextlib.contextmanager
+def reach_cluster(topology: "Topology", target: str | None = None, *, say: Callable[[str], None] | None = None,
+                  ) -> Iterator[Cluster]:
+    """TOPOLOGY's cluster for the ``with`` block: TARGET (a running cluster's "grpc://host:port") says its servers
+    run already (no watchdog, every host's program run from here); None opens it (``open_cluster``)."""
+    if target is None:
+        with open_cluster(topology, say=say) as opened:
+            yield opened
+        return
+    yield Cluster(target, lambda: None, targets=_targets(topology))
+
+
 def _targets(topology: "Topology") -> dict[str, str]:
     return {h.name: f"grpc://{h.address}:{h.port}" for h in topology.hosts}
 
