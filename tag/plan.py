@@ -56,7 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.rewrite.programs import HostProgram
     from tag.ir.types import TrainingGraph
 
-__all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "strategy_report",
+__all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "prepare_loaded",
+           "strategy_report",
            "DEFAULT_GROUPS", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
@@ -220,17 +221,10 @@ class Plan:
         return measured_fields(results[0], results[-1])
 
     def _baseline_rewrite(self) -> "RewriteResult":
-        """The plan's step rewritten for dp_allreduce on its cluster (batch shares by the built-in device speeds
-        where the plan was loaded: a saved plan keeps no cost profile)."""
-        if self.analysis is not None:
-            return self.analysis.rewrite(self.analysis.builtin("dp_allreduce"))
-        from tag.frontend.analyze import analyze
-        graph = analyze(self.step_graph, batch_size=self.batch_size)
-        cost_model = CostModel(graph, self.cluster, None, tf32=self.precision == "tf32", xla=self.xla)
-        dp = builtin_strategy("dp_allreduce", graph, self.cluster, self.strategy.grouping, cost_model,
-                              device_speeds(cost_model, self.batch_size))
-        return rewrite_step(self.step_graph, dp, self.cluster, batch_size=self.batch_size, train_op=self.train_op,
-                            loss=self.loss, init=self.init, xla=self.xla, graph=graph)
+        """The plan's step rewritten for dp_allreduce on its cluster (for a loaded plan, batch shares by the
+        built-in device speeds: a saved plan keeps no cost profile)."""
+        analysis = self.analysis if self.analysis is not None else prepare_loaded(self)
+        return analysis.rewrite(analysis.builtin("dp_allreduce"))
 
     # -- files ------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> str:
@@ -352,7 +346,6 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
             xla: bool = False) -> Analysis:
     """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
     and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``tag.optimize``."""
-    from tag.frontend.analyze import analyze
     from tag.frontend.entry_points import find_entry_points
     from tag.frontend.graph_import import coerce_graph_def
     from tag.frontend.precision import apply_precision
@@ -365,6 +358,39 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
     gd = entry.apply(gd)
     gd = apply_precision(gd, precision, train_op=entry.train_op, loss=entry.loss, init=entry.init)
+    return _prepared(gd, entry, topo, prof, prof_source, batch_size=batch_size, groups=groups, grouping=grouping,
+                     name=name, precision=precision, xla=xla)
+
+
+def prepare_loaded(plan: Plan, topology: "Topology | str | os.PathLike | None" = None, *,
+                   profile: "Profile | str | os.PathLike | None" = None, batch_size: int | None = None,
+                   name: str | None = None, xla: bool | None = None) -> Analysis:
+    """The Analysis of a loaded PLAN's step, as ``prepare`` made it when the plan was made (its entry points, its
+    precision already applied, the strategy's op groups), on TOPOLOGY (default: the plan's cluster): for
+    predicting or running a saved plan again without the model it was made from (``tag-deploy --strategy-file
+    DIR`` without ``--model``). PROFILE, BATCH_SIZE, NAME (default: the report's model) and XLA as for
+    ``prepare``; BATCH_SIZE and XLA default to the plan's.
+
+    Example::
+
+        analysis = prepare_loaded(tag.Plan.load("plan/"))
+        strategy_report(analysis, tag.Plan.load("plan/").strategy)
+    """
+    from tag.frontend.entry_points import find_entry_points
+    entry = find_entry_points(plan.step_graph, train_op=plan.train_op, loss=plan.loss, init=plan.init)
+    prof, prof_source = _profile(profile)
+    return _prepared(plan.step_graph, entry, _topology(topology) if topology is not None else plan.cluster, prof,
+                     prof_source, batch_size=batch_size or plan.batch_size, groups=DEFAULT_GROUPS,
+                     grouping=plan.strategy.grouping, name=name or plan._report.get("model") or None,
+                     precision=plan.precision, xla=plan.xla if xla is None else xla)
+
+
+def _prepared(gd: Any, entry: Any, topo: "Topology", prof: "Profile | None", prof_source: str | None, *,
+              batch_size: int | None, groups: int, grouping: "Grouping | None", name: str | None, precision: str,
+              xla: bool) -> Analysis:
+    """``prepare``'s second half: GD (the step, its entry points ENTRY and precision applied) analysed, grouped
+    and costed on TOPO."""
+    from tag.frontend.analyze import analyze
     graph = analyze(gd, batch_size=batch_size, name=name or "")
     batch = int(batch_size if batch_size is not None else graph.batch_size)
     if batch < topo.num_devices:

@@ -247,6 +247,53 @@ def test_strategy_file_predicts_a_saved_plan(tmp_path, capsys):
         assert "strategy file" in out
 
 
+def _saved_ps_plan(tmp_path, capsys):
+    plan_dir, r1 = tmp_path / "plan", tmp_path / "r1.json"
+    rc, _, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
+                       "--save", str(plan_dir), "--report", str(r1)], capsys)
+    assert rc == 0, err
+    return plan_dir, json.loads(r1.read_text())
+
+
+def test_strategy_file_of_a_plan_directory_needs_no_model(tmp_path, capsys):
+    """--strategy-file DIR without --model: the plan's own step (DIR/graph.pb) is the model."""
+    plan_dir, saved = _saved_ps_plan(tmp_path, capsys)
+    r2 = tmp_path / "r2.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--strategy-file", str(plan_dir), "--report", str(r2)], capsys)
+    assert rc == 0, err
+    r = json.loads(r2.read_text())
+    assert r["strategy"] == "saved" and r["batch_size"] == 12 and r["model"] == saved["model"]
+    assert r["predicted_step_time_s"] == pytest.approx(saved["predicted_step_time_s"])
+    assert r["entry_points"]["train_op"] == saved["entry_points"]["train_op"]
+    assert os.path.join(str(plan_dir), "graph.pb") in out.splitlines()[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--model is required"),
+    (["--strategy-file", "{plan}/strategy.pb", "--batch", "12"], "--model is required"),
+    (["--strategy-file", "{plan}", "--loss", "loss"], "--loss: the plan in"),
+    (["--strategy-file", "{plan}", "--precision", "mixed_bfloat16"], "was made for fp32"),
+])
+def test_no_model_without_a_plan_directory_exits_2(tmp_path, capsys, args, message):
+    plan_dir, _ = _saved_ps_plan(tmp_path, capsys)
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, *[a.format(plan=plan_dir) for a in args], "--report", str(report)],
+                        capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not report.exists()
+
+
+@pytest.mark.slow
+def test_run_of_a_saved_plan_without_model(tmp_path, capsys):
+    plan_dir, _ = _saved_ps_plan(tmp_path, capsys)
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--strategy-file", str(plan_dir), "--run", "--steps", "3",
+                         "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["measured_steps"] == 3 and r["measured_step_time_s"] > 0 and r["measured_baseline_step_time_s"] > 0
+
+
 def test_builtin_strategy_can_be_saved(tmp_path, capsys):
     import tag
     rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
