@@ -195,6 +195,30 @@ def test_run_of_a_one_device_plan_needs_no_server_and_checkpoints(tmp_path, caps
     assert read_checkpoint_meta(r["checkpoint"])["step"] == 4
 
 
+@pytest.mark.slow
+def test_several_runs_at_once_on_the_shipped_loopback_topology(tmp_path):
+    """localhost.pbtxt says port: 0, so runs started together each get free ports and all finish."""
+    runs = 3
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    env.pop("TAG_PROFILE", None)
+    reports = [tmp_path / f"r{i}.json" for i in range(runs)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tag.cli.deploy", "--topo", LOCALHOST, "--model",
+                               "zoo:mlp,input_dim=32,hidden=64", "--batch", "12", "--strategy", "ps", "--run",
+                               "--steps", "3", "--report", str(report)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for report in reports]
+    try:
+        outcomes = [p.communicate(timeout=540) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for p, (_, err) in zip(procs, outcomes, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    for report in reports:
+        assert json.loads(report.read_text())["measured_steps"] == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # the search: tag-deploy without --strategy
 # ------------------------------------------------------------------------------------------------
@@ -393,13 +417,10 @@ def test_run_deploys_the_searched_plan(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 def _two_host_topology(tmp_path) -> str:
-    """localhost.pbtxt without its third host, on free ports (other tests may hold the usual ones)."""
-    from tag.backend.runtime import free_ports
+    """localhost.pbtxt without its third host (port 0: free ports chosen at start)."""
     text = open(LOCALHOST).read()
     start = text.index('host {\n  name: "cpu2"')
     text = text[:start] + text[text.index("}\n}\n", start) + 4:]
-    for old, new in zip(("23451", "23452"), free_ports(2), strict=True):
-        text = text.replace(f"port: {old}", f"port: {new}")
     path = tmp_path / "two.pbtxt"
     path.write_text(text)
     return str(path)
@@ -436,19 +457,9 @@ def _run_tune(tmp_path, capsys, tune: list[str], steps: int, topo: str | None = 
     return json.loads(report.read_text()), tag.Plan.load(plan_dir), out, err
 
 
-def _three_host_topology(tmp_path) -> str:
-    from tag.backend.runtime import free_ports
-    text = open(LOCALHOST).read()
-    for old, new in zip(("23451", "23452", "23453"), free_ports(3), strict=True):
-        text = text.replace(f"port: {old}", f"port: {new}")
-    path = tmp_path / "three.pbtxt"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.mark.slow
 def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_what_it_keeps(tmp_path, capsys):
-    r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=_three_host_topology(tmp_path))
+    r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=LOCALHOST)
     t = r["tune"]
     rows = t["candidates"]
     assert 3 <= len(rows) <= 5 and len({x["name"] for x in rows}) == len(rows) and rows[0]["name"] == t["plan"]

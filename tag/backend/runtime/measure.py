@@ -160,7 +160,7 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
     if all(is_loopback(h.address) for h in topology.hosts):
         say(f"starting {len(topology.hosts)} local TF workers")
         with LocalCluster(topology) as local:
-            yield Cluster(local.target, local.dead_worker, local.run_one_device, _targets(topology),
+            yield Cluster(local.target, local.dead_worker, local.run_one_device, _targets(local.topology),
                           local.host_launch)
         return
     say(f"checking that the {len(topology.hosts)} hosts answer")
@@ -182,6 +182,10 @@ def reach_cluster(topology: "Topology", target: str | None = None, *, say: Calla
         with open_cluster(topology, say=say) as opened:
             yield opened
         return
+    if topology.free_port_hosts:
+        raise TagError(f"a running cluster's target was given, but {', '.join(topology.free_port_hosts)} of "
+                       f"topology {topology.name!r} have port 0 (a free port chosen when tag starts them): give the "
+                       f"topology with the ports its servers listen on")
     yield Cluster(target, lambda: None, targets=_targets(topology))
 
 
