@@ -271,6 +271,36 @@ def test_strategy_file_predicts_a_saved_plan(tmp_path, capsys):
         assert "strategy file" in out
 
 
+def test_the_summary_line_names_precision_and_xla(capsys):
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
+                         "--precision", "tf32", "--xla"], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[0].endswith("strategy ps, precision tf32, XLA")
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps"], capsys)
+    assert out.splitlines()[0].endswith("strategy ps, precision fp32")
+
+
+def test_run_prints_the_plan_table_before_training(monkeypatch, capsys):
+    """--run: the table is on stdout before the run starts; the measured block follows it, once."""
+    import tag.cli.deploy as deploy
+    from tag.cli.deploy_run import RunOutcome
+    seen = {}
+
+    def fake_run_plan(args, analysis, name, strategy, report, searched=None, *, k=None):
+        seen["stdout"] = capsys.readouterr().out
+        return RunOutcome({"measured_step_time_s": 0.01, "measured_baseline_step_time_s": 0.02,
+                           "measured_speedup_vs_dp": 2.0, "measured_steps": 3, "measured_warmup_steps": 2,
+                           "measured_losses": [1.0, 0.9, 0.8]}, name, strategy)
+
+    monkeypatch.setattr(deploy, "run_plan", fake_run_plan)
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps", "--run",
+                         "--steps", "3"], capsys)
+    assert rc == 0, err
+    assert "strategy ps, precision fp32" in seen["stdout"] and "(this plan)" in seen["stdout"]
+    assert "measured" not in seen["stdout"]
+    assert "(this plan)" not in out and out.count("measured speedup vs dp_allreduce: 2x") == 1
+
+
 def _saved_ps_plan(tmp_path, capsys):
     plan_dir, r1 = tmp_path / "plan", tmp_path / "r1.json"
     rc, _, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",

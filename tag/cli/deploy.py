@@ -63,7 +63,7 @@ from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan,
 from tag.errors import OptionError, StrategyError, TagError
 from tag.files import write_atomic
 from tag.options import SearchOptions
-from tag.report import finite, format_table, report_json
+from tag.report import finite, format_measured, format_table, report_json
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
@@ -301,7 +301,8 @@ def _body(argv: Sequence[str]) -> int:
         report["notes"] = [*report.get("notes", []), warning]
     report["predict_seconds"] = time.perf_counter() - t0
     run_metadata = None
-    if args.run:
+    if args.run:        # the plan's table first, then the run's progress and measurements
+        print(format_table(report, args.model, measured=False), flush=True)
         if not report.get("feasible", True):
             from tag.report import oom_stages
             stages = oom_stages(report)
@@ -331,7 +332,11 @@ def _body(argv: Sequence[str]) -> int:
         write_atomic(args.report, report_text)
     if args.tensorboard:
         write_tensorboard_dir(args, analysis, strategy, plan.rewritten.graph_def, run_metadata)
-    print(format_table(report, args.model))
+    if not args.run or "tune" in report:      # --tune may have kept another plan: its table again
+        print(("\n" if args.run else "") + format_table(report, args.model, measured=not args.run))
+    measured = format_measured(report) if args.run else ""
+    if measured:
+        print("\n" + measured)
     for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace),
                        ("tensorboard", args.tensorboard)):
         if path:
