@@ -84,9 +84,9 @@ def topology_cases() -> list[Case]:
             raw.append((f"{key}-truncated-{frac}", text[:int(len(text) * frac)]))
     loc = good["localhost"]
     swaps = {
-        "port-string": ('port: 23451', 'port: "23451"'), "port-huge": ('port: 23451', 'port: 99999999'),
-        "port-negative": ('port: 23451', 'port: -1'), "port-zero": ('port: 23451', 'port: 0'),
-        "port-float": ('port: 23451', 'port: 2.5'), "name-number": ('name: "cpu0"', 'name: 7'),
+        "port-string": ('port: 0', 'port: "23451"'), "port-huge": ('port: 0', 'port: 99999999'),
+        "port-negative": ('port: 0', 'port: -1'), "port-zero-remote": ('address: "127.0.0.1"', 'address: "10.0.0.1"'),
+        "port-float": ('port: 0', 'port: 2.5'), "name-number": ('name: "cpu0"', 'name: 7'),
         "name-empty": ('name: "cpu0"', 'name: ""'), "name-dup": ('name: "cpu1"', 'name: "cpu0"'),
         "address-empty": ('address: "127.0.0.1"', 'address: ""'),
         "memory-negative": ("memory_gib: 2", "memory_gib: -2"), "memory-zero": ("memory_gib: 2", "memory_gib: 0"),

@@ -24,16 +24,18 @@ Example::
     plan.save("plan/")                               # graph.pb, strategy.pb, topology.pbtxt, report.json, plan.json
     plan = tag.Plan.load("plan/")
     plan.program("cpu1").graph_def                   # one host's program, built on first use
+    plan.run(steps=20)["measured_speedup_vs_dp"]     # timed beside data parallelism, as tag-deploy --run does
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -54,7 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.rewrite.programs import HostProgram
     from tag.ir.types import TrainingGraph
 
-__all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "strategy_report",
+__all__ = ["Analysis", "Plan", "load_strategy", "make_plan", "plan_for", "plan_report", "prepare", "prepare_loaded",
+           "strategy_report",
            "DEFAULT_GROUPS", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "tag-plan"
@@ -173,6 +176,55 @@ class Plan:
     def _meta_for_fingerprint(self) -> dict:
         return {"train_op": self.train_op, "loss": self.loss, "init": self.init, "batch_size": int(self.batch_size),
                 "precision": self.precision, "xla": bool(self.xla)}
+
+    # -- timing -----------------------------------------------------------------------------------
+    def run(self, steps: int = 20, warmup: int = 3, *, topology: "Topology | str | os.PathLike | None" = None,
+            target: str | None = None, step_timeout_s: float | None = 600.0,
+            progress: "Callable[[str, Any], None] | None" = None) -> dict[str, Any]:
+        """Time the plan beside tag's data parallelism on synthetic batches, as ``tag-deploy --run`` does, and
+        return the report's ``measured_*`` keys (``tag.report.measured_fields``): the mean step time after
+        WARMUP steps of STEPS, dp_allreduce's (timed for at most ``BASELINE_MAX_STEPS``), the speedup, the losses.
+
+        The cluster: TOPOLOGY (default: the one the plan was made for), whose loopback hosts are started here and
+        whose remote hosts must run ``tag-worker``; TARGET (a running cluster's ``grpc://host:port``) says its
+        servers run already. No step waits past STEP_TIMEOUT_S. PROGRESS(name, RunEvent) hears every phase and
+        step of both runs (name: the plan's method, then "dp_allreduce").
+
+        Example::
+
+            plan = tag.Plan.load("plan/")
+            fields = plan.run(steps=20, warmup=3)
+            print(fields["measured_step_time_s"], fields["measured_speedup_vs_dp"])
+        """
+        from tag.backend.runtime.guard import RunControl
+        from tag.backend.runtime.measure import reach_cluster, run_on
+        from tag.report import BASELINE_MAX_STEPS, measured_fields
+        for key, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise TagError(f"{key} must be an integer >= {low}, got {value!r}")
+        if warmup >= steps:
+            raise TagError(f"warmup must be below steps ({steps}), got {warmup}")
+        name = self.method or "plan"
+        runs = [(name, self.rewritten, int(steps))]
+        if name != "dp_allreduce":
+            baseline_steps = min(int(steps), BASELINE_MAX_STEPS)
+            runs.append(("dp_allreduce", self._baseline_rewrite(), baseline_steps))
+        setup_s = max(step_timeout_s or 0.0, 120.0) if step_timeout_s else None
+        results = []
+        with reach_cluster(_topology(topology) if topology is not None else self.cluster, target) as cluster:
+            for label, rewritten, n in runs:
+                control = RunControl(step_timeout_s=step_timeout_s, setup_timeout_s=setup_s,
+                                     watchdog=cluster.watchdog)
+                if progress is not None:
+                    control.progress = functools.partial(progress, label)
+                results.append(run_on(cluster, rewritten, steps=n, warmup=min(int(warmup), n - 1), control=control))
+        return measured_fields(results[0], results[-1])
+
+    def _baseline_rewrite(self) -> "RewriteResult":
+        """The plan's step rewritten for dp_allreduce on its cluster (for a loaded plan, batch shares by the
+        built-in device speeds: a saved plan keeps no cost profile)."""
+        analysis = self.analysis if self.analysis is not None else prepare_loaded(self)
+        return analysis.rewrite(analysis.builtin("dp_allreduce"))
 
     # -- files ------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> str:
@@ -294,7 +346,6 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
             xla: bool = False) -> Analysis:
     """Entry points, IR, topology, op groups (``groups`` of them, or GROUPING as given: a saved strategy's)
     and cost model of GRAPH_DEF on TOPOLOGY; arguments as for ``tag.optimize``."""
-    from tag.frontend.analyze import analyze
     from tag.frontend.entry_points import find_entry_points
     from tag.frontend.graph_import import coerce_graph_def
     from tag.frontend.precision import apply_precision
@@ -307,6 +358,39 @@ def prepare(graph_def: Any, topology: "Topology | str | os.PathLike", *, batch_s
     entry = find_entry_points(gd, train_op=train_op, loss=loss, init=init)
     gd = entry.apply(gd)
     gd = apply_precision(gd, precision, train_op=entry.train_op, loss=entry.loss, init=entry.init)
+    return _prepared(gd, entry, topo, prof, prof_source, batch_size=batch_size, groups=groups, grouping=grouping,
+                     name=name, precision=precision, xla=xla)
+
+
+def prepare_loaded(plan: Plan, topology: "Topology | str | os.PathLike | None" = None, *,
+                   profile: "Profile | str | os.PathLike | None" = None, batch_size: int | None = None,
+                   name: str | None = None, xla: bool | None = None) -> Analysis:
+    """The Analysis of a loaded PLAN's step, as ``prepare`` made it when the plan was made (its entry points, its
+    precision already applied, the strategy's op groups), on TOPOLOGY (default: the plan's cluster): for
+    predicting or running a saved plan again without the model it was made from (``tag-deploy --strategy-file
+    DIR`` without ``--model``). PROFILE, BATCH_SIZE, NAME (default: the report's model) and XLA as for
+    ``prepare``; BATCH_SIZE and XLA default to the plan's.
+
+    Example::
+
+        analysis = prepare_loaded(tag.Plan.load("plan/"))
+        strategy_report(analysis, tag.Plan.load("plan/").strategy)
+    """
+    from tag.frontend.entry_points import find_entry_points
+    entry = find_entry_points(plan.step_graph, train_op=plan.train_op, loss=plan.loss, init=plan.init)
+    prof, prof_source = _profile(profile)
+    return _prepared(plan.step_graph, entry, _topology(topology) if topology is not None else plan.cluster, prof,
+                     prof_source, batch_size=batch_size or plan.batch_size, groups=DEFAULT_GROUPS,
+                     grouping=plan.strategy.grouping, name=name or plan._report.get("model") or None,
+                     precision=plan.precision, xla=plan.xla if xla is None else xla)
+
+
+def _prepared(gd: Any, entry: Any, topo: "Topology", prof: "Profile | None", prof_source: str | None, *,
+              batch_size: int | None, groups: int, grouping: "Grouping | None", name: str | None, precision: str,
+              xla: bool) -> Analysis:
+    """``prepare``'s second half: GD (the step, its entry points ENTRY and precision applied) analysed, grouped
+    and costed on TOPO."""
+    from tag.frontend.analyze import analyze
     graph = analyze(gd, batch_size=batch_size, name=name or "")
     batch = int(batch_size if batch_size is not None else graph.batch_size)
     if batch < topo.num_devices:

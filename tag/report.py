@@ -160,13 +160,19 @@ def _pipeline_lines(report: dict) -> list[str]:
     return lines
 
 
-def measured_fields(mine: "RunResult", baseline: "RunResult", steps: int, warmup: int) -> dict[str, Any]:
-    """The report keys of a measured run: the plan (MINE) beside the dp_allreduce BASELINE on TensorFlow."""
+#: a measured run times the dp_allreduce baseline for at most this many steps (it is timed, not trained)
+BASELINE_MAX_STEPS = 20
+
+
+def measured_fields(mine: "RunResult", baseline: "RunResult") -> dict[str, Any]:
+    """The report keys of a measured run: the plan (MINE) beside the dp_allreduce BASELINE on TensorFlow
+    (``tag-deploy --run``, ``Plan.run``)."""
     return {"measured_step_time_s": mine.mean_step_time_s,
             "measured_baseline_step_time_s": baseline.mean_step_time_s,
             "measured_speedup_vs_dp": baseline.mean_step_time_s / mine.mean_step_time_s,
-            "measured_steps": steps, "measured_warmup_steps": warmup,
-            "measured_losses": [float(x) for x in mine.losses]}
+            "measured_steps": len(mine.step_times), "measured_warmup_steps": mine.warmup,
+            "measured_losses": [float(x) for x in mine.losses], "measured_start_step": mine.start_step,
+            "measured_baseline_steps": len(baseline.step_times)}
 
 
 def format_tune(fields: Mapping[str, Any]) -> list[str]:
@@ -263,10 +269,13 @@ def _cost_model_line(report: dict) -> str:
     return f"cost model           {served}{unused}"
 
 
-def format_table(report: dict, model_spec: str) -> str:
-    """The human-readable summary tag-deploy prints (a prediction, a given strategy or a searched plan)."""
+def format_table(report: dict, model_spec: str, *, measured: bool = True) -> str:
+    """The human-readable summary tag-deploy prints (a prediction, a given strategy or a searched plan); its
+    first line says what was costed (precision, XLA). MEASURED: with the measured block (``format_measured``)."""
+    xla = ", XLA" if report.get("xla") else ""
     lines = [f"{report['model']} ({model_spec}) on {report['topology']}: {report['devices']} devices, "
-             f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}",
+             f"batch {report['batch_size']}, {report['groups']} op groups, strategy {report['strategy']}, "
+             f"precision {report.get('precision') or 'fp32'}{xla}",
              f"predicted step time  {format_time(report['predicted_step_time_s'])}"
              f"{'' if report['feasible'] else '   (OUT OF MEMORY on ' + ', '.join(report['oom_devices']) + ')'}",
              f"communication        {format_bytes(report['communication_bytes'])} per step",
@@ -279,5 +288,12 @@ def format_table(report: dict, model_spec: str) -> str:
     lines += [""] + _strategy_lines(report)
     sp = report["speedup_vs_dp"]
     lines.append(f"speedup vs dp_allreduce: {sp:.3g}x" if sp is not None else "speedup vs dp_allreduce: n/a")
-    lines += _measured_lines(report)
+    if measured:
+        lines += _measured_lines(report)
     return "\n".join(lines)
+
+
+def format_measured(report: dict) -> str:
+    """The measured-on-TensorFlow block of the summary ("" without a measurement): what ``tag-deploy --run``
+    prints after the run, the table having been printed before it."""
+    return "\n".join(_measured_lines(report)).lstrip("\n")

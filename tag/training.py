@@ -70,7 +70,7 @@ def train(plan: Any, dataset_fn: Callable[[Any], Any], *, steps: int, checkpoint
     callable taking ``RunEvent``s, or False.
     """
     from tag.backend.runtime.guard import RunControl
-    from tag.backend.runtime.measure import Cluster, open_cluster
+    from tag.backend.runtime.measure import reach_cluster
     from tag.backend.runtime.training import train_programs
     for attr in ("programs", "inputs", "batch_size", "train_op", "fingerprint"):
         if not hasattr(plan, attr):
@@ -89,12 +89,7 @@ def train(plan: Any, dataset_fn: Callable[[Any], Any], *, steps: int, checkpoint
     setup_s = max(step_timeout_s or 0.0, 120.0) if step_timeout_s else None
     topo = _topology_of(plan, topology)
     programs = plan.programs()
-    if target is not None:
-        targets = {h.name: f"grpc://{h.address}:{h.port}" for h in topo.hosts}
-        control = RunControl(step_timeout_s=step_timeout_s, setup_timeout_s=setup_s)
-        return train_programs(programs, Cluster(target, lambda: None, targets=targets), dataset_fn, control=control,
-                              **kwargs)
-    with open_cluster(topo) as cluster:
+    with reach_cluster(topo, target) as cluster:
         control = RunControl(step_timeout_s=step_timeout_s, setup_timeout_s=setup_s, watchdog=cluster.watchdog)
         return train_programs(programs, cluster, dataset_fn, control=control, **kwargs)
 

@@ -417,7 +417,8 @@ def candidate_runner(analysis: Any, cluster: Any, *, step_timeout_s: float | Non
     address, watchdog = _target_and_watchdog(cluster)
     targets = {h.name: f"grpc://{h.address}:{h.port}" for h in analysis.topology.hosts}
     if not isinstance(cluster, str):
-        targets.update(cluster_targets(cluster) if getattr(cluster, "targets", None) else {})
+        started = getattr(cluster, "targets", None) or getattr(cluster, "topology", None)
+        targets.update(cluster_targets(cluster) if started else {})     # the ports it started on (port: 0)
     on = Cluster(address, watchdog, one_device_runner(cluster), targets, host_launcher(cluster))
     rewritten: dict[str, Any] = {}
 

@@ -195,6 +195,30 @@ def test_run_of_a_one_device_plan_needs_no_server_and_checkpoints(tmp_path, caps
     assert read_checkpoint_meta(r["checkpoint"])["step"] == 4
 
 
+@pytest.mark.slow
+def test_several_runs_at_once_on_the_shipped_loopback_topology(tmp_path):
+    """localhost.pbtxt says port: 0, so runs started together each get free ports and all finish."""
+    runs = 3
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    env.pop("TAG_PROFILE", None)
+    reports = [tmp_path / f"r{i}.json" for i in range(runs)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tag.cli.deploy", "--topo", LOCALHOST, "--model",
+                               "zoo:mlp,input_dim=32,hidden=64", "--batch", "12", "--strategy", "ps", "--run",
+                               "--steps", "3", "--report", str(report)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for report in reports]
+    try:
+        outcomes = [p.communicate(timeout=540) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for p, (_, err) in zip(procs, outcomes, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    for report in reports:
+        assert json.loads(report.read_text())["measured_steps"] == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # the search: tag-deploy without --strategy
 # ------------------------------------------------------------------------------------------------
@@ -245,6 +269,83 @@ def test_strategy_file_predicts_a_saved_plan(tmp_path, capsys):
         assert r["strategy"] == "saved" and r["search_seconds"] == 0 and r["batch_size"] == 12
         assert r["predicted_step_time_s"] == pytest.approx(searched["predicted_step_time_s"])
         assert "strategy file" in out
+
+
+def test_the_summary_line_names_precision_and_xla(capsys):
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
+                         "--precision", "tf32", "--xla"], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[0].endswith("strategy ps, precision tf32, XLA")
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps"], capsys)
+    assert out.splitlines()[0].endswith("strategy ps, precision fp32")
+
+
+def test_run_prints_the_plan_table_before_training(monkeypatch, capsys):
+    """--run: the table is on stdout before the run starts; the measured block follows it, once."""
+    import tag.cli.deploy as deploy
+    from tag.cli.deploy_run import RunOutcome
+    seen = {}
+
+    def fake_run_plan(args, analysis, name, strategy, report, searched=None, *, k=None):
+        seen["stdout"] = capsys.readouterr().out
+        return RunOutcome({"measured_step_time_s": 0.01, "measured_baseline_step_time_s": 0.02,
+                           "measured_speedup_vs_dp": 2.0, "measured_steps": 3, "measured_warmup_steps": 2,
+                           "measured_losses": [1.0, 0.9, 0.8]}, name, strategy)
+
+    monkeypatch.setattr(deploy, "run_plan", fake_run_plan)
+    rc, out, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps", "--run",
+                         "--steps", "3"], capsys)
+    assert rc == 0, err
+    assert "strategy ps, precision fp32" in seen["stdout"] and "(this plan)" in seen["stdout"]
+    assert "measured" not in seen["stdout"]
+    assert "(this plan)" not in out and out.count("measured speedup vs dp_allreduce: 2x") == 1
+
+
+def _saved_ps_plan(tmp_path, capsys):
+    plan_dir, r1 = tmp_path / "plan", tmp_path / "r1.json"
+    rc, _, err = _run(["--topo", LOCALHOST, "--model", TINY_MLP, "--batch", "12", "--strategy", "ps",
+                       "--save", str(plan_dir), "--report", str(r1)], capsys)
+    assert rc == 0, err
+    return plan_dir, json.loads(r1.read_text())
+
+
+def test_strategy_file_of_a_plan_directory_needs_no_model(tmp_path, capsys):
+    """--strategy-file DIR without --model: the plan's own step (DIR/graph.pb) is the model."""
+    plan_dir, saved = _saved_ps_plan(tmp_path, capsys)
+    r2 = tmp_path / "r2.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--strategy-file", str(plan_dir), "--report", str(r2)], capsys)
+    assert rc == 0, err
+    r = json.loads(r2.read_text())
+    assert r["strategy"] == "saved" and r["batch_size"] == 12 and r["model"] == saved["model"]
+    assert r["predicted_step_time_s"] == pytest.approx(saved["predicted_step_time_s"])
+    assert r["entry_points"]["train_op"] == saved["entry_points"]["train_op"]
+    assert os.path.join(str(plan_dir), "graph.pb") in out.splitlines()[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--model is required"),
+    (["--strategy-file", "{plan}/strategy.pb", "--batch", "12"], "--model is required"),
+    (["--strategy-file", "{plan}", "--loss", "loss"], "--loss: the plan in"),
+    (["--strategy-file", "{plan}", "--precision", "mixed_bfloat16"], "was made for fp32"),
+])
+def test_no_model_without_a_plan_directory_exits_2(tmp_path, capsys, args, message):
+    plan_dir, _ = _saved_ps_plan(tmp_path, capsys)
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, *[a.format(plan=plan_dir) for a in args], "--report", str(report)],
+                        capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not report.exists()
+
+
+@pytest.mark.slow
+def test_run_of_a_saved_plan_without_model(tmp_path, capsys):
+    plan_dir, _ = _saved_ps_plan(tmp_path, capsys)
+    report = tmp_path / "r.json"
+    rc, out, err = _run(["--topo", LOCALHOST, "--strategy-file", str(plan_dir), "--run", "--steps", "3",
+                         "--report", str(report)], capsys)
+    assert rc == 0, err
+    r = json.loads(report.read_text())
+    assert r["measured_steps"] == 3 and r["measured_step_time_s"] > 0 and r["measured_baseline_step_time_s"] > 0
 
 
 def test_builtin_strategy_can_be_saved(tmp_path, capsys):
@@ -346,13 +447,10 @@ def test_run_deploys_the_searched_plan(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 def _two_host_topology(tmp_path) -> str:
-    """localhost.pbtxt without its third host, on free ports (other tests may hold the usual ones)."""
-    from tag.backend.runtime import free_ports
+    """localhost.pbtxt without its third host (port 0: free ports chosen at start)."""
     text = open(LOCALHOST).read()
     start = text.index('host {\n  name: "cpu2"')
     text = text[:start] + text[text.index("}\n}\n", start) + 4:]
-    for old, new in zip(("23451", "23452"), free_ports(2), strict=True):
-        text = text.replace(f"port: {old}", f"port: {new}")
     path = tmp_path / "two.pbtxt"
     path.write_text(text)
     return str(path)
@@ -389,19 +487,9 @@ def _run_tune(tmp_path, capsys, tune: list[str], steps: int, topo: str | None = 
     return json.loads(report.read_text()), tag.Plan.load(plan_dir), out, err
 
 
-def _three_host_topology(tmp_path) -> str:
-    from tag.backend.runtime import free_ports
-    text = open(LOCALHOST).read()
-    for old, new in zip(("23451", "23452", "23453"), free_ports(3), strict=True):
-        text = text.replace(f"port: {old}", f"port: {new}")
-    path = tmp_path / "three.pbtxt"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.mark.slow
 def test_run_tune_measures_k_candidates_on_three_local_workers_and_trains_what_it_keeps(tmp_path, capsys):
-    r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=_three_host_topology(tmp_path))
+    r, plan, out, err = _run_tune(tmp_path, capsys, ["--tune", "3"], steps=3, topo=LOCALHOST)
     t = r["tune"]
     rows = t["candidates"]
     assert 3 <= len(rows) <= 5 and len({x["name"] for x in rows}) == len(rows) and rows[0]["name"] == t["plan"]

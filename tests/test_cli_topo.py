@@ -73,7 +73,8 @@ def test_validate_in_process(capsys, tmp_path):
     (b"cluster:\n  hosts:\n    - name: a\n", ":1: unknown field 'cluster' in Cluster (its fields: name, host, link, "
                                              "fabric) -- this looks like YAML, but topology files are protobuf text "
                                              'format: host { name: "a" ... }'),
-    (GOOD.replace("port: 1", "port: 65536").encode(), ":1: host 'a': port must be in 1..65535, got 65536"),
+    (GOOD.replace("port: 1", "port: 65536").encode(),
+     ":1: host 'a': port must be in 1..65535 (or 0 on a loopback host), got 65536"),
     (GOOD.replace("memory_gib: 2", "memory_gib: nan").encode(),
      ":2: host 'a' device 'CPU': memory_gib must be a finite number, got nan"),
     (b"host { " * 20000, ":1: unknown field 'host' in Host (its fields: name, address, port, device, interconnect)"),

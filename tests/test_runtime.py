@@ -169,6 +169,44 @@ def test_local_cluster_refuses_remote_hosts():
         LocalCluster(topo)
 
 
+def test_a_worker_refuses_port_zero_which_only_tag_chooses(tmp_path, capsys):
+    f = tmp_path / "free.pbtxt"
+    f.write_text(topo_text([0, 0]))
+    assert worker_main(["--topo", str(f), "--host", "h0"]) == 2
+    err = capsys.readouterr().err
+    assert "h0, h1 have port 0" in err and "fixed ports" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_port_zero_takes_free_ports_and_retries_when_one_is_taken_first(monkeypatch):
+    """port: 0 hosts get free ports at start; a port another program takes before the worker binds it (here a
+    listening socket given out as the first choice) makes the start try again with new ports."""
+    import tag.backend.runtime.local_cluster as local_cluster
+    squatter = socket.socket()
+    squatter.bind(("0.0.0.0", 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    choices = []
+
+    def first_taken(n, address="127.0.0.1"):
+        ports = [taken] + free_ports(n - 1, address) if not choices else free_ports(n, address)
+        choices.append(ports)
+        return ports
+
+    monkeypatch.setattr(local_cluster, "free_ports", first_taken)
+    topo = parse_topology(topo_text([0, 0]))
+    try:
+        with LocalCluster(topo, threads_per_worker=1) as cluster:
+            ports = [h.port for h in cluster.topology.hosts]
+            assert len(choices) == 2 and ports == choices[1] and taken not in ports
+            assert cluster.target == f"grpc://127.0.0.1:{ports[0]}"
+            assert [h.port for h in topo.hosts] == [0, 0]              # the topology given is left as it was
+            r = run_steps(mlp_graph(tasks=(0, 1)), cluster.target, steps=2, warmup=0)
+            assert np.all(np.isfinite(r.losses))
+    finally:
+        squatter.close()
+
+
 def test_local_cluster_port_clash_is_a_clear_error():
     topo = loopback_topology(2)
     busy = topo.hosts[1].port

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tag
-from tag.cluster.topology import MAX_FILE_BYTES, Topology, load_topology, parse_topology
+from tag.cluster.topology import MAX_FILE_BYTES, Topology, format_topology, load_topology, parse_topology
 from tag.errors import TopologyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,9 +84,13 @@ MALFORMED = [
      ":3: host 'a': address '10.0.0.1:2222' is neither an IP address nor a valid hostname "
      "(give the port in port:, not in the address)"),
     ("no-port", ('host {\n  name: "a"\n  address: "h"\n  ' + CPU + "\n}\n").encode(), ":1: host 'a': missing port"),
-    ("port-zero", host(port=0).encode(), ":4: host 'a': port must be in 1..65535, got 0"),
-    ("port-too-big", host(port=70000).encode(), ":4: host 'a': port must be in 1..65535, got 70000"),
-    ("port-negative", host(port=-5).encode(), ":4: host 'a': port must be in 1..65535, got -5"),
+    ("port-zero-remote", host(port=0, address="10.0.0.1").encode(),
+     ":4: host 'a': port 0 (a free port chosen at start) is only for loopback hosts (127.0.0.1, ::1, localhost), "
+     "not 10.0.0.1: give its port"),
+    ("port-too-big", host(port=70000).encode(), ":4: host 'a': port must be in 1..65535 (or 0 on a loopback host), "
+     "got 70000"),
+    ("port-negative", host(port=-5).encode(), ":4: host 'a': port must be in 1..65535 (or 0 on a loopback host), "
+     "got -5"),
     ("same-endpoint", (host("a") + host("b") + FABRIC).encode(),
      ":10: host 'b': 127.0.0.1:1 is already the address of host 'a'"),
     ("no-devices", b'host {\n  name: "a"\n  address: "h"\n  port: 1\n}\n',
@@ -354,7 +358,8 @@ def test_ready_files_are_all_listed():
 
 def test_localhost_file_matches_the_test_servers():
     topo = load_topology(os.path.join(TOPOLOGIES, "localhost.pbtxt"))
-    assert topo.cluster_spec() == {"worker": ["127.0.0.1:23451", "127.0.0.1:23452", "127.0.0.1:23453"]}
+    assert topo.cluster_spec() == {"worker": ["127.0.0.1:0"] * 3}      # free ports, chosen at each start
+    assert topo.free_port_hosts == ["cpu0", "cpu1", "cpu2"]
     assert [h.name for h in topo.hosts] == ["cpu0", "cpu1", "cpu2"]
     assert {d.tf_device_type for d in topo.devices} == {"CPU"}
     assert topo.bandwidth[0, 1] == pytest.approx(10e9 / 8)
@@ -459,3 +464,14 @@ def test_tensor_core_peaks_are_optional_declared_or_from_the_shipped_class(tmp_p
     path.write_text(host(body=gpu(peak_bf16_tflops=-3)))
     with pytest.raises(TopologyError, match=r"bad\.pbtxt:5: host 'a' device 'V100': peak_bf16_tflops must be positive"):
         load_topology(path)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_port_zero_is_a_free_port_on_loopback_hosts(address):
+    topo = parse_topology(host("a", 0, address=address) + host("b", 0, address=address)
+                          + "fabric { bandwidth_gbps: 10 latency_us: 20 }\n")
+    assert topo.free_port_hosts == ["a", "b"]          # two port-0 hosts on one address are not a duplicate
+    started = topo.with_ports({"a": 4101, "b": 4102})
+    assert [h.port for h in started.hosts] == [4101, 4102] and started.free_port_hosts == []
+    assert [h.port for h in topo.hosts] == [0, 0]      # the topology itself is left as read
+    assert parse_topology(format_topology(topo)).free_port_hosts == ["a", "b"]

@@ -294,3 +294,24 @@ def test_deploy_run_input_trains_on_the_data_set_and_checkpoints(tmp_path):
     assert trained["ended_early"] and trained["steps_done"] == 7 and len(trained["pipelines"]) == 3
     assert "the data set ended first" in done.stderr
     assert tf.train.load_checkpoint(str(tmp_path / trained["checkpoint"])).has_tensor("mlp/dense_0/kernel")
+
+
+def test_a_rewrite_without_a_topology_is_named_as_such():
+    """tag.train of something with no cluster says to pass topology=, not that a plan was loaded from files."""
+    import dataclasses
+    g, _ = build_model()
+    rewritten = tag.rewrite(g.as_graph_def(), topology([0, 0, 0]), "dp_allreduce", init="init")
+    with pytest.raises(TagError, match=r"^tag.train: the plan names no cluster; pass topology="):
+        tag.train(dataclasses.replace(rewritten, topology=None), lambda ctx: None, steps=1)
+
+
+@pytest.mark.slow
+def test_a_rewrite_trains_on_its_own_loopback_topology_without_topology(tmp_path):
+    """tag.train(tag.rewrite(...)) with no topology= and no target=: the rewrite's own cluster (port 0: free ports)
+    is started for it."""
+    g, _ = build_model()
+    plan = tag.rewrite(g.as_graph_def(), topology([0, 0, 0]), "dp_allreduce", init="init")
+    xs, ys = data(10)
+    result = tag.train(plan, lambda ctx: tf.data.Dataset.from_tensor_slices({"x": xs, "y": ys}).repeat(), steps=3,
+                       progress=False)
+    assert result.steps_done == 3 and np.all(np.isfinite(result.losses))

@@ -348,8 +348,8 @@ def test_optimize_tunes_k_candidates_on_three_local_servers_and_keeps_the_fastes
     from tag.cluster.topology import parse_topology
     ports, servers = in_process_servers(3)
     text = open(os.path.join(REPO, "topologies", "localhost.pbtxt")).read()
-    for old, new in zip(("23451", "23452", "23453"), ports, strict=True):
-        text = text.replace(f"port: {old}", f"port: {new}")
+    for port in ports:                      # the servers' ports in place of the file's port: 0
+        text = text.replace("port: 0\n", f"port: {port}\n", 1)
     topo = parse_topology(text)
     gd = tag.zoo.training_graph("mlp", 24, hidden=(64, 64))
     plan = tag.optimize(gd, topo, batch_size=24, playouts=8, tune_target=servers[0].target, tune_k=3)

@@ -8,6 +8,7 @@ Usage::
     tag-deploy --topo topologies/localhost.pbtxt --model my_step.pb --playouts 200 --run --steps 20
     tag-deploy --topo ... --model ... --strategy dp_allreduce          # predict a built-in, no search
     tag-deploy --topo ... --model ... --strategy-file plan/ --run      # deploy a saved strategy or plan
+    tag-deploy --topo ... --strategy-file plan/ --run                  # a saved plan's own step: no --model
     tag-deploy --topo ... --model ... --run --tune 4     # measure 4 candidates, train the fastest measured
 
     from tag.cli.deploy import main
@@ -17,7 +18,8 @@ Without ``--strategy`` it searches (``tag.optimize``'s portfolio: built-ins, bes
 DP, tree search, refinement) for ``--budget`` seconds or ``--playouts`` tree-search playouts, in
 decision order ``--order`` with ``--seed``; a progress bar on stderr (a terminal only) shows the
 playouts, their rate and the best speedup so far. ``--strategy NAME`` predicts one of the built-in
-strategies instead; ``--strategy-file F`` predicts a saved strategy (``strategy.pb``) or plan directory.
+strategies instead; ``--strategy-file F`` predicts a saved strategy (``strategy.pb``) or plan directory (whose
+``graph.pb`` is the model when ``--model`` is left out).
 The entry points (step op, loss, initialiser) are found in any training graph; ``--train-op``,
 ``--loss`` and ``--init`` name them where that is ambiguous.
 
@@ -61,7 +63,7 @@ from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan,
 from tag.errors import OptionError, StrategyError, TagError
 from tag.files import write_atomic
 from tag.options import SearchOptions
-from tag.report import finite, format_table, report_json
+from tag.report import finite, format_measured, format_table, report_json
 
 DEFAULT_GROUPS = 64
 PROG = "tag-deploy"
@@ -75,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Search a distributed strategy for a training step on a "
                                 "cluster (or predict a given one), save the plan and run it.")
     p.add_argument("--topo", required=True, metavar="FILE", help="cluster topology (.pbtxt)")
-    p.add_argument("--model", required=True, metavar="SPEC", help="zoo:NAME[,key=value...] or a .pb/.pbtxt GraphDef")
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="zoo:NAME[,key=value...] or a .pb/.pbtxt GraphDef (left out with --strategy-file DIR of a "
+                        "saved plan: the step it was made for, DIR/graph.pb)")
     p.add_argument("--strategy", default=None, metavar="NAME",
                    help=f"predict a built-in strategy instead of searching: {', '.join(BUILTIN_STRATEGIES)}")
     p.add_argument("--strategy-file", default=None, metavar="F",
@@ -153,6 +157,9 @@ def _check_args(args: argparse.Namespace) -> SearchOptions:
     check_run_arguments(args)
     if args.strategy_file is not None and not os.path.exists(args.strategy_file):
         raise TagError(f"--strategy-file {args.strategy_file}: no such file or plan directory")
+    if args.model is None and not (args.strategy_file is not None and os.path.isdir(args.strategy_file)):
+        raise TagError("--model is required (it may be left out only with --strategy-file DIR of a saved plan, "
+                       "which holds the step it was made for)")
     return options
 
 
@@ -179,9 +186,29 @@ def _load_profile(path: str | None):
     return load_profile_arg(path)
 
 
-def _analysis(args: argparse.Namespace, topology, profile, saved) -> Any:
-    """Build the model and prepare it (``tag.plan.prepare``: entry points, IR, op groups, cost model)."""
-    from tag.plan import prepare
+def _saved_plan(args: argparse.Namespace) -> Any:
+    """``--strategy-file DIR`` without ``--model``: the plan saved in DIR, whose step is the model; the flags that
+    would change the step it was made for are refused (exit 2)."""
+    from tag.plan import GRAPH_FILE, Plan
+    plan = Plan.load(args.strategy_file)
+    given = [flag for flag, value in (("--train-op", args.train_op), ("--loss", args.loss), ("--init", args.init))
+             if value is not None]
+    if given:
+        raise TagError(f"{', '.join(given)}: the plan in {args.strategy_file} names its own entry points; give "
+                       f"--model to plan another step")
+    if args.precision is not None and args.precision != plan.precision:
+        raise TagError(f"--precision {args.precision}: the plan in {args.strategy_file} was made for "
+                       f"{plan.precision}; give --model to plan the model again at another precision")
+    args.model = os.path.join(args.strategy_file, GRAPH_FILE)       # what the table and checkpoints name
+    return plan
+
+
+def _analysis(args: argparse.Namespace, topology, profile, saved, loaded=None) -> Any:
+    """Build the model and prepare it (``tag.plan.prepare``: entry points, IR, op groups, cost model); LOADED: a
+    saved plan whose step is the model (``tag.plan.prepare_loaded``)."""
+    from tag.plan import prepare, prepare_loaded
+    if loaded is not None:
+        return prepare_loaded(loaded, topology, profile=profile, batch_size=args.batch, xla=args.xla or None)
     # TensorFlow's deprecation notices (Keras model building) are noise in a CLI's output
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     with tqdm(total=2, desc=PROG, unit="stage", disable=not sys.stderr.isatty(), leave=False) as bar:
@@ -244,18 +271,21 @@ def _body(argv: Sequence[str]) -> int:
                        f"{args.topo}; data parallelism needs at least one example per device")
     from tag.cli.model_size import check_model_spec
     from tag.cli.profiles import profile_use, profile_warning
-    check_model_spec(args.model, args.batch)        # absurd sizes: a clean error before building
+    if args.model is not None:
+        check_model_spec(args.model, args.batch)    # absurd sizes: a clean error before building
     profile, profile_path = _load_profile(args.profile)
     warning = profile_warning(profile, profile_path, topology)
     if warning:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    saved = None
+    saved, loaded = None, None
+    if args.model is None:          # --strategy-file DIR: the plan's own step
+        loaded = _saved_plan(args)
     if args.strategy_file is not None:
         saved, planned_batch = load_strategy(args.strategy_file)
         if args.batch is None:          # a plan directory knows the batch it was planned for
             args.batch = planned_batch
     t0 = time.perf_counter()
-    analysis = _analysis(args, topology, profile, saved)
+    analysis = _analysis(args, topology, profile, saved, loaded)
     plan = None
     if _searching(args):
         plan = _search(args, analysis, options)
@@ -271,7 +301,8 @@ def _body(argv: Sequence[str]) -> int:
         report["notes"] = [*report.get("notes", []), warning]
     report["predict_seconds"] = time.perf_counter() - t0
     run_metadata = None
-    if args.run:
+    if args.run:        # the plan's table first, then the run's progress and measurements
+        print(format_table(report, args.model, measured=False), flush=True)
         if not report.get("feasible", True):
             from tag.report import oom_stages
             stages = oom_stages(report)
@@ -301,7 +332,11 @@ def _body(argv: Sequence[str]) -> int:
         write_atomic(args.report, report_text)
     if args.tensorboard:
         write_tensorboard_dir(args, analysis, strategy, plan.rewritten.graph_def, run_metadata)
-    print(format_table(report, args.model))
+    if not args.run or "tune" in report:      # --tune may have kept another plan: its table again
+        print(("\n" if args.run else "") + format_table(report, args.model, measured=not args.run))
+    measured = format_measured(report) if args.run else ""
+    if measured:
+        print("\n" + measured)
     for flag, path in (("plan", args.save), ("report", args.report), ("trace", args.trace),
                        ("tensorboard", args.tensorboard)):
         if path:

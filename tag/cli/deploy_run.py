@@ -42,7 +42,6 @@ from tag.errors import TagError
 
 DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
 DEFAULT_STEP_TIMEOUT_S = 600.0
-BASELINE_MAX_STEPS = 20          # the dp_allreduce baseline is timed, not trained
 TRACED_STEP = 2                  # --tensorboard --run: the plan's step whose statistics are kept
 
 
@@ -188,7 +187,7 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
     SEARCHED: name -> each search step's best and the built-ins, ``Plan.candidates``) and kept the fastest."""
     from tag.backend.runtime.guard import RunEvent
     from tag.backend.runtime.measure import measure_strategies, open_cluster
-    from tag.report import measured_fields
+    from tag.report import BASELINE_MAX_STEPS, measured_fields
 
     if args.resume:
         _check_resume_matches(args, analysis, name)
@@ -218,9 +217,7 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
         runs = measure(wanted, steps=args.steps, warmup=min(3, args.steps - 1), controls={name: control},
                        progress=printer, steps_of=steps_of)
     mine, base = runs[name], runs["dp_allreduce"]
-    fields.update(measured_fields(mine, base, len(mine.step_times), mine.warmup))
-    fields["measured_start_step"] = mine.start_step
-    fields["measured_baseline_steps"] = len(base.step_times)
+    fields.update(measured_fields(mine, base))
     if args.checkpoint_every:
         fields["checkpoint"] = checkpoint_path(args)
     return RunOutcome(fields, name, strategy, mine.run_metadata)

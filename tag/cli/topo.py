@@ -105,7 +105,8 @@ def format_topology(topo: Topology) -> str:
         else:
             inter = (f"{kinds.get(h.name, 'INTERCONNECT_UNSPECIFIED').replace('INTERCONNECT_UNSPECIFIED', 'unstated')} "
                      f"{_num(h.intra_bandwidth / GBYTES_PER_S)} GB/s, {_num(h.intra_latency / MICROSECOND)} us")
-        rows.append([str(h.task_index), h.name, f"{h.address}:{h.port}", str(host_devices[h.name]), inter])
+        port = str(h.port) if h.port else "0 (free port at start)"
+        rows.append([str(h.task_index), h.name, f"{h.address}:{port}", str(host_devices[h.name]), inter])
     out += ["", "hosts"] + _table(["task", "name", "address:port", "devices", "interconnect"], rows)
     rows = []
     for g in topo.groups:

@@ -80,12 +80,22 @@ def _resolve_task(args: argparse.Namespace) -> tuple[dict[str, list[str]], str, 
         host = by_name.get(args.host)
         if host is None:
             raise TagError(f"{args.topo}: unknown host {args.host!r}; known hosts: {', '.join(by_name) or '(none)'}")
+        _check_fixed_ports(topo, args.topo)
         label = f"{host.name} {host.address}:{host.port}"
         return cluster_dict(topo), JOB, host.task_index, label, host_has_gpu(topo, host.name)
     if args.host:
         raise TagError("--host needs --topo FILE (with TF_CONFIG the task comes from TF_CONFIG)")
     cluster, job, index = tf_config_task()
     return cluster, job, index, f"{job}:{index} {cluster[job][index]}", True
+
+
+def _check_fixed_ports(topology, where: str) -> None:
+    """A host started by hand must know every host's port: ``port: 0`` (chosen when tag starts the hosts itself)
+    is refused here, naming WHERE."""
+    if topology.free_port_hosts:
+        raise TagError(f"{where}: {', '.join(topology.free_port_hosts)} have port 0, a free port that only tag "
+                       f"chooses when it starts the hosts itself (tag-deploy --run, tag.train); give tag-worker a "
+                       f"topology with fixed ports")
 
 
 def security_notice(address: str) -> str:
@@ -119,6 +129,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint_dir:
         raise TagError("--resume needs --checkpoint-dir DIR")
     plan = Plan.load(args.plan)
+    _check_fixed_ports(plan.cluster, f"the plan's cluster ({args.plan})")
     program = plan.program(args.host)
     dataset_fn = None
     if args.input:

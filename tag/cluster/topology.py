@@ -28,6 +28,7 @@ line applies).
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import os
@@ -52,12 +53,14 @@ GBITS_PER_S = 1e9 / 8
 MICROSECOND = 1e-6
 #: tensor-core precisions a device entry may give a peak for (``peak_<precision>_tflops``)
 TENSOR_PRECISIONS = ("tf32", "fp16", "bf16")
+#: a host's ``port: 0``: a free port chosen when tag starts the (loopback) host
+FREE_PORT = 0
 
 @dataclass(frozen=True)
 class Host:
     name: str
     address: str                    # where its TF server listens
-    port: int
+    port: int                       # 0 (loopback hosts only): a free port chosen when the host is started
     task_index: int                 # its task index in the "worker" job (order in the file)
     intra_bandwidth: float          # bytes/s between devices of this host (NVLink / PCIe)
     intra_latency: float            # seconds
@@ -134,6 +137,17 @@ class Topology:
     def cluster_spec(self) -> dict[str, list[str]]:
         """``{"worker": ["addr:port", ...]}`` in task order, for tf.train.ClusterSpec."""
         return {"worker": [f"{h.address}:{h.port}" for h in sorted(self.hosts, key=lambda h: h.task_index)]}
+
+    @property
+    def free_port_hosts(self) -> list[str]:
+        """The hosts whose port is 0: a free port is chosen for each when tag starts them (loopback hosts only)."""
+        return [h.name for h in self.hosts if h.port == FREE_PORT]
+
+    def with_ports(self, ports: dict[str, int]) -> "Topology":
+        """A copy whose hosts named in PORTS (host name -> port) listen on those ports: a started cluster's
+        topology, where ``port: 0`` became the free port chosen for it."""
+        hosts = [dataclasses.replace(h, port=int(ports[h.name])) if h.name in ports else h for h in self.hosts]
+        return dataclasses.replace(self, hosts=hosts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,6 +418,17 @@ _TYPE_NAME = re.compile(r"[A-Za-z0-9_.+\-]{1,64}")
 _DNS_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?")
 
 
+def is_loopback_address(address: str) -> bool:
+    """Is ADDRESS (as a cluster file gives it) a loopback address by its text: 127.0.0.0/8, ::1, localhost?"""
+    bare = address[1:-1] if address.startswith("[") and address.endswith("]") else address
+    if bare in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
 def _normalise_address(address: str) -> str | None:
     """The address as it goes into "address:port" (IPv6 in brackets), or None when unparseable."""
     bare = address[1:-1] if address.startswith("[") and address.endswith("]") else address
@@ -536,10 +561,14 @@ class _HostBuilder:
                                                  f"address nor a valid hostname{hint}")
         if not h.HasField("port"):
             raise check.fail(loc, f"{what}: missing port")
-        if not 1 <= h.port <= 65535:
-            raise check.fail(loc + ("port",), f"{what}: port must be in 1..65535, got {h.port}")
+        if h.port == FREE_PORT and not is_loopback_address(address):
+            raise check.fail(loc + ("port",), f"{what}: port 0 (a free port chosen at start) is only for loopback "
+                                              f"hosts (127.0.0.1, ::1, localhost), not {address}: give its port")
+        if not (1 <= h.port <= 65535 or h.port == FREE_PORT):
+            raise check.fail(loc + ("port",), f"{what}: port must be in 1..65535 (or 0 on a loopback host), "
+                                              f"got {h.port}")
         endpoint = (address, int(h.port))
-        if endpoint in self.endpoints:
+        if h.port != FREE_PORT and endpoint in self.endpoints:
             raise check.fail(loc + ("port",), f"{what}: {address}:{h.port} is already the address of "
                                               f"host {_q(self.endpoints[endpoint])}")
         self.endpoints[endpoint] = h.name

@@ -2,8 +2,10 @@
 
 Each worker runs ``python -m tag.cli.worker`` with ``TF_CONFIG`` naming its task, in its own process
 group, with stdout/stderr in a temporary directory; start-up waits for every worker's ``ready``
-line and open port. Workers are stopped on exit from the ``with`` block, on errors, on Ctrl-C, at
-interpreter exit (``LIVE_CLUSTERS``), and stop themselves when this process disappears.
+line and open port. A host with ``port: 0`` gets a free port chosen at each start (``cluster.topology`` names it;
+the start is tried again with new ports when another program takes one first). Workers are stopped on exit from
+the ``with`` block, on errors, on Ctrl-C, at interpreter exit (``LIVE_CLUSTERS``),
+and stop themselves when this process disappears.
 
 Example::
 
@@ -29,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, host_has_gpu
 from tag.backend.runtime.live import LiveRegistry
-from tag.backend.runtime.ports import is_loopback, port_bindable, port_listening
-from tag.backend.runtime.server import READY_WORD
+from tag.backend.runtime.ports import free_ports, is_loopback, port_bindable, port_listening
+from tag.backend.runtime.server import PORT_IN_USE, READY_WORD
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.runtime.host_process import HostLaunch
@@ -39,6 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 WORKER_MODULE = "tag.cli.worker"          # run as ``sys.executable -m WORKER_MODULE``
 LIVE_CLUSTERS = LiveRegistry("stop")      # clusters started and not yet stopped; stopped at exit
+PORT_ATTEMPTS = 5                         # starts tried with new free ports when another program took one
+
+
+class PortTaken(ClusterError):
+    """A worker could not bind its port: another program listens there (taken after it was chosen, for port 0)."""
 
 
 @dataclass
@@ -78,19 +85,24 @@ class LocalCluster:
             if remote:
                 raise ClusterError("LocalCluster starts workers on this machine only, but these hosts are not "
                                    f"loopback addresses: {', '.join(remote)}; run tag-worker on them instead")
-        self.topology = topology
+        self.planned = topology           # as given: a host's port 0 is chosen anew at each start
+        self._use(topology)
         n = len(topology.hosts)
         self.threads_per_worker = int(threads_per_worker or max(1, (os.cpu_count() or 1) // n))
         self.inter_threads_per_worker = inter_threads_per_worker
         self.startup_timeout_s = float(startup_timeout_s)
         self.launcher = launcher
         self.extra_env = dict(env or {})
-        self.cluster = cluster_dict(topology)
-        task0 = min(topology.hosts, key=lambda h: h.task_index)
-        self.target = f"grpc://{task0.address}:{task0.port}"
         self._workers: list[_Worker] = []
         self._logdir: tempfile.TemporaryDirectory | None = None
         self._stop_lock = threading.Lock()
+
+    def _use(self, topology: "Topology") -> None:
+        """Serve TOPOLOGY (its ports known): the cluster spec and the target of task 0 follow it."""
+        self.topology = topology
+        self.cluster = cluster_dict(topology)
+        task0 = min(topology.hosts, key=lambda h: h.task_index)
+        self.target = f"grpc://{task0.address}:{task0.port}"
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "LocalCluster":
@@ -105,25 +117,40 @@ class LocalCluster:
         return [w.proc.pid for w in self._workers]
 
     def start(self) -> "LocalCluster":
-        """Start every worker and wait until all print ``ready`` and accept connections."""
+        """Start every worker and wait until all print ``ready`` and accept connections.
+
+        Hosts with ``port: 0`` get free ports chosen now (``self.topology`` then names them). The ports are free
+        when chosen, but another program may take one before the worker binds it (``free_ports`` cannot hold
+        them for another process): then every worker is stopped and the start tried again with new ports, up to
+        ``PORT_ATTEMPTS`` times."""
         if self._workers:
             raise ClusterError("this LocalCluster is already running")
-        if self.launcher is None:
-            busy = [f"{h.name} {h.address}:{h.port}" for h in self.topology.hosts
-                    if port_listening(h.address, h.port) or not port_bindable(h.port)]
-            if busy:
-                raise ClusterError(f"port already in use for {', '.join(busy)} (a leftover tag-worker or another "
-                                   "program?); stop it or change the ports in the topology")
-        self._logdir = tempfile.TemporaryDirectory(prefix="tag-workers-")
-        LIVE_CLUSTERS.add(self)
-        try:
-            for host in sorted(self.topology.hosts, key=lambda h: h.task_index):
-                self._workers.append(self._spawn(host))
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        free = self.planned.free_port_hosts
+        for attempt in range(1, (PORT_ATTEMPTS if free else 1) + 1):
+            if free:
+                self._use(self.planned.with_ports(dict(zip(free, free_ports(len(free), "0.0.0.0"), strict=True))))
+            elif self.launcher is None:
+                busy = [f"{h.name} {h.address}:{h.port}" for h in self.topology.hosts
+                        if port_listening(h.address, h.port) or not port_bindable(h.port)]
+                if busy:
+                    raise ClusterError(f"port already in use for {', '.join(busy)} (a leftover tag-worker or "
+                                       "another program?); stop it, change the ports in the topology, or give "
+                                       "loopback hosts port: 0 (a free port chosen at start)")
+            self._logdir = tempfile.TemporaryDirectory(prefix="tag-workers-")
+            LIVE_CLUSTERS.add(self)
+            try:
+                for host in sorted(self.topology.hosts, key=lambda h: h.task_index):
+                    self._workers.append(self._spawn(host))
+                self._wait_ready()
+                return self
+            except PortTaken:
+                self.stop()
+                if not free or attempt == PORT_ATTEMPTS:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def _host_env(self, host: "Host") -> dict[str, str]:
         """The environment of a process on HOST: no GPUs where the topology declares none, this tag package."""
@@ -163,8 +190,10 @@ class LocalCluster:
             for w in list(pending):
                 rc = w.proc.poll()
                 if rc is not None:
-                    raise ClusterError(f"worker for host {w.host.name} ({w.host.address}:{w.host.port}) exited "
-                                       f"with code {rc} during start-up: {self._tail(w.stderr_path)}")
+                    tail = self._tail(w.stderr_path)
+                    error = PortTaken if PORT_IN_USE in tail else ClusterError
+                    raise error(f"worker for host {w.host.name} ({w.host.address}:{w.host.port}) exited "
+                                f"with code {rc} during start-up: {tail}")
                 with open(w.stdout_path, "rb") as f:
                     ready = any(line.startswith(READY_WORD.encode()) for line in f)
                 if ready and (self.launcher is not None or port_listening(w.host.address, w.host.port)):

@@ -160,7 +160,7 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
     if all(is_loopback(h.address) for h in topology.hosts):
         say(f"starting {len(topology.hosts)} local TF workers")
         with LocalCluster(topology) as local:
-            yield Cluster(local.target, local.dead_worker, local.run_one_device, _targets(topology),
+            yield Cluster(local.target, local.dead_worker, local.run_one_device, _targets(local.topology),
                           local.host_launch)
         return
     say(f"checking that the {len(topology.hosts)} hosts answer")
@@ -171,6 +171,22 @@ def open_cluster(topology: "Topology", *, say: Callable[[str], None] | None = No
         yield Cluster(f"grpc://{first.address}:{first.port}", probe.dead_host, targets=_targets(topology))
     finally:
         probe.stop()
+
+
+@contextlib.contextmanager
+def reach_cluster(topology: "Topology", target: str | None = None, *, say: Callable[[str], None] | None = None,
+                  ) -> Iterator[Cluster]:
+    """TOPOLOGY's cluster for the ``with`` block: TARGET (a running cluster's "grpc://host:port") says its servers
+    run already (no watchdog, every host's program run from here); None opens it (``open_cluster``)."""
+    if target is None:
+        with open_cluster(topology, say=say) as opened:
+            yield opened
+        return
+    if topology.free_port_hosts:
+        raise TagError(f"a running cluster's target was given, but {', '.join(topology.free_port_hosts)} of "
+                       f"topology {topology.name!r} have port 0 (a free port chosen when tag starts them): give the "
+                       f"topology with the ports its servers listen on")
+    yield Cluster(target, lambda: None, targets=_targets(topology))
 
 
 def _targets(topology: "Topology") -> dict[str, str]:

@@ -20,6 +20,7 @@ import threading
 from tag.backend.runtime.cluster_spec import ClusterError, import_tf, session_config
 
 READY_WORD = "ready"
+PORT_IN_USE = "cannot start the TF server (port in use?)"     # how a worker says that it could not bind its port
 MIN_INTER_THREADS = 2    # default inter-op threads of a server given intra-op threads (serve)
 
 
@@ -62,7 +63,7 @@ def serve(cluster: dict[str, list[str]], job: str, index: int, *, label: str, th
             text = str(err)
             if "address already in use" in text.lower() or "failed to start server" in text.lower() \
                     or "could not start" in text.lower():
-                raise ClusterError(f"{label}: cannot start the TF server (port in use?): {text}") from None
+                raise ClusterError(f"{label}: {PORT_IN_USE}: {text}") from None
             raise
         print(f"{READY_WORD} {label} {server.target}", flush=True)
         while not stop.wait(0.5):
