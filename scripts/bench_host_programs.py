@@ -38,6 +38,8 @@ import tempfile
 import time
 from typing import Sequence
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 CASE_NAMES = ("vgg", "deep-mlp", "deep-transformer", "transformer", "cnn")
 ROWS = ("plan", "uniform", "dp_all")
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "measured", "e2e",
@@ -159,6 +161,12 @@ def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def portable(cases: list[dict]) -> list[dict]:
+    """CASES with file names instead of this machine's temporary paths (what the JSON records)."""
+    return [{**c, "graph": os.path.basename(c["graph"]),
+             "strategies": {k: os.path.basename(v) for k, v in c["strategies"].items()}} for c in cases]
+
+
 def summarise(cases: list[dict], samples: list[dict]) -> dict:
     """Per row: the median over rounds of each commit's median step, and new / base."""
     rows = []
@@ -218,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tag-host-programs-") as workdir:
         tree = base_tree(args.base, workdir)
         try:
-            out["cases"] = cases = freeze_cases(names, args.batch_scale, profile, topo, args.budget, workdir)
+            cases = freeze_cases(names, args.batch_scale, profile, topo, args.budget, workdir)
+            out["cases"] = portable(cases)
             samples: list[dict] = []
             out["samples"] = samples
             trees = {"base": tree, "new": repo}

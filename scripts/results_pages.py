@@ -140,6 +140,20 @@ PAGES: tuple[Page, ...] = (
     Page("refit-levels", "Runtime levels refitted offline (refit_levels)",
          "A saved bench_fidelity run's runtime levels refitted with the current fit and its cases re-predicted.",
          (Run("refit_levels_run12.json", "Run 12 refitted with the Huber loss", "refit"),)),
+    Page("host-programs", "One program per host (bench_exchange, bench_host_programs)",
+         "How host programs hand a tensor to another host, and whether running a program per host costs step "
+         "time against the earlier whole-cluster graph driven by one client.",
+         (Run("host_programs_g.json", "The same frozen plans, base commit against host programs (configuration G)",
+              "host_programs"),
+          Run("exchange.json", "Exchanges between two hosts' programs at 1 Gbit/s", "exchange"))),
+    Page("keras", "Keras models through tag.fit (bench_keras_fit)",
+         "A tf_keras MLP on scikit-learn's digits trained by tag.fit (planned, trained on three loopback hosts, "
+         "weights written back) against model.fit on one device: same initial weights, batches and optimizer; "
+         "held-out accuracy.",
+         (Run("keras_fit_adam_dp.json", "Adam, data parallelism on three hosts", "keras_fit"),
+          Run("keras_fit_sgd_bn_dp.json", "SGD with BatchNorm, data parallelism on three hosts", "keras_fit"),
+          Run("keras_fit_adam_search.json", "Adam, the searched plan", "keras_fit"),
+          Run("keras_fit_sgd_bn_search.json", "SGD with BatchNorm, the searched plan", "keras_fit"))),
 )
 
 #: the README's headline rows: (page, file, short name)
@@ -706,6 +720,40 @@ def render_ir(d: dict) -> list[str]:
                    f"{m['analyze_seconds']:.1f} ({m.get('analyze_cpu_seconds', 0):.1f})"] for m in d["models"]])
 
 
+def render_exchange(d: dict) -> list[str]:
+    cells: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in d["rows"]:
+        if r.get("median_ms") is not None:
+            cells.setdefault((r["pattern"], r["bytes"]), {}).setdefault(r["mode"], []).append(r["median_ms"])
+    modes = ["one-graph", "collective", "queue"]
+    rows = [[pattern, f"{nbytes:,}"] + [" / ".join(f"{v:.2f}" for v in m.get(mode, [])) or "-" for mode in modes]
+            for (pattern, nbytes), m in cells.items()]
+    return [f"Two testbed hosts, one link at {d['gbps']:g} Gbit/s; the slower host's median step (ms) in each "
+            "interleaved round:", ""] + table(["pattern", "bytes", "one graph", "broadcast pair", "queue"], rows)
+
+
+def render_host_programs(d: dict) -> list[str]:
+    rows = [[r["case"], r["row"] + (f" (= {', '.join(r['also'])})" if r.get("also") else ""),
+             r["strategy"].replace("|", "/"),
+             ms(r["base_s"]), ms(r["new_s"]), f"{r['ratio']:.3f}", str(r["rounds"])] for r in d["rows"]]
+    summary = (f"new / base: geomean {d['geomean_ratio']:.3f}, worst {d['worst_ratio']:.3f} (target at most "
+               f"{d['target_ratio']}: {'held' if d['within_target'] else 'missed'})" if d.get("rows") else "no rows")
+    return [f"Base commit `{d['base']}` (one graph, one client) against host programs, configuration "
+            f"{d['config']} (quotas {' / '.join(f'{q:g}' for q in d['quotas'])}, links "
+            f"{d['links_gbps'][0] * 1e3:.0f} Mbit/s), batches x{d['batch_scale']}; median over rounds of each "
+            "child's median step (ms):", ""] + table(
+        ["case", "row", "strategy", "base", "host programs", "ratio", "rounds"], rows) + ["", summary, ""]
+
+
+def render_keras_fit(d: dict) -> list[str]:
+    rows = [[r["optimizer"], f"{r['learning_rate']:g}", "yes" if r["batchnorm"] else "no",
+             "searched" if r["searched"] else r["strategy"], f"{r['steps']} x {r['batch']}",
+             pct(r["keras_accuracy"]), pct(r["tag_accuracy"]), f"{r['difference_points']:+.2f}",
+             str(r["test_examples"])] for r in d["rows"]]
+    return table(["optimizer", "lr", "BatchNorm", "plan", "steps x batch", "model.fit", "tag.fit",
+                  "difference, points", "held out"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "e2e": render_e2e, "pipeline": render_pipeline, "fidelity": render_fidelity, "repredict": render_repredict,
     "refit": render_refit, "ceiling": render_ceiling,
@@ -713,6 +761,7 @@ RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     "calibration_spread": render_calibration_spread, "levels": render_levels, "transfers": render_transfers,
     "published": render_published, "search": render_search, "gnn": render_gnn, "input": render_input,
     "train_digits": render_train_digits, "scale": render_scale, "simulator": render_simulator, "ir": render_ir,
+    "exchange": render_exchange, "host_programs": render_host_programs, "keras_fit": render_keras_fit,
 }
 
 
