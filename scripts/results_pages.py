@@ -100,6 +100,8 @@ PAGES: tuple[Page, ...] = (
     Page("input", "Training on your own data (bench_input, examples/train_digits.py)",
          "Per-host tf.data pipelines against synthetic batches, and a real data set trained to accuracy.",
          (Run("bench_input.json", "Input pipelines against synthetic batches", "input"),
+          Run("train_digits_testbed_host_programs.json", "scikit-learn's digits on three testbed hosts, one program "
+              "per host", "train_digits"),
           Run("train_digits_testbed.json", "scikit-learn's digits on three testbed hosts", "train_digits"))),
     Page("scale", "Planning at cluster scale (bench_scale)",
          "tag.optimize's search at its default budget: seconds to a plan, simulations, screened candidates.",
