@@ -74,6 +74,8 @@ def _function_for(st: RewriteState, name: str, size: int) -> str:
         if n.op == "Const" and (_element_shape_const(st, n, consumers.get(n.name, []), size)
                                 or _list_item_const(st, n, consumers.get(n.name, []), size)):
             changed = True
+        if rescale_element_shape_attr(st, n, size):
+            changed = True
         for value in n.attr.values():
             funcs = ([value.func] if value.HasField("func")
                      else list(value.list.func) if value.HasField("list") else [])
@@ -89,6 +91,20 @@ def _function_for(st: RewriteState, name: str, size: int) -> str:
     st.added_functions.append(copy)
     st.function_copies[key] = new_name
     return new_name
+
+
+def rescale_element_shape_attr(st: RewriteState, node: node_def_pb2.NodeDef, size: int) -> bool:
+    """Rescale in place the element shape that NODE (a TensorList or TensorArray op) holds in an attr
+    (``batch_split.ELEMENT_SHAPE_ATTR``) when its first entry is the graph's batch: time-major elements
+    ``[batch, ...]`` of a list built at a static batch, for an instance on SIZE examples."""
+    key = batch_split.ELEMENT_SHAPE_ATTR.get(node.op)
+    if key is None or key not in node.attr or size == st.ref_batch:
+        return False
+    dims = node.attr[key].shape.dim
+    if node.attr[key].shape.unknown_rank or not dims or dims[0].size != st.ref_batch:
+        return False
+    dims[0].size = size
+    return True
 
 
 def _list_item_const(st: RewriteState, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
