@@ -147,6 +147,30 @@ def test_element_shape_attr_follows_the_share():
     assert not loop_state.rescale_element_shape_attr(st, node, 8)
 
 
+def test_sliced_folded_shape_in_a_loop_body_follows_the_share():
+    """Inside a function body, a folded tf.shape [6, 8, 16] whose slice [1:] is a TensorList's element shape:
+    the copy for 2 of 8 examples holds [6, 2, 16]; the original function is left as it is."""
+    from types import SimpleNamespace
+
+    g = tf.Graph()
+    with g.as_default():
+        @tf.function(input_signature=[tf.TensorSpec([6, 8, 16], tf.float32)])
+        def body(x):
+            shape = tf.slice(tf.shape(x), [1], [-1])
+            items = tf.raw_ops.EmptyTensorList(element_shape=shape, max_num_elements=-1, element_dtype=tf.float32)
+            return tf.raw_ops.TensorListPushBack(input_handle=items, tensor=x[0])
+        fdef = body.get_concrete_function().function_def
+    gd = tf1.GraphDef()
+    gd.library.function.add().CopyFrom(fdef)
+    st = SimpleNamespace(ref_batch=8, graph_def=gd, ir=SimpleNamespace(variables=[]))
+    loop_state.begin_function_copies(st)
+    assert loop_state._function_for(st, fdef.signature.name, 2) == fdef.signature.name + "_tag_b2"
+    shapes = [tuple(tf.make_ndarray(n.attr["value"].tensor)) for f in st.added_functions for n in f.node_def
+              if n.name == "Shape"]
+    assert shapes == [(6, 2, 16)]
+    assert [tuple(tf.make_ndarray(n.attr["value"].tensor)) for n in fdef.node_def if n.name == "Shape"] == [(6, 8, 16)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dp_allreduce", "ps", "partition", "searched"])
 def test_stacked_static_batch_lstm_trains_like_one_device(servers, mode):
