@@ -57,6 +57,14 @@ def run(gd, target, batches, variables, devices=True):
         return losses, s.run(reads)
 
 
+def loopback(ports):
+    """Three CPU hosts on PORTS with shares 4:2:2 of a batch of 8."""
+    hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
+                      f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
+                      for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05], strict=True)))
+    return parse_topology(f'name: "lstm"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 20 }}\n')
+
+
 @pytest.fixture(scope="module")
 def servers():
     ports, live = in_process_servers(3)
@@ -67,10 +75,7 @@ def servers():
 @pytest.mark.parametrize("mode", ["dp_allreduce", "mixed"])
 def test_static_batch_lstm_trains_exactly_under_every_strategy(servers, mode):
     ports = servers
-    hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
-                      f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
-                      for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05], strict=True)))
-    topo = parse_topology(f'name: "lstm"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 20 }}\n')
+    topo = loopback(ports)
     gd = lstm_graph()
     ir = tag.analyze(gd)
     grouping = group_ops(ir, 8)
@@ -98,14 +103,6 @@ def test_static_batch_lstm_trains_exactly_under_every_strategy(servers, mode):
 
 
 # ------------------------------------------------------------------------------------------ two stacked LSTMs
-def loopback(ports):
-    """Three CPU hosts on PORTS with shares 4:2:2 of a batch of 8."""
-    hosts = "\n".join(f'host {{ name: "h{i}" address: "127.0.0.1" port: {p} device {{ type: "CPU" kind: CPU '
-                      f'memory_gib: 2 peak_tflops: {f} memory_bandwidth_gbs: 10 }} }}'
-                      for i, (p, f) in enumerate(zip(ports, [0.1, 0.05, 0.05], strict=True)))
-    return parse_topology(f'name: "lstm"\n{hosts}\nfabric {{ bandwidth_gbps: 10 latency_us: 20 }}\n')
-
-
 STACKED = dict(batch_size=8, seq_len=6, vocab_size=50, embed=16, units=16, layers=2)
 
 
