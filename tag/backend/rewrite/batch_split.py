@@ -181,7 +181,8 @@ def _element_shape_positions(st: RewriteState, n: str, v: np.ndarray) -> set[int
     output); a list made empty or reserved (``EmptyTensorList``, ``TensorListReserve``: gradient
     accumulators and outputs of a loop) has no such tensor -- nor has a list whose tensor's batch axis
     the IR could not tell -- and then its element's first entry is the batch when it equals the batch
-    the graph was built for (time-major elements ``[batch, units]``)."""
+    the graph was built for (time-major elements ``[batch, units]``). A folded ``tf.shape`` whose constant
+    slice is the element shape (a gradient's ``slice(shape(t), [1], [-1])``) has those positions, shifted."""
     pos: set[int] = set()
     ref_batch = st.ref_batch
     for c, _, slot in st.consumers[n]:
@@ -301,10 +302,11 @@ def _gradient_constant_positions(st: RewriteState, n: str, v: np.ndarray, is_int
             continue
         if is_int and v.size > 0 and _shape_matches(shape, v, ax):
             pos.add(ax)
-        elif any(s is None for s in shape):
             continue
-        elif v.size == 1 and scalar and (numel := int(np.prod(shape)) if shape else 1) % ref_batch == 0 \
-                and v[0] == numel and (
+        if any(s is None for s in shape):
+            continue
+        numel = int(np.prod(shape)) if shape else 1
+        if v.size == 1 and scalar and numel % ref_batch == 0 and v[0] == numel and (
                 # the element count of a batch tensor (tf.size folded)
                 is_int and n.rsplit("/", 1)[-1].startswith("Size")):
             pos.add(0)
