@@ -203,6 +203,7 @@ def colocation_groups(sg: StepGraph, step_vars: StepVariables, ops: list[OpInfo]
             if e.startswith("loc:@") and e[5:] in sg.step:
                 uf.union(index[e[5:]], index[nm])
     _loop_colocation(sg, uf)
+    _variant_colocation(sg, ops, uf)
     members_by_root: dict[int, list[str]] = {}   # root op index -> member op names in IR order
     for i, nm in enumerate(sg.order):
         members_by_root.setdefault(uf.find(i), []).append(nm)
@@ -212,6 +213,17 @@ def colocation_groups(sg: StepGraph, step_vars: StepVariables, ops: list[OpInfo]
         for m in members:
             ops[index[m]].colocation_group = gi
     return colocation
+
+
+def _variant_colocation(sg: StepGraph, ops: list[OpInfo], uf: UnionFind) -> None:
+    """An op that reads a ``variant`` tensor (a TensorList: a loop's state, an ``Identity`` of a While's list
+    output) shares its producer's device: a variant cannot travel between hosts' programs (TensorFlow's
+    collectives carry numbers only)."""
+    index, nodes = sg.index, sg.nodes
+    for nm in sg.order:
+        for s, k in nodes[nm].data_in:
+            if s in index and k < len(ops[index[s]].outputs) and ops[index[s]].outputs[k].dtype == "variant":
+                uf.union(index[nm], index[s])
 
 
 def _loop_colocation(sg: StepGraph, uf: UnionFind) -> None:

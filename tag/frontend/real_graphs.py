@@ -17,6 +17,7 @@ Example::
     gd = rg.causal_lm_graph(batch_size=4, seq_len=8, vocab_size=16)
     gd = rg.recommender_graph(batch_size=8, rows=50, dim=4)
     gd = rg.lstm_lm_graph(batch_size=4, seq_len=6, vocab_size=12, units=8)
+    gd = rg.static_lstm_lm_graph(batch_size=8, seq_len=6, vocab_size=50, units=16, layers=2)
     sorted(rg.OPTIMIZERS)        # ['adadelta', 'adagrad', 'adam', 'ftrl', 'momentum', 'rmsprop', 'sgd']
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tag.frontend.keras import OPTIMIZERS, training_graph_def
 v1 = tf.compat.v1
 
 __all__ = ["OPTIMIZERS", "causal_lm_graph", "framework_parameters", "lstm_lm_graph", "optimizer_graph",
-           "recommender_graph"]
+           "recommender_graph", "static_lstm_lm_graph"]
 
 def framework_parameters(graph_def: tf.compat.v1.GraphDef) -> int:
     """Trainable parameters as TensorFlow counts them: the variables ``tf.compat.v1.trainable_variables()``
@@ -166,6 +167,35 @@ def lstm_lm_model(*, seq_len: int = 6, vocab_size: int = 12, embed: int = 8, uni
                                  recurrent_initializer=init.Orthogonal(seed=seed + 11 + i))(h)
     out = tf_keras.layers.Dense(vocab_size, kernel_initializer=init.GlorotUniform(seed=seed + 21))(h)
     return tf_keras.Model(inp, out)
+
+
+def static_lstm_lm_graph(*, batch_size: int = 8, seq_len: int = 6, vocab_size: int = 50, embed: int = 16,
+                         units: int = 16, layers: int = 2, dtype: str = "float32",
+                         learning_rate: float = 0.5) -> tf.compat.v1.GraphDef:
+    """A tf_keras LSTM language model as a TF1 script builds it: placeholders of a FIXED batch (``input``,
+    ``labels``: ``[batch_size, seq_len]`` token ids), an embedding, LAYERS stacked LSTMs (``lstm0``, ``lstm1``,
+    ...; ``return_sequences=True``) and a softmax head over the vocabulary, trained by SGD. Unlike
+    :func:`lstm_lm_graph` (Keras' own build, batch unknown inside), the batch is static everywhere, so the
+    recurrent loops' TensorList element shapes and their gradients' folded shapes hold it. DTYPE: the
+    layers' float type ("float64" for exactness checks)."""
+    import tf_keras
+
+    init = tf_keras.initializers
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(0)
+        tokens = v1.placeholder(tf.int32, [batch_size, seq_len], name="input")
+        labels = v1.placeholder(tf.int32, [batch_size, seq_len], name="labels")
+        h = tf_keras.layers.Embedding(vocab_size, embed, embeddings_initializer=init.RandomUniform(-0.5, 0.5, seed=0),
+                                      dtype=dtype, name="embedding")(tokens)
+        for i in range(layers):
+            h = tf_keras.layers.LSTM(units, return_sequences=True, kernel_initializer=init.GlorotUniform(seed=1 + i),
+                                     recurrent_initializer=init.Orthogonal(seed=11 + i), dtype=dtype,
+                                     name=f"lstm{i}")(h)
+        logits = tf_keras.layers.Dense(vocab_size, kernel_initializer=init.GlorotUniform(seed=21), dtype=dtype,
+                                       name="softmax")(h)
+        _finish(_xent(logits, labels), v1.train.GradientDescentOptimizer(learning_rate))
+    return g.as_graph_def()
 
 
 def lstm_lm_graph(*, batch_size: int = 4, seq_len: int = 6, vocab_size: int = 12, embed: int = 8, units: int = 8,

@@ -62,8 +62,19 @@ _SHAPE_OPERAND = {
 ELEMENT_SHAPE_OPERAND = {
     "TensorListFromTensor": 1, "TensorListReserve": 0, "EmptyTensorList": 0, "TensorListStack": 1,
     "TensorListGather": 2, "TensorListGetItem": 2, "TensorListPopBack": 1, "TensorListConcatV2": 1,
-    "TensorListSplit": 1,
+    "TensorListSplit": 1, "TensorListScatter": 2, "TensorListScatterV2": 2,
 }
+# TensorList / TensorArray op type -> its attr holding an element shape (TF's op registry: every op whose
+# element shape is an attr of type shape rather than an input)
+ELEMENT_SHAPE_ATTR = {
+    "TensorListConcat": "element_shape", "TensorArrayV3": "element_shape", "TensorArrayV2": "element_shape",
+    "TensorArray": "element_shape", "TensorArrayGatherV3": "element_shape", "TensorArrayGatherV2": "element_shape",
+    "TensorArrayGather": "element_shape", "TensorArrayPack": "element_shape",
+    "TensorArrayConcatV3": "element_shape_except0", "TensorArrayConcatV2": "element_shape_except0",
+    "TensorArrayConcat": "element_shape_except0",
+}
+# list ops made from a tensor (its input 0, listed along axis 0): the element's batch axis is the tensor's minus one
+_LISTED_TENSOR_OPS = ("TensorListFromTensor", "TensorListScatter", "TensorListScatterV2")
 _GRAD_SCOPE_RE = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad/")
 _FOLDED_SHAPE_RE = re.compile(r"^Shape(_\d+)?$")   # tf.shape of a static shape, folded into a Const
 
@@ -170,14 +181,20 @@ def _element_shape_positions(st: RewriteState, n: str, v: np.ndarray) -> set[int
     output); a list made empty or reserved (``EmptyTensorList``, ``TensorListReserve``: gradient
     accumulators and outputs of a loop) has no such tensor -- nor has a list whose tensor's batch axis
     the IR could not tell -- and then its element's first entry is the batch when it equals the batch
-    the graph was built for (time-major elements ``[batch, units]``)."""
+    the graph was built for (time-major elements ``[batch, units]``). A folded ``tf.shape`` whose constant
+    slice is the element shape (a gradient's ``slice(shape(t), [1], [-1])``) has those positions, shifted."""
     pos: set[int] = set()
     ref_batch = st.ref_batch
     for c, _, slot in st.consumers[n]:
         cop = st.nodes[c].op
+        if cop in ("Slice", "StridedSlice") and slot == 0 and v.ndim == 1:
+            part = _constant_slice(st, c, v.size)      # a gradient's slice(shape(t), [1], [-1]), shape folded
+            if part is not None:
+                pos |= {p + part[0] for p in _element_shape_positions(st, c, v[part[0]:part[1]])}
+            continue
         if ELEMENT_SHAPE_OPERAND.get(cop) != slot or v.ndim != 1 or v.size == 0:
             continue
-        if cop == "TensorListFromTensor":
+        if cop in _LISTED_TENSOR_OPS:
             ax = st.batch_axis(st.nodes[c].input[0])
             p = ax - 1 if ax is not None and ax >= 1 else None
         elif cop in ("TensorListStack", "TensorListGather", "TensorListConcatV2"):
@@ -192,6 +209,32 @@ def _element_shape_positions(st: RewriteState, n: str, v: np.ndarray) -> set[int
         if p is not None and p < v.size and v[p] > 0 and v[p] % ref_batch == 0:
             pos.add(p)
     return pos
+
+
+def _constant_slice(st: RewriteState, op: str, size: int) -> tuple[int, int] | None:
+    """(begin, end) of the 1-D ``Slice`` or ``StridedSlice`` OP of a vector of SIZE entries when its bounds are
+    constants (stride 1, no masks but begin/end); None otherwise."""
+    node = st.nodes[op]
+    bounds = []
+    for i in node.input[1:]:
+        src = st.nodes.get(split_tensor(i)[0]) if not i.startswith("^") else None
+        if src is None or src.op != "Const":
+            return None
+        value = tf.make_ndarray(src.attr["value"].tensor).reshape(-1)
+        if value.size != 1:
+            return None
+        bounds.append(int(value[0]))
+    if node.op == "Slice" and len(bounds) == 2:
+        begin, length = bounds
+        end = size if length == -1 else begin + length
+    elif node.op == "StridedSlice" and len(bounds) == 3 and bounds[2] == 1 and not any(
+            node.attr[m].i for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+        begin = 0 if node.attr["begin_mask"].i & 1 else bounds[0]
+        end = size if node.attr["end_mask"].i & 1 else bounds[1]
+        begin, end = (b + size if b < 0 else b for b in (begin, end))
+    else:
+        return None
+    return (begin, end) if 0 <= begin <= end <= size else None
 
 
 def _list_holds_weights(st: RewriteState, list_op: str) -> bool:
@@ -230,9 +273,17 @@ def _folded_shape_positions(st: RewriteState, n: str, v: np.ndarray) -> set[int]
             if t.startswith("^"):
                 continue
             ax, shape = st.batch_axis(t), st.ref_shape(t)
-            if ax is not None and shape is not None and list(shape) == list(v) and v[ax] % st.ref_batch == 0:
+            if ax is not None and shape is not None and _shape_matches(shape, v, ax) and v[ax] % st.ref_batch == 0:
                 pos.add(ax)
     return pos
+
+
+def _shape_matches(shape: tuple, v: np.ndarray, ax: int) -> bool:
+    """Is V the value of static SHAPE, whose batch entry (AX) is known? Entries TensorFlow's Python shapes
+    leave unknown (a loop's time steps, after a TensorList is stacked) match any value: the C++ importer
+    infers them and folds ``tf.shape`` of the tensor into a constant all the same."""
+    return len(shape) == v.size and ax < len(shape) and shape[ax] is not None and all(
+        s is None or s == x for s, x in zip(shape, v, strict=True))
 
 
 def _gradient_constant_positions(st: RewriteState, n: str, v: np.ndarray, is_int: bool, fwd: str) -> set[int]:
@@ -247,12 +298,15 @@ def _gradient_constant_positions(st: RewriteState, n: str, v: np.ndarray, is_int
     for t in tensors:
         ax = st.batch_axis(t)
         shape = st.ref_shape(t) if ax is not None else None
-        if shape is None or any(s is None for s in shape):
+        if shape is None:
+            continue
+        if is_int and v.size > 0 and _shape_matches(shape, v, ax):
+            pos.add(ax)
+            continue
+        if any(s is None for s in shape):
             continue
         numel = int(np.prod(shape)) if shape else 1
-        if is_int and v.size == len(shape) and v.size > 0 and list(v) == list(shape):
-            pos.add(ax)
-        elif v.size == 1 and scalar and numel % ref_batch == 0 and v[0] == numel and (
+        if v.size == 1 and scalar and numel % ref_batch == 0 and v[0] == numel and (
                 # the element count of a batch tensor (tf.size folded)
                 is_int and n.rsplit("/", 1)[-1].startswith("Size")):
             pos.add(0)

@@ -125,6 +125,7 @@ def _emit(st: RewriteState, n: str, rng: Range, asked_dev: int, name: str, prima
             s.unknown_rank = True
     if size != st.ref_batch:
         loop_state.rescale_function_attrs(st, node, size)     # loop bodies with batch-sized list elements
+        loop_state.rescale_element_shape_attr(st, node, size)
     del node.input[:]
     data, ctrl = [], []
     for i in orig.input:

@@ -66,13 +66,19 @@ def _function_for(st: RewriteState, name: str, size: int) -> str:
     copy.CopyFrom(table[name])
     changed = False
     consumers: dict[str, list[tuple[str, int]]] = {}
+    readers: dict[str, list[tuple[node_def_pb2.NodeDef, int]]] = {}
     for n in copy.node_def:
         data = [i for i in n.input if not i.startswith("^")]
         for slot, i in enumerate(data):
             consumers.setdefault(i.split(":")[0], []).append((n.op, slot))
+            readers.setdefault(i.split(":")[0], []).append((n, slot))
+    made = {n.name: n for n in copy.node_def}
     for n in copy.node_def:
         if n.op == "Const" and (_element_shape_const(st, n, consumers.get(n.name, []), size)
-                                or _list_item_const(st, n, consumers.get(n.name, []), size)):
+                                or _list_item_const(st, n, consumers.get(n.name, []), size)
+                                or _sliced_element_shape_const(st, n, readers, made, size)):
+            changed = True
+        if rescale_element_shape_attr(st, n, size):
             changed = True
         for value in n.attr.values():
             funcs = ([value.func] if value.HasField("func")
@@ -91,6 +97,20 @@ def _function_for(st: RewriteState, name: str, size: int) -> str:
     return new_name
 
 
+def rescale_element_shape_attr(st: RewriteState, node: node_def_pb2.NodeDef, size: int) -> bool:
+    """Rescale in place the element shape that NODE (a TensorList or TensorArray op) holds in an attr
+    (``batch_split.ELEMENT_SHAPE_ATTR``) when its first entry is the graph's batch: time-major elements
+    ``[batch, ...]`` of a list built at a static batch, for an instance on SIZE examples."""
+    key = batch_split.ELEMENT_SHAPE_ATTR.get(node.op)
+    if key is None or key not in node.attr or size == st.ref_batch:
+        return False
+    dims = node.attr[key].shape.dim
+    if node.attr[key].shape.unknown_rank or not dims or dims[0].size != st.ref_batch:
+        return False
+    dims[0].size = size
+    return True
+
+
 def _list_item_const(st: RewriteState, n: node_def_pb2.NodeDef, uses: list[tuple[str, int]], size: int) -> bool:
     """Rescale Const N in place when it is an item set into a TensorList (a gradient's folded
     ``zeros_like`` of a ``[batch, units]`` element) of the graph's batch, the same for every example."""
@@ -100,6 +120,37 @@ def _list_item_const(st: RewriteState, n: node_def_pb2.NodeDef, uses: list[tuple
     if value.ndim == 0 or value.shape[0] != st.ref_batch or not np.all(value == value[:1]):
         return False
     n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.repeat(value[:1], size, axis=0)))
+    return True
+
+
+def _sliced_element_shape_const(st: RewriteState, n: node_def_pb2.NodeDef,
+                                readers: dict[str, list[tuple[node_def_pb2.NodeDef, int]]],
+                                made: dict[str, node_def_pb2.NodeDef], size: int) -> bool:
+    """Rescale Const N in place when it is a folded shape whose only use is a constant ``Slice`` that is the
+    element shape of TensorList ops (a gradient's ``slice(shape(t), [1], [-1])`` inside a loop body), and the
+    slice starts at an entry equal to the batch."""
+    uses = readers.get(n.name, [])
+    if not uses or not all(c.op == "Slice" and slot == 0 for c, slot in uses):
+        return False
+    dtype = tf.as_dtype(n.attr["dtype"].type)
+    value = tf.make_ndarray(n.attr["value"].tensor)
+    if dtype not in (tf.int32, tf.int64) or value.ndim != 1:
+        return False
+    begins = set()
+    for c, _ in uses:
+        bound = made.get(c.input[1].split(":")[0]) if len(c.input) > 2 else None
+        lists = readers.get(c.name, [])
+        if bound is None or bound.op != "Const" or not lists or not all(
+                batch_split.ELEMENT_SHAPE_OPERAND.get(o.op) == slot for o, slot in lists):
+            return False
+        begins.add(int(tf.make_ndarray(bound.attr["value"].tensor).reshape(-1)[0]))
+    begin = begins.pop() if len(begins) == 1 else -1
+    if not 0 <= begin < value.size or value[begin] != st.ref_batch or \
+            tuple(int(x) for x in value[begin:]) in {tuple(v.shape) for v in st.ir.variables}:
+        return False
+    flat = value.copy()
+    flat[begin] = size
+    n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(flat.astype(np.dtype(dtype.as_numpy_dtype))))
     return True
 
 

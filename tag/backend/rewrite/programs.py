@@ -457,7 +457,8 @@ class _ProgramBuilder:
         self.inputs: list[HostInput] = []
         self.received: dict[str, str] = {}                  # tensor of another host -> its local name here
         self.sent: dict[str, list[str]] = {}                # a receiver's node -> this host's nodes sending to it
-        self.mirror_assigns: dict[str, set[str]] = {}      # function call -> assigns of the mirrors it reads
+        self.mirror_assigns: dict[str, set[str]] = {}      # op -> assigns of the mirrors it reads (a call's
+        # input, or a mirror's handle passed through a call: a While's loop-invariant resource output)
         self.sends = 0
         self.receives = 0
 
@@ -527,8 +528,21 @@ class _ProgramBuilder:
                                    f"{s.task[p]}: a loop cannot span two hosts' programs; keep the loop's op "
                                    f"group on one host")
             node.input.append(self._receive(i, builders[s.task[p]], step, init))
+        self._after_mirrors_passed_through(n, orig)
         node.input.extend(sorted("^" + a for a in self.mirror_assigns.get(n, ())))
         self._put(node, step, init)
+
+    def _after_mirrors_passed_through(self, n: str, orig: node_def_pb2.NodeDef) -> None:
+        """Op N (ORIG) reads a resource output of an op that reads mirrors (a ``While`` passes its loop-invariant
+        variable handles through; a gradient takes ``VariableShape`` of them): N waits for those mirrors' assigns
+        too. TensorFlow's lowering of a While wires such an output straight to the loop's input, the mirror's
+        handle, so the While's own wait does not order N, which would read a mirror not yet assigned."""
+        for i in orig.input:
+            if i.startswith("^"):
+                continue
+            p, k = split_tensor(i)
+            if p in self.mirror_assigns and self.s.dtypes.get(tensor_name(p, k)) == tf.resource.as_datatype_enum:
+                self.mirror_assigns.setdefault(n, set()).update(self.mirror_assigns[p])
 
     def _mirror(self, n: str, slot: int, handle: str, owner: "_ProgramBuilder", step: bool, init: bool) -> str:
         """A local variable holding this step's value of the variable behind HANDLE (on OWNER's host), for input
