@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tag.backend.runtime import LocalCluster, free_ports, run_steps  # noqa: E402
+from tag.backend.runtime.cuda_noise import init_devices  # noqa: E402
 from tag.backend.runtime.guard import RunControl  # noqa: E402
 from tag.backend.runtime.inputs import random_input  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
@@ -51,6 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
 v1 = tf.compat.v1
 
 _MIN_WALL_SAMPLES = 20               # untraced default-settings steps timed at least (unless > 10 s)
+
+init_devices()      # the sessions below: no cuInit error line on a machine without a GPU driver
 
 
 # --------------------------------------------------------------------------------------------
