@@ -34,7 +34,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tag.backend.runtime import LocalCluster, free_ports, run_steps  # noqa: E402
-from tag.backend.runtime.cuda_noise import init_devices  # noqa: E402
 from tag.backend.runtime.guard import RunControl  # noqa: E402
 from tag.backend.runtime.inputs import random_input  # noqa: E402
 from tag.cluster.topology import parse_topology  # noqa: E402
@@ -42,6 +41,7 @@ from tag.cost.fitting import Fit, StepMeasurement, fit_line, fit_profile  # noqa
 from tag.cost.matmul_table import DEFAULT_SIDES, VARIANTS, grid_shapes, table_from_rates  # noqa: E402
 from tag.cost.model import NetworkProfile, Profile  # noqa: E402
 from tag.cost.profile_store import PROFILE_ENV, default_profile_path, load_default_profile  # noqa: E402,F401
+from tag.cuda_noise import init_devices  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES  # noqa: E402
 

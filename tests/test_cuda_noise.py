@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tag.backend.runtime.cuda_noise import _FilteredStderr, cuda_line_is_noise, is_cuda_startup_noise, without_cuinit
+from tag.cuda_noise import _FilteredStderr, cuda_line_is_noise, is_cuda_startup_noise, without_cuinit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUINIT = ("E0000 00:00:1796691586.677838   28426 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: "

@@ -33,9 +33,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from tag.backend.runtime.cuda_noise import is_cuda_startup_noise
 from tag.backend.runtime.guard import RunControl, RunEvent, diagnose
 from tag.backend.runtime.host_run import HostResult, RunSpec
+from tag.cuda_noise import is_cuda_startup_noise
 from tag.errors import RunError, TagError
 
 if TYPE_CHECKING:  # pragma: no cover

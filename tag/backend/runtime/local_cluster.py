@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, host_has_gpu
-from tag.backend.runtime.cuda_noise import is_cuda_startup_noise
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.runtime.ports import free_ports, is_loopback, port_bindable, port_listening
 from tag.backend.runtime.server import PORT_IN_USE, READY_WORD
+from tag.cuda_noise import is_cuda_startup_noise
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.runtime.host_process import HostLaunch

@@ -34,9 +34,9 @@ import tempfile
 import threading
 from typing import Any, Mapping, Sequence
 
-from tag.backend.runtime.cuda_noise import is_cuda_startup_noise
 from tag.backend.runtime.guard import RunControl, RunEvent
 from tag.backend.runtime.steps import RunResult
+from tag.cuda_noise import is_cuda_startup_noise
 from tag.errors import RunError, TagError
 
 START_ALLOWANCE_S = 120.0   # the child's Python and TensorFlow start before its first event

@@ -18,7 +18,7 @@ TensorFlow's own warnings. So, instead:
 
 Example::
 
-    from tag.backend.runtime.cuda_noise import init_devices
+    from tag.cuda_noise import init_devices
     import tensorflow as tf
     init_devices()                      # no "failed call to cuInit" line on a CPU-only machine
     with tf.compat.v1.Session() as sess: ...
