@@ -41,6 +41,7 @@ from tag.cost.fitting import Fit, StepMeasurement, fit_line, fit_profile  # noqa
 from tag.cost.matmul_table import DEFAULT_SIDES, VARIANTS, grid_shapes, table_from_rates  # noqa: E402
 from tag.cost.model import NetworkProfile, Profile  # noqa: E402
 from tag.cost.profile_store import PROFILE_ENV, default_profile_path, load_default_profile  # noqa: E402,F401
+from tag.cuda_noise import init_devices  # noqa: E402
 from tag.errors import GraphError, TagError  # noqa: E402
 from tag.ir.op_types import INITIALIZER_TYPES, VARIABLE_TYPES  # noqa: E402
 
@@ -51,6 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
 v1 = tf.compat.v1
 
 _MIN_WALL_SAMPLES = 20               # untraced default-settings steps timed at least (unless > 10 s)
+
+init_devices()      # the sessions below: no cuInit error line on a machine without a GPU driver
 
 
 # --------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
                    create_parents: bool = False) -> None:
     """Raise TagError (naming PATH) unless an output at PATH could be written now.
 
-    Checked before any work is done, so a bad ``--report`` path fails in a second rather than after a
+    Checked before any work is done, so a bad ``--json`` path fails in a second rather than after a
     search: PATH must not be a directory (or must be one, or not exist yet, when DIRECTORY), its parent
     must exist (with CREATE_PARENTS: its nearest existing ancestor, where the missing folders will be
     made), and a file can be created there (a probe file, removed at once).

@@ -396,7 +396,7 @@ def _prepared(gd: Any, entry: Any, topo: "Topology", prof: "Profile | None", pro
     if batch < topo.num_devices:
         raise TagError(f"the global batch {batch} is smaller than the {topo.num_devices} devices of "
                        f"{topo.name}; data parallelism needs at least one example per device (a larger batch: "
-                       "batch_size= in tag.optimize, --batch in tag-deploy)")
+                       "batch_size= in tag.optimize, --batch-size in tag-deploy)")
     if grouping is None:
         grouping = group_ops(graph, target_groups=int(groups))
     elif len(grouping.group_of_op) != len(graph.ops):

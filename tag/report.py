@@ -1,6 +1,6 @@
 """The report of a plan: simulate the built-in strategies, collect the report keys (ARCHITECTURE.md), print a table.
 
-``tag-deploy`` builds its ``--report`` JSON and its printed summary here, and ``tag.optimize``'s
+``tag-deploy`` builds its ``--json`` report and its printed summary here, and ``tag.optimize``'s
 ``Plan.report()`` can reuse the same functions. numpy only (strategy and simulator stages); no
 TensorFlow import.
 

@@ -520,8 +520,8 @@ def profile_command(cal: dict, how: list[str], device_type_name: str, out: str) 
     """The ``tag-profile`` command of one calibration run, pinned to core 0 (CAL: the recipe's calibration, which
     sets the batch and the sustained window; HOW: what to profile, e.g. ``traced_args``), writing OUT."""
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    return pin + [sys.executable, "-m", "tag.cli.profile", "--batch", str(cal["batch"]), "--sustained",
-                  str(cal["sustained_s"]), *how, "--device-type", device_type_name, "--out", out]
+    return pin + [sys.executable, "-m", "tag.cli.profile", "--batch-size", str(cal["batch"]), "--sustained",
+                  str(cal["sustained_s"]), *how, "--device-type", device_type_name, "--json", out]
 
 
 def traced_args(cal: dict, models: list[str]) -> list[str]:

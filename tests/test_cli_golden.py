@@ -42,7 +42,7 @@ def _check(name: str, text: str) -> None:
 
 def test_loopback_plan_output(tmp_path):
     rc, out = _deploy(["--topo", "topologies/localhost.pbtxt", "--model", "zoo:mlp,input_dim=64,hidden=128x128",
-                       "--batch", "12", "--playouts", "30", "--seed", "0"], tmp_path)
+                       "--batch-size", "12", "--playouts", "30", "--seed", "0"], tmp_path)
     assert rc == 0, out
     _check("deploy_localhost_mlp.txt", _masked(out))
 

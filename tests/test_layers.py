@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER: list[tuple[str, str]] = [
     ("tag.errors", "the exceptions every layer raises; imports nothing"),
     ("tag.files", "safe reading and writing of every layer's input and output files, strict JSON; raises tag.errors"),
+    ("tag.cuda_noise", "TensorFlow's first device lookup without its meaningless CUDA start-up error line, for "
+                       "every layer that opens a session; imports nothing of tag"),
     ("tag._proto", "generated protobuf classes of the topology and strategy file formats (not scanned)"),
     ("tag.ir", "the training step as plain data (ops, tensors, variables); imports nothing of tag"),
     ("tag.cluster", "the topology (hosts, devices, links), read through tag.files and the topology proto"),

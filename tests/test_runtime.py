@@ -254,11 +254,13 @@ def test_run_steps_unknown_dimension_needs_feeds():
 
 
 def test_run_steps_synthetic_inputs_on_device():
+    from tag.backend.runtime.inputs import pool_size
     gd = mlp_graph(tasks=(None, None))
-    a = run_steps(gd, "", steps=10, warmup=1, synthetic=True, seed=5)
-    b = run_steps(gd, "", steps=10, warmup=1, synthetic=True, seed=5)
+    k = pool_size(16 * 8 * 4)           # batches in the pool of x (16 x 8 floats)
+    a = run_steps(gd, "", steps=k + 1, warmup=1, synthetic=True, seed=5)
+    b = run_steps(gd, "", steps=k + 1, warmup=1, synthetic=True, seed=5)
     assert a.losses == b.losses and np.all(np.isfinite(a.losses))
-    assert a.losses[-1] < a.losses[0]  # one fixed batch: gradient descent fits it
+    assert a.losses[k] < a.losses[0]  # step K+1 reads step 1's batch again: gradient descent fits it
     with pytest.raises(TagError, match="exclude each other"):
         run_steps(gd, "", steps=2, warmup=0, synthetic=True, input_fn=learnable_input())
     unknown = mlp_graph(tasks=(None, None), unknown_batch=True)
@@ -267,6 +269,45 @@ def test_run_steps_synthetic_inputs_on_device():
     fn = learnable_input(batch=4)
     r = run_steps(unknown, "", steps=2, warmup=0, synthetic=True, feeds=fn(0))  # fed ones stay fed
     assert len(r.losses) == 2
+
+
+def test_synthetic_pool_is_not_memorised_like_one_batch():
+    """3 rounds of the pool (3K steps) of a model that learns one fixed batch by heart: the loss falls to about 0
+    on one batch, not on the pool, and step T reads the batch step T + K reads."""
+    import tag
+    from tag.backend.runtime.inputs import SYNTHETIC_POOL, pool_size, random_feed
+    gd = tag.zoo.training_graph("mlp", batch_size=16, input_dim=64, hidden=(256, 256))
+    pooled = run_steps(gd, "", steps=3 * SYNTHETIC_POOL, warmup=1, synthetic=True, seed=0).losses
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.import_graph_def(gd, name="")
+    rng = np.random.default_rng(0)
+    one = {f"{op.name}:0": random_feed(op, rng) for op in g.get_operations() if op.type == "Placeholder"}
+    fixed = run_steps(gd, "", steps=3 * SYNTHETIC_POOL, warmup=1, feeds=one, seed=0).losses
+    assert np.mean(fixed[-SYNTHETIC_POOL:]) < 0.05, fixed          # one batch: learnt by heart
+    assert min(pooled[-SYNTHETIC_POOL:]) > 0.2, pooled              # the pool: still learning
+    assert all(pooled[t + SYNTHETIC_POOL] < pooled[t] for t in range(2))   # the same batch again, fitted better
+    assert pool_size(16 * 64 * 4) == SYNTHETIC_POOL and pool_size(1 << 30) == 1 and pool_size(100 << 20) == 2
+
+
+def test_synthetic_shares_are_the_same_rows_of_the_same_batch_at_every_step():
+    """However a strategy splits the batch, the hosts' shares at step T are rows of global batch T mod K."""
+    from tensorflow.core.framework import node_def_pb2
+
+    from tag.backend.runtime.inputs import SYNTHETIC_POOL, synthetic_share
+    node = node_def_pb2.NodeDef(name="x", op="Placeholder")
+    node.attr["dtype"].type = tf.float32.as_datatype_enum
+    node.attr["shape"].shape.CopyFrom(tf.TensorShape([40, 3]).as_proto())
+    g = tf.Graph()
+    with g.as_default():
+        made = [synthetic_share(node, "x", lo, hi, 40, seed=7) for lo, hi in ((0, 40), (0, 13), (13, 40))]
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run([init for init, _ in made])
+        seen = [sess.run([value for _, value in made]) for _ in range(SYNTHETIC_POOL + 1)]
+    for whole, a, b in seen:
+        assert whole.shape == (40, 3) and np.array_equal(np.concatenate([a, b]), whole)
+    assert not np.array_equal(seen[0][0], seen[1][0])                  # a new batch each step ...
+    assert np.array_equal(seen[SYNTHETIC_POOL][0], seen[0][0])         # ... K of them, then round again
 
 
 def test_run_steps_bad_arguments():
@@ -675,7 +716,8 @@ def test_killed_worker_is_reported_and_the_run_resumes(tmp_path):
     losses = r["measured_losses"]
     assert r["measured_start_step"] == saved and len(losses) == saved + 3
     assert losses[:saved] == pytest.approx(meta["losses"])
-    assert losses[saved] < losses[0] and losses[saved] <= losses[saved - 1] * 1.02   # continues, not restarts
+    # continues, not restarts (a new synthetic batch each step: compared with the first steps' level)
+    assert max(losses[saved:]) < losses[0] and np.mean(losses[saved:]) < np.mean(losses[:3])
 
 
 def test_synthetic_runs_make_each_remote_replica_slice_on_its_own_device():

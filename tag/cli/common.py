@@ -2,7 +2,7 @@
 
 Exit codes: 0 success, 2 bad input (one line on stderr, no traceback), 1 anything else (a failed run is
 one line too; an unexpected exception is one "internal error" line, ``TAG_DEBUG=1`` for the traceback).
-``ArgumentParser`` makes argparse's usage errors one line (``PROG: error: argument --batch: invalid int
+``ArgumentParser`` makes argparse's usage errors one line (``PROG: error: argument --batch-size: invalid int
 value: 'abc'``, exit 2) instead of the usage block. ``run_cli`` silences TensorFlow's start-up noise
 (``tag.cli.quiet``) unless the command line has ``--verbose``.
 
@@ -46,6 +46,14 @@ def add_verbose(parser: argparse.ArgumentParser, *, sub: bool = False) -> None:
     """``--verbose``: let TensorFlow log as it does by default (start-up lines, warnings)."""
     parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS if sub else False,
                         help="show TensorFlow's own log output (hidden by default)")
+
+
+def add_old_name(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str,
+                 new: argparse.Action) -> None:
+    """OLD: a former spelling of the option NEW (the action ``add_argument`` returned), still accepted for a
+    release: it sets the same destination with the same type, and ``--help`` lists only NEW's name."""
+    parser.add_argument(old, dest=new.dest, type=new.type, nargs=new.nargs, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
 
 
 def one_line(text: object) -> str:

@@ -3,8 +3,8 @@ write a report, save the plan, and optionally run it.
 
 Usage::
 
-    tag-deploy --topo topologies/lab-v100-1080ti.pbtxt --model zoo:resnet50 --batch 64 --budget 60 \\
-               --save plan/ --report report.json --trace trace.json
+    tag-deploy --topo topologies/lab-v100-1080ti.pbtxt --model zoo:resnet50 --batch-size 64 --budget 60 \\
+               --save plan/ --json report.json --trace trace.json
     tag-deploy --topo topologies/localhost.pbtxt --model my_step.pb --playouts 200 --run --steps 20
     tag-deploy --topo ... --model ... --strategy dp_allreduce          # predict a built-in, no search
     tag-deploy --topo ... --model ... --strategy-file plan/ --run      # deploy a saved strategy or plan
@@ -25,7 +25,7 @@ The entry points (step op, loss, initialiser) are found in any training graph; `
 
 The table shows the predicted step time, per device the memory used against its capacity and the
 utilisation, the bytes communicated, and every strategy compared (built-ins and search steps) with
-its speedup over dp_allreduce. ``--report`` writes the report keys (``tag.report``, ``Plan.report``)
+its speedup over dp_allreduce. ``--json FILE`` writes the report keys (``tag.report``, ``Plan.report``)
 as JSON; ``--trace`` writes the simulated step as a Chrome trace; ``--save DIR`` writes the plan
 (``tag.Plan.save``: rewritten graph, strategy, report). Files are written only once everything has been
 computed, through a temporary name, so an error never leaves a half-written file. ``--profile`` (else
@@ -38,7 +38,7 @@ restore the plan's variables (``tag.cli.deploy_run``). ``--run --tune K`` first 
 promising distinct candidates (the plan, the best built-in, the best uniform action, then the next
 fastest predicted; ``tag.tune``) on the same cluster in interleaved rounds, prints each one's predicted
 and measured step time, and trains, reports and saves the fastest measured (report key ``tune``);
-``--verify`` is ``--tune 2``. ``--tensorboard DIR``
+``--verify`` is ``--tune 2``. ``--logdir DIR``
 writes the rewritten graph for TensorBoard's graph view (ops coloured by device) and the predicted
 step's Chrome trace. A profile that serves no device type of the topology is a warning; the table says
 which profile entry served each device type. TensorFlow's own log lines are hidden unless ``--verbose``.
@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from tag.cli.common import ArgumentParser, add_verbose, run_cli
+from tag.cli.common import ArgumentParser, add_old_name, add_verbose, run_cli
 from tag.cli.deploy_run import add_run_arguments, check_run_arguments, run_plan, tune_k, write_tensorboard_dir
 from tag.errors import OptionError, StrategyError, TagError
 from tag.files import write_atomic
@@ -96,11 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-op", default=None, metavar="OP", help="the op that runs one training step (default: found)")
     p.add_argument("--loss", default=None, metavar="OP", help="the loss op (default: found)")
     p.add_argument("--init", default=None, metavar="OP", help="the variables' initialiser op (default: found)")
-    p.add_argument("--batch", type=int, default=None, metavar="N", help="global batch size (default: the model's)")
+    add_old_name(p, "--batch", p.add_argument("--batch-size", dest="batch", type=int, default=None, metavar="N",
+                                              help="global batch size (default: the model's)"))
     p.add_argument("--groups", type=int, default=DEFAULT_GROUPS, metavar="N",
                    help=f"target number of op groups (default {DEFAULT_GROUPS})")
     p.add_argument("--profile", default=None, metavar="P.json", help="cost profile from tag-profile")
-    p.add_argument("--report", default=None, metavar="R.json", help="write the report as JSON")
+    add_old_name(p, "--report", p.add_argument("--json", dest="report", default=None, metavar="FILE",
+                                               help="write the report as JSON"))
     p.add_argument("--trace", default=None, metavar="T.json", help="write the simulated step as a Chrome trace")
     add_run_arguments(p)
     add_verbose(p)
@@ -147,11 +149,11 @@ def _check_args(args: argparse.Namespace) -> SearchOptions:
     options = search_options(args)
     from tag.cost.precision import check_plan_precision
     check_plan_precision(args.precision)
-    for flag, value in (("--batch", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
+    for flag, value in (("--batch-size", args.batch), ("--groups", args.groups), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise TagError(f"{flag} must be positive, got {value}")
     from tag.files import check_writable
-    for flag, path in (("--report", args.report), ("--trace", args.trace), ("--save", args.save)):
+    for flag, path in (("--json", args.report), ("--trace", args.trace), ("--save", args.save)):
         if path is not None:    # exit 2 naming the path now, not after a search
             check_writable(path, what=f"{flag} output", directory=flag == "--save")
     check_run_arguments(args)
@@ -267,7 +269,7 @@ def _body(argv: Sequence[str]) -> int:
     from tag.plan import load_strategy, plan_for, strategy_report
     topology = load_topology(args.topo)
     if args.batch is not None and args.batch < topology.num_devices:
-        raise TagError(f"--batch {args.batch} is smaller than the {topology.num_devices} devices of "
+        raise TagError(f"--batch-size {args.batch} is smaller than the {topology.num_devices} devices of "
                        f"{args.topo}; data parallelism needs at least one example per device")
     from tag.cli.model_size import check_model_spec
     from tag.cli.profiles import profile_use, profile_warning

@@ -5,7 +5,7 @@ the ``dataset_fn(ctx)`` of ``tag.train`` (one ``tf.data`` pipeline per worker ho
 ``tag.backend.runtime.input_pipeline``); a spec that does not name an importable callable is a one-line
 error (exit 2) before anything is built. ``train_on_input`` trains the plan on the cluster that
 ``tag-deploy --run`` opened, with ``--steps``, ``--checkpoint-every`` / ``--checkpoint-dir`` / ``--resume``
-(TensorFlow checkpoints) and ``--tensorboard`` (training scalars beside the graph), and returns the
+(TensorFlow checkpoints) and ``--logdir`` (training scalars beside the graph), and returns the
 report's ``trained`` key. No dp_allreduce baseline is timed in this mode.
 
 Example::

@@ -3,7 +3,7 @@
 Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each stays short:
 
 - ``add_run_arguments``: ``--run --steps N --step-timeout S --checkpoint-every K --checkpoint-dir DIR
-  --resume --tune [K] --verify --tensorboard DIR --input MODULE:FUNCTION``;
+  --resume --tune [K] --verify --logdir DIR --input MODULE:FUNCTION``;
 - ``check_run_arguments``: their cheap checks, before anything is built (exit 2 on bad input);
 - ``run_plan``: deploys the plan and the dp_allreduce baseline (``measure_strategies``), printing one
   progress line per step on stderr (``tag-deploy: ps: step 3/20  0.412 s/step  loss 2.301``, at most
@@ -19,7 +19,7 @@ Kept apart from ``tag.cli.deploy`` (which parses, predicts and prints) so each s
   predicted and measured step time (median +- MAD), and trains the fastest measured (the report's ``tune``
   keys). ``--verify`` is ``--tune 2`` (the plan, the best built-in, the best uniform action and one device). Not with
   ``--resume`` (the checkpoint fixes the strategy).
-- ``write_tensorboard_dir``: ``--tensorboard DIR`` (``tag.backend.runtime.tensorboard``).
+- ``write_tensorboard_dir``: ``--logdir DIR`` (``tag.backend.runtime.tensorboard``).
 
 Example::
 
@@ -36,13 +36,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tag.cli.common import add_old_name
 from tag.cli.deploy_input import load_dataset_fn, train_on_input
 from tag.cli.deploy_progress import PROG, ProgressPrinter
 from tag.errors import TagError
 
 DEFAULT_CHECKPOINT_DIR = "tag-checkpoint"
 DEFAULT_STEP_TIMEOUT_S = 600.0
-TRACED_STEP = 2                  # --tensorboard --run: the plan's step whose statistics are kept
+TRACED_STEP = 2                  # --logdir --run: the plan's step whose statistics are kept
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "built-in, the best uniform action, then the next fastest predicted) on the cluster and "
                         "train the fastest measured (K left out: as many as cost about 30 steps of the slowest)")
     p.add_argument("--verify", action="store_true", help="--run: the same as --tune 2")
-    p.add_argument("--tensorboard", default=None, metavar="DIR",
-                   help="write the rewritten graph (ops coloured by device) and the predicted step's trace")
+    add_old_name(p, "--tensorboard", p.add_argument(
+        "--logdir", dest="tensorboard", default=None, metavar="DIR",
+        help="TensorBoard directory: the rewritten graph (ops coloured by device), the predicted step's trace and, "
+             "with --input, the training scalars"))
     p.add_argument("--input", default=None, metavar="MODULE:FUNCTION",
                    help="--run: train on the data sets FUNCTION(ctx) makes, one tf.data pipeline per worker host "
                         "(MODULE from the current directory or PYTHONPATH), instead of synthetic batches")
@@ -225,7 +228,7 @@ def run_plan(args: argparse.Namespace, analysis: Any, name: str, strategy: Any, 
 
 def write_tensorboard_dir(args: argparse.Namespace, analysis: Any, strategy: Any, graph_def: Any,
                           run_metadata: Any) -> list[str]:
-    """``--tensorboard DIR``: the rewritten graph (+ a traced step's statistics) and the predicted trace."""
+    """``--logdir DIR``: the rewritten graph (+ a traced step's statistics) and the predicted trace."""
     from tag.backend.runtime.tensorboard import write_tensorboard
     trace = analysis.simulator().trace(strategy, batch_size=analysis.batch)
     return write_tensorboard(args.tensorboard, graph_def, trace=trace, run_metadata=run_metadata)

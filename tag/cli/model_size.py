@@ -135,4 +135,4 @@ def check_model_spec(spec: str, batch: int | None) -> None:
     for key, what in (("parameter_bytes", "variables"), ("activation_bytes", "its largest activation")):
         if est[key] > MAX_TENSOR_BYTES:
             raise TagError(f"{spec}: {what} would take about {est[key] / 2 ** 50:.3g} PiB "
-                           f"(limit 1 PiB): check the options and --batch")
+                           f"(limit 1 PiB): check the options and --batch-size")

@@ -1,22 +1,22 @@
 """``tag-profile``: profile a training step on this machine and write a cost profile (JSON).
 
 Measures with ``tag.calibration`` (TensorFlow), fits with ``tag.cost.fitting``; the profile
-goes to ``--out``, else to ``tag.cost.profile_store.default_profile_path()`` where ``tag-deploy``
+goes to ``--json FILE``, else to ``tag.cost.profile_store.default_profile_path()`` where ``tag-deploy``
 finds it. A profile describes the device type it was measured on (``--device-type``, default CPU): for a
 mixed cluster, profile each type on its own machine and ``--merge`` the files (``tag.cli.profiles``).
 
 Usage::
 
-    tag-profile --model zoo:mlp --out profile.json      # then tag-deploy --profile profile.json
+    tag-profile --model zoo:mlp --json profile.json     # then tag-deploy --profile profile.json
     tag-profile --model zoo:mlp                         # writes default_profile_path()
     tag-profile --model zoo:mlp --network               # + TF runtime costs between two workers
-    tag-profile --model zoo:mlp --sustained 4 --out full.json              # + the mean step over 4 s
-    tag-profile --model zoo:mlp --matmul-table --out p.json   # + MatMul speed by shape (about 2 minutes)
+    tag-profile --model zoo:mlp --sustained 4 --json full.json             # + the mean step over 4 s
+    tag-profile --model zoo:mlp --matmul-table --json p.json  # + MatMul speed by shape (about 2 minutes)
     tag-profile --model zoo:mlp --like full.json --device-type CPUq50      # the same device, time-sliced
-    tag-profile --merge v100.json gtx1080ti.json --out lab.json   # device types of a mixed cluster in one file
+    tag-profile --merge v100.json gtx1080ti.json --json lab.json  # device types of a mixed cluster in one file
 
     from tag.cli.profile import main
-    main(["--model", "zoo:mlp,input_dim=64,hidden=128", "--batch", "16", "--steps", "2", "--out", "p.json"])
+    main(["--model", "zoo:mlp,input_dim=64,hidden=128", "--batch-size", "16", "--steps", "2", "--json", "p.json"])
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 """
@@ -26,7 +26,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Sequence
 
-from tag.cli.common import ArgumentParser, add_verbose, run_cli
+from tag.cli.common import ArgumentParser, add_old_name, add_verbose, run_cli
 from tag.cost.profile_store import PROFILE_ENV, default_profile_path
 from tag.errors import TagError
 
@@ -43,11 +43,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="zoo:NAME[,key=value...] or a .pb/.pbtxt training GraphDef; several are fitted together "
                         "(with --like and --sustained, the first one is timed)")
     p.add_argument("--merge", nargs="+", default=None, metavar="P.json",
-                   help="instead of profiling: merge profiles of different device types into --out")
-    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
-    p.add_argument("--steps", type=int, default=10, help="traced steps (default 10)")
+                   help="instead of profiling: merge profiles of different device types into --json")
+    add_old_name(p, "--batch", p.add_argument("--batch-size", dest="batch", type=int, default=None, metavar="N",
+                                              help="global batch size (default: the model's)"))
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="traced steps (default 10)")
     p.add_argument("--device-type", default="CPU", help="device type the profile describes (default CPU)")
-    p.add_argument("--out", default=None, help=f"output JSON (default: ${PROFILE_ENV} or the user cache)")
+    add_old_name(p, "--out", p.add_argument("--json", dest="out", default=None, metavar="FILE",
+                                            help=f"write the profile as JSON (default: ${PROFILE_ENV} or the user "
+                                                 f"cache)"))
     p.add_argument("--sustained", type=float, default=None, metavar="S",
                    help="also time S seconds of steps back to back and record the mean step (what --like scales "
                         "from; default: off, 4 with --like)")
@@ -95,7 +98,7 @@ def _summary(prof: "Profile", device_type: str) -> list[str]:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    """``--merge A B ... --out C``: one profile for a mixed cluster."""
+    """``--merge A B ... --json C``: one profile for a mixed cluster."""
     from tag.cli.profiles import merge_profiles, read_profile
     merged, notes = merge_profiles([(path, read_profile(path)) for path in args.merge])
     out = args.out or default_profile_path()
@@ -116,7 +119,7 @@ def _body(argv: Sequence[str]) -> int:
     if args.merge is not None:
         return _merge(args)
     if args.batch is not None and args.batch < 1:
-        raise TagError(f"--batch must be positive, got {args.batch}")
+        raise TagError(f"--batch-size must be positive, got {args.batch}")
     if args.steps < 1:
         raise TagError(f"--steps must be positive, got {args.steps}")
     if args.sustained is not None and not 0 < args.sustained <= 600:

@@ -2,8 +2,8 @@
 
 A profile (``tag.cost.model.Profile``) has one entry per device type ("CPU", "V100", ...) and may have a
 "default" entry. For a mixed cluster each device type is profiled on its own machine (``tag-profile
---device-type V100 --out v100.json`` there, ``--device-type 1080Ti`` on another) and the files are merged
-into one (``merge_profiles``; ``tag-profile --merge v100.json 1080ti.json --out lab.json``). A device type
+--device-type V100 --json v100.json`` there, ``--device-type 1080Ti`` on another) and the files are merged
+into one (``merge_profiles``; ``tag-profile --merge v100.json 1080ti.json --json lab.json``). A device type
 of the topology is served by the profile entry of the same name, else by the profile's "default" entry,
 else by the built-in defaults; ``profile_use`` says which for every device type of a topology, and
 ``profile_warning`` says when a profile serves none of them (a profile made for another cluster).

@@ -323,6 +323,8 @@ def _static_value(t: Any, depth: int = 0) -> int | None:
                     FUNCTION_CALL_TYPES or o.op_def.is_stateful or len(seen) > 50:
                 return None
             stack.extend(x.op for x in o.inputs)
+        from tag.cuda_noise import init_devices
+        init_devices()      # no cuInit error line on a machine without a GPU driver
         try:
             with tf.compat.v1.Session(graph=t.graph) as sess:
                 v = sess.run(t)

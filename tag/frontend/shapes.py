@@ -125,7 +125,7 @@ def find_batch(nodes: dict[str, Node], step: set[str], batch_size: int | None) -
         nm, i = unknown[0]
         label = nm if i == 0 else f"{nm}:{i}"
         raise GraphError(f"cannot find the batch size: input '{label}' has unknown first dimension; "
-                         "pass batch_size= (tag.optimize) or --batch (tag-deploy)")
+                         "pass batch_size= (tag.optimize) or --batch-size (tag-deploy)")
     batch = batch_size if batch_size is not None else graph_batch
     assert batch is not None
     return BatchSpec(inputs=inputs, unknown=unknown, batch=batch, graph_batch=graph_batch)

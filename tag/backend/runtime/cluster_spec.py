@@ -41,6 +41,8 @@ def import_tf() -> Any:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
+    from tag.cuda_noise import init_devices
+    init_devices()      # before any session or server: no cuInit error line on a machine without a GPU driver
     return tf
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tag.backend.runtime.guard import RunControl, RunEvent, diagnose
 from tag.backend.runtime.host_run import HostResult, RunSpec
+from tag.cuda_noise import is_cuda_startup_noise
 from tag.errors import RunError, TagError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -235,7 +236,7 @@ def root_cause(errors: Sequence[tuple[str, str, str]]) -> tuple[str, str]:
 def _tail(err: Any) -> str:
     err.flush()
     err.seek(0)
-    lines = [ln.strip() for ln in err.read().splitlines() if ln.strip() and "cuInit" not in ln and "cuda" not in ln]
+    lines = [ln.strip() for ln in err.read().splitlines() if ln.strip() and not is_cuda_startup_noise(ln)]
     return " ".join(lines[-3:])[-800:] or "(no output)"
 
 

@@ -42,7 +42,7 @@ from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import mask_collective_keys
 from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
-from tag.backend.runtime.inputs import synthetic_input, synthetic_share
+from tag.backend.runtime.inputs import start_synthetic_at, synthetic_input, synthetic_share
 from tag.errors import TagError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -275,6 +275,7 @@ def run_host(program: "HostProgram", target: str, spec: RunSpec, *, control: Run
             if start >= spec.steps:
                 raise TagError(f"{ctl.resume_from}: the checkpoint is at step {start}, --steps is {spec.steps}: "
                                f"nothing left to run (raise --steps)")
+            start_synthetic_at(sess, g.graph, start)
             ctl.emit(RunEvent("phase", f"resumed at step {start} from {ctl.resume_from}", step=start,
                               steps=spec.steps))
         result.start_step = result.steps_done = start

@@ -33,6 +33,7 @@ from tag.backend.runtime.cluster_spec import JOB, ClusterError, cluster_dict, ho
 from tag.backend.runtime.live import LiveRegistry
 from tag.backend.runtime.ports import free_ports, is_loopback, port_bindable, port_listening
 from tag.backend.runtime.server import PORT_IN_USE, READY_WORD
+from tag.cuda_noise import is_cuda_startup_noise
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tag.backend.runtime.host_process import HostLaunch
@@ -221,7 +222,7 @@ class LocalCluster:
                 lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
         except OSError:
             return "(no output)"
-        useful = [ln for ln in lines if "cuInit" not in ln and "cuda_" not in ln]
+        useful = [ln for ln in lines if not is_cuda_startup_noise(ln)]
         return (useful or lines or ["(no output)"])[-1]
 
     def stop(self, timeout_s: float = 5.0) -> None:

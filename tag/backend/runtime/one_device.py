@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from tag.backend.runtime.guard import RunControl, RunEvent
 from tag.backend.runtime.steps import RunResult
+from tag.cuda_noise import is_cuda_startup_noise
 from tag.errors import RunError, TagError
 
 START_ALLOWANCE_S = 120.0   # the child's Python and TensorFlow start before its first event
@@ -149,7 +150,8 @@ def _follow(proc: subprocess.Popen, ctl: RunControl, err: Any) -> RunResult:
         if line is None:
             proc.wait(timeout=30)
             err.seek(0)
-            tail = " ".join(err.read().split())[-800:]
+            tail = " ".join(" ".join(ln.split()) for ln in err.read().splitlines()
+                            if ln.strip() and not is_cuda_startup_noise(ln))[-800:]
             raise RunError(f"the one-device run exited (rc {proc.returncode}) without a result: {tail}")
         if not line.startswith("{"):
             continue

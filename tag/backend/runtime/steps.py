@@ -27,7 +27,7 @@ from tag.backend.runtime.cluster_spec import import_tf, session_config
 from tag.backend.runtime.collective_keys import fresh_collective_keys
 from tag.backend.runtime.containers import in_container, new_container
 from tag.backend.runtime.guard import RunControl, RunEvent, close_quietly, guarded
-from tag.backend.runtime.inputs import random_feed, remote_input_slices, synthetic_input
+from tag.backend.runtime.inputs import random_feed, remote_input_slices, start_synthetic_at, synthetic_input
 from tag.errors import GraphError, TagError
 
 
@@ -102,20 +102,21 @@ def _import_graph(graph_def: Any, *, synthetic: bool, fed_names: set[str], seed:
 
 
 def _slice_of(made: tuple, begin, end) -> Callable[[], Any]:
-    """INITIAL for ``synthetic_input``: rows BEGIN..END of the synthetic batch MADE (initializer, value),
-    read once that batch exists (so a replica's share is a slice of the same batch)."""
+    """INITIAL for ``synthetic_input``: rows BEGIN..END of every batch of the synthetic pool MADE (initializer,
+    per-step value), read once that pool exists (so a replica's share is a slice of the same batches)."""
     tf = import_tf()
     source_init, source_value = made
 
     read = source_value.op
-    while read.type != "ReadVariableOp" and read.inputs:      # the variable's read, under any identities
+    while read.type not in ("ResourceGather", "ReadVariableOp") and read.inputs:    # under any identities
         read = read.inputs[0].op
 
     def initial():
         with tf.control_dependencies([source_init]):
-            whole = tf.raw_ops.ReadVariableOp(resource=read.inputs[0], dtype=source_value.dtype)
-        mask = (1 << (len(begin) - 1)) - 1
-        return tf.strided_slice(whole, begin, end, begin_mask=mask, end_mask=mask)
+            pool = tf.raw_ops.ReadVariableOp(resource=read.inputs[0], dtype=source_value.dtype)
+        mask = (1 << len(begin)) - 1        # every batch of the pool, and every axis before the sliced one
+        return tf.strided_slice(pool, np.concatenate([[0], begin]), np.concatenate([[0], end]),
+                                begin_mask=mask, end_mask=mask)
     return initial
 
 
@@ -241,6 +242,7 @@ def _set_up(sess: Any, ctl: RunControl, ckpt: "Checkpointer | None", synthetic_i
     if start >= steps:
         raise TagError(f"{ctl.resume_from}: the checkpoint is at step {start}, --steps is {steps}: nothing "
                        f"left to run (raise --steps)")
+    start_synthetic_at(sess, sess.graph, start)
     ctl.emit(RunEvent("phase", f"resumed at step {start} from {ctl.resume_from}", step=start, steps=steps))
     return start, list(losses)
 

@@ -1,6 +1,6 @@
 """TensorBoard output of a plan: the rewritten graph as a graph event file, the predicted step as a trace.
 
-``tag-deploy --tensorboard DIR`` calls ``write_tensorboard``. It writes:
+``tag-deploy --logdir DIR`` calls ``write_tensorboard``. It writes:
 
 - ``DIR/events.out.tfevents.*``: the rewritten GraphDef (TF1 ``FileWriter``). Every node carries its
   ``/job:worker/task:T/device:TYPE:I`` device string, so TensorBoard's Graphs tab, with "Color: Device",
